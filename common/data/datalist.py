@@ -1,0 +1,313 @@
+# Copyright (c) the 3D MONAI bundle collection contributors.
+# Licensed under the Apache License, Version 2.0.
+"""Read and write MSD/Decathlon-style datalists (``{"training": [{"image": "..."}], "validation": [...]}``)."""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+__all__ = [
+    "DatalistError",
+    "MissingSectionError",
+    "load_datalist",
+    "parse_datalist_section",
+    "read_datalist_json",
+    "write_datalist",
+]
+
+IN_MEMORY_SOURCE = "<in-memory datalist>"
+PathValue = str | list[str]
+
+
+class DatalistError(ValueError):
+    """A datalist JSON file or one of its entries is unusable; the message names the file and the problem."""
+
+
+class MissingSectionError(DatalistError):
+    """The requested section (for example ``"validation"``) is not present in the datalist.
+
+    Args:
+        message: the full error message.
+        key: the missing section name.
+        present: the section names that are present.
+    """
+
+    def __init__(self, message: str, key: str, present: Sequence[str]) -> None:
+        super().__init__(message)
+        self.key = key
+        self.present = list(present)
+
+
+def read_datalist_json(path: str | os.PathLike) -> dict[str, Any]:
+    """Read a datalist JSON file and check that its top level is an object.
+
+    Args:
+        path: the JSON file; ``~`` is expanded.
+
+    Returns:
+        The decoded top-level object.
+
+    Raises:
+        DatalistError: when the file is missing, is not a regular file, cannot be decoded, is not valid JSON,
+            or its top level is not an object.
+    """
+    file = Path(os.path.expanduser(os.fspath(path)))
+    if not file.exists():
+        raise DatalistError(f"datalist file {str(file)!r} does not exist")
+    if not file.is_file():
+        raise DatalistError(f"datalist {str(file)!r} is not a regular file (a JSON file is required)")
+    try:
+        text = file.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise DatalistError(f"datalist file {str(file)!r} cannot be read: {exc}") from exc
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise DatalistError(
+            f"datalist file {str(file)!r} is not valid JSON: {exc.msg} at line {exc.lineno}, column {exc.colno}"
+        ) from exc
+    if not isinstance(data, dict):
+        raise DatalistError(
+            f"datalist file {str(file)!r} must contain a JSON object with sections such as 'training', "
+            f"got a top-level {type(data).__name__}"
+        )
+    return data
+
+
+def _source_and_base(
+    datalist: str | os.PathLike | Mapping[str, Any], base_dir: str | os.PathLike | None
+) -> tuple[dict[str, Any], str, str]:
+    """Return the top-level object, a name for messages and the absolute base folder for relative paths."""
+    if isinstance(datalist, Mapping):
+        top = dict(datalist)
+        source = IN_MEMORY_SOURCE
+        default_base = os.getcwd()
+    elif isinstance(datalist, (str, os.PathLike)):
+        file = os.path.expanduser(os.fspath(datalist))
+        top = read_datalist_json(file)
+        source = file
+        default_base = os.path.dirname(os.path.abspath(file))
+    else:
+        raise DatalistError(f"datalist must be a JSON file path or a dict, got {type(datalist).__name__} {datalist!r}")
+    base = default_base if base_dir is None else os.path.abspath(os.path.expanduser(os.fspath(base_dir)))
+    return top, source, base
+
+
+def _resolve_path(value: str, base_dir: str) -> str:
+    """Expand ``~`` and make ``value`` absolute against ``base_dir`` (absolute paths are kept)."""
+    expanded = os.path.expanduser(value)
+    if os.path.isabs(expanded):
+        return os.path.normpath(expanded)
+    return os.path.normpath(os.path.join(base_dir, expanded))
+
+
+def _resolve_value(name: str, value: Any, base_dir: str) -> PathValue:
+    """Resolve one required value: a path string or a non-empty list of path strings (a DICOM file list).
+
+    Raises:
+        ValueError: with the reason (without the file name) when the value is not usable.
+    """
+    if isinstance(value, str):
+        if not value.strip():
+            raise ValueError(f"{name!r} is an empty string")
+        return _resolve_path(value, base_dir)
+    if isinstance(value, list):
+        if not value:
+            raise ValueError(f"{name!r} is an empty list")
+        bad = [item for item in value if not isinstance(item, str) or not item.strip()]
+        if bad:
+            raise ValueError(f"{name!r} must be a list of non-empty path strings, got item {bad[0]!r}")
+        return [_resolve_path(item, base_dir) for item in value]
+    raise ValueError(f"{name!r} must be a path string or a list of path strings, got {type(value).__name__} {value!r}")
+
+
+def _resolve_entry(entry: Any, base_dir: str, keys: Sequence[str]) -> dict[str, Any]:
+    """Turn one raw entry into a new dict whose required values are absolute paths.
+
+    Raises:
+        ValueError: with the reason (without the file name or index) when the entry is not usable.
+    """
+    if isinstance(entry, str):
+        entry = {"image": entry}
+    if not isinstance(entry, dict):
+        raise ValueError(f"entry must be an object or a path string, got {type(entry).__name__} {entry!r}")
+    missing = [k for k in keys if k not in entry]
+    if missing:
+        raise ValueError(f"entry is missing required key {missing[0]!r} (keys present: {sorted(entry)})")
+    resolved = dict(entry)
+    for k in keys:
+        resolved[k] = _resolve_value(k, entry[k], base_dir)
+    return resolved
+
+
+def parse_datalist_section(
+    datalist: str | os.PathLike | Mapping[str, Any],
+    key: str = "training",
+    base_dir: str | os.PathLike | None = None,
+    keys: Sequence[str] = ("image",),
+) -> tuple[list[dict[str, Any] | None], list[tuple[int, str]], str]:
+    """Parse one section, collecting the problems of every entry instead of stopping at the first.
+
+    Args:
+        datalist: a JSON file path or an already decoded datalist dict.
+        key: the section to read, for example ``"training"``.
+        base_dir: folder that relative paths are resolved against; defaults to the folder of the JSON file
+            (the current working directory for a dict).
+        keys: entry keys that must be present and hold paths.
+
+    Returns:
+        ``(entries, problems, source)``: one resolved dict per entry (``None`` where the entry is invalid),
+        a list of ``(index, reason)`` for invalid entries, and the name of the datalist used in messages.
+
+    Raises:
+        DatalistError: for problems of the file or the section as a whole (missing or unreadable file,
+            invalid JSON, top level not an object, section missing, not a list, or empty).
+        MissingSectionError: when the section is absent (a subclass of ``DatalistError``).
+    """
+    top, source, base = _source_and_base(datalist, base_dir)
+    if key not in top:
+        present = sorted(top)
+        raise MissingSectionError(
+            f"datalist {source!r} has no section {key!r}; sections present: {present}", key=key, present=present
+        )
+    items = top[key]
+    if not isinstance(items, list):
+        raise DatalistError(
+            f"datalist {source!r}: section {key!r} must be a list of entries, got {type(items).__name__}"
+        )
+    if not items:
+        raise DatalistError(f"datalist {source!r}: section {key!r} is empty (it must list at least one volume)")
+    entries: list[dict[str, Any] | None] = []
+    problems: list[tuple[int, str]] = []
+    for index, item in enumerate(items):
+        try:
+            entries.append(_resolve_entry(item, base, keys))
+        except ValueError as exc:
+            entries.append(None)
+            problems.append((index, str(exc)))
+    return entries, problems, source
+
+
+def load_datalist(
+    datalist: str | os.PathLike | dict,
+    key: str = "training",
+    base_dir: str | None = None,
+    keys: Sequence[str] = ("image",),
+) -> list[dict]:
+    """Load one section of an MSD/Decathlon-style datalist with absolute paths.
+
+    Entries may be objects (``{"image": "imagesTr/a.nii.gz", ...}``) or plain strings, which are read as
+    ``{"image": s}``. For every key in ``keys`` the value must be a path string or a list of path strings
+    (the files of one DICOM series); relative paths are resolved against ``base_dir``, absolute paths are kept
+    and ``~`` is expanded. Other keys are copied unchanged.
+
+    Args:
+        datalist: a JSON file path or an already decoded datalist dict.
+        key: the section to read, for example ``"training"`` or ``"validation"``.
+        base_dir: folder that relative paths are resolved against; defaults to the folder containing the JSON
+            file (the current working directory for a dict).
+        keys: entry keys that must be present and hold paths.
+
+    Returns:
+        New dicts, one per entry, whose ``keys`` values are absolute path strings (or lists of them).
+
+    Raises:
+        DatalistError: naming the datalist (and the entry index) when the file is missing or not valid JSON,
+            the top level is not an object, the section is missing, not a list or empty, or an entry is not
+            an object/string, lacks a required key, or holds a value that is not a path string.
+    """
+    entries, problems, source = parse_datalist_section(datalist, key=key, base_dir=base_dir, keys=keys)
+    if problems:
+        noun = "entry" if len(problems) == 1 else "entries"
+        lines = [f"datalist {source!r}: section {key!r} has {len(problems)} invalid {noun}:"]
+        lines += [f"  {key}[{index}]: {reason}" for index, reason in problems]
+        raise DatalistError("\n".join(lines))
+    return [entry for entry in entries if entry is not None]
+
+
+def _relativize(value: Any, base_dir: str) -> Any:
+    """Make absolute paths under ``base_dir`` relative to it; anything else is returned unchanged."""
+    if isinstance(value, list):
+        return [_relativize(item, base_dir) for item in value]
+    if not isinstance(value, str) or not os.path.isabs(os.path.expanduser(value)):
+        return value
+    path = os.path.normpath(os.path.expanduser(value))
+    try:
+        inside = os.path.commonpath([path, base_dir]) == base_dir
+    except ValueError:  # different drives on Windows
+        inside = False
+    return os.path.relpath(path, base_dir) if inside else path
+
+
+def _check_sections(path: str, sections: Any) -> None:
+    """Check the shape of the data passed to :func:`write_datalist`."""
+    if not isinstance(sections, Mapping):
+        raise DatalistError(f"datalist {path!r}: sections must be a dict of lists, got {type(sections).__name__}")
+    for name, items in sections.items():
+        if not isinstance(name, str):
+            raise DatalistError(f"datalist {path!r}: section names must be strings, got {name!r}")
+        if not isinstance(items, list):
+            raise DatalistError(
+                f"datalist {path!r}: section {name!r} must be a list of entries, got {type(items).__name__}"
+            )
+        for index, item in enumerate(items):
+            if not isinstance(item, (dict, str)):
+                raise DatalistError(
+                    f"datalist {path!r}: {name}[{index}] must be an object or a path string, "
+                    f"got {type(item).__name__} {item!r}"
+                )
+
+
+def write_datalist(
+    path: str | os.PathLike,
+    sections: dict[str, list[dict]],
+    base_dir: str | os.PathLike | None = None,
+    keys: Sequence[str] = ("image",),
+) -> Path:
+    """Write a datalist JSON file atomically (temporary file in the same folder, then ``os.replace``).
+
+    Args:
+        path: the JSON file to write; missing parent folders are created.
+        sections: section name -> list of entries (dicts, or plain path strings).
+        base_dir: when given, absolute paths under this folder in ``keys`` values (and plain string entries)
+            are written relative to it; paths outside it stay absolute.
+        keys: entry keys whose values are paths.
+
+    Returns:
+        The path of the written file.
+
+    Raises:
+        DatalistError: when ``sections`` is not a dict of lists of dicts/strings.
+    """
+    file = Path(os.path.expanduser(os.fspath(path)))
+    _check_sections(str(file), sections)
+    out: dict[str, list[Any]] = {}
+    base = None if base_dir is None else os.path.abspath(os.path.expanduser(os.fspath(base_dir)))
+    for name, items in sections.items():
+        out[name] = []
+        for item in items:
+            if base is not None and isinstance(item, str):
+                item = _relativize(item, base)
+            elif base is not None:
+                item = {k: (_relativize(v, base) if k in keys else v) for k, v in item.items()}
+            out[name].append(item)
+    file.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=file.parent, prefix=f".{file.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as handle:
+            os.chmod(tmp, 0o644)
+            json.dump(out, handle, indent=2)
+            handle.write("\n")
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, file)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+    return file

@@ -1,0 +1,415 @@
+# Copyright (c) the 3D MONAI bundle collection contributors.
+# Licensed under the Apache License, Version 2.0.
+"""Small demo data sets: real brain blocks cut from the MNI152 2009 template, and seeded synthetic phantoms.
+
+Example::
+
+    python -m common.data.demo --output_dir demo_data --spacing "[2,2,2]"
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+
+from common.data.datalist import DatalistError, load_datalist, write_datalist
+
+__all__ = [
+    "PHANTOM_KINDS",
+    "main",
+    "make_demo_dataset",
+    "make_phantom",
+    "mni_template_paths",
+    "write_nifti",
+    "write_phantom_dataset",
+]
+
+PHANTOM_KINDS = ("ellipsoids",)
+MNI_FILES = {
+    "t1": "mni_icbm152_t1_tal_nlin_sym_09a_converted.nii.gz",
+    "gm": "mni_icbm152_gm_tal_nlin_sym_09a_converted.nii.gz",
+    "wm": "mni_icbm152_wm_tal_nlin_sym_09a_converted.nii.gz",
+}
+NILEARN_HINT = "install it with `pip install --no-deps nilearn` (only its bundled data files are used)"
+MIN_SIZE = 32
+VAL_FRACTION = 0.4
+MARGIN_VOXELS = 2
+# synthetic T1-like contrast: white matter brightest, grey matter darker, CSF/background dark
+GM_WEIGHT, WM_WEIGHT = 0.6, 1.0
+
+
+def mni_template_paths() -> dict[str, Path]:
+    """Locate the MNI152 2009 (ICBM 152 non-linear symmetric 09a) templates shipped inside the nilearn wheel.
+
+    nilearn is only located, never imported, so its dependencies need not be installed.
+
+    Returns:
+        ``{"t1": ..., "gm": ..., "wm": ...}``: the T1 template and the grey/white matter probability maps
+        (197 x 233 x 189 voxels at 1 mm, RAS).
+
+    Raises:
+        FileNotFoundError: when nilearn is not installed or lacks the template files.
+    """
+    spec = importlib.util.find_spec("nilearn")
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            f"the MNI152 demo templates come with the nilearn package, which is missing: {NILEARN_HINT}"
+        )
+    data_dir = Path(next(iter(spec.submodule_search_locations))) / "datasets" / "data"
+    paths = {name: data_dir / filename for name, filename in MNI_FILES.items()}
+    missing = [str(p) for p in paths.values() if not p.is_file()]
+    if missing:
+        raise FileNotFoundError(
+            f"nilearn is installed but the MNI152 template {missing[0]!r} is missing: {NILEARN_HINT}"
+        )
+    return paths
+
+
+def _validate_triple(name: str, value: float | Sequence[float], positive_int: bool = False) -> tuple:
+    """Return ``value`` as 3 positive numbers (a single number is repeated).
+
+    Raises:
+        ValueError: naming ``name`` when the value is not 3 positive numbers.
+    """
+    values = [value] * 3 if isinstance(value, (int, float)) and not isinstance(value, bool) else value
+    try:
+        out = tuple(float(v) for v in values)
+    except (TypeError, ValueError):
+        raise ValueError(f"{name} must be 3 positive numbers, got {value!r}") from None
+    if len(out) != 3 or any(not np.isfinite(v) or v <= 0 for v in out):
+        raise ValueError(f"{name} must be 3 positive numbers, got {value!r}")
+    if positive_int:
+        if any(not v.is_integer() for v in out):
+            raise ValueError(f"{name} must be 3 positive integers, got {value!r}")
+        return tuple(int(v) for v in out)
+    return out
+
+
+def write_nifti(path: str | os.PathLike, array: np.ndarray, affine: np.ndarray | None = None) -> Path:
+    """Write a NIfTI file atomically (temporary file in the same folder, then ``os.replace``).
+
+    Args:
+        path: destination ending in ``.nii`` or ``.nii.gz``; missing parent folders are created.
+        array: the voxel data, written with its own dtype.
+        affine: 4x4 voxel-to-world (RAS, mm) matrix; identity when ``None``.
+
+    Returns:
+        The written path.
+
+    Raises:
+        ValueError: when the suffix is not ``.nii``/``.nii.gz`` or the affine is not 4x4.
+    """
+    import nibabel as nib
+
+    file = Path(os.path.expanduser(os.fspath(path)))
+    suffix = ".nii.gz" if file.name.endswith(".nii.gz") else ".nii" if file.name.endswith(".nii") else None
+    if suffix is None:
+        raise ValueError(f"write_nifti needs a .nii or .nii.gz path, got {str(file)!r}")
+    affine = np.eye(4) if affine is None else np.asarray(affine, dtype=np.float64)
+    if affine.shape != (4, 4):
+        raise ValueError(f"affine for {str(file)!r} must be 4x4, got shape {affine.shape}")
+    img = nib.Nifti1Image(np.asarray(array), affine)
+    img.header.set_xyzt_units("mm")
+    img.set_qform(affine, code=1)
+    img.set_sform(affine, code=1)
+    file.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=file.parent, prefix=f".{file.name[: -len(suffix)]}.", suffix=suffix)
+    os.close(fd)
+    try:
+        nib.save(img, tmp)
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, file)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+    return file
+
+
+def _load_resampled(path: Path, spacing: tuple[float, float, float]) -> tuple[np.ndarray, np.ndarray]:
+    """Load a template as float32 and resample it to ``spacing`` (RAS), with Gaussian anti-aliasing."""
+    import nibabel as nib
+    from nibabel.processing import resample_to_output
+    from scipy.ndimage import gaussian_filter
+
+    img = nib.load(str(path))
+    data = np.asarray(img.dataobj, dtype=np.float32)
+    voxel = np.sqrt((img.affine[:3, :3] ** 2).sum(axis=0))
+    factor = np.asarray(spacing) / voxel
+    sigma = np.sqrt(np.clip(factor**2 - 1.0, 0.0, None)) / (2.0 * np.sqrt(2.0 * np.log(2.0)))
+    if np.any(sigma > 0):
+        data = gaussian_filter(data, sigma=sigma, mode="nearest")
+    out = resample_to_output(nib.Nifti1Image(data, img.affine), voxel_sizes=spacing, order=1, mode="constant", cval=0.0)
+    return np.clip(np.asarray(out.dataobj, dtype=np.float32), 0.0, None), out.affine
+
+
+def _crop(
+    data: np.ndarray, affine: np.ndarray, start: Sequence[int], stop: Sequence[int]
+) -> tuple[np.ndarray, np.ndarray]:
+    """Crop ``data`` to ``[start, stop)`` per axis and shift the affine accordingly."""
+    index = tuple(slice(int(a), int(b)) for a, b in zip(start, stop))
+    shift = np.eye(4)
+    shift[:3, 3] = start
+    return data[index].copy(), affine @ shift
+
+
+def _pad_to(
+    data: np.ndarray, affine: np.ndarray, min_size: int, si_axis: int, outer_low: bool
+) -> tuple[np.ndarray, np.ndarray]:
+    """Zero-pad every axis to ``min_size``: symmetrically, except along ``si_axis``, padded on its outer side
+    only (the low-index side when ``outer_low``) so the block never grows towards the other block."""
+    pads = []
+    for axis, size in enumerate(data.shape):
+        missing = max(0, min_size - size)
+        if axis == si_axis:
+            pads.append((missing, 0) if outer_low else (0, missing))
+        else:
+            pads.append((missing // 2, missing - missing // 2))
+    if not any(before or after for before, after in pads):
+        return data, affine
+    shift = np.eye(4)
+    shift[:3, 3] = [-before for before, _ in pads]
+    return np.pad(data, pads), affine @ shift
+
+
+def _si_axis(affine: np.ndarray) -> tuple[int, bool]:
+    """Voxel axis closest to superior-inferior, and whether increasing index points superior."""
+    import nibabel as nib
+
+    codes = nib.aff2axcodes(affine)
+    for axis, code in enumerate(codes):
+        if code in ("S", "I"):
+            return axis, code == "S"
+    raise ValueError(f"cannot find a superior-inferior axis in affine with orientation {codes}")
+
+
+def _brain_box(t1: np.ndarray, margin: int) -> tuple[np.ndarray, np.ndarray]:
+    """Bounding box ``[start, stop)`` of the brain (voxels above 5% of the 99th percentile) plus a margin."""
+    mask = t1 > 0.05 * np.percentile(t1[t1 > 0], 99)
+    where = np.argwhere(mask)
+    start = np.maximum(where.min(axis=0) - margin, 0)
+    stop = np.minimum(where.max(axis=0) + 1 + margin, t1.shape)
+    return start, stop
+
+
+def _demo_volumes(spacing: tuple[float, float, float]) -> dict[str, dict[str, tuple[np.ndarray, np.ndarray]]]:
+    """Build the demo blocks: ``{"training": {name: (data, affine)}, "validation": {...}}``."""
+    paths = mni_template_paths()
+    t1, affine = _load_resampled(paths["t1"], spacing)
+    gm, _ = _load_resampled(paths["gm"], spacing)
+    wm, _ = _load_resampled(paths["wm"], spacing)
+    scale = float(np.percentile(t1[t1 > 0], 99))
+    gm, wm = gm / 255.0, wm / 255.0  # the templates store probabilities as 0..255
+    full = {
+        "t1": t1,
+        "gm": gm * scale,
+        "wm": wm * scale,
+        "synth": (GM_WEIGHT * gm + WM_WEIGHT * wm) * scale,
+    }
+    start, stop = _brain_box(t1, MARGIN_VOXELS)
+    full = {name: _crop(data, affine, start, stop)[0] for name, data in full.items()}
+    affine = _crop(t1, affine, start, stop)[1]
+    axis, superior_up = _si_axis(affine)
+    n = full["t1"].shape[axis]
+    n_val = min(n - 1, max(MIN_SIZE, int(round(VAL_FRACTION * n))))
+    if n_val < 1:
+        raise ValueError(f"spacing {spacing} leaves {n} slice(s) along the superior-inferior axis; use a finer spacing")
+    # (first slice, end slice, whether the block's outer side is at low indices) along the S-I axis
+    if superior_up:
+        ranges = {"training": (n_val, n, False), "validation": (0, n_val, True)}
+    else:
+        ranges = {"training": (0, n - n_val, True), "validation": (n - n_val, n, False)}
+    names = {"training": ("t1", "gm", "wm", "synth"), "validation": ("t1", "synth")}
+    blocks: dict[str, dict[str, tuple[np.ndarray, np.ndarray]]] = {}
+    for section, (lo, hi, outer_low) in ranges.items():
+        b_start, b_stop = np.zeros(3, dtype=int), np.asarray(full["t1"].shape)
+        b_start[axis], b_stop[axis] = lo, hi
+        blocks[section] = {}
+        for name in names[section]:
+            data, block_affine = _crop(full[name], affine, b_start, b_stop)
+            data, block_affine = _pad_to(data, block_affine, MIN_SIZE, axis, outer_low=outer_low)
+            blocks[section][name] = (data.astype(np.float32), block_affine)
+    return blocks
+
+
+def _existing_datalist(datalist: Path) -> bool:
+    """Whether ``datalist`` exists and every image it lists exists."""
+    if not datalist.is_file():
+        return False
+    try:
+        entries = load_datalist(datalist, "training") + load_datalist(datalist, "validation")
+    except DatalistError:
+        return False
+    return all(os.path.isfile(entry["image"]) for entry in entries)
+
+
+def make_demo_dataset(
+    output_dir: str | os.PathLike, spacing: float | Sequence[float] = (2.0, 2.0, 2.0), overwrite: bool = False
+) -> Path:
+    """Build a small real-data demo set from the MNI152 2009 template and its tissue maps.
+
+    The 1 mm T1 template and its grey/white matter probability maps are anti-alias filtered and resampled to
+    ``spacing``, then cropped to the brain bounding box plus a 2-voxel margin. The box is cut along the
+    superior-inferior axis into two disjoint blocks: the inferior ~40% of the axial slices (at least 32)
+    is validation, the superior rest is training, so no validation voxel is ever seen in training.
+
+    - training (superior block): ``mni_t1_train`` (T1), ``mni_gm_train`` and ``mni_wm_train`` (tissue
+      probabilities times the T1's 99th percentile), ``mni_synth_train`` (synthetic T1-like contrast
+      ``0.6 * gm + 1.0 * wm``, same scale);
+    - validation (inferior block): ``mni_t1_val`` and ``mni_synth_val``.
+
+    Blocks thinner than 32 voxels on any axis (only at coarse spacings) are zero-padded to 32, along the
+    superior-inferior axis on the side away from the other block. At 2 mm every volume has at least 32 voxels
+    per axis. Images are float32 ``.nii.gz`` files with their world affines in ``output_dir/images/``;
+    ``output_dir/datalist.json`` lists them relative to ``output_dir``.
+
+    Args:
+        output_dir: folder to write into (created when missing).
+        spacing: voxel size in mm, 3 numbers or one for all axes.
+        overwrite: rebuild even when a complete demo set is already there.
+
+    Returns:
+        The path of ``datalist.json``. When it already exists with all its images and ``overwrite`` is False,
+        it is returned without writing anything.
+
+    Raises:
+        FileNotFoundError: when nilearn (which ships the templates) is not installed.
+        ValueError: when ``spacing`` is not 3 positive numbers or is too coarse for two blocks.
+    """
+    spacing = _validate_triple("spacing", spacing)
+    out = Path(os.path.expanduser(os.fspath(output_dir))).absolute()
+    datalist = out / "datalist.json"
+    if not overwrite and _existing_datalist(datalist):
+        return datalist
+    sections: dict[str, list[dict]] = {}
+    for section, volumes in _demo_volumes(spacing).items():
+        suffix = "train" if section == "training" else "val"
+        sections[section] = []
+        for name, (data, affine) in volumes.items():
+            path = write_nifti(out / "images" / f"mni_{name}_{suffix}.nii.gz", data, affine)
+            sections[section].append({"image": str(path)})
+    return write_datalist(datalist, sections, base_dir=out)
+
+
+def _random_rotation(rng: np.random.Generator) -> np.ndarray:
+    """A uniformly random 3x3 rotation matrix."""
+    q, r = np.linalg.qr(rng.normal(size=(3, 3)))
+    q *= np.sign(np.diag(r))
+    if np.linalg.det(q) < 0:
+        q[:, 0] *= -1
+    return q
+
+
+def make_phantom(shape: Sequence[int] = (32, 32, 32), seed: int = 0, kind: str = "ellipsoids") -> np.ndarray:
+    """A seeded synthetic volume with learnable structure.
+
+    ``"ellipsoids"``: a dim background ellipsoid ("body") holding 3 to 6 randomly placed, rotated, smooth-edged
+    ellipsoids of different intensities, plus mild Gaussian noise.
+
+    Args:
+        shape: spatial size ``(X, Y, Z)``.
+        seed: random seed; the same seed gives the same volume.
+        kind: the phantom family; one of ``PHANTOM_KINDS``.
+
+    Returns:
+        A float32 array of ``shape`` with values in ``[0, 1]``.
+
+    Raises:
+        ValueError: for an unknown ``kind`` or a ``shape`` that is not 3 positive integers.
+    """
+    if kind not in PHANTOM_KINDS:
+        raise ValueError(f"kind must be one of {PHANTOM_KINDS}, got {kind!r}")
+    shape = _validate_triple("shape", shape, positive_int=True)
+    rng = np.random.default_rng(seed)
+    axes = [np.linspace(-1.0, 1.0, s, dtype=np.float32) for s in shape]
+    grid = np.stack(np.meshgrid(*axes, indexing="ij"), axis=-1)  # (X, Y, Z, 3) in [-1, 1]
+    sharpness = 12.0
+
+    def ellipsoid(center: np.ndarray, radii: np.ndarray, rotation: np.ndarray) -> np.ndarray:
+        local = (grid - center) @ rotation
+        dist = np.sqrt(((local / radii) ** 2).sum(axis=-1))
+        return 1.0 / (1.0 + np.exp(np.clip(sharpness * (dist - 1.0), -50.0, 50.0)))
+
+    body = ellipsoid(rng.uniform(-0.05, 0.05, 3), rng.uniform(0.75, 0.9, 3), _random_rotation(rng))
+    volume = 0.15 * body
+    for _ in range(int(rng.integers(3, 7))):
+        center = rng.uniform(-0.45, 0.45, 3)
+        radii = rng.uniform(0.15, 0.4, 3)
+        blob = ellipsoid(center, radii, _random_rotation(rng)) * body
+        intensity = rng.uniform(0.35, 1.0)
+        volume = volume * (1.0 - blob) + intensity * blob
+    volume = volume + rng.normal(0.0, 0.02, size=shape)
+    return np.clip(volume, 0.0, 1.0).astype(np.float32)
+
+
+def write_phantom_dataset(
+    output_dir: str | os.PathLike,
+    n_train: int = 4,
+    n_val: int = 2,
+    shape: Sequence[int] = (32, 32, 32),
+    seed: int = 0,
+    spacing: Sequence[float] = (1, 1, 1),
+) -> Path:
+    """Write seeded phantoms as NIfTI files and a datalist (same layout as :func:`make_demo_dataset`).
+
+    Every volume gets its own seed derived from ``seed``, so training and validation volumes differ.
+
+    Args:
+        output_dir: folder to write into (created when missing); images go to ``output_dir/images/``.
+        n_train: number of training volumes (at least 1).
+        n_val: number of validation volumes (0 leaves the section out).
+        shape: spatial size of each volume.
+        seed: base random seed.
+        spacing: voxel size in mm, written into the affines.
+
+    Returns:
+        The path of ``output_dir/datalist.json`` (paths relative to ``output_dir``).
+
+    Raises:
+        ValueError: for fewer than 1 training or negative validation volumes, or invalid shape/spacing.
+    """
+    if int(n_train) < 1 or int(n_val) < 0:
+        raise ValueError(f"n_train must be >= 1 and n_val >= 0, got n_train={n_train!r}, n_val={n_val!r}")
+    n_train, n_val = int(n_train), int(n_val)
+    spacing = _validate_triple("spacing", spacing)
+    shape = _validate_triple("shape", shape, positive_int=True)
+    out = Path(os.path.expanduser(os.fspath(output_dir))).absolute()
+    affine = np.diag([*spacing, 1.0])
+    seeds = np.random.SeedSequence(int(seed)).generate_state(n_train + n_val)
+    sections: dict[str, list[dict]] = {"training": []}
+    if n_val:
+        sections["validation"] = []
+    for i, volume_seed in enumerate(seeds):
+        section, suffix, index = ("training", "train", i) if i < n_train else ("validation", "val", i - n_train)
+        data = make_phantom(shape, seed=int(volume_seed))
+        path = write_nifti(out / "images" / f"phantom_{suffix}_{index:03d}.nii.gz", data, affine)
+        sections[section].append({"image": str(path)})
+    return write_datalist(out / "datalist.json", sections, base_dir=out)
+
+
+def main(
+    output_dir: str, spacing: float | Sequence[float] = (2.0, 2.0, 2.0), overwrite: bool = False, phantom: bool = False
+) -> None:
+    """Command-line entry: build the MNI demo set (or a phantom set) and print the datalist path.
+
+    Args:
+        output_dir: folder to write into.
+        spacing: voxel size in mm, for example ``"[2,2,2]"``.
+        overwrite: rebuild even when the demo set already exists.
+        phantom: write the synthetic phantom set instead of the MNI demo set.
+    """
+    if phantom:
+        print(write_phantom_dataset(output_dir, spacing=spacing))
+    else:
+        print(make_demo_dataset(output_dir, spacing=spacing, overwrite=overwrite))
+
+
+if __name__ == "__main__":
+    import fire
+
+    fire.Fire(main)

@@ -1,0 +1,398 @@
+# Copyright (c) the 3D MONAI bundle collection contributors.
+# Licensed under the Apache License, Version 2.0.
+"""Check every volume of a datalist before training starts and report all problems at once.
+
+Example::
+
+    python -m common.data.preflight datalist.json --patch_size "[96,96,96]"
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import os
+import sys
+import threading
+from collections.abc import Iterator, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import numpy as np
+
+from common.data.datalist import (
+    IN_MEMORY_SOURCE,
+    DatalistError,
+    MissingSectionError,
+    parse_datalist_section,
+    read_datalist_json,
+)
+
+__all__ = ["PreflightError", "check_volume", "main", "preflight"]
+
+NIFTI_SUFFIXES = (".nii", ".nii.gz")
+SLAB_BYTES = 32 * 1024 * 1024
+# ITK's lazily loaded Python modules are not safe to initialise from several threads at once.
+_ITK_LOCK = threading.Lock()
+
+
+class PreflightError(ValueError):
+    """Every problem found by :func:`preflight`, one per line after a header naming the datalist.
+
+    Args:
+        problems: one line per problem, ``"<section>[<index>] <path>: <reason>"``.
+        source: the datalist the problems were found in.
+    """
+
+    def __init__(self, problems: Sequence[str], source: str) -> None:
+        self.problems = list(problems)
+        self.source = source
+        header = f"preflight found {len(self.problems)} problem(s) in {source}:"
+        super().__init__("\n".join([header] + [f"  {line}" for line in self.problems]))
+
+
+def _validate_patch_size(patch_size: Sequence[int] | None) -> tuple[int, ...] | None:
+    """Return ``patch_size`` as a tuple of 3 positive ints, or ``None``.
+
+    Raises:
+        ValueError: when it is not 3 positive integers.
+    """
+    if patch_size is None:
+        return None
+    if isinstance(patch_size, (str, bytes)) or not isinstance(patch_size, Sequence) or len(patch_size) != 3:
+        raise ValueError(f"patch_size must be 3 positive integers, got {patch_size!r}")
+    if any(isinstance(p, bool) or not float(p).is_integer() or int(p) < 1 for p in patch_size):
+        raise ValueError(f"patch_size must be 3 positive integers, got {patch_size!r}")
+    return tuple(int(p) for p in patch_size)
+
+
+def _spatial_from_array_shape(shape: tuple[int, ...]) -> tuple[int, ...] | None:
+    """Spatial shape of a NIfTI-style array, channels last as ``EnsureChannelFirst`` reads them.
+
+    Accepts ``(X, Y)``, ``(X, Y, Z)``, ``(X, Y, Z, C)`` and ``(X, Y, Z, 1, C)``; returns ``None`` for any other
+    layout.
+    """
+    if len(shape) <= 3:
+        return shape
+    if len(shape) == 4 or (len(shape) == 5 and shape[3] == 1):
+        return shape[:3]
+    return None
+
+
+def _shape_reason(
+    spatial: tuple[int, ...] | None, full: tuple[int, ...], patch: tuple[int, ...] | None, allow_pad: bool
+) -> str | None:
+    """Reason why a spatial shape is unusable, or ``None``."""
+    if spatial is None:
+        return f"has shape {full}; expected (X, Y, Z), (X, Y, Z, C) channels last, or (X, Y, Z, 1, C)"
+    non_singleton = sum(1 for s in spatial if s > 1)
+    if len(spatial) != 3 or non_singleton < 3:
+        return f"is {non_singleton}D (shape {full}); a 3D volume is required"
+    if patch is not None and not allow_pad and any(s < p for s, p in zip(spatial, patch)):
+        return f"shape {spatial} is smaller than patch_size {patch} and padding is disabled"
+    return None
+
+
+def _slabs(shape: tuple[int, ...], itemsize: int, max_bytes: int = SLAB_BYTES) -> Iterator[tuple[slice | int, ...]]:
+    """Index tuples covering an array in Fortran (on-disk NIfTI) order, each a contiguous block of at most
+    ``max_bytes`` (or one line along the first axis when that alone is larger)."""
+    if not shape:
+        yield ()
+        return
+    axis = 0
+    while axis + 1 < len(shape) and math.prod(shape[: axis + 1]) * itemsize <= max_bytes:
+        axis += 1
+    step = max(1, max_bytes // max(1, math.prod(shape[:axis]) * itemsize))
+    head = tuple(slice(None) for _ in range(axis))
+    for trailing in itertools.product(*(range(s) for s in reversed(shape[axis + 1 :]))):
+        tail = tuple(reversed(trailing))
+        for start in range(0, shape[axis], step):
+            yield head + (slice(start, min(start + step, shape[axis])),) + tail
+
+
+def _count_non_finite(block: np.ndarray) -> int:
+    """Number of NaN/Inf values in ``block`` (0 for integer data)."""
+    if not (np.issubdtype(block.dtype, np.floating) or np.issubdtype(block.dtype, np.complexfloating)):
+        return 0
+    return int(block.size - np.count_nonzero(np.isfinite(block)))
+
+
+def _non_finite_reason(count: int) -> str | None:
+    return f"contains {count} non-finite voxels (NaN/Inf)" if count else None
+
+
+def _check_nifti(path: str, patch: tuple[int, ...] | None, allow_pad: bool, check_values: bool) -> str | None:
+    """Check a NIfTI file, reading the data slab by slab so memory stays bounded."""
+    import nibabel as nib
+
+    try:
+        img = nib.load(path, keep_file_open=True)
+        full = tuple(int(s) for s in img.shape)
+        spatial = _spatial_from_array_shape(full)
+    except Exception as exc:  # noqa: BLE001 - any reader failure is a reason, not a crash
+        return f"cannot be read: {type(exc).__name__}: {exc}"
+    reason = _shape_reason(spatial, full, patch, allow_pad)
+    if reason:
+        return reason
+    non_finite = 0
+    try:
+        itemsize = max(1, img.get_data_dtype().itemsize)
+        for index in _slabs(full, itemsize):
+            block = np.asarray(img.dataobj[index])
+            if check_values:
+                non_finite += _count_non_finite(block)
+    except Exception as exc:  # noqa: BLE001
+        return f"cannot be read: {type(exc).__name__}: {exc}"
+    finally:
+        img.uncache()
+        opener = getattr(img.dataobj, "_opener", None)  # the handle kept open by keep_file_open=True
+        if opener is not None and hasattr(opener, "close_if_mine"):
+            opener.close_if_mine()
+    return _non_finite_reason(non_finite)
+
+
+def _check_itk(
+    path: str | list[str], patch: tuple[int, ...] | None, allow_pad: bool, check_values: bool
+) -> str | None:
+    """Check a DICOM series (a folder or a list of files) with ITK."""
+    if isinstance(path, str):
+        files = [name for name in os.listdir(path) if os.path.isfile(os.path.join(path, name))]
+        if not files:
+            return "is a folder without files; a DICOM series folder is required"
+    try:
+        import itk
+
+        with _ITK_LOCK:
+            img = itk.imread(path if isinstance(path, str) else list(path))
+        spatial = tuple(int(s) for s in img.GetLargestPossibleRegion().GetSize())
+        components = int(img.GetNumberOfComponentsPerPixel())
+        full = spatial + ((components,) if components > 1 else ())
+        reason = _shape_reason(spatial, full, patch, allow_pad)
+        if reason or not check_values:
+            return reason
+        array = itk.array_view_from_image(img)
+        non_finite = sum(_count_non_finite(array[z : z + 1]) for z in range(array.shape[0]))
+    except Exception as exc:  # noqa: BLE001
+        return f"cannot be read: {type(exc).__name__}: {exc}"
+    return _non_finite_reason(non_finite)
+
+
+def _check_monai(path: str, patch: tuple[int, ...] | None, allow_pad: bool, check_values: bool) -> str | None:
+    """Check any other format with ``monai.transforms.LoadImage`` (its channel metadata decides the layout)."""
+    try:
+        from monai.transforms import LoadImage
+
+        with _ITK_LOCK:
+            img = LoadImage(image_only=True)(path)
+        full = tuple(int(s) for s in img.shape)
+        channel_dim = img.meta.get("original_channel_dim")
+        if isinstance(channel_dim, (int, np.integer)) and not isinstance(channel_dim, bool):
+            spatial = tuple(s for axis, s in enumerate(full) if axis != int(channel_dim) % len(full))
+        else:
+            spatial = full
+        reason = _shape_reason(spatial, full, patch, allow_pad)
+        if reason or not check_values:
+            return reason
+        array = img.numpy() if hasattr(img, "numpy") else np.asarray(img)
+        non_finite = sum(_count_non_finite(array[i : i + 1]) for i in range(array.shape[0]))
+    except Exception as exc:  # noqa: BLE001
+        return f"cannot be read: {type(exc).__name__}: {exc}"
+    return _non_finite_reason(non_finite)
+
+
+def check_volume(
+    path: str | Sequence[str],
+    patch_size: Sequence[int] | None = None,
+    allow_pad: bool = True,
+    check_values: bool = True,
+) -> str | None:
+    """Check that one image can be used for 3D training.
+
+    The checks are: the path exists (a file, or a folder holding a DICOM series; a list of paths is read as the
+    files of one DICOM series); it can be read (NIfTI ``.nii``/``.nii.gz`` with nibabel, streaming the data slab
+    by slab so truncated or corrupt files are caught with bounded memory; DICOM with ITK; anything else with
+    ``monai.transforms.LoadImage``); it is spatially 3D after channel handling (``(X, Y, Z)``,
+    ``(X, Y, Z, C)`` channels last or ``(X, Y, Z, 1, C)``) with every spatial size above 1; all values are finite;
+    and, when ``patch_size`` is given with ``allow_pad=False``, every spatial size is at least the patch size
+    (with padding allowed, smaller volumes are accepted as they will be padded).
+
+    Args:
+        path: an image file, a DICOM series folder, or a list of DICOM files.
+        patch_size: the training patch size ``(X, Y, Z)``, or ``None`` to skip the size check.
+        allow_pad: whether volumes smaller than ``patch_size`` will be padded (then they are accepted).
+        check_values: whether to count NaN/Inf voxels (the data is read either way).
+
+    Returns:
+        ``None`` when the volume is usable, else a one-line reason that does not repeat the path.
+
+    Raises:
+        ValueError: only when ``patch_size`` itself is invalid; problems with the file never raise.
+    """
+    patch = _validate_patch_size(patch_size)
+    try:
+        if not isinstance(path, (str, os.PathLike)):
+            files = [os.fspath(p) for p in path]
+            missing = [f for f in files if not os.path.isfile(f)]
+            if missing:
+                return f"{len(missing)} of {len(files)} series files do not exist (first: {missing[0]})"
+            return _check_itk(files, patch, allow_pad, check_values)
+        path = os.fspath(path)
+        if not os.path.exists(path):
+            return "does not exist"
+        if os.path.isdir(path):
+            return _check_itk(path, patch, allow_pad, check_values)
+        if not os.path.isfile(path):
+            return "is not a regular file or a folder"
+        if path.lower().endswith(NIFTI_SUFFIXES):
+            return _check_nifti(path, patch, allow_pad, check_values)
+        return _check_monai(path, patch, allow_pad, check_values)
+    except Exception as exc:  # noqa: BLE001 - a bad file must never stop the whole check
+        return f"cannot be checked: {type(exc).__name__}: {exc}"
+
+
+def _path_key(value: str | list[str]) -> str | tuple[str, ...]:
+    return value if isinstance(value, str) else tuple(value)
+
+
+def _display(value: str | tuple[str, ...] | list[str]) -> str:
+    if isinstance(value, str):
+        return value
+    if len(value) == 1:
+        return value[0]
+    return f"[{value[0]}, ... ({len(value)} files)]"
+
+
+def _load_sections(
+    datalist: str | os.PathLike | Mapping[str, Any],
+    base_dir: str | None,
+    sections: Sequence[str],
+    required: Sequence[str],
+    keys: Sequence[str],
+) -> tuple[dict[str, list[tuple[int, dict]]], list[str]]:
+    """Parse every requested section; return the valid entries with their index, and the problem lines."""
+    loaded: dict[str, list[tuple[int, dict]]] = {}
+    problems: list[str] = []
+    for section in sections:
+        try:
+            entries, entry_problems, _ = parse_datalist_section(datalist, key=section, base_dir=base_dir, keys=keys)
+        except MissingSectionError as exc:
+            if section in required:
+                problems.append(f"{section}: {exc}")
+            continue
+        except DatalistError as exc:
+            problems.append(f"{section}: {exc}")
+            continue
+        problems += [f"{section}[{index}]: {reason}" for index, reason in entry_problems]
+        loaded[section] = [(index, entry) for index, entry in enumerate(entries) if entry is not None]
+    return loaded, problems
+
+
+def preflight(
+    datalist: str | os.PathLike | Mapping[str, Any],
+    base_dir: str | None = None,
+    sections: Sequence[str] = ("training", "validation"),
+    keys: Sequence[str] = ("image",),
+    patch_size: Sequence[int] | None = None,
+    allow_pad: bool = True,
+    check_values: bool = True,
+    num_workers: int = 2,
+    required: Sequence[str] = ("training",),
+) -> dict[str, list[dict]]:
+    """Check a whole datalist and every volume it names, reporting all problems in one error.
+
+    Sections in ``required`` must be present; other sections may be absent (then they are skipped), but a
+    present section must be a non-empty list. Each distinct path is checked once with :func:`check_volume`,
+    using a thread pool. Nothing is written anywhere.
+
+    Args:
+        datalist: a datalist JSON file or an already decoded dict.
+        base_dir: folder for relative paths; defaults to the folder of the JSON file.
+        sections: sections to check.
+        keys: entry keys holding image paths to check.
+        patch_size: training patch size; see :func:`check_volume`.
+        allow_pad: whether volumes smaller than ``patch_size`` will be padded.
+        check_values: whether to count NaN/Inf voxels.
+        num_workers: threads used to read volumes.
+        required: sections that must be present.
+
+    Returns:
+        Section name -> the loaded entries (absolute paths), for every section that is present.
+
+    Raises:
+        PreflightError: listing every problem, one line each (``"<section>[<index>] <path>: <reason>"`` for
+            volumes).
+        ValueError: when ``patch_size`` or ``num_workers`` is invalid.
+    """
+    patch = _validate_patch_size(patch_size)
+    if isinstance(num_workers, bool) or int(num_workers) < 1:
+        raise ValueError(f"num_workers must be a positive integer, got {num_workers!r}")
+    sections = (sections,) if isinstance(sections, str) else tuple(sections)
+    keys = (keys,) if isinstance(keys, str) else tuple(keys)
+    source = IN_MEMORY_SOURCE
+    if not isinstance(datalist, Mapping):
+        source = os.path.expanduser(os.fspath(datalist))
+        try:
+            read_datalist_json(source)
+        except DatalistError as exc:
+            raise PreflightError([str(exc)], source) from exc
+    loaded, problems = _load_sections(datalist, base_dir, sections, required, keys)
+    unique = {_path_key(entry[k]) for items in loaded.values() for _, entry in items for k in keys}
+    ordered = sorted(unique, key=lambda p: (isinstance(p, tuple), p))
+    with ThreadPoolExecutor(max_workers=int(num_workers)) as pool:
+        reasons = dict(zip(ordered, pool.map(lambda p: check_volume(p, patch, allow_pad, check_values), ordered)))
+    for section, items in loaded.items():
+        for index, entry in items:
+            for k in keys:
+                reason = reasons[_path_key(entry[k])]
+                if reason:
+                    problems.append(f"{section}[{index}] {_display(entry[k])}: {reason}")
+    if problems:
+        raise PreflightError(problems, source)
+    return {section: [entry for _, entry in items] for section, items in loaded.items()}
+
+
+def main(
+    datalist: str,
+    base_dir: str | None = None,
+    patch_size: Sequence[int] | None = None,
+    allow_pad: bool = True,
+    check_values: bool = True,
+    num_workers: int = 2,
+    sections: Sequence[str] = ("training", "validation"),
+    keys: Sequence[str] = ("image",),
+) -> None:
+    """Command-line entry: check a datalist, print a one-line summary, exit with status 1 on problems.
+
+    Args:
+        datalist: the datalist JSON file.
+        base_dir: folder for relative paths; defaults to the folder of the JSON file.
+        patch_size: training patch size, for example ``"[96,96,96]"``.
+        allow_pad: whether volumes smaller than ``patch_size`` will be padded.
+        check_values: whether to count NaN/Inf voxels.
+        num_workers: threads used to read volumes.
+        sections: sections to check.
+        keys: entry keys holding image paths.
+    """
+    sections = (sections,) if isinstance(sections, str) else tuple(sections)
+    try:
+        loaded = preflight(
+            datalist,
+            base_dir=base_dir,
+            sections=sections,
+            keys=keys,
+            patch_size=patch_size,
+            allow_pad=allow_pad,
+            check_values=check_values,
+            num_workers=num_workers,
+        )
+    except ValueError as exc:
+        print(str(exc), file=sys.stderr)
+        sys.exit(1)
+    counts = ", ".join(f"{len(loaded.get(section, []))} {section}" for section in sections)
+    print(f"preflight OK: {counts} volumes")
+
+
+if __name__ == "__main__":
+    import fire
+
+    fire.Fire(main)

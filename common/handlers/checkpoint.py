@@ -1,0 +1,360 @@
+# Copyright (c) the 3D MONAI bundle collection contributors.
+# Licensed under the Apache License, Version 2.0.
+"""Crash-safe checkpoints: atomic writes, resumable ``last`` checkpoints and best-k model checkpoints."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import os
+import re
+import tempfile
+import time
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from ignite.engine import Engine, Events
+
+from common.networks.wrappers import clean_state_dict, unwrap
+from common.utils import get_rank, get_world_size, rng_state, set_rng_state
+
+__all__ = [
+    "BestCheckpointSaver",
+    "CheckpointError",
+    "CheckpointManager",
+    "load_checkpoint",
+    "load_network_weights",
+    "save_checkpoint",
+]
+
+logger = logging.getLogger(__name__)
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that cannot be read or does not fit the objects it should restore."""
+
+
+def save_checkpoint(obj: Any, path: str | os.PathLike) -> Path:
+    """Write ``obj`` with ``torch.save`` atomically: a temporary file in the same folder, fsync, then rename.
+
+    A crash or a full disk during the write leaves the previous file at ``path`` untouched, and the temporary
+    file is removed.
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            torch.save(obj, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    with contextlib.suppress(OSError):
+        dir_fd = os.open(path.parent, os.O_RDONLY)
+        try:
+            os.fsync(dir_fd)
+        finally:
+            os.close(dir_fd)
+    return path
+
+
+def load_checkpoint(path: str | os.PathLike, map_location: Any = "cpu") -> dict:
+    """Load a checkpoint with ``weights_only=True`` and explain failures.
+
+    Raises:
+        CheckpointError: when the file is missing, truncated/corrupt, or holds pickled Python objects (which are
+            refused because unpickling can execute code).
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise CheckpointError(f"checkpoint {str(path)!r} does not exist.")
+    try:
+        return torch.load(path, map_location=map_location, weights_only=True)
+    except Exception as e:
+        text = str(e)
+        if "Weights only load failed" in text or "Unsupported global" in text:
+            raise CheckpointError(
+                f"checkpoint {str(path)!r} contains pickled Python objects, which are refused (weights_only=True); "
+                f"only tensors and plain containers are loaded. Detail: {text.splitlines()[-1] if text else e!r}"
+            ) from e
+        raise CheckpointError(f"checkpoint {str(path)!r} is unreadable (truncated or corrupt): {e}") from e
+
+
+def load_network_weights(
+    network: torch.nn.Module, path: str | os.PathLike, key: str | None = None, strict: bool = True
+) -> torch.nn.Module:
+    """Load a state dict (optionally ``checkpoint[key]``) into ``network``, stripping DDP/compile prefixes."""
+    checkpoint = load_checkpoint(path)
+    if key is not None:
+        if key not in checkpoint:
+            raise CheckpointError(f"checkpoint {str(path)!r} has no key {key!r}; keys: {sorted(checkpoint)}.")
+        checkpoint = checkpoint[key]
+    try:
+        unwrap(network).load_state_dict(clean_state_dict(checkpoint), strict=strict)
+    except RuntimeError as e:
+        raise CheckpointError(f"checkpoint {str(path)!r} does not match {type(unwrap(network)).__name__}: {e}") from e
+    return network
+
+
+class CheckpointManager:
+    """Periodic ``last`` checkpoint of everything a run needs to continue, and automatic resume from it.
+
+    Saved every ``interval`` iterations and when training completes: the state dicts of ``save_dict``
+    (networks unwrapped from DDP/compile, optimizers, schedulers), the trainer's GradScaler, the engine state
+    (iteration/epoch), every rank's RNG states and the random state of the training transforms. Rank 0 writes
+    atomically, so a crash during the write never replaces a good checkpoint with a torn one. At ``STARTED``,
+    when ``resume`` is on and ``save_dir/filename`` exists, everything is restored and training continues from
+    the saved iteration; the current ``max_epochs`` is kept so a run can be extended.
+
+    Args:
+        save_dir: folder of the checkpoint.
+        save_dict: objects with ``state_dict``/``load_state_dict`` to save and restore.
+        interval: iterations between saves (0 saves only at the end of training).
+        filename: file name of the checkpoint.
+        resume: ``True``/``"auto"`` resumes when the checkpoint exists, ``False`` never resumes, a path resumes
+            from that file (an error if it does not exist).
+        transform: the training transform whose random state is saved (optional).
+        strict: strict state-dict loading for networks.
+    """
+
+    def __init__(
+        self,
+        save_dir: str | os.PathLike,
+        save_dict: Mapping[str, Any],
+        interval: int = 100,
+        filename: str = "last.pt",
+        resume: bool | str = "auto",
+        transform: Any = None,
+        strict: bool = True,
+    ) -> None:
+        self.save_dir = Path(save_dir)
+        self.save_dict = {k: v for k, v in save_dict.items() if v is not None}
+        self.interval = int(interval)
+        self.path = self.save_dir / filename
+        self.resume = resume
+        self.transform = transform
+        self.strict = strict
+        self.resumed_from: int | None = None
+        self._saved_iteration: int | None = None
+
+    def attach(self, engine: Engine) -> None:
+        engine.add_event_handler(Events.STARTED, self.load)
+        if self.interval > 0:
+            engine.add_event_handler(Events.ITERATION_COMPLETED(every=self.interval), self.save)
+        engine.add_event_handler(Events.COMPLETED, self.save)
+
+    # --------------------------------------------------------------- saving
+    def _objects(self, engine: Engine) -> dict[str, Any]:
+        objects = dict(self.save_dict)
+        scaler = getattr(engine, "scaler", None)
+        if scaler is not None:
+            objects.setdefault("scaler", scaler)
+        return objects
+
+    def state(self, engine: Engine) -> dict[str, Any]:
+        """The checkpoint content (collective under DDP: every rank must call it)."""
+        rng = _gather_objects({"global": rng_state(), "transform": _transform_rng_state(self.transform)})
+        content: dict[str, Any] = {}
+        for name, obj in self._objects(engine).items():
+            if isinstance(obj, torch.nn.Module):
+                content[name] = clean_state_dict(unwrap(obj).state_dict())
+            else:
+                content[name] = obj.state_dict()
+        content["trainer"] = {
+            "iteration": engine.state.iteration,
+            "epoch": engine.state.epoch,
+            "epoch_length": engine.state.epoch_length,
+            "max_epochs": engine.state.max_epochs,
+        }
+        content["rng"] = rng
+        content["meta"] = {"world_size": get_world_size(), "saved_at": time.time(), "torch": torch.__version__}
+        return content
+
+    def save(self, engine: Engine) -> None:
+        if self._saved_iteration == engine.state.iteration:
+            return
+        content = self.state(engine)
+        if get_rank() == 0:
+            save_checkpoint(content, self.path)
+            logger.info(f"saved checkpoint {self.path} at iteration {engine.state.iteration}")
+        self._saved_iteration = engine.state.iteration
+        if dist.is_available() and dist.is_initialized():
+            dist.barrier()
+
+    # --------------------------------------------------------------- loading
+    def _resume_path(self) -> Path | None:
+        if self.resume in (False, None, "false", "False", "none", ""):
+            return None
+        if self.resume in (True, "auto", "true", "True"):
+            return self.path if self.path.is_file() else None
+        path = Path(str(self.resume))
+        if not path.is_file():
+            raise CheckpointError(f"resume={str(self.resume)!r}: no such checkpoint file.")
+        return path
+
+    def load(self, engine: Engine) -> None:
+        path = self._resume_path()
+        if path is None:
+            return
+        checkpoint = load_checkpoint(path)
+        missing = [k for k in self._objects(engine) if k not in checkpoint]
+        if missing:
+            raise CheckpointError(f"checkpoint {str(path)!r} lacks {missing}; it has {sorted(checkpoint)}.")
+        for name, obj in self._objects(engine).items():
+            try:
+                if isinstance(obj, torch.nn.Module):
+                    unwrap(obj).load_state_dict(checkpoint[name], strict=self.strict)
+                else:
+                    obj.load_state_dict(checkpoint[name])
+            except (RuntimeError, KeyError, ValueError) as e:
+                raise CheckpointError(f"cannot restore {name!r} from {str(path)!r}: {e}") from e
+        self._restore_engine(engine, checkpoint["trainer"], path)
+        self._restore_rng(checkpoint.get("rng"), engine.state.iteration)
+        self.resumed_from = self._saved_iteration = engine.state.iteration
+        logger.info(f"resumed from {path} at iteration {engine.state.iteration} (epoch {engine.state.epoch})")
+
+    def _restore_engine(self, engine: Engine, saved: Mapping[str, Any], path: Path) -> None:
+        epoch_length = engine.state.epoch_length or saved["epoch_length"]
+        if saved["epoch_length"] != epoch_length:
+            logger.warning(
+                f"epoch length changed from {saved['epoch_length']} to {epoch_length} since {path} was saved "
+                "(different dataset size or number of processes); continuing by iteration count."
+            )
+        iteration = int(saved["iteration"])
+        if iteration > engine.state.max_epochs * epoch_length:
+            raise CheckpointError(
+                f"checkpoint {str(path)!r} is at iteration {iteration}, beyond max_epochs={engine.state.max_epochs} x "
+                f"{epoch_length} iterations; raise max_epochs to continue training or set resume=false."
+            )
+        engine.state.iteration = iteration
+        engine.state.epoch = iteration // epoch_length
+        engine.state.epoch_length = epoch_length
+
+    def _restore_rng(self, saved: list | None, iteration: int) -> None:
+        rank = get_rank()
+        if saved is not None and len(saved) == get_world_size():
+            set_rng_state(saved[rank]["global"])
+            _set_transform_rng_state(self.transform, saved[rank]["transform"])
+            return
+        logger.warning("the number of processes changed since the checkpoint was saved: RNGs are re-seeded.")
+        torch.manual_seed(iteration * 1000 + rank)
+        np.random.seed((iteration * 1000 + rank) % 2**32)
+
+
+class BestCheckpointSaver:
+    """Keep the ``n_saved`` best network weights by a validation metric, plus ``filename`` for the best one.
+
+    Attach to the evaluator. Files are plain state dicts (what ``ckpt_export`` and ``inference.json`` load),
+    written atomically; worse files are deleted. Existing files in ``save_dir`` from an earlier, resumed run
+    are taken into account.
+
+    Args:
+        save_dir: destination folder.
+        network: the network to save (unwrapped automatically).
+        metric_name: key in ``engine.state.metrics``.
+        n_saved: how many ranked checkpoints to keep.
+        mode: ``max`` (higher is better) or ``min``.
+        filename: file holding the single best model.
+        global_step_transform: gives the step recorded in the file name (e.g. the trainer's iteration).
+    """
+
+    _pattern = re.compile(r"^model_(?P<metric>.+)=(?P<value>[-+0-9.einfa]+)_step=(?P<step>\d+)\.pt$")
+
+    def __init__(
+        self,
+        save_dir: str | os.PathLike,
+        network: torch.nn.Module,
+        metric_name: str,
+        n_saved: int = 3,
+        mode: str = "max",
+        filename: str = "model.pt",
+        global_step_transform: Callable[[Engine], int] | None = None,
+    ) -> None:
+        if mode not in ("max", "min"):
+            raise ValueError(f"mode must be 'max' or 'min', got {mode!r}.")
+        self.save_dir = Path(save_dir)
+        self.network = network
+        self.metric_name = metric_name
+        self.n_saved = int(n_saved)
+        self.mode = mode
+        self.filename = filename
+        self.global_step_transform = global_step_transform or (lambda engine: getattr(engine, "global_step", engine.state.epoch))
+
+    def attach(self, engine: Engine) -> None:
+        engine.add_event_handler(Events.EPOCH_COMPLETED, self)
+
+    def _existing(self) -> list[tuple[float, Path]]:
+        found = []
+        if self.save_dir.is_dir():
+            for path in self.save_dir.iterdir():
+                m = self._pattern.match(path.name)
+                if m and m.group("metric") == self.metric_name:
+                    found.append((float(m.group("value")), path))
+        return found
+
+    def _better(self, a: float, b: float) -> bool:
+        return a > b if self.mode == "max" else a < b
+
+    def __call__(self, engine: Engine) -> None:
+        if self.metric_name not in engine.state.metrics:
+            raise KeyError(f"metric {self.metric_name!r} not in {sorted(engine.state.metrics)}; check key_metric.")
+        value = float(engine.state.metrics[self.metric_name])
+        if math.isnan(value):
+            logger.warning(f"{self.metric_name} is NaN: no best checkpoint written.")
+            return
+        ranked = sorted(self._existing(), key=lambda t: t[0], reverse=self.mode == "max")
+        if len(ranked) >= self.n_saved and not self._better(value, ranked[self.n_saved - 1][0]):
+            return
+        state = clean_state_dict(unwrap(self.network).state_dict())
+        step = int(self.global_step_transform(engine))
+        path = save_checkpoint(state, self.save_dir / f"model_{self.metric_name}={value:.6g}_step={step}.pt")
+        if not ranked or self._better(value, ranked[0][0]):
+            save_checkpoint(state, self.save_dir / self.filename)
+            logger.info(f"new best {self.metric_name}={value:.6g} at step {step}: {self.save_dir / self.filename}")
+        ranked = sorted([*ranked, (value, path)], key=lambda t: t[0], reverse=self.mode == "max")
+        for _, stale in ranked[self.n_saved :]:
+            with contextlib.suppress(OSError):
+                stale.unlink()
+
+
+def _randomizable(transform: Any) -> list[Any]:
+    if transform is None:
+        return []
+    found = [transform] if isinstance(getattr(transform, "R", None), np.random.RandomState) else []
+    for child in getattr(transform, "transforms", ()) or ():
+        found.extend(_randomizable(child))
+    return found
+
+
+def _transform_rng_state(transform: Any) -> list[list]:
+    states = []
+    for t in _randomizable(transform):
+        name, keys, pos, has_gauss, cached = t.R.get_state()
+        states.append([name, torch.from_numpy(keys.astype(np.int64)), int(pos), int(has_gauss), float(cached)])
+    return states
+
+
+def _set_transform_rng_state(transform: Any, states: list[list]) -> None:
+    targets = _randomizable(transform)
+    if len(targets) != len(states):
+        logger.warning("the training transforms changed since the checkpoint was saved: their RNGs are not restored.")
+        return
+    for t, (name, keys, pos, has_gauss, cached) in zip(targets, states):
+        t.R.set_state((name, keys.numpy().astype(np.uint32), pos, has_gauss, cached))
+
+
+def _gather_objects(obj: Any) -> list[Any]:
+    if not (dist.is_available() and dist.is_initialized()):
+        return [obj]
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, obj)
+    return gathered

@@ -1,0 +1,154 @@
+# Copyright (c) the 3D MONAI bundle collection contributors.
+# Licensed under the Apache License, Version 2.0.
+"""Wrapping networks for training (SyncBatchNorm, DDP, torch.compile) and for inference (reconstruction only)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+__all__ = [
+    "LatentEncoder","ReconstructionNetwork", "clean_state_dict", "prepare_network", "split_autoencoder_output", "unwrap"]
+
+
+def prepare_network(
+    network: nn.Module,
+    device: torch.device | str,
+    distributed: bool | None = None,
+    compile: bool = False,
+    sync_batchnorm: bool = False,
+    static_graph: bool = True,
+    find_unused_parameters: bool = False,
+    broadcast_buffers: bool = False,
+    compile_kwargs: Mapping | None = None,
+) -> nn.Module:
+    """Move ``network`` to ``device`` and wrap it for (distributed, compiled) training.
+
+    The returned module is what the trainer calls; keep a reference to the original ``network`` for saving,
+    so checkpoints carry clean keys (no ``module.`` or ``_orig_mod.`` prefixes).
+
+    Args:
+        network: the plain network.
+        device: this rank's device.
+        distributed: wrap in ``DistributedDataParallel``; default: whenever a process group is initialised.
+        compile: apply ``torch.compile`` (after DDP, so DDP's bucketing still sees the graph breaks).
+        sync_batchnorm: convert BatchNorm layers to SyncBatchNorm; applied only for CUDA + distributed, since
+            SyncBatchNorm has no CPU/gloo implementation.
+        static_graph: DDP ``static_graph`` (the same parameters are used every iteration).
+        find_unused_parameters: DDP ``find_unused_parameters``.
+        broadcast_buffers: DDP ``broadcast_buffers``; off by default (BatchNorm statistics stay per rank or are
+            synchronised by SyncBatchNorm).
+        compile_kwargs: extra arguments of ``torch.compile``.
+    """
+    device = torch.device(device)
+    network = network.to(device)
+    if distributed is None:
+        distributed = dist.is_available() and dist.is_initialized()
+    if distributed:
+        if sync_batchnorm and device.type == "cuda":
+            network = nn.SyncBatchNorm.convert_sync_batchnorm(network)
+        if not any(p.requires_grad for p in network.parameters()):
+            raise ValueError(f"{type(network).__name__} has no trainable parameters to wrap in DDP.")
+        network = nn.parallel.DistributedDataParallel(
+            network,
+            device_ids=[device] if device.type == "cuda" else None,
+            static_graph=static_graph,
+            find_unused_parameters=find_unused_parameters,
+            broadcast_buffers=broadcast_buffers,
+        )
+    if compile:
+        network = torch.compile(network, **dict(compile_kwargs or {}))
+    return network
+
+
+def unwrap(network: nn.Module) -> nn.Module:
+    """The plain module inside DDP and/or ``torch.compile`` wrappers."""
+    while True:
+        if hasattr(network, "_orig_mod"):
+            network = network._orig_mod
+        elif isinstance(network, (nn.parallel.DistributedDataParallel, nn.DataParallel)):
+            network = network.module
+        else:
+            return network
+
+
+def clean_state_dict(state_dict: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Strip ``module.`` and ``_orig_mod.`` prefixes left by DDP and ``torch.compile``."""
+    cleaned = {}
+    for key, value in state_dict.items():
+        parts = [p for p in key.split(".") if p not in ("module", "_orig_mod")] if "." in key else [key]
+        cleaned[".".join(parts)] = value
+    return cleaned
+
+
+def split_autoencoder_output(output) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Split the output of an autoencoder into the reconstruction and its auxiliary tensors.
+
+    Handles MONAI ``AutoencoderKL`` (``(recon, z_mu, z_sigma)``), ``VQVAE`` (``(recon, quantization_loss)``),
+    a dict with a ``pred``/``recon`` key, and a plain tensor.
+
+    Returns:
+        ``(reconstruction, extras)`` where ``extras`` may hold ``z_mu``/``z_sigma`` or ``quantization_loss``.
+    """
+    if isinstance(output, torch.Tensor):
+        return output, {}
+    if isinstance(output, Mapping):
+        key = "pred" if "pred" in output else "recon"
+        if key not in output:
+            raise ValueError(f"autoencoder output dict needs a 'pred' or 'recon' key, got keys {list(output)}.")
+        return output[key], {k: v for k, v in output.items() if k != key}
+    if isinstance(output, (tuple, list)):
+        if len(output) == 3:
+            return output[0], {"z_mu": output[1], "z_sigma": output[2]}
+        if len(output) == 2:
+            return output[0], {"quantization_loss": output[1]}
+    raise ValueError(
+        f"unsupported autoencoder output: expected a tensor, (recon, z_mu, z_sigma) or (recon, quantization_loss), "
+        f"got {type(output).__name__} of length {len(output) if hasattr(output, '__len__') else 'n/a'}."
+    )
+
+
+class ReconstructionNetwork(nn.Module):
+    """Inference view of an autoencoder: ``forward(x)`` returns only the reconstruction tensor.
+
+    For a variational autoencoder the deterministic path (decode the posterior mean) is used, so validation
+    and inference are repeatable; this is what sliding-window inferers and exporters expect.
+
+    Args:
+        network: an autoencoder (MONAI ``AutoencoderKL``, ``VQVAE`` or any module returning a tensor/tuple).
+    """
+
+    def __init__(self, network: nn.Module) -> None:
+        super().__init__()
+        self.network = network
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        net = unwrap(self.network)
+        if hasattr(net, "reconstruct"):
+            return net.reconstruct(x)
+        return split_autoencoder_output(self.network(x))[0]
+
+
+class LatentEncoder(nn.Module):
+    """Inference view of an autoencoder's encoder: ``forward(x)`` returns the latent map.
+
+    ``AutoencoderKL`` gives the posterior mean (deterministic), VQ-VAE style networks the quantized latent
+    (``encode_stage_2_inputs``).
+
+    Args:
+        network: the autoencoder.
+    """
+
+    def __init__(self, network: nn.Module) -> None:
+        super().__init__()
+        self.network = network
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        net = unwrap(self.network)
+        if hasattr(net, "encode_stage_2_inputs") and not hasattr(net, "sampling"):
+            return net.encode_stage_2_inputs(x)
+        encoded = net.encode(x)
+        return encoded[0] if isinstance(encoded, (tuple, list)) else encoded

@@ -1,0 +1,254 @@
+# Copyright (c) the 3D MONAI bundle collection contributors.
+# Licensed under the Apache License, Version 2.0.
+"""Runtime helpers shared by every bundle: distributed setup, devices, precision, seeds, learning-rate scaling."""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import math
+import os
+import random
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+__all__ = [
+    "AMP_MODES",
+    "amp_dtype",
+    "autocast",
+    "default_amp",
+    "destroy_distributed",
+    "get_rank",
+    "get_world_size",
+    "init_distributed",
+    "is_rank0",
+    "make_grad_scaler",
+    "resolve_device",
+    "scale_lr",
+    "setup_logging",
+    "setup_runtime",
+]
+
+AMP_MODES = ("bf16", "fp16", "none")
+_RANK_FORMAT = "%(asctime)s [rank {rank}] %(levelname)s %(name)s: %(message)s"
+
+
+def get_rank() -> int:
+    """Global rank of this process, 0 when not distributed."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank()
+    return int(os.environ.get("RANK", 0))
+
+
+def get_world_size() -> int:
+    """Number of processes in the job, 1 when not distributed."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_world_size()
+    return int(os.environ.get("WORLD_SIZE", 1))
+
+
+def is_rank0() -> bool:
+    """Whether this process writes shared outputs (checkpoints, TensorBoard, metrics files)."""
+    return get_rank() == 0
+
+
+def resolve_device(device: str | torch.device | None = None) -> torch.device:
+    """Pick the device for this process.
+
+    Args:
+        device: ``"auto"``/``None`` selects ``cuda:LOCAL_RANK`` when CUDA is available, else the CPU;
+            any other value is passed to ``torch.device`` unchanged.
+
+    Raises:
+        ValueError: when a CUDA device is requested on a machine without CUDA.
+    """
+    if device is None or str(device) == "auto":
+        if torch.cuda.is_available():
+            return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        return torch.device("cpu")
+    device = torch.device(device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {str(device)!r} was requested but CUDA is not available on this machine.")
+    return device
+
+
+def init_distributed(device: torch.device, timeout_s: float = 1800.0, backend: str | None = None) -> None:
+    """Initialise the default process group from the torchrun/SLURM environment (idempotent).
+
+    Args:
+        device: this rank's device; CUDA devices select ``nccl`` and are made current, the CPU selects ``gloo``.
+        timeout_s: collective timeout in seconds; a rank waiting longer than this on a dead peer raises.
+        backend: force a backend instead of choosing from the device.
+    """
+    if dist.is_initialized():
+        return
+    if "RANK" not in os.environ and "SLURM_PROCID" in os.environ:
+        os.environ.setdefault("RANK", os.environ["SLURM_PROCID"])
+        os.environ.setdefault("WORLD_SIZE", os.environ["SLURM_NTASKS"])
+        os.environ.setdefault("LOCAL_RANK", os.environ.get("SLURM_LOCALID", "0"))
+    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
+        raise RuntimeError(
+            "multi_gpu_train.json needs a distributed launcher: RANK/WORLD_SIZE are not set "
+            "(run it under torchrun or srun)."
+        )
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    backend = backend or ("nccl" if device.type == "cuda" else "gloo")
+    dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=float(timeout_s)))
+
+
+def destroy_distributed() -> None:
+    """Tear down the default process group if there is one."""
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def setup_runtime(
+    seed: int | None = 0, cudnn_benchmark: bool = True, deterministic: bool = False, num_threads: int | None = None
+) -> int | None:
+    """Seed every RNG (offset by rank so ranks draw different crops) and set backend switches.
+
+    Args:
+        seed: base seed; each rank uses ``seed + rank``. ``None`` leaves the RNGs alone.
+        cudnn_benchmark: let cuDNN pick the fastest convolution algorithms (fixed input shapes).
+        deterministic: use deterministic algorithms (slower; overrides ``cudnn_benchmark``).
+        num_threads: intra-op CPU threads; ``None`` keeps the torch default.
+
+    Returns:
+        The seed used by this rank.
+    """
+    from monai.utils import set_determinism
+
+    if num_threads:
+        torch.set_num_threads(int(num_threads))
+    rank_seed = None if seed is None else int(seed) + get_rank()
+    if rank_seed is not None:
+        set_determinism(seed=rank_seed, use_deterministic_algorithms=deterministic or None)
+    torch.backends.cudnn.benchmark = bool(cudnn_benchmark) and not deterministic
+    if deterministic:
+        torch.backends.cudnn.deterministic = True
+    if torch.cuda.is_available():
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
+    return rank_seed
+
+
+def default_amp(device: torch.device | str) -> str:
+    """``bf16`` on GPUs that support it, ``none`` otherwise (CPU autocast is rarely faster)."""
+    device = torch.device(device)
+    if device.type == "cuda" and torch.cuda.is_available() and torch.cuda.is_bf16_supported():
+        return "bf16"
+    return "none"
+
+
+def amp_dtype(amp: str) -> torch.dtype | None:
+    """Map an ``amp`` config value to the autocast dtype (``None`` for full precision).
+
+    Raises:
+        ValueError: for a value other than ``bf16``, ``fp16`` or ``none``.
+    """
+    amp = str(amp).lower()
+    if amp not in AMP_MODES:
+        raise ValueError(f"amp must be one of {AMP_MODES}, got {amp!r}.")
+    return {"bf16": torch.bfloat16, "fp16": torch.float16, "none": None}[amp]
+
+
+def autocast(device: torch.device | str, amp: str) -> Any:
+    """An autocast context for ``amp`` on ``device`` (disabled for ``none``)."""
+    dtype = amp_dtype(amp)
+    device_type = torch.device(device).type
+    return torch.autocast(device_type=device_type, dtype=dtype, enabled=dtype is not None)
+
+
+def make_grad_scaler(device: torch.device | str, amp: str) -> torch.amp.GradScaler | None:
+    """A ``GradScaler`` for fp16 (bf16 and fp32 need none)."""
+    if amp_dtype(amp) is not torch.float16:
+        return None
+    return torch.amp.GradScaler(torch.device(device).type)
+
+
+def scale_lr(lr: float, world_size: int | None = None, mode: str = "sqrt", accumulation_steps: int = 1) -> float:
+    """Scale a single-GPU learning rate to the effective batch of a multi-GPU run.
+
+    Args:
+        lr: learning rate tuned for one process and no accumulation.
+        world_size: number of processes (default: from the process group / environment).
+        mode: ``sqrt`` (Adam-family default), ``linear`` (Goyal et al.) or ``none``.
+        accumulation_steps: gradient accumulation steps, which enlarge the effective batch as well.
+    """
+    factor = (world_size or get_world_size()) * max(int(accumulation_steps), 1)
+    if mode == "sqrt":
+        return float(lr) * math.sqrt(factor)
+    if mode == "linear":
+        return float(lr) * factor
+    if mode == "none":
+        return float(lr)
+    raise ValueError(f"lr_scaling must be 'sqrt', 'linear' or 'none', got {mode!r}.")
+
+
+def setup_logging(output_dir: str | os.PathLike | None = None, filename: str = "train.log", level: int | None = None):
+    """Tag every log line with the rank and mirror it to ``output_dir/filename``.
+
+    Keeps the handlers configured by the bundle's ``logging.conf`` and swaps their format for one that carries
+    ``[rank N]``; rank ``N`` writes ``filename`` with suffix ``.rankN`` for ``N > 0``.
+
+    Returns:
+        The path of the log file (or ``None`` when ``output_dir`` is ``None``).
+    """
+    rank = get_rank()
+    root = logging.getLogger()
+    if not root.handlers:
+        root.addHandler(logging.StreamHandler(sys.stdout))
+    if level is not None:
+        root.setLevel(level)
+    elif root.level in (logging.NOTSET, logging.WARNING):
+        root.setLevel(logging.INFO)
+    formatter = logging.Formatter(_RANK_FORMAT.format(rank=rank))
+    for handler in root.handlers:
+        handler.setFormatter(formatter)
+    if output_dir is None:
+        return None
+    Path(output_dir).mkdir(parents=True, exist_ok=True)
+    path = Path(output_dir) / (filename if rank == 0 else f"{filename}.rank{rank}")
+    if not any(isinstance(h, logging.FileHandler) and Path(h.baseFilename) == path.resolve() for h in root.handlers):
+        file_handler = logging.FileHandler(path)
+        file_handler.setFormatter(formatter)
+        root.addHandler(file_handler)
+    return path
+
+
+def rng_state() -> dict[str, Any]:
+    """The global RNG states of python, numpy and torch as tensors and plain containers (``weights_only``-safe)."""
+    np_state = np.random.get_state()
+    state = {
+        "python": _to_plain(random.getstate()),
+        "numpy": [np_state[0], torch.from_numpy(np_state[1].astype(np.int64)), *map(_to_plain, np_state[2:])],
+        "torch": torch.get_rng_state(),
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    """Restore what :func:`rng_state` captured."""
+    py = state["python"]
+    random.setstate((py[0], tuple(py[1]), py[2]))
+    np_state = state["numpy"]
+    np.random.set_state((np_state[0], np_state[1].numpy().astype(np.uint32), *np_state[2:]))
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available() and len(state["cuda"]) == torch.cuda.device_count():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def _to_plain(value: Any) -> Any:
+    if isinstance(value, tuple):
+        return [_to_plain(v) for v in value]
+    if isinstance(value, np.generic):
+        return value.item()
+    return value

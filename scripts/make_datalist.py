@@ -1,0 +1,149 @@
+# Copyright (c) the 3D MONAI bundle collection contributors.
+# Licensed under the Apache License, Version 2.0.
+"""Build a training/validation datalist JSON from a folder of NIfTI volumes or DICOM series.
+
+Example::
+
+    python scripts/make_datalist.py --data_dir /data/brats --output datalist.json \\
+        --pattern "*flair.nii.gz" --val_fraction 0.2 --seed 0
+    python scripts/make_datalist.py --data_dir /data/ct_series --dicom
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from common.data.datalist import write_datalist  # noqa: E402
+
+__all__ = ["find_dicom_series", "find_volumes", "main", "make_datalist", "split_items"]
+
+
+def find_volumes(data_dir: Path, pattern: str) -> list[str]:
+    """Files under ``data_dir`` (recursively) whose name matches ``pattern``, sorted.
+
+    Args:
+        data_dir: the folder to search.
+        pattern: a glob on file names, for example ``"*flair.nii.gz"``.
+
+    Returns:
+        Absolute file paths.
+    """
+    return sorted(str(p.absolute()) for p in data_dir.rglob(pattern) if p.is_file())
+
+
+def find_dicom_series(data_dir: Path) -> list[str]:
+    """Folders under ``data_dir`` (itself included) that directly contain ``.dcm`` files, one per series, sorted.
+
+    Args:
+        data_dir: the folder to search.
+
+    Returns:
+        Absolute folder paths.
+    """
+    series = []
+    for root, _, files in os.walk(data_dir):
+        if any(name.lower().endswith(".dcm") for name in files):
+            series.append(os.path.abspath(root))
+    return sorted(series)
+
+
+def split_items(items: list[str], val_fraction: float, seed: int) -> tuple[list[str], list[str]]:
+    """Shuffle ``items`` with ``seed`` and split them into training and validation.
+
+    At least one item goes to validation when there are two or more, and at least one stays in training.
+
+    Args:
+        items: the paths to split.
+        val_fraction: the fraction for validation, in ``[0, 1)``.
+        seed: seed of the shuffle.
+
+    Returns:
+        ``(training, validation)``.
+
+    Raises:
+        ValueError: when ``val_fraction`` is outside ``[0, 1)``.
+    """
+    if not 0.0 <= float(val_fraction) < 1.0:
+        raise ValueError(f"val_fraction must be in [0, 1), got {val_fraction!r}")
+    shuffled = list(items)
+    random.Random(int(seed)).shuffle(shuffled)
+    n_val = int(round(float(val_fraction) * len(shuffled)))
+    if len(shuffled) >= 2:
+        n_val = min(max(n_val, 1), len(shuffled) - 1)
+    else:
+        n_val = 0
+    return shuffled[n_val:], shuffled[:n_val]
+
+
+def make_datalist(
+    data_dir: str,
+    output: str | None = None,
+    pattern: str = "*.nii.gz",
+    val_fraction: float = 0.2,
+    seed: int = 0,
+    dicom: bool = False,
+) -> Path:
+    """Find the volumes, split them, write the datalist with paths relative to ``data_dir`` and print a summary.
+
+    Args:
+        data_dir: folder holding the volumes (searched recursively).
+        output: the JSON file to write; defaults to ``<data_dir>/datalist.json``. Its paths are relative to
+            ``data_dir``, so when it is written elsewhere pass ``base_dir=data_dir`` when loading it.
+        pattern: file-name glob for NIfTI volumes (ignored with ``dicom``).
+        val_fraction: fraction of volumes for validation, in ``[0, 1)``.
+        seed: seed of the shuffle.
+        dicom: treat every folder that contains ``.dcm`` files as one volume (a DICOM series).
+
+    Returns:
+        The path of the written datalist.
+
+    Raises:
+        FileNotFoundError: when ``data_dir`` does not exist or nothing in it matches.
+        ValueError: when ``val_fraction`` is outside ``[0, 1)``.
+    """
+    root = Path(os.path.expanduser(str(data_dir))).absolute()
+    if not root.is_dir():
+        raise FileNotFoundError(f"data_dir {str(root)!r} does not exist or is not a folder")
+    items = find_dicom_series(root) if dicom else find_volumes(root, pattern)
+    if not items:
+        what = "no folders containing .dcm files" if dicom else f"no files matching {pattern!r}"
+        raise FileNotFoundError(f"{what} under data_dir {str(root)!r}")
+    training, validation = split_items(items, val_fraction, seed)
+    sections = {"training": [{"image": p} for p in training]}
+    if validation:
+        sections["validation"] = [{"image": p} for p in validation]
+    out = Path(os.path.expanduser(output)).absolute() if output else root / "datalist.json"
+    write_datalist(out, sections, base_dir=root)
+    print(f"wrote {out}: {len(training)} training, {len(validation)} validation volumes (paths relative to {root})")
+    if not validation:
+        print("note: a single volume was found, so there is no validation section")
+    if out.parent != root:
+        print(f"note: {out} is not in data_dir; load it with base_dir={str(root)!r}")
+    return out
+
+
+def main(
+    data_dir: str,
+    output: str | None = None,
+    pattern: str = "*.nii.gz",
+    val_fraction: float = 0.2,
+    seed: int = 0,
+    dicom: bool = False,
+) -> None:
+    """Command-line entry for :func:`make_datalist` (same arguments); exits with status 1 on errors."""
+    try:
+        make_datalist(data_dir, output=output, pattern=pattern, val_fraction=val_fraction, seed=seed, dicom=dicom)
+    except (OSError, ValueError) as exc:
+        print(f"make_datalist: {exc}", file=sys.stderr)
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    import fire
+
+    fire.Fire(main)

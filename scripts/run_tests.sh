@@ -1,0 +1,7 @@
+#!/usr/bin/env bash
+# Install what is needed, then run the whole test suite (CPU; about 10-15 minutes on 2 cores).
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+bash scripts/setup_env.sh
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" OMP_NUM_THREADS=1 MKL_NUM_THREADS=1
+exec "${PYTHON:-python3}" -m pytest -q -ra tests "$@"

@@ -1,0 +1,228 @@
+# Copyright (c) the 3D MONAI bundle collection contributors.
+# Licensed under the Apache License, Version 2.0.
+"""Datalist loading/writing and the make_datalist script."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from common.data.datalist import DatalistError, MissingSectionError, load_datalist, write_datalist
+
+
+def _write_json(path: Path, data: object) -> Path:
+    path.write_text(json.dumps(data))
+    return path
+
+
+def _load_script(repo_root: Path):
+    spec = importlib.util.spec_from_file_location("make_datalist_script", repo_root / "scripts" / "make_datalist.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_relative_paths_resolve_against_json_folder(tmp_path: Path) -> None:
+    sub = tmp_path / "lists"
+    sub.mkdir()
+    file = _write_json(
+        sub / "d.json",
+        {"training": [{"image": "imgs/a.nii.gz", "label": 3}, "imgs/b.nii.gz", {"image": "/abs/c.nii.gz"}]},
+    )
+    entries = load_datalist(file)
+    assert entries[0] == {"image": str(sub / "imgs" / "a.nii.gz"), "label": 3}
+    assert entries[1] == {"image": str(sub / "imgs" / "b.nii.gz")}
+    assert entries[2] == {"image": "/abs/c.nii.gz"}
+
+
+def test_base_dir_and_home_expansion(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    file = _write_json(tmp_path / "d.json", {"validation": [{"image": "x.nii"}, {"image": "~/y.nii"}]})
+    entries = load_datalist(file, key="validation", base_dir=str(tmp_path / "data"))
+    assert entries == [{"image": str(tmp_path / "data" / "x.nii")}, {"image": str(tmp_path / "home" / "y.nii")}]
+
+
+def test_dict_input_and_dicom_file_list(tmp_path: Path) -> None:
+    data = {"training": [{"image": ["s/1.dcm", "s/2.dcm"]}]}
+    entries = load_datalist(data, base_dir=str(tmp_path))
+    assert entries == [{"image": [str(tmp_path / "s" / "1.dcm"), str(tmp_path / "s" / "2.dcm")]}]
+
+
+def test_input_entries_are_not_modified(tmp_path: Path) -> None:
+    data = {"training": [{"image": "a.nii"}]}
+    load_datalist(data, base_dir=str(tmp_path))
+    assert data == {"training": [{"image": "a.nii"}]}
+
+
+def test_missing_file(tmp_path: Path) -> None:
+    with pytest.raises(DatalistError, match="does not exist") as info:
+        load_datalist(tmp_path / "nope.json")
+    assert "nope.json" in str(info.value)
+
+
+def test_invalid_json_reports_line_and_column(tmp_path: Path) -> None:
+    file = tmp_path / "bad.json"
+    file.write_text('{\n  "training": [\n    {"image": "a.nii",}\n  ]\n}')
+    with pytest.raises(DatalistError) as info:
+        load_datalist(file)
+    message = str(info.value)
+    assert "bad.json" in message and "not valid JSON" in message and "line 3" in message and "column" in message
+
+
+def test_top_level_not_object(tmp_path: Path) -> None:
+    file = _write_json(tmp_path / "list.json", [{"image": "a.nii"}])
+    with pytest.raises(DatalistError, match="top-level list") as info:
+        load_datalist(file)
+    assert "list.json" in str(info.value)
+
+
+def test_missing_section_lists_present_sections(tmp_path: Path) -> None:
+    file = _write_json(tmp_path / "d.json", {"train": [], "test": []})
+    with pytest.raises(MissingSectionError) as info:
+        load_datalist(file, key="training")
+    message = str(info.value)
+    assert "d.json" in message and "'training'" in message and "['test', 'train']" in message
+    assert isinstance(info.value, DatalistError)
+
+
+def test_section_not_a_list(tmp_path: Path) -> None:
+    file = _write_json(tmp_path / "d.json", {"training": {"image": "a.nii"}})
+    with pytest.raises(DatalistError, match="must be a list of entries, got dict") as info:
+        load_datalist(file)
+    assert "d.json" in str(info.value)
+
+
+def test_empty_section(tmp_path: Path) -> None:
+    file = _write_json(tmp_path / "d.json", {"training": []})
+    with pytest.raises(DatalistError, match="'training' is empty") as info:
+        load_datalist(file)
+    assert "d.json" in str(info.value)
+
+
+@pytest.mark.parametrize(
+    "entry, expected",
+    [
+        (5, "entry must be an object or a path string, got int 5"),
+        ({"label": "a.nii"}, "missing required key 'image'"),
+        ({"image": 7}, "'image' must be a path string or a list of path strings, got int 7"),
+        ({"image": ""}, "'image' is an empty string"),
+        ({"image": []}, "'image' is an empty list"),
+        ({"image": ["a.dcm", 3]}, "got item 3"),
+    ],
+)
+def test_bad_entry_names_file_and_index(tmp_path: Path, entry: object, expected: str) -> None:
+    file = _write_json(tmp_path / "d.json", {"training": [{"image": "ok.nii"}, entry]})
+    with pytest.raises(DatalistError) as info:
+        load_datalist(file)
+    message = str(info.value)
+    assert "d.json" in message and "training[1]" in message and expected in message
+
+
+def test_all_bad_entries_are_reported(tmp_path: Path) -> None:
+    file = _write_json(tmp_path / "d.json", {"training": [1, {"image": "ok.nii"}, {"x": 1}]})
+    with pytest.raises(DatalistError) as info:
+        load_datalist(file)
+    message = str(info.value)
+    assert "2 invalid entries" in message and "training[0]" in message and "training[2]" in message
+    assert "training[1]" not in message
+
+
+def test_required_keys(tmp_path: Path) -> None:
+    data = {"training": [{"image": "a.nii", "label": "a_seg.nii"}, {"image": "b.nii"}]}
+    with pytest.raises(DatalistError, match=r"training\[1\]: entry is missing required key 'label'"):
+        load_datalist(data, base_dir=str(tmp_path), keys=("image", "label"))
+
+
+def test_write_then_load_round_trip(tmp_path: Path) -> None:
+    data_dir = tmp_path / "data"
+    sections = {
+        "training": [{"image": str(data_dir / "a.nii.gz"), "age": 40}, {"image": "/elsewhere/b.nii.gz"}],
+        "validation": [{"image": str(data_dir / "sub" / "c.nii.gz")}],
+    }
+    out = write_datalist(data_dir / "datalist.json", sections, base_dir=data_dir)
+    raw = json.loads(out.read_text())
+    assert raw["training"] == [{"image": "a.nii.gz", "age": 40}, {"image": "/elsewhere/b.nii.gz"}]
+    assert raw["validation"] == [{"image": os.path.join("sub", "c.nii.gz")}]
+    assert load_datalist(out) == sections["training"]
+    assert load_datalist(out, key="validation") == sections["validation"]
+    assert sorted(p.name for p in data_dir.iterdir()) == ["datalist.json"]  # no temporary file left
+
+
+def test_write_rejects_bad_sections(tmp_path: Path) -> None:
+    with pytest.raises(DatalistError, match="'training' must be a list") as info:
+        write_datalist(tmp_path / "d.json", {"training": {"image": "a"}})
+    assert "d.json" in str(info.value)
+    assert not (tmp_path / "d.json").exists()
+
+
+def _make_volumes(root: Path, n: int) -> None:
+    for i in range(n):
+        folder = root / f"case{i:02d}"
+        folder.mkdir(parents=True)
+        (folder / f"case{i:02d}_flair.nii.gz").write_bytes(b"x")
+        (folder / f"case{i:02d}_t1.nii.gz").write_bytes(b"x")
+
+
+def test_make_datalist_split_and_relative_paths(tmp_path: Path, repo_root: Path) -> None:
+    script = _load_script(repo_root)
+    data_dir = tmp_path / "brats"
+    _make_volumes(data_dir, 10)
+    out = script.make_datalist(str(data_dir), output=None, pattern="*flair.nii.gz", val_fraction=0.2, seed=0)
+    assert out == data_dir / "datalist.json"
+    raw = json.loads(out.read_text())
+    assert len(raw["training"]) == 8 and len(raw["validation"]) == 2
+    paths = [e["image"] for e in raw["training"] + raw["validation"]]
+    assert all(not os.path.isabs(p) and p.endswith("_flair.nii.gz") for p in paths)
+    assert len(set(paths)) == 10
+    loaded = load_datalist(out) + load_datalist(out, key="validation")
+    assert all(os.path.isfile(e["image"]) for e in loaded)
+    again = json.loads(script.make_datalist(str(data_dir), pattern="*flair.nii.gz", seed=0).read_text())
+    assert again == raw  # the same seed gives the same split
+
+
+def test_make_datalist_small_sets_and_dicom(tmp_path: Path, repo_root: Path) -> None:
+    script = _load_script(repo_root)
+    assert script.split_items(["a", "b"], 0.0, 0)[1] != []  # at least one validation item from two
+    assert script.split_items(["a"], 0.5, 0) == (["a"], [])
+    for series in ("p1/s1", "p1/s2", "p2/s1"):
+        (tmp_path / "dicom" / series).mkdir(parents=True)
+        (tmp_path / "dicom" / series / "IM0001.DCM").write_bytes(b"x")
+    out = script.make_datalist(str(tmp_path / "dicom"), output=str(tmp_path / "dl.json"), dicom=True, val_fraction=0.3)
+    raw = json.loads(out.read_text())
+    paths = sorted(e["image"] for e in raw["training"] + raw["validation"])
+    assert paths == [os.path.join("p1", "s1"), os.path.join("p1", "s2"), os.path.join("p2", "s1")]
+    assert len(raw["validation"]) == 1
+
+
+def test_make_datalist_errors_name_data_dir(tmp_path: Path, repo_root: Path) -> None:
+    script = _load_script(repo_root)
+    with pytest.raises(FileNotFoundError, match="missing_dir"):
+        script.make_datalist(str(tmp_path / "missing_dir"))
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(FileNotFoundError, match=r"no files matching '\*flair.nii.gz' under data_dir .*empty"):
+        script.make_datalist(str(tmp_path / "empty"), pattern="*flair.nii.gz")
+    with pytest.raises(ValueError, match="val_fraction"):
+        script.split_items(["a", "b"], 1.0, 0)
+
+
+def test_make_datalist_cli(tmp_path: Path, repo_root: Path) -> None:
+    data_dir = tmp_path / "data"
+    _make_volumes(data_dir, 3)
+    cmd = [sys.executable, "scripts/make_datalist.py", "--data_dir", str(data_dir), "--pattern", "*t1.nii.gz"]
+    result = subprocess.run(cmd, cwd=repo_root, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert "2 training, 1 validation" in result.stdout
+    failed = subprocess.run(
+        [sys.executable, "scripts/make_datalist.py", "--data_dir", str(tmp_path / "nope")],
+        cwd=repo_root,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert failed.returncode == 1 and "nope" in failed.stderr
