@@ -308,7 +308,7 @@ def _random_rotation(rng: np.random.Generator) -> np.ndarray:
 def make_phantom(shape: Sequence[int] = (32, 32, 32), seed: int = 0, kind: str = "ellipsoids") -> np.ndarray:
     """A seeded synthetic volume with learnable structure.
 
-    ``"ellipsoids"``: a dim background ellipsoid ("body") holding 3 to 6 randomly placed, rotated, smooth-edged
+    ``"ellipsoids"``: a dim background ellipsoid ("body") holding 4 to 8 randomly placed, rotated, smooth-edged
     ellipsoids of different intensities, plus mild Gaussian noise.
 
     Args:
@@ -337,9 +337,9 @@ def make_phantom(shape: Sequence[int] = (32, 32, 32), seed: int = 0, kind: str =
 
     body = ellipsoid(rng.uniform(-0.05, 0.05, 3), rng.uniform(0.75, 0.9, 3), _random_rotation(rng))
     volume = 0.15 * body
-    for _ in range(int(rng.integers(3, 7))):
+    for _ in range(int(rng.integers(4, 9))):
         center = rng.uniform(-0.45, 0.45, 3)
-        radii = rng.uniform(0.15, 0.4, 3)
+        radii = rng.uniform(0.15, 0.45, 3)
         blob = ellipsoid(center, radii, _random_rotation(rng)) * body
         intensity = rng.uniform(0.35, 1.0)
         volume = volume * (1.0 - blob) + intensity * blob

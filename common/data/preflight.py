@@ -94,8 +94,8 @@ def _shape_reason(
 
 
 def _slabs(shape: tuple[int, ...], itemsize: int, max_bytes: int = SLAB_BYTES) -> Iterator[tuple[slice | int, ...]]:
-    """Index tuples covering an array in Fortran (on-disk NIfTI) order, each a contiguous block of at most
-    ``max_bytes`` (or one line along the first axis when that alone is larger)."""
+    """Index tuples covering an array in Fortran (on-disk NIfTI) order, each one contiguous run of at most
+    ``max_bytes`` on disk, so a compressed file is decompressed once, front to back."""
     if not shape:
         yield ()
         return
@@ -117,6 +117,14 @@ def _count_non_finite(block: np.ndarray) -> int:
     return int(block.size - np.count_nonzero(np.isfinite(block)))
 
 
+def _error_reason(exc: BaseException, prefix: str = "cannot be read") -> str:
+    """One-line reason from an exception (reader messages, ITK's especially, span several lines)."""
+    message = " ".join(str(exc).split())
+    if len(message) > 400:
+        message = message[:397] + "..."
+    return f"{prefix}: {type(exc).__name__}: {message}"
+
+
 def _non_finite_reason(count: int) -> str | None:
     return f"contains {count} non-finite voxels (NaN/Inf)" if count else None
 
@@ -130,7 +138,7 @@ def _check_nifti(path: str, patch: tuple[int, ...] | None, allow_pad: bool, chec
         full = tuple(int(s) for s in img.shape)
         spatial = _spatial_from_array_shape(full)
     except Exception as exc:  # noqa: BLE001 - any reader failure is a reason, not a crash
-        return f"cannot be read: {type(exc).__name__}: {exc}"
+        return _error_reason(exc)
     reason = _shape_reason(spatial, full, patch, allow_pad)
     if reason:
         return reason
@@ -142,7 +150,7 @@ def _check_nifti(path: str, patch: tuple[int, ...] | None, allow_pad: bool, chec
             if check_values:
                 non_finite += _count_non_finite(block)
     except Exception as exc:  # noqa: BLE001
-        return f"cannot be read: {type(exc).__name__}: {exc}"
+        return _error_reason(exc)
     finally:
         img.uncache()
         opener = getattr(img.dataobj, "_opener", None)  # the handle kept open by keep_file_open=True
@@ -173,7 +181,7 @@ def _check_itk(
         array = itk.array_view_from_image(img)
         non_finite = sum(_count_non_finite(array[z : z + 1]) for z in range(array.shape[0]))
     except Exception as exc:  # noqa: BLE001
-        return f"cannot be read: {type(exc).__name__}: {exc}"
+        return _error_reason(exc)
     return _non_finite_reason(non_finite)
 
 
@@ -196,7 +204,7 @@ def _check_monai(path: str, patch: tuple[int, ...] | None, allow_pad: bool, chec
         array = img.numpy() if hasattr(img, "numpy") else np.asarray(img)
         non_finite = sum(_count_non_finite(array[i : i + 1]) for i in range(array.shape[0]))
     except Exception as exc:  # noqa: BLE001
-        return f"cannot be read: {type(exc).__name__}: {exc}"
+        return _error_reason(exc)
     return _non_finite_reason(non_finite)
 
 
@@ -247,7 +255,7 @@ def check_volume(
             return _check_nifti(path, patch, allow_pad, check_values)
         return _check_monai(path, patch, allow_pad, check_values)
     except Exception as exc:  # noqa: BLE001 - a bad file must never stop the whole check
-        return f"cannot be checked: {type(exc).__name__}: {exc}"
+        return _error_reason(exc, "cannot be checked")
 
 
 def _path_key(value: str | list[str]) -> str | tuple[str, ...]:
@@ -297,6 +305,7 @@ def preflight(
     check_values: bool = True,
     num_workers: int = 2,
     required: Sequence[str] = ("training",),
+    shard: tuple[int, int] | None = None,
 ) -> dict[str, list[dict]]:
     """Check a whole datalist and every volume it names, reporting all problems in one error.
 
@@ -314,6 +323,8 @@ def preflight(
         check_values: whether to count NaN/Inf voxels.
         num_workers: threads used to read volumes.
         required: sections that must be present.
+        shard: ``(index, count)``: read only every ``count``-th distinct volume starting at ``index`` (ranks of
+            a distributed job split the reading; see :func:`preflight_or_exit`).
 
     Returns:
         Section name -> the loaded entries (absolute paths), for every section that is present.
@@ -338,17 +349,88 @@ def preflight(
     loaded, problems = _load_sections(datalist, base_dir, sections, required, keys)
     unique = {_path_key(entry[k]) for items in loaded.values() for _, entry in items for k in keys}
     ordered = sorted(unique, key=lambda p: (isinstance(p, tuple), p))
+    if shard is not None:
+        ordered = ordered[int(shard[0]) :: int(shard[1])]
     with ThreadPoolExecutor(max_workers=int(num_workers)) as pool:
         reasons = dict(zip(ordered, pool.map(lambda p: check_volume(p, patch, allow_pad, check_values), ordered)))
     for section, items in loaded.items():
         for index, entry in items:
             for k in keys:
-                reason = reasons[_path_key(entry[k])]
+                reason = reasons.get(_path_key(entry[k]))
                 if reason:
                     problems.append(f"{section}[{index}] {_display(entry[k])}: {reason}")
     if problems:
         raise PreflightError(problems, source)
     return {section: [entry for _, entry in items] for section, items in loaded.items()}
+
+
+def load_sections(
+    datalist: str | os.PathLike | Mapping[str, Any],
+    base_dir: str | None = None,
+    sections: Sequence[str] = ("training", "validation"),
+    keys: Sequence[str] = ("image",),
+    required: Sequence[str] = ("training",),
+) -> dict[str, list[dict]]:
+    """Load the sections of a datalist without reading the volumes (preflight switched off).
+
+    Raises:
+        PreflightError: listing every problem of the datalist itself (missing sections, bad entries).
+    """
+    source = IN_MEMORY_SOURCE if isinstance(datalist, Mapping) else os.path.expanduser(os.fspath(datalist))
+    sections = (sections,) if isinstance(sections, str) else tuple(sections)
+    keys = (keys,) if isinstance(keys, str) else tuple(keys)
+    try:
+        loaded, problems = _load_sections(datalist, base_dir, sections, required, keys)
+    except DatalistError as exc:
+        raise PreflightError([str(exc)], source) from exc
+    if problems:
+        raise PreflightError(problems, source)
+    return {section: [entry for _, entry in items] for section, items in loaded.items()}
+
+
+def preflight_or_exit(
+    datalist: str | os.PathLike | Mapping[str, Any],
+    base_dir: str | None = None,
+    patch_size: Sequence[int] | None = None,
+    enabled: bool = True,
+    **kwargs: Any,
+) -> dict[str, list[dict]]:
+    """Preflight for bundle configs: on problems, print them all and exit with status 1 before any work.
+
+    Under ``torch.distributed`` each rank reads a different share of the volumes and the problems of all ranks
+    are gathered, so every rank reports the same list and stops. Exiting with ``SystemExit`` keeps the report
+    free of a traceback; library code should call :func:`preflight` and handle :class:`PreflightError`.
+
+    Args:
+        datalist: datalist JSON file or decoded dict.
+        base_dir: folder for relative paths.
+        patch_size: training patch size (volumes must fit or will be padded).
+        enabled: ``False`` only loads the datalist (still validating its structure).
+        kwargs: further arguments of :func:`preflight`.
+    """
+    import torch.distributed as dist
+
+    distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+    error: PreflightError | None = None
+    loaded: dict[str, list[dict]] = {}
+    try:
+        if not enabled:
+            loaded = load_sections(datalist, base_dir, **{k: v for k, v in kwargs.items() if k in ("sections", "keys", "required")})
+        else:
+            shard = (dist.get_rank(), dist.get_world_size()) if distributed else None
+            loaded = preflight(datalist, base_dir=base_dir, patch_size=patch_size, shard=shard, **kwargs)
+    except PreflightError as exc:
+        error = exc
+    if distributed:
+        gathered: list = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, None if error is None else (error.problems, error.source))
+        problems = list(dict.fromkeys(p for g in gathered if g for p in g[0]))
+        if problems:
+            error = PreflightError(problems, next(g[1] for g in gathered if g))
+    if error is not None:
+        print(str(error), file=sys.stderr, flush=True)
+        raise SystemExit(1)
+    return loaded
 
 
 def main(

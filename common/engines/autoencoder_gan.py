@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 from monai.engines import Trainer
+from monai.engines.workflow import Workflow
 from monai.engines.utils import IterationEvents, default_metric_cmp_fn
 from monai.utils import CommonKeys as Keys
 from torch import nn
@@ -59,7 +60,8 @@ class AutoencoderGANTrainer(Trainer):
     iterations have passed) and then, after the warm-up, a discriminator step. Mixed precision (``bf16`` or
     ``fp16`` with a GradScaler), gradient accumulation and gradient-norm clipping apply to both steps.
 
-    ``engine.state.output`` holds detached tensors: ``image``, ``pred`` (reconstruction), ``loss`` (generator
+    ``engine.state.output`` holds detached tensors (decollated into one dict per sample by default, the MONAI
+    convention that MONAI's handlers, e.g. ``--tracking mlflow``, expect): ``image``, ``pred`` (reconstruction), ``loss`` (generator
     total), ``recon_loss``, ``kl_loss``/``quantization_loss``, ``perceptual_loss``, ``adv_loss``, ``d_loss``
     and the per-step ``grad_norm``/``d_grad_norm`` when clipping is on. ``IterationEvents`` fire after the
     generator forward, loss, backward and after the whole step.
@@ -122,7 +124,7 @@ class AutoencoderGANTrainer(Trainer):
         train_handlers: Sequence | None = None,
         event_names: list | None = None,
         event_to_attr: dict | None = None,
-        decollate: bool = False,
+        decollate: bool = True,
         to_kwargs: dict | None = None,
     ) -> None:
         if discriminator is not None and d_optimizer is None:
@@ -169,6 +171,14 @@ class AutoencoderGANTrainer(Trainer):
         self.accumulation_steps = int(accumulation_steps)
         self.grad_clip = float(grad_clip) if grad_clip else None
         self.scaler = make_grad_scaler(self.state.device, self.amp_mode)
+
+    def run(self) -> None:  # type: ignore[override]
+        """Run training, keeping this trainer's GradScaler.
+
+        ``monai.engines.Trainer.run`` replaces ``self.scaler`` according to MONAI's own ``amp`` flag (off here),
+        which would silently drop the fp16 GradScaler; ``Workflow.run`` is what remains of it.
+        """
+        Workflow.run(self)
 
     # ------------------------------------------------------------------ helpers
     def _autocast(self):
@@ -285,8 +295,8 @@ class AutoencoderGANTrainer(Trainer):
             output[name] = value.detach()
         output[Keys.LOSS] = g_loss.detach()
         output[Keys.PRED] = recon.detach()
-        engine.fire_event(IterationEvents.MODEL_COMPLETED)
-        return output
+        engine.fire_event(IterationEvents.MODEL_COMPLETED)  # decollates engine.state.output when enabled
+        return engine.state.output
 
     @staticmethod
     def _logits(out: torch.Tensor | Sequence[torch.Tensor]) -> torch.Tensor:

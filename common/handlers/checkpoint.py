@@ -176,7 +176,7 @@ class CheckpointManager:
             "max_epochs": engine.state.max_epochs,
         }
         content["rng"] = rng
-        content["meta"] = {"world_size": get_world_size(), "saved_at": time.time(), "torch": torch.__version__}
+        content["meta"] = {"world_size": get_world_size(), "saved_at": time.time(), "torch": str(torch.__version__)}
         return content
 
     def save(self, engine: Engine) -> None:

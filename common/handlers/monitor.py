@@ -18,7 +18,7 @@ import os
 import resource
 import sys
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +27,7 @@ import torch.distributed as dist
 from ignite.engine import Engine, Events
 from monai.handlers import ValidationHandler
 
-from common.utils import get_rank, get_world_size
+from common.utils import get_rank, get_world_size, rng_state, set_rng_state
 
 __all__ = [
     "MetricsRecorder",
@@ -56,13 +56,19 @@ def global_step(engine: Engine) -> int:
 
 
 class StepValidationHandler(ValidationHandler):
-    """MONAI's ``ValidationHandler`` that also hands the trainer's iteration to the validator as ``global_step``,
-    so validation curves share the x-axis (iterations) of the training curves."""
+    """MONAI's ``ValidationHandler`` that hands the trainer's iteration to the validator as ``global_step`` (so
+    validation curves share the x-axis of the training curves) and runs validation with the global RNG states
+    saved and restored, so the training trajectory does not depend on ``val_interval`` and a resumed run
+    continues exactly as an uninterrupted one (a data loader draws from the torch RNG on every new iterator)."""
 
     def __call__(self, engine: Engine) -> None:
         if self.validator is not None:
             self.validator.global_step = engine.state.iteration
-        super().__call__(engine)
+        state = rng_state()
+        try:
+            super().__call__(engine)
+        finally:
+            set_rng_state(state)
 
 
 def _append_csv(path: Path, rows: list[tuple[int, int, str, float]]) -> None:
@@ -142,15 +148,27 @@ class TrainingMonitor:
     def _iteration_completed(self, engine: Engine) -> None:
         output = engine.state.output
         self._iters += 1
-        if isinstance(output, Mapping):
+        if isinstance(output, Sequence) and output and isinstance(output[0], Mapping):
+            # decollated: one dict per sample, scalars replicated in each
+            image = output[0].get(self.image_key)
+            if isinstance(image, torch.Tensor):
+                self._samples += len(output)
+                self._voxels += image[0].numel() * len(output)
+            output = output[0]
+        elif isinstance(output, Mapping):
             image = output.get(self.image_key)
             if isinstance(image, torch.Tensor):
                 self._samples += image.shape[0]
                 self._voxels += image[0, 0].numel() * image.shape[0]
+        if isinstance(output, Mapping):
             for key, value in output.items():
-                if isinstance(value, torch.Tensor) and value.numel() == 1 and key not in (self.image_key,):
+                if isinstance(value, torch.Tensor) and value.numel() == 1 and key != self.image_key:
                     value = value.detach().float().reshape(())
-                    self._sums[key] = self._sums[key] + value if key in self._sums else value.clone()
+                elif isinstance(value, (float, int)) and not isinstance(value, bool):
+                    value = torch.tensor(float(value), dtype=torch.float64)
+                else:
+                    continue
+                self._sums[key] = self._sums[key] + value if key in self._sums else value.clone()
         if engine.state.iteration % self.interval == 0:
             self._report(engine)
 

@@ -76,10 +76,17 @@ def unwrap(network: nn.Module) -> nn.Module:
 
 
 def clean_state_dict(state_dict: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Strip ``module.`` and ``_orig_mod.`` prefixes left by DDP and ``torch.compile``."""
+    """Strip ``module.`` and ``_orig_mod.`` prefixes left by DDP and ``torch.compile``.
+
+    ``module`` is removed only as a leading prefix: inner submodules may legitimately be called ``module``
+    (e.g. MONAI's ``ActivationCheckpointWrapper``); ``_orig_mod`` (a compiled submodule) is removed anywhere.
+    """
     cleaned = {}
     for key, value in state_dict.items():
-        parts = [p for p in key.split(".") if p not in ("module", "_orig_mod")] if "." in key else [key]
+        parts = key.split(".")
+        while len(parts) > 1 and parts[0] in ("module", "_orig_mod"):
+            parts = parts[1:]
+        parts = [p for p in parts[:-1] if p != "_orig_mod"] + parts[-1:]
         cleaned[".".join(parts)] = value
     return cleaned
 
@@ -111,7 +118,21 @@ def split_autoencoder_output(output) -> tuple[torch.Tensor, dict[str, torch.Tens
     )
 
 
-class ReconstructionNetwork(nn.Module):
+class _InferenceView(nn.Module):
+    """Base of inference views: checkpoints of the wrapped network load and save without a prefix."""
+
+    def __init__(self, network: nn.Module) -> None:
+        super().__init__()
+        self.network = network
+
+    def state_dict(self, *args, **kwargs):
+        return unwrap(self.network).state_dict(*args, **kwargs)
+
+    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+        return unwrap(self.network).load_state_dict(clean_state_dict(state_dict), strict=strict, assign=assign)
+
+
+class ReconstructionNetwork(_InferenceView):
     """Inference view of an autoencoder: ``forward(x)`` returns only the reconstruction tensor.
 
     For a variational autoencoder the deterministic path (decode the posterior mean) is used, so validation
@@ -121,10 +142,6 @@ class ReconstructionNetwork(nn.Module):
         network: an autoencoder (MONAI ``AutoencoderKL``, ``VQVAE`` or any module returning a tensor/tuple).
     """
 
-    def __init__(self, network: nn.Module) -> None:
-        super().__init__()
-        self.network = network
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         net = unwrap(self.network)
         if hasattr(net, "reconstruct"):
@@ -132,7 +149,7 @@ class ReconstructionNetwork(nn.Module):
         return split_autoencoder_output(self.network(x))[0]
 
 
-class LatentEncoder(nn.Module):
+class LatentEncoder(_InferenceView):
     """Inference view of an autoencoder's encoder: ``forward(x)`` returns the latent map.
 
     ``AutoencoderKL`` gives the posterior mean (deterministic), VQ-VAE style networks the quantized latent
@@ -141,10 +158,6 @@ class LatentEncoder(nn.Module):
     Args:
         network: the autoencoder.
     """
-
-    def __init__(self, network: nn.Module) -> None:
-        super().__init__()
-        self.network = network
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         net = unwrap(self.network)

@@ -1,0 +1,280 @@
+# Copyright (c) the 3D MONAI bundle collection contributors.
+# Licensed under the Apache License, Version 2.0.
+"""Workflow tests of ``bundles/autoencoder_3d``, run as users run it: train -> evaluate -> inference, export,
+metadata, MLflow tracking, preflight refusal, kill-and-resume and a 2-process torchrun job."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import nibabel as nib
+import numpy as np
+import pytest
+import torch
+
+from tests.helpers import BUNDLES, REPO_ROOT, SCHEMA, bundle_env, config_arg, overrides, run_bundle, torchrun_cmd
+
+BUNDLE = "autoencoder_3d"
+TINY = dict(
+    patch_size=[16, 16, 16],
+    channels=[8, 16, 16],
+    norm_num_groups=4,
+    d_channels=8,
+    d_num_layers=2,
+    num_threads=1,
+    log_interval=1,
+)
+
+
+@pytest.fixture(scope="module")
+def phantoms(tmp_path_factory) -> Path:
+    from common.data.demo import write_phantom_dataset
+
+    root = tmp_path_factory.mktemp("phantoms")
+    write_phantom_dataset(root, n_train=4, n_val=2, shape=(24, 24, 24), seed=0)
+    return root
+
+
+@pytest.fixture(scope="module")
+def trained(phantoms, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("ae_run")
+    args = overrides(dataset_dir=str(phantoms), output_dir=str(out), max_epochs=3, val_interval=1,
+                     adv_warmup_iterations=2, ckpt_interval=2, **TINY)
+    run_bundle(BUNDLE, ["train.json"], args=args)
+    return out
+
+
+def _tb_tags(log_dir: Path) -> dict[str, list[str]]:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(log_dir), size_guidance={"images": 0, "scalars": 0})
+    acc.Reload()
+    return acc.Tags()
+
+
+def test_training_outputs(trained):
+    models = trained / "models"
+    assert (models / "last.pt").is_file() and (models / "model.pt").is_file()
+    ranked = sorted(models.glob("model_val_psnr=*_step=*.pt"))
+    assert 1 <= len(ranked) <= 3
+    last = torch.load(models / "last.pt", weights_only=True)
+    assert last["trainer"]["iteration"] == 6 and last["trainer"]["epoch"] == 3
+    assert {"autoencoder", "discriminator", "optimizer", "d_optimizer", "lr_scheduler", "rng"} <= set(last)
+    assert not any(k.startswith(("module.", "_orig_mod.")) for k in last["autoencoder"])
+
+    summary = json.loads((trained / "metrics.json").read_text())
+    assert [h["step"] for h in summary["history"]] == [2, 4, 6]
+    assert summary["best"]["val_psnr"] == max(h["val_psnr"] for h in summary["history"])
+    assert all(0 < h["val_ssim"] <= 1 and 0 < h["val_ms_ssim"] <= 1 for h in summary["history"])
+
+    rows = (trained / "metrics.csv").read_text().splitlines()
+    assert rows[0] == "step,epoch,tag,value"
+    tags = {r.split(",")[2] for r in rows[1:]}
+    assert {"train/loss", "train/recon_loss", "train/kl_loss", "train/samples_per_s", "train/data_wait",
+            "train/peak_mem_gib", "train/lr_autoencoder", "val_psnr"} <= tags
+    assert "train/d_loss" in tags and "train/adv_loss" in tags  # adversarial terms after the warm-up
+
+    tb = _tb_tags(trained / "tensorboard")
+    assert "train/loss" in tb["scalars"] and "val_psnr" in tb["scalars"]
+    assert any(t.startswith("val/input_recon_error") for t in tb["images"])
+    log = (trained / "train.log").read_text()
+    assert "[rank 0]" in log and "saved checkpoint" in log
+
+
+def test_evaluate_matches_best_validation(trained, phantoms):
+    args = overrides(dataset_dir=str(phantoms), output_dir=str(trained), **TINY)
+    run_bundle(BUNDLE, ["train.json", "evaluate.json"], run_id="run", args=args)
+    evaluation = json.loads((trained / "eval" / "metrics.json").read_text())["latest"]
+    best = json.loads((trained / "metrics.json").read_text())["best"]
+    for key in ("val_psnr", "val_ssim", "val_ms_ssim"):
+        assert evaluation[key] == pytest.approx(best[key], rel=1e-5)
+    per_volume = (trained / "eval" / "metrics_per_volume.csv").read_text().splitlines()
+    assert per_volume[0].split(",")[:2] == ["filename", "val_psnr"] and len(per_volume) == 3
+    psnrs = [float(r.split(",")[1]) for r in per_volume[1:]]
+    assert np.mean(psnrs) == pytest.approx(evaluation["val_psnr"], rel=1e-5)
+
+
+def test_inference_reconstruct_and_encode(trained, phantoms):
+    common = dict(dataset_dir=str(phantoms / "images"), output_dir=str(trained), patch_size=TINY["patch_size"],
+                  channels=TINY["channels"], norm_num_groups=TINY["norm_num_groups"])
+    run_bundle(BUNDLE, ["inference.json"], run_id="run", args=overrides(**common))
+    run_bundle(BUNDLE, ["inference.json"], run_id="run", args=overrides(mode="encode", **common))
+    source = nib.load(phantoms / "images" / "phantom_val_000.nii.gz")
+    recon = nib.load(trained / "predictions" / "phantom_val_000_recon.nii.gz")
+    latent = nib.load(trained / "predictions" / "phantom_val_000_latent.nii.gz")
+    assert recon.shape == source.shape
+    np.testing.assert_allclose(recon.affine, source.affine, atol=1e-5)
+    assert np.isfinite(recon.get_fdata()).all()
+    assert latent.shape == (6, 6, 6, 3)
+    np.testing.assert_allclose(np.diag(latent.affine)[:3], 4 * np.diag(source.affine)[:3], atol=1e-5)
+    assert len(list((trained / "predictions").glob("*_recon.nii.gz"))) == 6
+
+
+def test_inference_without_inputs_fails_clearly(trained, tmp_path):
+    result = run_bundle(BUNDLE, ["inference.json"], run_id="run", check=False,
+                        args=overrides(dataset_dir=str(tmp_path), output_dir=str(trained), **{k: TINY[k] for k in ("patch_size", "channels", "norm_num_groups")}))
+    assert result.returncode != 0
+    assert "no input volumes match" in result.stderr and str(tmp_path) in result.stderr
+
+
+def test_metadata_valid_against_schema():
+    jsonschema = pytest.importorskip("jsonschema")
+    meta = json.loads((BUNDLES / BUNDLE / "configs" / "metadata.json").read_text())
+    jsonschema.validate(meta, json.loads(SCHEMA.read_text()))
+    assert meta["version"] in meta["changelog"]
+    assert set(meta["network_data_format"]["inputs"]) == {"image"}
+    assert set(meta["network_data_format"]["outputs"]) == {"pred"}
+
+
+def test_verify_net_in_out():
+    cmd = [sys.executable, "-m", "monai.bundle", "verify_net_in_out", "network",
+           "--meta_file", str(BUNDLES / BUNDLE / "configs" / "metadata.json"),
+           "--config_file", config_arg(BUNDLE, "inference.json"), "--n", "4",
+           *overrides(**{k: TINY[k] for k in ("channels", "norm_num_groups")}, device="cpu")]
+    result = subprocess.run(cmd, cwd=REPO_ROOT, env=bundle_env(), capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "data shape of network is verified with no error" in result.stdout + result.stderr
+
+
+def test_ckpt_export_trace_matches_pytorch(trained, tmp_path):
+    exported = tmp_path / "model.ts"
+    cmd = [sys.executable, "-m", "monai.bundle", "ckpt_export", "network", "--filepath", str(exported),
+           "--ckpt_file", str(trained / "models" / "model.pt"),
+           "--meta_file", str(BUNDLES / BUNDLE / "configs" / "metadata.json"),
+           "--config_file", config_arg(BUNDLE, "inference.json"), "--use_trace", "True",
+           "--input_shape", "[1,1,16,16,16]",
+           *overrides(**{k: TINY[k] for k in ("channels", "norm_num_groups")}, device="cpu")]
+    result = subprocess.run(cmd, cwd=REPO_ROOT, env=bundle_env(), capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    ts = torch.jit.load(str(exported))
+
+    from monai.networks.nets import AutoencoderKL
+
+    from common.handlers.checkpoint import load_network_weights
+    from common.networks.wrappers import ReconstructionNetwork
+
+    ae = AutoencoderKL(spatial_dims=3, in_channels=1, out_channels=1, channels=(8, 16, 16), latent_channels=3,
+                       num_res_blocks=1, norm_num_groups=4, attention_levels=(False, False, True))
+    net = ReconstructionNetwork(load_network_weights(ae, trained / "models" / "model.pt")).eval()
+    x = torch.rand(1, 1, 16, 16, 16)
+    with torch.no_grad():
+        torch.testing.assert_close(ts(x), net(x), rtol=1e-4, atol=1e-5)
+
+
+def test_mlflow_tracking(phantoms, tmp_path):
+    pytest.importorskip("mlflow")
+    args = overrides(dataset_dir=str(phantoms), output_dir=str(tmp_path), max_epochs=1, val_interval=1,
+                     adv_warmup_iterations=0, **TINY) + ["--tracking", "mlflow"]
+    run_bundle(BUNDLE, ["train.json"], args=args)
+    db = tmp_path / "mlruns.db"
+    assert db.is_file()
+    import sqlite3
+
+    with sqlite3.connect(db) as conn:
+        keys = {row[0] for row in conn.execute("select distinct key from metrics")}
+    assert "train_loss" in keys and "val_psnr" in keys
+
+
+def test_preflight_refuses_bad_data_and_writes_nothing(phantoms, tmp_path):
+    data = tmp_path / "data"
+    data.mkdir()
+    good = nib.load(phantoms / "images" / "phantom_train_000.nii.gz")
+    nan = np.asarray(good.dataobj, dtype=np.float32).copy()
+    nan[3, 3, 3] = np.nan
+    nib.save(nib.Nifti1Image(nan, good.affine), data / "nan.nii.gz")
+    nib.save(nib.Nifti1Image(np.zeros((24, 24), np.float32), np.eye(4)), data / "flat.nii.gz")
+    (data / "datalist.json").write_text(json.dumps({
+        "training": [{"image": str(phantoms / "images" / "phantom_train_000.nii.gz")}, {"image": "missing.nii.gz"},
+                     {"image": "nan.nii.gz"}, {"image": "flat.nii.gz"}],
+        "validation": [{"image": str(phantoms / "images" / "phantom_val_000.nii.gz")}],
+    }))
+    out = tmp_path / "out"
+    result = run_bundle(BUNDLE, ["train.json"], check=False,
+                        args=overrides(dataset_dir=str(data), output_dir=str(out), **TINY))
+    assert result.returncode != 0
+    text = result.stdout + result.stderr
+    for name in ("missing.nii.gz", "nan.nii.gz", "flat.nii.gz"):
+        assert name in text
+    assert "phantom_train_000" not in text.split("preflight found")[-1]
+    assert not out.exists()
+
+
+def _final_weights(out: Path) -> dict[str, torch.Tensor]:
+    return torch.load(out / "models" / "last.pt", weights_only=True)["autoencoder"]
+
+
+def test_kill_and_resume_matches_uninterrupted_run(phantoms, tmp_path):
+    """SIGKILL a run after its second checkpoint, re-run the same command: it resumes and ends bit-identical."""
+    common = dict(dataset_dir=str(phantoms), max_epochs=6, val_interval=2, adv_warmup_iterations=3, ckpt_interval=2,
+                  deterministic=True, **TINY)
+    reference = tmp_path / "reference"
+    run_bundle(BUNDLE, ["train.json"], args=overrides(output_dir=str(reference), **common))
+
+    out = tmp_path / "interrupted"
+    cmd = [sys.executable, "-m", "monai.bundle", "run", "training", "--config_file", config_arg(BUNDLE, "train.json"),
+           *overrides(output_dir=str(out), **common)]
+    proc = subprocess.Popen(cmd, cwd=REPO_ROOT, env=bundle_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 300
+    killed_at = None
+    try:
+        while time.time() < deadline and proc.poll() is None:
+            last = out / "models" / "last.pt"
+            if last.is_file():
+                try:
+                    iteration = torch.load(last, weights_only=True)["trainer"]["iteration"]
+                except Exception:
+                    iteration = 0  # being replaced at this instant
+                if iteration >= 4:
+                    proc.send_signal(signal.SIGKILL)
+                    killed_at = iteration
+                    break
+            time.sleep(0.05)
+    finally:
+        proc.wait(timeout=60)
+    if killed_at is None or killed_at >= 12:
+        pytest.skip("the run finished before it could be interrupted")
+    assert proc.returncode == -signal.SIGKILL
+    resumed = run_bundle(BUNDLE, ["train.json"], args=overrides(output_dir=str(out), **common))
+    assert f"resumed from {out / 'models' / 'last.pt'} at iteration {killed_at}" in resumed.stdout + resumed.stderr
+    final = torch.load(out / "models" / "last.pt", weights_only=True)
+    assert final["trainer"]["iteration"] == 12
+    expected = _final_weights(reference)
+    for key, value in final["autoencoder"].items():
+        assert torch.equal(value, expected[key]), key
+
+
+def test_torchrun_two_processes(phantoms, tmp_path):
+    """2-process gloo DDP: ranks train on different partitions and end with identical weights."""
+    out = tmp_path / "ddp"
+    probe = tmp_path / "probe.json"
+    probe.write_text(json.dumps({
+        "finalize": ["$torch.save({'weights': @autoencoder.state_dict(), 'd_weights': @discriminator.state_dict(), "
+                      "'train': [d['image'] for d in @train#dataset.data], 'iteration': @train#trainer.state.iteration}, "
+                      "@output_dir + '/rank' + str(torch.distributed.get_rank()) + '.pt')",
+                     "$@summary_writer.close() if @summary_writer is not None else None",
+                     "$common.utils.destroy_distributed()"],
+    }))
+    configs = json.dumps([str(BUNDLES / BUNDLE / "configs" / n) for n in ("train.json", "multi_gpu_train.json")] + [str(probe)])
+    cmd = torchrun_cmd(2, "-m", "monai.bundle", "run", "training", "--config_file", configs,
+                       *overrides(dataset_dir=str(phantoms), output_dir=str(out), max_epochs=2, val_interval=1,
+                                  adv_warmup_iterations=1, ckpt_interval=1, **TINY))
+    result = subprocess.run(cmd, cwd=REPO_ROOT, env=bundle_env(), capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
+    r0 = torch.load(out / "rank0.pt", weights_only=True)
+    r1 = torch.load(out / "rank1.pt", weights_only=True)
+    assert r0["iteration"] == r1["iteration"] == 2  # 4 volumes / 2 ranks / batch 2 = 1 step per epoch
+    assert not set(r0["train"]) & set(r1["train"]), "ranks must cache different volumes"
+    assert len(set(r0["train"]) | set(r1["train"])) == 4
+    for key in r0["weights"]:
+        assert torch.equal(r0["weights"][key], r1["weights"][key]), key
+    for key in r0["d_weights"]:
+        if "running" not in key and "num_batches" not in key:  # BatchNorm statistics stay per rank on CPU
+            assert torch.equal(r0["d_weights"][key], r1["d_weights"][key]), key
+    log = (out / "train.log.rank1").read_text()
+    assert "[rank 1]" in log
+    assert (out / "models" / "last.pt").is_file() and not (out / "train.log").read_text().count("[rank 1]")

@@ -1,0 +1,283 @@
+# Copyright (c) the 3D MONAI bundle collection contributors.
+# Licensed under the Apache License, Version 2.0.
+"""Preflight checks of datalists and volumes."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import nibabel as nib
+import numpy as np
+import pytest
+
+from common.data.preflight import PreflightError, check_volume, preflight
+
+
+def _nifti(path: Path, array: np.ndarray) -> Path:
+    nib.save(nib.Nifti1Image(array, np.eye(4)), str(path))
+    return path
+
+
+def _good(path: Path, shape: tuple[int, ...] = (16, 16, 16), seed: int = 0) -> Path:
+    return _nifti(path, np.random.default_rng(seed).random(shape, dtype=np.float32))
+
+
+def _datalist(path: Path, training: list, validation: list | None = None) -> Path:
+    data = {"training": [{"image": str(p)} for p in training]}
+    if validation is not None:
+        data["validation"] = [{"image": str(p)} for p in validation]
+    path.write_text(json.dumps(data))
+    return path
+
+
+def _listing(root: Path) -> list[tuple[str, int, int]]:
+    return sorted((str(p.relative_to(root)), p.stat().st_size, p.stat().st_mtime_ns) for p in root.rglob("*"))
+
+
+def _write_dicom_series(folder: Path, shape_zyx: tuple[int, int, int] = (8, 16, 16)) -> Path:
+    """Write a 3D int16 image as one DICOM file per slice with ITK's series writer."""
+    import itk
+
+    folder.mkdir(parents=True)
+    array = (np.random.default_rng(0).random(shape_zyx) * 1000).astype(np.int16)
+    image = itk.image_from_array(array)
+    writer = itk.ImageSeriesWriter[type(image), itk.Image[itk.SS, 2]].New()
+    writer.SetInput(image)
+    writer.SetImageIO(itk.GDCMImageIO.New())
+    writer.SetFileNames([str(folder / f"slice{z:03d}.dcm") for z in range(shape_zyx[0])])
+    writer.Update()
+    return folder
+
+
+@pytest.fixture
+def bad_set(tmp_path: Path) -> dict[str, Path]:
+    """One good volume and one of each kind of bad volume, in ``tmp_path/images``."""
+    images = tmp_path / "images"
+    images.mkdir()
+    good = _good(images / "good.nii.gz")
+    corrupt = images / "corrupt.nii.gz"
+    corrupt.write_bytes(np.random.default_rng(1).integers(0, 256, 4096, dtype=np.uint8).tobytes())
+    full = _good(images / "full.nii.gz", (32, 32, 32), seed=2).read_bytes()
+    truncated = images / "truncated.nii.gz"
+    truncated.write_bytes(full[: len(full) // 2])
+    (images / "full.nii.gz").unlink()
+    flat = _nifti(images / "flat.nii.gz", np.ones((64, 64), np.float32))
+    nan_volume = np.ones((16, 16, 16), np.float32)
+    nan_volume[1, 2, 3] = np.nan
+    nan_volume[4, 5, 6] = np.inf
+    nans = _nifti(images / "nans.nii.gz", nan_volume)
+    small = _good(images / "small.nii.gz", (8, 8, 8))
+    return {
+        "good": good,
+        "missing": images / "missing.nii.gz",
+        "corrupt": corrupt,
+        "truncated": truncated,
+        "flat": flat,
+        "nans": nans,
+        "small": small,
+    }
+
+
+def test_check_volume_good_and_reasons(bad_set: dict[str, Path]) -> None:
+    assert check_volume(str(bad_set["good"])) is None
+    assert check_volume(str(bad_set["missing"])) == "does not exist"
+    assert check_volume(str(bad_set["corrupt"])).startswith("cannot be read:")
+    truncated = check_volume(str(bad_set["truncated"]))
+    assert truncated.startswith("cannot be read:") and "EOFError" in truncated
+    assert check_volume(str(bad_set["flat"])) == "is 2D (shape (64, 64)); a 3D volume is required"
+    assert check_volume(str(bad_set["nans"])) == "contains 2 non-finite voxels (NaN/Inf)"
+    assert check_volume(str(bad_set["nans"]), check_values=False) is None
+    assert check_volume(str(bad_set["small"]), patch_size=(16, 16, 16)) is None  # will be padded
+    assert (
+        check_volume(str(bad_set["small"]), patch_size=(16, 16, 16), allow_pad=False)
+        == "shape (8, 8, 8) is smaller than patch_size (16, 16, 16) and padding is disabled"
+    )
+
+
+@pytest.mark.parametrize(
+    "shape, ok",
+    [
+        ((8, 8, 8, 3), True),
+        ((8, 8, 8, 1), True),
+        ((8, 8, 8, 1, 2), True),
+        ((64, 64, 1), False),
+        ((8, 8, 8, 2, 2), False),
+    ],
+)
+def test_check_volume_channel_layouts(tmp_path: Path, shape: tuple[int, ...], ok: bool) -> None:
+    reason = check_volume(str(_nifti(tmp_path / "v.nii.gz", np.ones(shape, np.float32))))
+    assert (reason is None) == ok, reason
+    if shape == (64, 64, 1):
+        assert reason == "is 2D (shape (64, 64, 1)); a 3D volume is required"
+
+
+def test_check_volume_uncompressed_truncated(tmp_path: Path) -> None:
+    full = _good(tmp_path / "v.nii", (16, 16, 16)).read_bytes()
+    (tmp_path / "v.nii").write_bytes(full[: len(full) - 1000])
+    assert check_volume(str(tmp_path / "v.nii")).startswith("cannot be read:")
+
+
+def test_check_volume_reads_in_bounded_slabs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import common.data.preflight as module
+
+    volume = np.ones((16, 16, 40), np.float32)
+    volume[:, :, 37] = np.nan
+    path = _nifti(tmp_path / "v.nii.gz", volume)
+    monkeypatch.setattr(module, "SLAB_BYTES", 16 * 16 * 4 * 3)  # three slices per read
+    assert list(module._slabs((16, 16, 40), 4, 16 * 16 * 4 * 3))[-1] == (slice(None), slice(None), slice(39, 40))
+    assert check_volume(str(path)) == "contains 256 non-finite voxels (NaN/Inf)"
+
+
+def test_check_volume_bad_patch_size_raises() -> None:
+    with pytest.raises(ValueError, match=r"patch_size must be 3 positive integers, got \[32, 32\]"):
+        check_volume("whatever.nii.gz", patch_size=[32, 32])
+
+
+def test_preflight_reports_every_problem_at_once(tmp_path: Path, bad_set: dict[str, Path]) -> None:
+    order = ["good", "missing", "corrupt", "truncated", "flat", "nans", "small"]
+    file = _datalist(tmp_path / "datalist.json", [bad_set[name] for name in order])
+    with pytest.raises(PreflightError) as info:
+        preflight(file, patch_size=(16, 16, 16), allow_pad=False)
+    error = info.value
+    lines = str(error).splitlines()
+    assert lines[0] == f"preflight found 6 problem(s) in {file}:"
+    assert len(lines) == 7 and len(error.problems) == 6
+    expected = {
+        "missing": "does not exist",
+        "corrupt": "cannot be read:",
+        "truncated": "cannot be read:",
+        "flat": "is 2D (shape (64, 64))",
+        "nans": "contains 2 non-finite voxels (NaN/Inf)",
+        "small": "is smaller than patch_size (16, 16, 16) and padding is disabled",
+    }
+    for index, name in enumerate(order[1:], start=1):
+        matching = [p for p in error.problems if str(bad_set[name]) in p]
+        assert len(matching) == 1, (name, error.problems)
+        assert matching[0].startswith(f"training[{index}] {bad_set[name]}: ")
+        assert expected[name] in matching[0]
+    assert not any(str(bad_set["good"]) in p for p in error.problems)
+
+
+def test_preflight_ok_returns_sections_and_dedups(tmp_path: Path) -> None:
+    a, b = _good(tmp_path / "a.nii.gz"), _good(tmp_path / "b.nii", seed=1)
+    file = _datalist(tmp_path / "d.json", [a, a, b], [b])
+    loaded = preflight(file, patch_size=[16, 16, 16], allow_pad=False, num_workers=2)
+    assert [e["image"] for e in loaded["training"]] == [str(a), str(a), str(b)]
+    assert [e["image"] for e in loaded["validation"]] == [str(b)]
+
+
+def test_preflight_validation_optional_but_not_empty(tmp_path: Path) -> None:
+    good = _good(tmp_path / "a.nii.gz")
+    assert set(preflight(_datalist(tmp_path / "d.json", [good]))) == {"training"}
+    with pytest.raises(PreflightError, match="'validation' is empty"):
+        preflight(_datalist(tmp_path / "d.json", [good], []))
+
+
+def test_preflight_empty_training(tmp_path: Path) -> None:
+    file = _datalist(tmp_path / "d.json", [], [_good(tmp_path / "a.nii.gz")])
+    with pytest.raises(PreflightError) as info:
+        preflight(file)
+    assert len(info.value.problems) == 1
+    assert "'training' is empty" in info.value.problems[0] and "d.json" in info.value.problems[0]
+
+
+def test_preflight_missing_training_section(tmp_path: Path) -> None:
+    file = tmp_path / "d.json"
+    file.write_text(json.dumps({"validation": [{"image": "a.nii.gz"}]}))
+    with pytest.raises(PreflightError, match="no section 'training'; sections present: \\['validation'\\]"):
+        preflight(file)
+
+
+def test_preflight_bad_json(tmp_path: Path) -> None:
+    file = tmp_path / "d.json"
+    file.write_text('{"training": [')
+    with pytest.raises(PreflightError) as info:
+        preflight(file)
+    assert len(info.value.problems) == 1
+    assert str(file) in info.value.problems[0] and "not valid JSON" in info.value.problems[0]
+
+
+def test_preflight_reports_bad_entries_and_bad_files_together(tmp_path: Path) -> None:
+    file = tmp_path / "d.json"
+    file.write_text(json.dumps({"training": [{"label": "x"}, {"image": "missing.nii.gz"}, 3]}))
+    with pytest.raises(PreflightError) as info:
+        preflight(file)
+    problems = info.value.problems
+    assert len(problems) == 3
+    assert problems[0].startswith("training[0]: entry is missing required key 'image'")
+    assert problems[1].startswith("training[2]: entry must be an object or a path string")
+    assert problems[2] == f"training[1] {tmp_path / 'missing.nii.gz'}: does not exist"
+
+
+def test_preflight_writes_nothing(tmp_path: Path, bad_set: dict[str, Path]) -> None:
+    file = _datalist(tmp_path / "datalist.json", list(bad_set.values()), [bad_set["good"]])
+    good_file = _datalist(tmp_path / "good.json", [bad_set["good"]])
+    before = _listing(tmp_path)
+    with pytest.raises(PreflightError):
+        preflight(file, patch_size=(16, 16, 16))
+    assert _listing(tmp_path) == before
+    preflight(good_file)
+    assert _listing(tmp_path) == before
+
+
+def test_preflight_accepts_dicom_series_folder(tmp_path: Path) -> None:
+    series = _write_dicom_series(tmp_path / "series")
+    assert check_volume(str(series)) is None
+    assert check_volume(str(series), patch_size=(16, 16, 16), allow_pad=False) is not None  # only 8 slices
+    files = sorted(str(p) for p in series.glob("*.dcm"))
+    file = tmp_path / "d.json"
+    file.write_text(json.dumps({"training": [{"image": "series"}, {"image": files}]}))
+    loaded = preflight(file)
+    assert loaded["training"][0]["image"] == str(series)
+    empty = tmp_path / "empty_series"
+    empty.mkdir()
+    assert check_volume(str(empty)) == "is a folder without files; a DICOM series folder is required"
+
+
+def test_check_volume_other_formats_via_monai(tmp_path: Path) -> None:
+    import itk
+
+    volume = itk.image_from_array(np.ones((6, 7, 8), np.float32))
+    itk.imwrite(volume, str(tmp_path / "v.mha"))
+    itk.imwrite(itk.image_from_array(np.ones((7, 8), np.float32)), str(tmp_path / "s.nrrd"))
+    assert check_volume(str(tmp_path / "v.mha"), patch_size=(8, 7, 6), allow_pad=False) is None
+    assert check_volume(str(tmp_path / "s.nrrd")) == "is 2D (shape (8, 7)); a 3D volume is required"
+    with gzip.open(tmp_path / "junk.mha", "wb") as handle:
+        handle.write(b"not an image")
+    assert check_volume(str(tmp_path / "junk.mha")).startswith("cannot be read:")
+
+
+def _run_cli(repo_root: Path, *args: str) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=str(repo_root))
+    return subprocess.run(
+        [sys.executable, "-m", "common.data.preflight", *args],
+        cwd=repo_root,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+def test_cli_exit_codes(tmp_path: Path, repo_root: Path) -> None:
+    good = _good(tmp_path / "a.nii.gz", (16, 16, 16))
+    ok = _run_cli(repo_root, str(_datalist(tmp_path / "ok.json", [good, good], [good])), "--patch_size", "[16,16,16]")
+    assert ok.returncode == 0, ok.stderr
+    assert "preflight OK: 2 training, 1 validation volumes" in ok.stdout
+    bad = _run_cli(
+        repo_root,
+        str(_datalist(tmp_path / "bad.json", [good, tmp_path / "gone.nii.gz"])),
+        "--patch_size",
+        "[32,32,32]",
+        "--allow_pad",
+        "False",
+    )
+    assert bad.returncode == 1
+    assert "preflight found 2 problem(s)" in bad.stderr
+    assert "gone.nii.gz: does not exist" in bad.stderr
+    assert "is smaller than patch_size (32, 32, 32)" in bad.stderr

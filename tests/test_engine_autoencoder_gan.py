@@ -1,0 +1,457 @@
+# Copyright (c) the 3D MONAI bundle collection contributors.
+# Licensed under the Apache License, Version 2.0.
+"""Tests for the autoencoder-GAN trainer: loss terms, adversarial warm-up, gradients, accumulation, clipping, AMP."""
+
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import pytest
+import torch
+from monai.data import MetaTensor
+from monai.engines.utils import IterationEvents
+from monai.losses import PatchAdversarialLoss
+from monai.networks.nets import AutoencoderKL, PatchDiscriminator
+from ignite.engine import Events
+from torch import nn
+
+from common.data.demo import make_phantom
+from common.engines.autoencoder_gan import AutoencoderGANTrainer, prepare_image_batch
+from common.losses.autoencoder import kl_divergence
+
+SIDE = 16
+
+
+def tiny_autoencoder(seed: int = 0) -> AutoencoderKL:
+    torch.manual_seed(seed)
+    return AutoencoderKL(
+        spatial_dims=3,
+        in_channels=1,
+        out_channels=1,
+        channels=(8, 16),
+        latent_channels=2,
+        num_res_blocks=1,
+        norm_num_groups=4,
+        attention_levels=(False, False),
+        with_encoder_nonlocal_attn=False,
+        with_decoder_nonlocal_attn=False,
+    )
+
+
+def tiny_discriminator(seed: int = 1) -> PatchDiscriminator:
+    torch.manual_seed(seed)
+    return PatchDiscriminator(spatial_dims=3, channels=8, in_channels=1, num_layers_d=2)
+
+
+class ConvNet(nn.Module):
+    """A deterministic stand-in generator returning a plain tensor (no posterior sampling)."""
+
+    def __init__(self, seed: int = 0) -> None:
+        super().__init__()
+        torch.manual_seed(seed)
+        self.conv1 = nn.Conv3d(1, 4, 3, padding=1)
+        self.conv2 = nn.Conv3d(4, 1, 3, padding=1)
+
+    def forward(self, x):
+        return self.conv2(torch.relu(self.conv1(x)))
+
+
+class QuantNet(ConvNet):
+    """Returns ``(recon, quantization_loss)`` like a VQ-VAE."""
+
+    def forward(self, x):
+        y = super().forward(x)
+        return y, (y - x).pow(2).mean() + 0.25
+
+
+def phantom_batch(n: int = 2, seed: int = 0) -> torch.Tensor:
+    return torch.from_numpy(np.stack([make_phantom((SIDE,) * 3, seed=seed + i) for i in range(n)]))[:, None]
+
+
+def random_batches(k: int, n: int = 2, seed: int = 0) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.rand(n, 1, SIDE, SIDE, SIDE, generator=gen) for _ in range(k)]
+
+
+def make_trainer(network, batches, optimizer=None, max_epochs: int = 1, **kwargs) -> AutoencoderGANTrainer:
+    optimizer = optimizer if optimizer is not None else torch.optim.Adam(network.parameters(), lr=1e-3)
+    kwargs.setdefault("decollate", False)  # batch-level dicts are easier to compare with manual computations
+    return AutoencoderGANTrainer(
+        device=torch.device("cpu"),
+        max_epochs=max_epochs,
+        train_data_loader=[{"image": b} for b in batches],
+        network=network,
+        optimizer=optimizer,
+        **kwargs,
+    )
+
+
+def record_outputs(trainer) -> list[dict]:
+    outputs: list[dict] = []
+    trainer.add_event_handler(Events.ITERATION_COMPLETED, lambda e: outputs.append(dict(e.state.output)))
+    return outputs
+
+
+def record_params(trainer, module: nn.Module) -> list[list[torch.Tensor]]:
+    snapshots = [[p.detach().clone() for p in module.parameters()]]
+    trainer.add_event_handler(
+        Events.ITERATION_COMPLETED, lambda e: snapshots.append([p.detach().clone() for p in module.parameters()])
+    )
+    return snapshots
+
+
+def same(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
+    return all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+# ---------------------------------------------------------------------------------------------- learning
+def test_reconstruction_loss_falls_on_a_fixed_batch():
+    ae = tiny_autoencoder()
+    batch = phantom_batch()
+    trainer = make_trainer(ae, [batch], max_epochs=30, kl_weight=1e-7)
+    outputs = record_outputs(trainer)
+    trainer.run()
+    losses = [o["recon_loss"].item() for o in outputs]
+    assert len(losses) == 30
+    assert all(np.isfinite(losses))
+    assert np.mean(losses[-5:]) < 0.6 * np.mean(losses[:5])
+    # the reported reconstruction loss is the L1 distance of the reported reconstruction
+    last = outputs[-1]
+    assert last["recon_loss"].item() == pytest.approx((last["pred"] - last["image"]).abs().mean().item(), rel=1e-5)
+
+
+def test_outputs_are_detached_and_complete():
+    ae = tiny_autoencoder()
+    trainer = make_trainer(ae, random_batches(1), kl_weight=1e-3)
+    outputs = record_outputs(trainer)
+    trainer.run()
+    out = outputs[0]
+    assert {"image", "label", "pred", "loss", "recon_loss", "kl_loss"} <= set(out)
+    assert not {"adv_loss", "d_loss", "quantization_loss", "perceptual_loss", "grad_norm"} & set(out)
+    assert all(not v.requires_grad for v in out.values() if isinstance(v, torch.Tensor))
+    assert out["pred"].shape == out["image"].shape == (2, 1, SIDE, SIDE, SIDE)
+
+
+def test_decollated_output_has_one_dict_per_sample():
+    batch = random_batches(1, n=3)[0]
+    trainer = make_trainer(ConvNet(), [batch], decollate=True, grad_clip=1.0)
+    outputs: list = []
+    trainer.add_event_handler(Events.ITERATION_COMPLETED, lambda e: outputs.append(e.state.output))
+    trainer.run()
+    samples = outputs[0]
+    assert isinstance(samples, list) and len(samples) == 3
+    with torch.no_grad():
+        recon = ConvNet()(batch)
+    loss = (recon - batch).abs().mean()
+    for i, sample in enumerate(samples):
+        assert torch.equal(sample["image"], batch[i])
+        torch.testing.assert_close(sample["pred"], recon[i])
+        assert float(sample["loss"]) == pytest.approx(loss.item(), rel=1e-6)  # scalars replicated per sample
+        assert float(sample["recon_loss"]) == pytest.approx(loss.item(), rel=1e-6)
+        assert "grad_norm" in sample
+
+
+# ---------------------------------------------------------------------------------------------- loss terms
+def test_kl_term_for_autoencoder_kl():
+    ae = tiny_autoencoder()
+    captured = []
+    ae.register_forward_hook(lambda module, inputs, output: captured.append(output))
+    trainer = make_trainer(ae, random_batches(1), kl_weight=0.5)
+    outputs = record_outputs(trainer)
+    trainer.run()
+    out = outputs[0]
+    _, z_mu, z_sigma = captured[0]
+    assert out["kl_loss"].item() == pytest.approx(kl_divergence(z_mu, z_sigma).item(), rel=1e-6)
+    assert out["kl_loss"].item() > 0
+    assert out["loss"].item() == pytest.approx(out["recon_loss"].item() + 0.5 * out["kl_loss"].item(), rel=1e-6)
+
+
+def test_quantization_term_for_vq_style_output():
+    net = QuantNet()
+    batch = random_batches(1)[0]
+    trainer = make_trainer(net, [batch], quantization_weight=2.0)
+    outputs = record_outputs(trainer)
+    with torch.no_grad():
+        recon, expected_q = QuantNet()(batch)
+    trainer.run()
+    out = outputs[0]
+    assert "kl_loss" not in out
+    assert out["quantization_loss"].item() == pytest.approx(expected_q.item(), rel=1e-6)
+    assert out["recon_loss"].item() == pytest.approx((recon - batch).abs().mean().item(), rel=1e-6)
+    assert out["loss"].item() == pytest.approx(out["recon_loss"].item() + 2.0 * expected_q.item(), rel=1e-6)
+
+
+def test_perceptual_term_is_weighted_and_optional():
+    batch = random_batches(1)[0]
+    perceptual = nn.MSELoss()
+    trainer = make_trainer(ConvNet(), [batch], perceptual_loss=perceptual, perceptual_weight=3.0)
+    outputs = record_outputs(trainer)
+    with torch.no_grad():
+        recon = ConvNet()(batch)
+    trainer.run()
+    out = outputs[0]
+    assert out["perceptual_loss"].item() == pytest.approx(((recon - batch) ** 2).mean().item(), rel=1e-5)
+    assert out["loss"].item() == pytest.approx(out["recon_loss"].item() + 3.0 * out["perceptual_loss"].item(), rel=1e-6)
+
+    trainer = make_trainer(ConvNet(), [batch], perceptual_loss=perceptual, perceptual_weight=0.0)
+    outputs = record_outputs(trainer)
+    trainer.run()
+    assert "perceptual_loss" not in outputs[0]
+    assert outputs[0]["loss"].item() == pytest.approx(outputs[0]["recon_loss"].item(), rel=1e-7)
+
+
+# ---------------------------------------------------------------------------------------------- adversarial part
+def test_adversarial_warmup():
+    ae, disc = tiny_autoencoder(), tiny_discriminator()
+    trainer = make_trainer(
+        ae,
+        random_batches(4),
+        discriminator=disc,
+        d_optimizer=torch.optim.Adam(disc.parameters(), lr=1e-3),
+        adv_weight=0.1,
+        adv_warmup_iterations=2,
+        kl_weight=1e-6,
+    )
+    outputs = record_outputs(trainer)
+    d_params = record_params(trainer, disc)
+    trainer.run()
+    assert [trainer.adversarial_active(i) for i in (1, 2, 3, 4)] == [False, False, True, True]
+    for i in (0, 1):  # iterations 1 and 2
+        assert "d_loss" not in outputs[i] and "adv_loss" not in outputs[i]
+        assert same(d_params[i + 1], d_params[0])
+    for i in (2, 3):  # iterations 3 and 4
+        out = outputs[i]
+        assert torch.isfinite(out["d_loss"]) and torch.isfinite(out["adv_loss"])
+        assert not same(d_params[i + 1], d_params[i])
+        expected = out["recon_loss"] + 1e-6 * out["kl_loss"] + 0.1 * out["adv_loss"]
+        assert out["loss"].item() == pytest.approx(expected.item(), rel=1e-6)
+
+
+def test_no_adversarial_terms_with_zero_weight():
+    disc = tiny_discriminator()
+    trainer = make_trainer(
+        ConvNet(), random_batches(2), discriminator=disc, d_optimizer=torch.optim.SGD(disc.parameters(), lr=0.1),
+        adv_weight=0.0,
+    )
+    outputs = record_outputs(trainer)
+    d_params = record_params(trainer, disc)
+    trainer.run()
+    assert all("d_loss" not in o and "adv_loss" not in o for o in outputs)
+    assert same(d_params[-1], d_params[0])
+
+
+def _manual_d_loss(disc: nn.Module, fake: torch.Tensor, real: torch.Tensor) -> torch.Tensor:
+    adv = PatchAdversarialLoss(criterion="least_squares")
+    return 0.5 * (
+        adv(disc(fake)[-1], target_is_real=False, for_discriminator=True)
+        + adv(disc(real)[-1], target_is_real=True, for_discriminator=True)
+    )
+
+
+def test_discriminator_gradients_come_only_from_its_own_step():
+    # with accumulation the discriminator's gradients are not zeroed between the generator step and its own
+    # step, so any gradient the generator step left on it would add to what the discriminator step computes
+    disc = tiny_discriminator()
+    reference = copy.deepcopy(disc)
+    batches = random_batches(2)
+    trainer = make_trainer(
+        ConvNet(),
+        batches,
+        discriminator=disc,
+        d_optimizer=torch.optim.SGD(disc.parameters(), lr=0.0),
+        adv_weight=1.0,
+        adv_warmup_iterations=0,
+        accumulation_steps=2,
+    )
+    outputs = record_outputs(trainer)
+    trainer.run()
+
+    reference.train()
+    d_losses = [_manual_d_loss(reference, out["pred"], out["image"]) for out in outputs]
+    for out, d_loss in zip(outputs, d_losses):
+        assert out["d_loss"].item() == pytest.approx(d_loss.item(), rel=1e-5)
+    expected = torch.autograd.grad(0.5 * (d_losses[0] + d_losses[1]), list(reference.parameters()))
+    for param, grad in zip(disc.parameters(), expected):
+        torch.testing.assert_close(param.grad, grad, rtol=1e-5, atol=1e-7)
+    assert all(p.requires_grad for p in disc.parameters())  # unfrozen after the generator step
+
+    # the generator's adversarial gradient w.r.t. the discriminator is far from negligible, so a leak would show
+    adv = PatchAdversarialLoss(criterion="least_squares")
+    g_adv = adv(reference(outputs[1]["pred"])[-1], target_is_real=True, for_discriminator=False)
+    leak = torch.autograd.grad(g_adv, list(reference.parameters()))
+    assert sum(g.norm() for g in leak) > 1e-2 * sum(g.norm() for g in expected)
+
+
+def test_generator_gradients_include_adversarial_term_through_discriminator():
+    gen, disc = ConvNet(), tiny_discriminator()
+    gen_ref, disc_ref = copy.deepcopy(gen), copy.deepcopy(disc)
+    batch = random_batches(1)[0]
+    trainer = make_trainer(
+        gen,
+        [batch],
+        optimizer=torch.optim.SGD(gen.parameters(), lr=0.0),
+        discriminator=disc,
+        d_optimizer=torch.optim.SGD(disc.parameters(), lr=0.0),
+        adv_weight=0.5,
+    )
+    trainer.run()
+    adv = PatchAdversarialLoss(criterion="least_squares")
+    recon = gen_ref(batch)
+    loss = (recon - batch).abs().mean() + 0.5 * adv(disc_ref(recon)[-1], target_is_real=True, for_discriminator=False)
+    expected = torch.autograd.grad(loss, list(gen_ref.parameters()))
+    for param, grad in zip(gen.parameters(), expected):
+        torch.testing.assert_close(param.grad, grad, rtol=1e-5, atol=1e-7)
+
+
+def test_discriminator_requires_optimizer():
+    with pytest.raises(ValueError, match="d_optimizer"):
+        make_trainer(ConvNet(), random_batches(1), discriminator=tiny_discriminator())
+
+
+# ---------------------------------------------------------------------------------------------- accumulation
+def test_gradient_accumulation_steps_every_second_iteration():
+    net = ConvNet()
+    reference = copy.deepcopy(net)
+    batches = random_batches(4)
+    lr = 0.5
+    trainer = make_trainer(net, batches, optimizer=torch.optim.SGD(net.parameters(), lr=lr), accumulation_steps=2)
+    snapshots = record_params(trainer, net)
+    trainer.run()
+    assert same(snapshots[1], snapshots[0])  # iteration 1: no step
+    assert not same(snapshots[2], snapshots[1])  # iteration 2: step
+    assert same(snapshots[3], snapshots[2])  # iteration 3: no step
+    assert not same(snapshots[4], snapshots[3])  # iteration 4: step
+
+    # the step after two micro-batches is the step on their mean loss
+    loss = 0.5 * ((reference(batches[0]) - batches[0]).abs().mean() + (reference(batches[1]) - batches[1]).abs().mean())
+    grads = torch.autograd.grad(loss, list(reference.parameters()))
+    for after, before, grad in zip(snapshots[2], snapshots[0], grads):
+        torch.testing.assert_close(after, before - lr * grad, rtol=1e-5, atol=1e-7)
+
+
+def test_gradient_accumulation_steps_at_the_end_of_an_odd_epoch():
+    net = ConvNet()
+    trainer = make_trainer(net, random_batches(3), optimizer=torch.optim.SGD(net.parameters(), lr=0.5),
+                           accumulation_steps=2, max_epochs=2)
+    snapshots = record_params(trainer, net)
+    trainer.run()
+    changed = [not same(snapshots[i], snapshots[i - 1]) for i in range(1, 7)]
+    assert changed == [False, True, True, False, True, True]
+
+
+def test_bad_accumulation_steps():
+    with pytest.raises(ValueError, match="accumulation_steps must be >= 1, got 0"):
+        make_trainer(ConvNet(), random_batches(1), accumulation_steps=0)
+
+
+# ---------------------------------------------------------------------------------------------- clipping
+def test_grad_clip_reports_norm_and_matches_clip_grad_norm():
+    net = ConvNet()
+    reference = copy.deepcopy(net)
+    batch = random_batches(1)[0]
+    lr, max_norm = 1.0, 1e-3
+    trainer = make_trainer(net, [batch], optimizer=torch.optim.SGD(net.parameters(), lr=lr), grad_clip=max_norm)
+    outputs = record_outputs(trainer)
+    trainer.run()
+
+    loss = (reference(batch) - batch).abs().mean()
+    loss.backward()
+    total = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in reference.parameters()]))
+    assert outputs[0]["grad_norm"].item() == pytest.approx(total.item(), rel=1e-5)
+    assert total.item() > 10 * max_norm  # clipping really happens
+    torch.nn.utils.clip_grad_norm_(reference.parameters(), max_norm)
+    with torch.no_grad():
+        for p in reference.parameters():
+            p -= lr * p.grad
+    for got, want in zip(net.parameters(), reference.parameters()):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7)
+    step = torch.cat([(g - w).flatten() for g, w in zip(net.parameters(), ConvNet().parameters())])
+    assert step.norm().item() == pytest.approx(lr * max_norm, rel=1e-3)
+
+
+def test_grad_clip_reports_discriminator_norm():
+    disc = tiny_discriminator()
+    trainer = make_trainer(ConvNet(), random_batches(1), discriminator=disc,
+                           d_optimizer=torch.optim.SGD(disc.parameters(), lr=0.01), grad_clip=1.0)
+    outputs = record_outputs(trainer)
+    trainer.run()
+    assert outputs[0]["grad_norm"].item() > 0 and outputs[0]["d_grad_norm"].item() > 0
+
+
+def test_no_grad_norm_without_clipping():
+    trainer = make_trainer(ConvNet(), random_batches(1), grad_clip=0)
+    outputs = record_outputs(trainer)
+    trainer.run()
+    assert trainer.grad_clip is None and "grad_norm" not in outputs[0]
+
+
+# ---------------------------------------------------------------------------------------------- precision
+def test_bf16_on_cpu_gives_finite_losses():
+    ae, disc = tiny_autoencoder(), tiny_discriminator()
+    trainer = make_trainer(ae, random_batches(2), discriminator=disc,
+                           d_optimizer=torch.optim.Adam(disc.parameters(), lr=1e-3), amp="bf16", grad_clip=1.0)
+    outputs = record_outputs(trainer)
+    trainer.run()
+    assert trainer.scaler is None and trainer.amp_dtype is torch.bfloat16
+    for out in outputs:
+        for key in ("loss", "recon_loss", "kl_loss", "adv_loss", "d_loss", "grad_norm"):
+            assert torch.isfinite(out[key]).all(), key
+        assert out["recon_loss"].dtype == torch.float32
+
+
+def test_fp16_creates_grad_scaler_and_steps():
+    net = ConvNet()
+    trainer = make_trainer(net, random_batches(2), optimizer=torch.optim.SGD(net.parameters(), lr=0.1), amp="fp16")
+    scaler = trainer.scaler
+    assert isinstance(scaler, torch.amp.GradScaler)
+    assert trainer.amp_dtype is torch.float16
+    calls = {"scale": 0, "step": 0, "update": 0}
+    for name in calls:
+        original = getattr(scaler, name)
+
+        def spy(*args, _name=name, _original=original, **kwargs):
+            calls[_name] += 1
+            return _original(*args, **kwargs)
+
+        setattr(scaler, name, spy)
+    outputs = record_outputs(trainer)
+    trainer.run()
+    assert trainer.scaler is scaler  # running keeps the scaler (and CheckpointManager can save it)
+    assert calls == {"scale": 2, "step": 2, "update": 2}
+    assert all(torch.isfinite(o["loss"]) for o in outputs)
+    assert outputs[0]["pred"].dtype == torch.float16
+
+
+def test_fp32_is_rejected_by_name():
+    with pytest.raises(ValueError, match="'fp32'"):
+        make_trainer(ConvNet(), random_batches(1), amp="fp32")
+
+
+# ---------------------------------------------------------------------------------------------- events, batches
+def test_iteration_events_fire_once_per_iteration_in_order():
+    trainer = make_trainer(tiny_autoencoder(), random_batches(3))
+    fired: list[tuple[int, str]] = []
+    for event in (
+        IterationEvents.FORWARD_COMPLETED,
+        IterationEvents.LOSS_COMPLETED,
+        IterationEvents.BACKWARD_COMPLETED,
+        IterationEvents.MODEL_COMPLETED,
+    ):
+        trainer.add_event_handler(event, lambda e, name=event.name: fired.append((e.state.iteration, name)))
+    seen_loss = []
+    trainer.add_event_handler(IterationEvents.LOSS_COMPLETED, lambda e: seen_loss.append(e.state.output["loss"]))
+    trainer.run()
+    order = ["FORWARD_COMPLETED", "LOSS_COMPLETED", "BACKWARD_COMPLETED", "MODEL_COMPLETED"]
+    assert fired == [(i, name) for i in (1, 2, 3) for name in order]
+    assert len(seen_loss) == 3 and all(loss.ndim == 0 for loss in seen_loss)
+
+
+def test_prepare_image_batch_returns_plain_tensors():
+    image = MetaTensor(torch.rand(2, 1, 4, 4, 4), affine=torch.eye(4))
+    inputs, targets = prepare_image_batch({"image": image, "other": 1}, torch.device("cpu"))
+    assert type(inputs) is torch.Tensor and inputs is targets
+    assert torch.equal(inputs, image.as_tensor())
+    plain = torch.rand(1, 1, 2, 2, 2)
+    inputs, _ = prepare_image_batch(plain, "cpu", dtype=torch.float64)
+    assert inputs.dtype == torch.float64 and torch.allclose(inputs, plain.double())

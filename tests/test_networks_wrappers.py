@@ -1,0 +1,269 @@
+# Copyright (c) the 3D MONAI bundle collection contributors.
+# Licensed under the Apache License, Version 2.0.
+"""Tests for the training/inference network wrappers."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from monai.networks.nets import AutoencoderKL, VQVAE
+from torch import nn
+
+from common.networks.wrappers import (
+    LatentEncoder,
+    ReconstructionNetwork,
+    clean_state_dict,
+    prepare_network,
+    split_autoencoder_output,
+    unwrap,
+)
+
+
+def tiny_autoencoder(seed: int = 0) -> AutoencoderKL:
+    torch.manual_seed(seed)
+    return AutoencoderKL(
+        spatial_dims=3,
+        in_channels=1,
+        out_channels=1,
+        channels=(8, 16),
+        latent_channels=2,
+        num_res_blocks=1,
+        norm_num_groups=4,
+        attention_levels=(False, False),
+        with_encoder_nonlocal_attn=False,
+        with_decoder_nonlocal_attn=False,
+    )
+
+
+def tiny_vqvae(seed: int = 0) -> VQVAE:
+    torch.manual_seed(seed)
+    return VQVAE(
+        spatial_dims=3,
+        in_channels=1,
+        out_channels=1,
+        channels=(8, 8),
+        num_res_channels=8,
+        num_res_layers=1,
+        downsample_parameters=((2, 4, 1, 1), (2, 4, 1, 1)),
+        upsample_parameters=((2, 4, 1, 1, 0), (2, 4, 1, 1, 0)),
+        num_embeddings=16,
+        embedding_dim=4,
+    )
+
+
+class TupleNet(nn.Module):
+    """No ``reconstruct`` method: returns ``(recon, quantization_loss)`` like a VQ-VAE."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv3d(1, 1, 3, padding=1)
+
+    def forward(self, x):
+        y = self.conv(x)
+        return y, y.abs().mean()
+
+
+class Holder(nn.Module):
+    """A network with a child literally named ``module`` (like MONAI's activation-checkpoint wrapper)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.block = nn.Sequential(nn.Linear(2, 2))
+        self.block.module = nn.Linear(2, 3)
+        self.head = nn.Sequential()
+        self.head.module = nn.Linear(3, 1)
+
+
+# ---------------------------------------------------------------------------------------------- state dicts
+def test_clean_state_dict_strips_wrapper_prefixes():
+    w, b = torch.rand(3), torch.rand(1)
+    raw = {
+        "module.encoder.weight": w,
+        "_orig_mod.decoder.bias": b,
+        "_orig_mod.module.head.weight": w,
+        "module._orig_mod.head.bias": b,
+        "plain.weight": w,
+        "scale": b,
+    }
+    cleaned = clean_state_dict(raw)
+    assert list(cleaned) == ["encoder.weight", "decoder.bias", "head.weight", "head.bias", "plain.weight", "scale"]
+    assert cleaned["encoder.weight"] is w and cleaned["scale"] is b
+
+
+def test_clean_state_dict_of_wrapped_modules_matches_plain():
+    net = nn.Sequential(nn.Linear(2, 3), nn.ReLU(), nn.Linear(3, 1))
+    wrapped = {f"module.{k}": v for k, v in net.state_dict().items()}
+    assert clean_state_dict(wrapped).keys() == net.state_dict().keys()
+    if hasattr(torch, "compile"):
+        compiled = torch.compile(net)
+        assert list(compiled.state_dict())[0].startswith("_orig_mod.")
+        assert clean_state_dict(compiled.state_dict()).keys() == net.state_dict().keys()
+
+
+def test_clean_state_dict_keeps_inner_submodules_named_module():
+    net = Holder()
+    state = net.state_dict()
+    assert "block.module.weight" in state and "head.module.weight" in state
+    assert clean_state_dict(state).keys() == state.keys()
+    # behind DDP/compile prefixes only the prefixes go
+    for prefix in ("module.", "_orig_mod.", "module._orig_mod.", "_orig_mod.module."):
+        prefixed = {prefix + k: v for k, v in state.items()}
+        assert clean_state_dict(prefixed).keys() == state.keys()
+        Holder().load_state_dict(clean_state_dict(prefixed))
+    # a compiled submodule inside a container loses its _orig_mod component
+    assert list(clean_state_dict({"net._orig_mod.block.module.weight": 0})) == ["net.block.module.weight"]
+
+
+def test_clean_state_dict_loads_monai_checkpoint_unet():
+    from monai.networks.nets.unet import CheckpointUNet
+
+    net = CheckpointUNet(spatial_dims=3, in_channels=1, out_channels=1, channels=(4, 8), strides=(2,))
+    state = net.state_dict()
+    assert any(".module." in k for k in state)
+    other = CheckpointUNet(spatial_dims=3, in_channels=1, out_channels=1, channels=(4, 8), strides=(2,))
+    other.load_state_dict(clean_state_dict({f"module.{k}": v for k, v in state.items()}))
+    for key, value in other.state_dict().items():
+        assert torch.equal(value, state[key])
+
+
+# ---------------------------------------------------------------------------------------------- outputs
+def test_split_autoencoder_kl_output():
+    recon, mu, sigma = torch.rand(1), torch.rand(2), torch.rand(3)
+    out, extras = split_autoencoder_output((recon, mu, sigma))
+    assert out is recon
+    assert extras.keys() == {"z_mu", "z_sigma"}
+    assert extras["z_mu"] is mu and extras["z_sigma"] is sigma
+
+
+def test_split_vqvae_output():
+    recon, q = torch.rand(4), torch.tensor(0.5)
+    out, extras = split_autoencoder_output([recon, q])
+    assert out is recon and extras == {"quantization_loss": q}
+
+
+def test_split_tensor_and_dict_outputs():
+    recon = torch.rand(2)
+    assert split_autoencoder_output(recon) == (recon, {})
+    extra = torch.rand(1)
+    out, extras = split_autoencoder_output({"pred": recon, "z_mu": extra})
+    assert out is recon and extras == {"z_mu": extra}
+    out, extras = split_autoencoder_output({"recon": recon})
+    assert out is recon and extras == {}
+
+
+@pytest.mark.parametrize(
+    "bad, match",
+    [
+        ((torch.rand(1),), "length 1"),
+        ((torch.rand(1),) * 4, "length 4"),
+        (3.0, "float of length n/a"),
+        ({"image": torch.rand(1)}, "'pred' or 'recon'"),
+    ],
+)
+def test_split_unsupported_output_is_a_clear_error(bad, match):
+    with pytest.raises(ValueError, match=match):
+        split_autoencoder_output(bad)
+
+
+# ---------------------------------------------------------------------------------------------- inference views
+def test_reconstruction_network_matches_reconstruct_exactly():
+    ae = tiny_autoencoder()
+    x = torch.rand(2, 1, 16, 16, 16)
+    view = ReconstructionNetwork(ae)
+    with torch.no_grad():
+        expected = ae.reconstruct(x)
+        first = view(x)
+        second = view(x)
+    assert first.shape == x.shape
+    assert torch.equal(first, expected)
+    assert torch.equal(first, second)
+    # the training forward samples the posterior, so it differs from the deterministic view
+    with torch.no_grad():
+        sampled, _, _ = ae(x)
+    assert not torch.equal(sampled, first)
+
+
+def test_reconstruction_network_without_reconstruct_uses_first_output():
+    net = TupleNet()
+    x = torch.rand(1, 1, 8, 8, 8)
+    with torch.no_grad():
+        assert torch.equal(ReconstructionNetwork(net)(x), net.conv(x))
+
+
+def test_reconstruction_network_sees_through_wrappers():
+    ae = tiny_autoencoder()
+    x = torch.rand(1, 1, 16, 16, 16)
+    wrapped = nn.DataParallel(ae)
+    with torch.no_grad():
+        assert torch.equal(ReconstructionNetwork(wrapped)(x), ae.reconstruct(x))
+
+
+def test_latent_encoder_returns_posterior_mean():
+    ae = tiny_autoencoder()
+    x = torch.rand(2, 1, 16, 16, 16)
+    with torch.no_grad():
+        z = LatentEncoder(ae)(x)
+        z_mu, _ = ae.encode(x)
+    assert z.shape == (2, 2, 8, 8, 8)
+    assert torch.equal(z, z_mu)
+    with torch.no_grad():
+        assert torch.equal(LatentEncoder(ae)(x), z)
+
+
+def test_latent_encoder_quantized_latent_for_vqvae():
+    vq = tiny_vqvae().eval()
+    x = torch.rand(1, 1, 16, 16, 16)
+    with torch.no_grad():
+        z = LatentEncoder(vq)(x)
+        expected = vq.encode_stage_2_inputs(x)
+    assert z.shape == (1, 4, 4, 4, 4)
+    assert torch.equal(z, expected)
+
+
+# ---------------------------------------------------------------------------------------------- training wrappers
+@pytest.mark.skipif(not hasattr(torch, "compile"), reason="torch.compile unavailable")
+def test_unwrap_compiled_network():
+    net = nn.Linear(2, 2)
+    compiled = torch.compile(net)
+    assert compiled is not net
+    assert unwrap(compiled) is net
+    assert unwrap(net) is net
+    assert unwrap(nn.DataParallel(net)) is net
+
+
+def test_prepare_network_without_distribution_returns_same_module():
+    net = nn.Linear(3, 2)
+    assert prepare_network(net, "cpu", distributed=False) is net
+    assert prepare_network(net, torch.device("cpu")) is net  # no process group: not distributed
+
+
+@pytest.mark.skipif(not hasattr(torch, "compile"), reason="torch.compile unavailable")
+def test_prepare_network_compile_wraps_lazily():
+    net = nn.Linear(3, 2)
+    compiled = prepare_network(net, "cpu", distributed=False, compile=True)
+    assert compiled is not net and unwrap(compiled) is net
+
+
+def test_prepare_network_ddp_on_single_process_group(tmp_path):
+    import torch.distributed as dist
+
+    if not dist.is_available() or dist.is_initialized():
+        pytest.skip("needs torch.distributed without an active process group")
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
+    try:
+        net = nn.Linear(3, 2)
+        reference = copy.deepcopy(net)
+        ddp = prepare_network(net, "cpu")
+        assert isinstance(ddp, nn.parallel.DistributedDataParallel)
+        assert unwrap(ddp) is net
+        assert list(ddp.state_dict())[0].startswith("module.")
+        assert clean_state_dict(ddp.state_dict()).keys() == reference.state_dict().keys()
+        x = torch.rand(4, 3)
+        assert torch.equal(ddp(x), reference(x))
+        frozen = nn.Linear(3, 2).requires_grad_(False)
+        with pytest.raises(ValueError, match="no trainable parameters"):
+            prepare_network(frozen, "cpu")
+    finally:
+        dist.destroy_process_group()
