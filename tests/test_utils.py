@@ -90,7 +90,9 @@ def test_scale_lr_bad_mode_names_the_value():
 
 
 # ---------------------------------------------------------------------------------------------- precision
-@pytest.mark.parametrize("amp, dtype", [("bf16", torch.bfloat16), ("fp16", torch.float16), ("none", None), ("BF16", torch.bfloat16)])
+@pytest.mark.parametrize(
+    "amp, dtype", [("bf16", torch.bfloat16), ("fp16", torch.float16), ("none", None), ("BF16", torch.bfloat16)]
+)
 def test_amp_dtype_mapping(amp, dtype):
     assert amp_dtype(amp) is dtype
 

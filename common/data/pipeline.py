@@ -124,6 +124,8 @@ def partition_for_rank(data: Sequence[Any], shuffle: bool = True, seed: int = 0,
     if not data:
         raise ValueError("cannot partition an empty datalist across ranks.")
     even = even_divisible or len(data) < world
+    if len(data) < world:  # partition_dataset refuses fewer items than partitions: repeat them
+        data = (data * (world // len(data) + 1))[:world]
     return list(partition_dataset(data, num_partitions=world, shuffle=shuffle, seed=seed, even_divisible=even)[get_rank()])
 
 

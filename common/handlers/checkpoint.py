@@ -320,18 +320,32 @@ class BestCheckpointSaver:
         if not ranked or self._better(value, ranked[0][0]):
             save_checkpoint(state, self.save_dir / self.filename)
             logger.info(f"new best {self.metric_name}={value:.6g} at step {step}: {self.save_dir / self.filename}")
+        # the same value at the same step (a resumed run validating again) rewrites an existing file: count it once
+        ranked = [(v, p) for v, p in ranked if p != path]
         ranked = sorted([*ranked, (value, path)], key=lambda t: t[0], reverse=self.mode == "max")
         for _, stale in ranked[self.n_saved :]:
             with contextlib.suppress(OSError):
                 stale.unlink()
 
 
-def _randomizable(transform: Any) -> list[Any]:
-    if transform is None:
+def _randomizable(transform: Any, _seen: set[int] | None = None) -> list[Any]:
+    """Every object with its own ``RandomState`` in ``transform``, in a fixed order.
+
+    Besides ``Compose`` members this follows the inner transforms that MONAI's random dictionary transforms
+    draw from (``RandSpatialCropd.cropper``, ``RandAffined.rand_affine.rand_affine_grid``, ...).
+    """
+    from monai.transforms import Randomizable, Transform
+
+    seen = set() if _seen is None else _seen
+    if transform is None or id(transform) in seen:
         return []
+    seen.add(id(transform))
     found = [transform] if isinstance(getattr(transform, "R", None), np.random.RandomState) else []
-    for child in getattr(transform, "transforms", ()) or ():
-        found.extend(_randomizable(child))
+    children = list(getattr(transform, "transforms", ()) or ())
+    children += [v for k, v in getattr(transform, "__dict__", {}).items()
+                 if k != "transforms" and isinstance(v, (Transform, Randomizable))]
+    for child in children:
+        found.extend(_randomizable(child, seen))
     return found
 
 

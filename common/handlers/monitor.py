@@ -84,7 +84,7 @@ def _append_csv(path: Path, rows: list[tuple[int, int, str, float]]) -> None:
 class TrainingMonitor:
     """Periodic training statistics for a MONAI/ignite trainer.
 
-    Every ``interval`` iterations (and at the end of each epoch) it reports, averaged over the window:
+    Every ``interval`` iterations (and at the end of training) it reports, averaged over the window:
     ``samples_per_s`` and ``voxels_per_s`` summed over all ranks, ``data_wait`` (fraction of wall time this
     process spent blocked on the data loader), ``step_time_s``, ``peak_mem_gib``, the learning rate of each
     optimizer and the mean of every scalar tensor in ``engine.state.output`` (loss terms). Loss values stay on
@@ -131,7 +131,7 @@ class TrainingMonitor:
         engine.add_event_handler(Events.GET_BATCH_STARTED, self._batch_started)
         engine.add_event_handler(Events.GET_BATCH_COMPLETED, self._batch_completed)
         engine.add_event_handler(Events.ITERATION_COMPLETED, self._iteration_completed)
-        engine.add_event_handler(Events.EPOCH_COMPLETED, self._report)
+        engine.add_event_handler(Events.COMPLETED, self._report)
 
     def _epoch_started(self, engine: Engine) -> None:
         if self._iters == 0:

@@ -1,0 +1,317 @@
+# Copyright (c) the 3D MONAI bundle collection contributors.
+# Licensed under the Apache License, Version 2.0.
+"""Tests for the volume transforms, rank partitions, cached datasets, latent affines and inference postprocessing."""
+
+from __future__ import annotations
+
+import itertools
+
+import nibabel as nib
+import numpy as np
+import pytest
+import torch
+from monai.data import CacheDataset, MetaTensor, SmartCacheDataset, ThreadDataLoader
+from monai.transforms import Compose
+
+from common.data.demo import make_phantom, write_nifti
+from common.data.pipeline import (
+    LatentAffined,
+    inference_postprocessing,
+    intensity_transform,
+    make_dataset,
+    make_loader,
+    partition_for_rank,
+    raise_no_inputs,
+    volume_transforms,
+)
+
+
+@pytest.fixture
+def single_process(monkeypatch):
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        monkeypatch.delenv(name, raising=False)
+    return monkeypatch
+
+
+def _volume(tmp_path, shape=(20, 20, 20), affine=None, name="vol.nii.gz", seed=0):
+    array = make_phantom(shape, seed=seed) * 1000.0 - 200.0  # not already in [0, 1]
+    return write_nifti(tmp_path / name, array.astype(np.float32), affine), array
+
+
+def _mri_normalised(array: np.ndarray, lower: float = 0.5, upper: float = 99.5) -> np.ndarray:
+    lo, hi = np.percentile(array, [lower, upper])
+    return np.clip((array - lo) / (hi - lo), 0.0, 1.0)
+
+
+# ---------------------------------------------------------------------------------------------- intensity
+def test_ct_window_maps_to_unit_range_with_clipping():
+    transform = intensity_transform(["image"], {"mode": "ct", "a_min": -1000, "a_max": 1000})
+    image = torch.tensor([[-3000.0, -1000.0, -500.0, 0.0, 1000.0, 2500.0]])
+    out = transform({"image": image})["image"]
+    torch.testing.assert_close(torch.as_tensor(out), torch.tensor([[0.0, 0.0, 0.25, 0.5, 1.0, 1.0]]))
+
+
+def test_ct_default_window():
+    transform = intensity_transform(["image"], {"mode": "CT"})
+    out = transform({"image": torch.tensor([[-1000.0, 0.0, 1000.0]])})["image"]
+    torch.testing.assert_close(torch.as_tensor(out), torch.tensor([[0.0, 0.5, 1.0]]))
+
+
+def test_mri_percentiles():
+    gen = torch.Generator().manual_seed(0)
+    image = torch.randn(1, 10, 10, 10, generator=gen) * 50 + 300
+    transform = intensity_transform(["image"], {"mode": "mri", "lower": 5, "upper": 95})
+    out = torch.as_tensor(transform({"image": image})["image"]).numpy()
+    np.testing.assert_allclose(out, _mri_normalised(image.numpy(), 5, 95), atol=1e-5)
+    assert out.min() == 0.0 and out.max() == 1.0
+    assert 0.04 <= (out == 0).mean() <= 0.06  # about the 5 % below the lower percentile are clipped
+
+
+def test_default_is_mri_and_none_keeps_values():
+    assert type(intensity_transform(["image"], {})).__name__ == "ScaleIntensityRangePercentilesd"
+    assert intensity_transform(["image"], {"mode": "none"}) is None
+
+
+@pytest.mark.parametrize(
+    "config, match",
+    [
+        ({"mode": "pet"}, "'pet'"),
+        ({"mode": "ct", "a_min": 100, "a_max": -100}, "a_min must be < a_max, got 100.0 and -100.0"),
+        ({"mode": "ct", "a_min": 5, "a_max": 5}, "got 5.0 and 5.0"),
+        ({"mode": "mri", "lower": 99, "upper": 1}, "got 99.0 and 1.0"),
+        ({"mode": "mri", "lower": 0, "upper": 101}, "got 0.0 and 101.0"),
+    ],
+)
+def test_bad_intensity_config_names_the_value(config, match):
+    with pytest.raises(ValueError, match=match):
+        intensity_transform(["image"], config)
+
+
+# ---------------------------------------------------------------------------------------------- volume transforms
+def test_training_transforms_crop_patches_of_the_normalised_volume(tmp_path):
+    path, array = _volume(tmp_path)
+    train = volume_transforms(patch_size=(16, 16, 16), num_samples=3, train=True)
+    train.set_random_state(seed=0)
+    samples = train({"image": str(path)})
+    assert isinstance(samples, list) and len(samples) == 3
+    full = _mri_normalised(array)
+    for sample in samples:
+        patch = sample["image"]
+        assert isinstance(patch, torch.Tensor)
+        assert patch.shape == (1, 16, 16, 16) and patch.dtype == torch.float32
+        matches = [
+            (i, j, k)
+            for i, j, k in itertools.product(range(5), repeat=3)
+            if np.allclose(patch[0].numpy(), full[i : i + 16, j : j + 16, k : k + 16], atol=1e-5)
+        ]
+        assert len(matches) == 1  # a window of the deterministic volume
+    assert len({tuple(s["image"].flatten()[:50].tolist()) for s in samples}) > 1  # random positions
+
+
+def test_training_transforms_pad_a_small_volume(tmp_path):
+    path, _ = _volume(tmp_path, shape=(10, 12, 20))
+    samples = volume_transforms(patch_size=(16, 16, 16), num_samples=2, train=True)({"image": str(path)})
+    assert [tuple(s["image"].shape) for s in samples] == [(1, 16, 16, 16)] * 2
+
+
+def test_validation_transforms_keep_the_padded_volume_with_meta(tmp_path):
+    affine = np.diag([1.5, 1.5, 2.0, 1.0])
+    affine[:3, 3] = [10.0, -20.0, 5.0]
+    path, array = _volume(tmp_path, shape=(10, 12, 20), affine=affine)
+    out = volume_transforms(patch_size=(16, 16, 16), train=False)({"image": str(path)})
+    image = out["image"]
+    assert isinstance(image, MetaTensor)
+    assert image.shape == (1, 16, 16, 20)
+    assert str(path) == str(image.meta["filename_or_obj"])
+    # symmetric zero padding around the normalised volume
+    np.testing.assert_allclose(image[0, 3:13, 2:14, :].numpy(), _mri_normalised(array), atol=1e-5)
+    assert image[0, :3].abs().sum() == 0 and image[0, 13:].abs().sum() == 0 and image[0, :, :2].abs().sum() == 0
+    # the affine follows the padding: voxel (3, 2, 0) of the padded grid is voxel (0, 0, 0) of the file
+    np.testing.assert_allclose(
+        image.affine.numpy() @ np.array([3, 2, 0, 1]), affine @ np.array([0, 0, 0, 1]), atol=1e-5
+    )
+
+
+def test_spacing_and_orientation(tmp_path):
+    lps = np.diag([-1.0, -1.0, 1.0, 1.0])
+    path, _ = _volume(tmp_path, shape=(20, 20, 20), affine=lps)
+    out = volume_transforms(spacing=(2, 2, 2), orientation="RAS", patch_size=None, train=False)({"image": str(path)})
+    image = out["image"]
+    assert image.shape == (1, 10, 10, 10)
+    np.testing.assert_allclose(np.diag(image.affine.numpy())[:3], [2.0, 2.0, 2.0])  # RAS, 2 mm
+
+
+def test_training_transforms_need_a_patch_size():
+    with pytest.raises(ValueError, match="patch_size is required"):
+        volume_transforms(patch_size=None, train=True)
+
+
+# ---------------------------------------------------------------------------------------------- partitions
+def test_partition_single_process_returns_everything(single_process):
+    data = [{"i": i} for i in range(5)]
+    assert partition_for_rank(data) == data
+
+
+@pytest.mark.parametrize("shuffle", [True, False])
+def test_partitions_are_disjoint_equal_and_cover_the_data(single_process, shuffle):
+    data = list(range(12))
+    single_process.setenv("WORLD_SIZE", "3")
+    parts = []
+    for rank in range(3):
+        single_process.setenv("RANK", str(rank))
+        parts.append(partition_for_rank(data, shuffle=shuffle, seed=7))
+    assert [len(p) for p in parts] == [4, 4, 4]
+    assert sorted(itertools.chain(*parts)) == data
+    # every rank computes the same split
+    single_process.setenv("RANK", "1")
+    assert partition_for_rank(data, shuffle=shuffle, seed=7) == parts[1]
+
+
+def test_uneven_partitions(single_process):
+    data = list(range(10))
+    single_process.setenv("WORLD_SIZE", "3")
+    even, uneven = [], []
+    for rank in range(3):
+        single_process.setenv("RANK", str(rank))
+        even.append(partition_for_rank(data, seed=1))
+        uneven.append(partition_for_rank(data, seed=1, even_divisible=False))
+    assert [len(p) for p in even] == [4, 4, 4]  # a few items repeated so every rank takes the same steps
+    assert set(itertools.chain(*even)) == set(data)
+    assert sorted(len(p) for p in uneven) == [3, 3, 4]
+    assert sorted(itertools.chain(*uneven)) == data
+
+
+@pytest.mark.parametrize("even_divisible", [True, False])
+def test_fewer_items_than_ranks_still_gives_every_rank_data(single_process, even_divisible):
+    single_process.setenv("WORLD_SIZE", "4")
+    parts = []
+    for rank in range(4):
+        single_process.setenv("RANK", str(rank))
+        parts.append(partition_for_rank(["a", "b"], even_divisible=even_divisible))
+    assert [len(p) for p in parts] == [1, 1, 1, 1]
+    assert set(itertools.chain(*parts)) == {"a", "b"}
+    with pytest.raises(ValueError, match="empty datalist"):
+        partition_for_rank([])
+
+
+# ---------------------------------------------------------------------------------------------- datasets
+def _items(n: int = 10) -> list[dict]:
+    return [{"image": torch.full((1, 2, 2, 2), float(i))} for i in range(n)]
+
+
+def test_make_dataset_cache_dataset_by_default(single_process):
+    dataset = make_dataset(_items(), Compose([]))
+    assert type(dataset) is CacheDataset and len(dataset) == 10
+    assert dataset[3]["image"][0, 0, 0, 0].item() == 3.0
+
+
+def test_make_dataset_smart_cache_only_with_replacement_and_partial_cache(single_process):
+    smart = make_dataset(_items(), Compose([]), cache_rate=0.5, replace_rate=0.2, shuffle=False)
+    try:
+        assert type(smart) is SmartCacheDataset
+        assert len(smart) == 5  # the cache window
+    finally:
+        smart.shutdown()
+    full = make_dataset(_items(), Compose([]), cache_rate=1.0, replace_rate=0.2)
+    assert type(full) is CacheDataset and len(full) == 10
+    partial = make_dataset(_items(), Compose([]), cache_rate=0.5, replace_rate=0.0)
+    assert type(partial) is CacheDataset and len(partial) == 10
+
+
+@pytest.mark.parametrize("kwargs, match", [({"cache_rate": 1.5}, "cache_rate must be in \\[0, 1\\], got 1.5"),
+                                           ({"cache_rate": -0.1}, "cache_rate"),
+                                           ({"replace_rate": 2}, "replace_rate must be in \\[0, 1\\], got 2")])
+def test_make_dataset_rejects_bad_rates(single_process, kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        make_dataset(_items(), Compose([]), **kwargs)
+
+
+def test_make_dataset_partitions_for_this_rank(single_process):
+    single_process.setenv("WORLD_SIZE", "2")
+    seen = []
+    for rank in (0, 1):
+        single_process.setenv("RANK", str(rank))
+        dataset = make_dataset(_items(), Compose([]), seed=3)
+        assert len(dataset) == 5
+        seen += [dataset[i]["image"].flatten()[0].item() for i in range(len(dataset))]
+        assert len(make_dataset(_items(), Compose([]), partition=False)) == 10
+    assert sorted(seen) == [float(i) for i in range(10)]
+
+
+def test_make_loader_batches(single_process):
+    loader = make_loader(make_dataset(_items(6), Compose([])), batch_size=4, shuffle=False)
+    assert isinstance(loader, ThreadDataLoader)
+    batches = [b["image"] for b in loader]
+    assert [tuple(b.shape) for b in batches] == [(4, 1, 2, 2, 2), (2, 1, 2, 2, 2)]
+    assert batches[1][:, 0, 0, 0, 0].tolist() == [4.0, 5.0]
+
+
+# ---------------------------------------------------------------------------------------------- latent affine
+def test_latent_affine_closed_form():
+    affine = torch.tensor([[2.0, 0, 0, 10], [0, 3.0, 0, 20], [0, 0, 4.0, 30], [0, 0, 0, 1]], dtype=torch.float64)
+    image = MetaTensor(torch.zeros(1, 16, 16, 16), affine=affine)
+    latent = MetaTensor(torch.zeros(2, 4, 4, 4), affine=affine.clone())
+    out = LatentAffined("pred")({"image": image, "pred": latent})
+    expected = torch.tensor([[8.0, 0, 0, 13], [0, 12.0, 0, 24.5], [0, 0, 16.0, 36], [0, 0, 0, 1]], dtype=torch.float64)
+    torch.testing.assert_close(torch.as_tensor(out["pred"].affine, dtype=torch.float64), expected)
+    assert torch.equal(image.affine, affine)  # the reference keeps its affine
+
+
+def test_latent_voxel_centres_are_the_centres_of_their_image_blocks():
+    gen = torch.Generator().manual_seed(0)
+    rotation, _ = torch.linalg.qr(torch.randn(3, 3, generator=gen, dtype=torch.float64))
+    affine = torch.eye(4, dtype=torch.float64)
+    affine[:3, :3] = rotation @ torch.diag(torch.tensor([0.8, 1.2, 2.0], dtype=torch.float64))
+    affine[:3, 3] = torch.tensor([-5.0, 7.0, 1.0], dtype=torch.float64)
+    image = MetaTensor(torch.zeros(1, 16, 8, 12), affine=affine)
+    latent = MetaTensor(torch.zeros(3, 4, 4, 3))  # factors 4, 2, 4
+    out = LatentAffined(["pred"], ref_key="image")({"image": image, "pred": latent})["pred"]
+    factors = torch.tensor([4.0, 2.0, 4.0], dtype=torch.float64)
+    for index in ([0, 0, 0], [3, 1, 2], [1, 3, 0]):
+        idx = torch.tensor(index, dtype=torch.float64)
+        homogeneous = torch.cat([idx, torch.ones(1, dtype=torch.float64)])
+        latent_centre = torch.as_tensor(out.affine, dtype=torch.float64) @ homogeneous
+        block = idx * factors + (factors - 1) / 2  # mean of the image voxel indices it covers
+        image_centre = affine @ torch.cat([block, torch.ones(1, dtype=torch.float64)])
+        torch.testing.assert_close(latent_centre, image_centre)
+
+
+# ---------------------------------------------------------------------------------------------- postprocessing
+def test_inference_postprocessing_bad_mode(tmp_path):
+    with pytest.raises(ValueError, match="'bad'"):
+        inference_postprocessing("bad", volume_transforms(train=False), str(tmp_path))
+
+
+def test_encode_postprocessing_saves_latent_with_scaled_affine(tmp_path):
+    affine = np.diag([1.0, 1.0, 2.0, 1.0])
+    meta = {"filename_or_obj": "/in/case7.nii.gz"}
+    image = MetaTensor(torch.zeros(1, 8, 8, 8), affine=torch.as_tensor(affine), meta=dict(meta))
+    latent = MetaTensor(torch.rand(3, 4, 4, 4), affine=torch.as_tensor(affine), meta=dict(meta))
+    post = inference_postprocessing("encode", volume_transforms(train=False), str(tmp_path))
+    post({"image": image, "pred": latent})
+    saved = nib.load(tmp_path / "case7_latent.nii.gz")
+    assert saved.shape == (4, 4, 4, 3)  # channels last
+    np.testing.assert_allclose(np.asarray(saved.dataobj), latent.numpy().transpose(1, 2, 3, 0), atol=1e-6)
+    expected = np.diag([2.0, 2.0, 4.0, 1.0])
+    expected[:3, 3] = [0.5, 0.5, 1.0]
+    np.testing.assert_allclose(saved.affine, expected, atol=1e-6)
+
+
+def test_reconstruct_postprocessing_returns_to_the_input_grid(tmp_path):
+    affine = np.diag([-2.0, -2.0, 2.0, 1.0])  # LPS-like: the preprocessing reorients to RAS
+    affine[:3, 3] = [30.0, 40.0, -10.0]
+    path, array = _volume(tmp_path, shape=(10, 12, 14), affine=affine, name="case3.nii.gz")
+    preprocessing = volume_transforms(patch_size=(16, 16, 16), train=False)
+    data = preprocessing({"image": str(path)})
+    assert data["image"].shape == (1, 16, 16, 16)
+    data["pred"] = data["image"].clone()
+    inference_postprocessing("reconstruct", preprocessing, str(tmp_path / "out"))(data)
+    saved = nib.load(tmp_path / "out" / "case3_recon.nii.gz")
+    assert saved.shape == (10, 12, 14)
+    np.testing.assert_allclose(saved.affine, affine, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(saved.dataobj), _mri_normalised(array), atol=1e-5)
+
+
+def test_raise_no_inputs_message():
+    with pytest.raises(FileNotFoundError, match=r"'\*\.nii\.gz' under '/data'"):
+        raise_no_inputs("/data", "*.nii.gz")
