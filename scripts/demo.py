@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import os
 import shlex
+import shutil
 import subprocess
 import sys
 import time
@@ -60,7 +61,8 @@ def main(bundle: str = "autoencoder_3d", output_dir: str | None = None, max_epoc
 
     Args:
         bundle: bundle folder name under ``bundles/``.
-        output_dir: where outputs go (default ``bundles/<bundle>/outputs/demo``).
+        output_dir: where outputs go (default ``bundles/<bundle>/outputs/demo``, replaced on each run; an
+            existing ``output_dir`` given here is resumed from its last checkpoint instead).
         max_epochs: override the brief-run epoch count.
         device: ``auto`` (GPU when available), ``cpu`` or ``cuda``.
         num_threads: CPU threads (default: all cores).
@@ -77,6 +79,10 @@ def main(bundle: str = "autoencoder_3d", output_dir: str | None = None, max_epoc
     if max_epochs is not None:
         overrides["max_epochs"] = int(max_epochs)
     out = Path(output_dir or REPO_ROOT / "bundles" / bundle / "outputs" / "demo").resolve()
+    if output_dir is None and out.exists():
+        # the demo's own folder: start afresh (an explicit --output_dir resumes instead, like the bundle does)
+        print(f"removing the previous demo run in {out}")
+        shutil.rmtree(out)
     overrides["output_dir"] = str(out)
     if device != "auto":
         overrides["device"] = device

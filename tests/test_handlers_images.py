@@ -123,10 +123,11 @@ def test_comparison_panel_layout_and_error_column() -> None:
     image = torch.rand(shape, generator=gen)
     recon = torch.rand(shape, generator=gen)
     panel = comparison_panel(image, recon)
-    h, w = 8, 10  # largest slice height (Y or X) and width (Z or Y)
+    h, w = 10, 8  # slices are rotated for display: heights Z, Z, Y and widths Y, X, X
     assert panel.shape == (3 * h, 3 * w) and panel.dtype == np.float32
     assert panel.min() >= 0.0 and panel.max() <= 1.0
-    img_s, rec_s = orthogonal_slices(image), orthogonal_slices(recon)
+    img_s = [np.rot90(s) for s in orthogonal_slices(image)]
+    rec_s = [np.rot90(s) for s in orthogonal_slices(recon)]
     for row, (img, rec) in enumerate(zip(img_s, rec_s)):
         sh, sw = img.shape
         cells = [panel[row * h : (row + 1) * h, col * w : (col + 1) * w] for col in range(3)]
@@ -137,7 +138,7 @@ def test_comparison_panel_layout_and_error_column() -> None:
             assert not cell[sh:, :].any() and not cell[:, sw:].any()
     # error scaling is clipped to [0, 1]; inputs outside [0, 1] are clipped too
     scaled = comparison_panel(image, recon, error_scale=4.0)
-    np.testing.assert_allclose(scaled[:h, 2 * w :][:8, :10], np.clip(4 * np.abs(img_s[0] - rec_s[0]), 0, 1), atol=1e-6)
+    np.testing.assert_allclose(scaled[:h, 2 * w :][:10, :8], np.clip(4 * np.abs(img_s[0] - rec_s[0]), 0, 1), atol=1e-6)
     assert comparison_panel(image * 3, recon, error_scale=0.0)[:, 2 * w :].max() == 0.0
     assert comparison_panel(image * 3, recon).max() <= 1.0
     with pytest.raises(ValueError, match=r"\(6, 8, 10\).*\(6, 8, 9\)"):
@@ -167,7 +168,7 @@ def test_ortho_slice_handler_writes_panels(tmp_path: Path) -> None:
 
     acc = _read_images(tmp_path)
     assert sorted(acc.Tags()["images"]) == ["val_slices/0", "val_slices/1"]
-    h, w = SIDE, 12  # largest of (12, 10), (16, 10), (16, 12)
+    h, w = 12, SIDE  # largest of the rotated slices (10, 12), (10, 16), (12, 16)
     for i in range(2):
         (event,) = acc.Images(f"val_slices/{i}")
         assert event.step == 42

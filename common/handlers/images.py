@@ -92,6 +92,11 @@ def _check_error_scale(error_scale: float) -> float:
     return float(error_scale)
 
 
+def _display_slices(volume: torch.Tensor | np.ndarray) -> list[np.ndarray]:
+    """The central orthogonal slices rotated 90 degrees counter-clockwise (superior/anterior up for RAS)."""
+    return [np.ascontiguousarray(np.rot90(s)) for s in orthogonal_slices(volume)]
+
+
 def _pad_to(array: np.ndarray, height: int, width: int) -> np.ndarray:
     """Zero-pad a 2D array at the bottom and right to (height, width).
 
@@ -132,7 +137,8 @@ def comparison_panel(
     """A 2D float32 panel in [0, 1] comparing a volume with its reconstruction on three orthogonal slices.
 
     The panel is a 3x3 grid: rows are the sagittal, coronal and axial central slices (see
-    :func:`orthogonal_slices`), columns are input | reconstruction | ``|input - reconstruction| * error_scale``.
+    :func:`orthogonal_slices`), each rotated 90 degrees counter-clockwise so that for RAS volumes superior
+    (sagittal, coronal) and anterior (axial) point up; columns are input | reconstruction | ``|input - reconstruction| * error_scale``.
     Every cell is clipped to [0, 1] and zero-padded (bottom/right) to the largest slice height and width,
     so the panel has shape ``(3 * max_height, 3 * max_width)``.
 
@@ -150,7 +156,7 @@ def comparison_panel(
         raise ValueError(
             f"image and recon must have the same spatial shape, got {tuple(image_shape)} and {tuple(recon_shape)}."
         )
-    return _assemble_panel(orthogonal_slices(image), orthogonal_slices(recon), scale)
+    return _assemble_panel(_display_slices(image), _display_slices(recon), scale)
 
 
 def save_panel_png(panel: np.ndarray | torch.Tensor, path: str | Path) -> Path:
@@ -268,7 +274,7 @@ class OrthoSliceImageHandler:
         if len(self._buffer) >= self.max_images:
             return
         for image, pred in self._samples(self.output_transform(engine.state.output)):
-            self._buffer.append((orthogonal_slices(image), orthogonal_slices(pred)))
+            self._buffer.append((_display_slices(image), _display_slices(pred)))
             if len(self._buffer) >= self.max_images:
                 break
 
