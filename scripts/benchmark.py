@@ -44,9 +44,14 @@ def _device_name(device: torch.device) -> str:
 def _settings(patch_size, channels, batch_size, num_samples, device) -> dict:
     small = list(channels) != [32, 64, 64]
     return {
-        "patch_size": list(patch_size), "channels": list(channels), "norm_num_groups": 8 if small else 16,
-        "batch_size": batch_size, "num_samples": num_samples, "d_channels": 16 if small else 32,
-        "device": device, "amp": "none" if device.type == "cpu" else "bf16",
+        "patch_size": list(patch_size),
+        "channels": list(channels),
+        "norm_num_groups": 8 if small else 16,
+        "batch_size": batch_size,
+        "num_samples": num_samples,
+        "d_channels": 16 if small else 32,
+        "device": device,
+        "amp": "none" if device.type == "cpu" else "bf16",
     }
 
 
@@ -54,17 +59,32 @@ def _bundle_trainer(s: dict, iterations: int, output_dir: str, extra: dict | Non
     from monai.bundle import ConfigWorkflow
 
     overrides = {
-        "output_dir": output_dir, "patch_size": s["patch_size"], "channels": s["channels"],
-        "norm_num_groups": s["norm_num_groups"], "batch_size": s["batch_size"], "num_samples": s["num_samples"],
-        "d_channels": s["d_channels"], "adv_warmup_iterations": 0, "max_epochs": 1, "epoch_length": iterations,
-        "val_interval": 10**6, "ckpt_interval": 10**6, "log_interval": 10**6, "resume": False,
-        "device": str(s["device"]), "amp": s["amp"], "num_threads": torch.get_num_threads(),
-        "cache_device": str(s["device"]), **(extra or {}),
+        "output_dir": output_dir,
+        "patch_size": s["patch_size"],
+        "channels": s["channels"],
+        "norm_num_groups": s["norm_num_groups"],
+        "batch_size": s["batch_size"],
+        "num_samples": s["num_samples"],
+        "d_channels": s["d_channels"],
+        "adv_warmup_iterations": 0,
+        "max_epochs": 1,
+        "epoch_length": iterations,
+        "val_interval": 10**6,
+        "ckpt_interval": 10**6,
+        "log_interval": 10**6,
+        "resume": False,
+        "device": str(s["device"]),
+        "amp": s["amp"],
+        "num_threads": torch.get_num_threads(),
+        "cache_device": str(s["device"]),
+        **(extra or {}),
     }
     workflow = ConfigWorkflow(config_file=str(CONFIGS / "train.json"), workflow_type="train", **overrides)
     workflow.initialize()
     trainer = workflow.parser.get_parsed_content("train#trainer")
-    monitor = next(h for h in workflow.parser.get_parsed_content("train#handlers") if type(h).__name__ == "TrainingMonitor")
+    monitor = next(
+        h for h in workflow.parser.get_parsed_content("train#handlers") if type(h).__name__ == "TrainingMonitor"
+    )
     return trainer, monitor
 
 
@@ -96,25 +116,48 @@ def _plain_loop(s: dict, data: list[dict], iterations: int, warmup: int, workers
     from monai.data import CacheDataset, DataLoader
     from monai.losses import PatchAdversarialLoss
     from monai.networks.nets import AutoencoderKL, PatchDiscriminator
-    from monai.transforms import (Compose, EnsureChannelFirstd, EnsureTyped, LoadImaged, Orientationd,
-                                  RandSpatialCropSamplesd, ScaleIntensityRangePercentilesd, SpatialPadd)
+    from monai.transforms import (
+        Compose,
+        EnsureChannelFirstd,
+        EnsureTyped,
+        LoadImaged,
+        Orientationd,
+        RandSpatialCropSamplesd,
+        ScaleIntensityRangePercentilesd,
+        SpatialPadd,
+    )
 
     from common.losses.autoencoder import kl_divergence
 
     device = s["device"]
-    transforms = Compose([
-        LoadImaged("image"), EnsureChannelFirstd("image"),
-        Orientationd("image", axcodes="RAS", labels=(("L", "R"), ("P", "A"), ("I", "S"))),
-        ScaleIntensityRangePercentilesd("image", lower=0.5, upper=99.5, b_min=0.0, b_max=1.0, clip=True),
-        SpatialPadd("image", spatial_size=s["patch_size"]), EnsureTyped("image", dtype=torch.float32),
-        RandSpatialCropSamplesd("image", roi_size=s["patch_size"], num_samples=s["num_samples"], random_size=False),
-    ])
+    transforms = Compose(
+        [
+            LoadImaged("image"),
+            EnsureChannelFirstd("image"),
+            Orientationd("image", axcodes="RAS", labels=(("L", "R"), ("P", "A"), ("I", "S"))),
+            ScaleIntensityRangePercentilesd("image", lower=0.5, upper=99.5, b_min=0.0, b_max=1.0, clip=True),
+            SpatialPadd("image", spatial_size=s["patch_size"]),
+            EnsureTyped("image", dtype=torch.float32),
+            RandSpatialCropSamplesd("image", roi_size=s["patch_size"], num_samples=s["num_samples"], random_size=False),
+        ]
+    )
     dataset = CacheDataset(data, transform=transforms, cache_rate=1.0, progress=False)
-    loader = DataLoader(dataset, batch_size=s["batch_size"], shuffle=True, num_workers=workers,
-                        persistent_workers=workers > 0)
-    ae = AutoencoderKL(spatial_dims=3, in_channels=1, out_channels=1, channels=s["channels"], latent_channels=3,
-                       num_res_blocks=1, norm_num_groups=s["norm_num_groups"], attention_levels=(False, False, True)).to(device)
-    disc = PatchDiscriminator(spatial_dims=3, num_layers_d=3, channels=s["d_channels"], in_channels=1, out_channels=1).to(device)
+    loader = DataLoader(
+        dataset, batch_size=s["batch_size"], shuffle=True, num_workers=workers, persistent_workers=workers > 0
+    )
+    ae = AutoencoderKL(
+        spatial_dims=3,
+        in_channels=1,
+        out_channels=1,
+        channels=s["channels"],
+        latent_channels=3,
+        num_res_blocks=1,
+        norm_num_groups=s["norm_num_groups"],
+        attention_levels=(False, False, True),
+    ).to(device)
+    disc = PatchDiscriminator(
+        spatial_dims=3, num_layers_d=3, channels=s["d_channels"], in_channels=1, out_channels=1
+    ).to(device)
     opt_g = torch.optim.Adam(ae.parameters(), lr=1e-4)
     opt_d = torch.optim.Adam(disc.parameters(), lr=1e-4)
     adv = PatchAdversarialLoss(criterion="least_squares")
@@ -126,15 +169,20 @@ def _plain_loop(s: dict, data: list[dict], iterations: int, warmup: int, workers
             opt_g.zero_grad(set_to_none=True)
             recon, z_mu, z_sigma = ae(images)
             logits_fake = disc(recon.contiguous().float())[-1]
-            loss_g = l1(recon.float(), images.float()) + 1e-7 * kl_divergence(z_mu, z_sigma) + 0.05 * adv(
-                logits_fake, target_is_real=True, for_discriminator=False)
+            loss_g = (
+                l1(recon.float(), images.float())
+                + 1e-7 * kl_divergence(z_mu, z_sigma)
+                + 0.05 * adv(logits_fake, target_is_real=True, for_discriminator=False)
+            )
             loss_g.backward()
             opt_g.step()
             opt_d.zero_grad(set_to_none=True)
             logits_fake = disc(recon.contiguous().detach())[-1]
             logits_real = disc(images.contiguous().detach())[-1]
-            loss_d = 0.5 * (adv(logits_fake, target_is_real=False, for_discriminator=True)
-                            + adv(logits_real, target_is_real=True, for_discriminator=True))
+            loss_d = 0.5 * (
+                adv(logits_fake, target_is_real=False, for_discriminator=True)
+                + adv(logits_real, target_is_real=True, for_discriminator=True)
+            )
             loss_d.backward()
             opt_d.step()
             loss_g.item()  # the tutorial logs the loss every step
@@ -151,9 +199,19 @@ def _plain_loop(s: dict, data: list[dict], iterations: int, warmup: int, workers
     return samples / (time.perf_counter() - start)
 
 
-def throughput(patch_size=(32, 32, 32), channels=(16, 32, 32), batch_size: int = 2, num_samples: int = 2,
-               iterations: int = 30, warmup: int = 5, repeats: int = 2, device: str = "auto",
-               baseline_workers: int | None = None, num_threads: int | None = None, output: str | None = None) -> dict:
+def throughput(
+    patch_size=(32, 32, 32),
+    channels=(16, 32, 32),
+    batch_size: int = 2,
+    num_samples: int = 2,
+    iterations: int = 30,
+    warmup: int = 5,
+    repeats: int = 2,
+    device: str = "auto",
+    baseline_workers: int | None = None,
+    num_threads: int | None = None,
+    output: str | None = None,
+) -> dict:
     """Bundle trainer vs the tutorial's plain loop, same network/losses/batch/patch, alternating in one process.
 
     Args:
@@ -169,8 +227,8 @@ def throughput(patch_size=(32, 32, 32), channels=(16, 32, 32), batch_size: int =
         num_threads: torch CPU threads.
         output: JSON file for the results.
     """
-    from common.data.demo import make_demo_dataset
     from common.data.datalist import load_datalist
+    from common.data.demo import make_demo_dataset
     from common.utils import resolve_device
 
     if num_threads:
@@ -184,26 +242,36 @@ def throughput(patch_size=(32, 32, 32), channels=(16, 32, 32), batch_size: int =
         results = {"plain": [], "bundle": [], "data_wait": [], "peak_mem_gib": []}
         for r in range(int(repeats)):
             results["plain"].append(_plain_loop(s, data, iterations + warmup, warmup, workers))
-            trainer, monitor = _bundle_trainer(s, iterations + warmup, str(Path(tmp) / f"run{r}"),
-                                               {"dataset_dir": str(Path(tmp) / "demo")})
+            trainer, monitor = _bundle_trainer(
+                s, iterations + warmup, str(Path(tmp) / f"run{r}"), {"dataset_dir": str(Path(tmp) / "demo")}
+            )
             elapsed, steps = _time_engine(trainer, warmup)
             results["bundle"].append(steps * s["batch_size"] * s["num_samples"] / elapsed)
             results["data_wait"].append(monitor.history[-1]["data_wait"] if monitor.history else float("nan"))
             results["peak_mem_gib"].append(monitor.history[-1]["peak_mem_gib"] if monitor.history else float("nan"))
     summary = {
-        "device": _device_name(dev), "patch_size": list(patch_size), "channels": list(channels),
-        "batch": f"{batch_size}x{num_samples}", "amp": s["amp"], "timed_iterations": iterations,
+        "device": _device_name(dev),
+        "patch_size": list(patch_size),
+        "channels": list(channels),
+        "batch": f"{batch_size}x{num_samples}",
+        "amp": s["amp"],
+        "timed_iterations": iterations,
         "plain_samples_per_s": statistics.median(results["plain"]),
         "bundle_samples_per_s": statistics.median(results["bundle"]),
         "bundle_data_wait": statistics.median(results["data_wait"]),
-        "bundle_peak_mem_gib": max(results["peak_mem_gib"]), "runs": results,
+        "bundle_peak_mem_gib": max(results["peak_mem_gib"]),
+        "runs": results,
     }
     summary["speedup"] = summary["bundle_samples_per_s"] / summary["plain_samples_per_s"]
-    print("\n| device | patch | channels | batch | amp | plain loop (samples/s) | bundle (samples/s) | bundle / plain | data wait | peak mem (GiB) |")
+    print(
+        "\n| device | patch | channels | batch | amp | plain loop (samples/s) | bundle (samples/s) | bundle / plain | data wait | peak mem (GiB) |"
+    )
     print("|---|---|---|---|---|---|---|---|---|---|")
-    print(f"| {summary['device']} | {'x'.join(map(str, patch_size))} | {list(channels)} | {summary['batch']} | {s['amp']} | "
-          f"{summary['plain_samples_per_s']:.2f} | {summary['bundle_samples_per_s']:.2f} | {summary['speedup']:.3f} | "
-          f"{summary['bundle_data_wait']:.1%} | {summary['bundle_peak_mem_gib']:.2f} |")
+    print(
+        f"| {summary['device']} | {'x'.join(map(str, patch_size))} | {list(channels)} | {summary['batch']} | {s['amp']} | "
+        f"{summary['plain_samples_per_s']:.2f} | {summary['bundle_samples_per_s']:.2f} | {summary['speedup']:.3f} | "
+        f"{summary['bundle_data_wait']:.1%} | {summary['bundle_peak_mem_gib']:.2f} |"
+    )
     if output:
         Path(output).write_text(json.dumps(summary, indent=2))
     return summary
@@ -220,46 +288,83 @@ def _memory_probe(patch_size, channels, batch_size, num_samples, device, amp, us
 
     dev = resolve_device(device)
     s = _settings(patch_size, channels, batch_size, num_samples, dev)
-    ae = AutoencoderKL(spatial_dims=3, in_channels=1, out_channels=1, channels=s["channels"], latent_channels=3,
-                       num_res_blocks=1, norm_num_groups=s["norm_num_groups"], attention_levels=(False, False, True),
-                       use_checkpoint=use_checkpoint, use_flash_attention=dev.type == "cuda").to(dev)
+    ae = AutoencoderKL(
+        spatial_dims=3,
+        in_channels=1,
+        out_channels=1,
+        channels=s["channels"],
+        latent_channels=3,
+        num_res_blocks=1,
+        norm_num_groups=s["norm_num_groups"],
+        attention_levels=(False, False, True),
+        use_checkpoint=use_checkpoint,
+        use_flash_attention=dev.type == "cuda",
+    ).to(dev)
     disc = PatchDiscriminator(spatial_dims=3, num_layers_d=3, channels=s["d_channels"], in_channels=1).to(dev)
     data = [{"image": torch.rand(batch_size * num_samples, 1, *patch_size)} for _ in range(3)]
     trainer = AutoencoderGANTrainer(
-        device=dev, max_epochs=1, train_data_loader=data, network=ae, optimizer=torch.optim.AdamW(ae.parameters()),
-        discriminator=disc, d_optimizer=torch.optim.AdamW(disc.parameters()),
-        adv_loss=PatchAdversarialLoss(criterion="least_squares"), amp=amp if dev.type == "cuda" else "none",
+        device=dev,
+        max_epochs=1,
+        train_data_loader=data,
+        network=ae,
+        optimizer=torch.optim.AdamW(ae.parameters()),
+        discriminator=disc,
+        d_optimizer=torch.optim.AdamW(disc.parameters()),
+        adv_loss=PatchAdversarialLoss(criterion="least_squares"),
+        amp=amp if dev.type == "cuda" else "none",
     )
     if dev.type == "cuda":
         torch.cuda.reset_peak_memory_stats(dev)
     trainer.run()
-    return {"patch_size": list(patch_size), "channels": list(channels), "batch": batch_size * num_samples,
-            "amp": trainer.amp_mode, "use_checkpoint": use_checkpoint, "peak_mem_gib": peak_memory_gib(dev),
-            "device": _device_name(dev)}
+    return {
+        "patch_size": list(patch_size),
+        "channels": list(channels),
+        "batch": batch_size * num_samples,
+        "amp": trainer.amp_mode,
+        "use_checkpoint": use_checkpoint,
+        "peak_mem_gib": peak_memory_gib(dev),
+        "device": _device_name(dev),
+    }
 
 
-def memory(patch_sizes=((32, 32, 32), (64, 64, 64)), channels=(32, 64, 64), batch_size: int = 1,
-           num_samples: int = 1, device: str = "auto", amp: str = "bf16", use_checkpoint: bool = False,
-           output: str | None = None) -> list[dict]:
+def memory(
+    patch_sizes=((32, 32, 32), (64, 64, 64)),
+    channels=(32, 64, 64),
+    batch_size: int = 1,
+    num_samples: int = 1,
+    device: str = "auto",
+    amp: str = "bf16",
+    use_checkpoint: bool = False,
+    output: str | None = None,
+) -> list[dict]:
     """Peak memory of training steps (bundle trainer, generator + discriminator) per patch size.
 
     Each size runs in a fresh subprocess so the CPU figure (peak resident set size) is not inherited.
     """
     rows = []
     for patch in patch_sizes:
-        code = (f"import json, sys; sys.path.insert(0, {str(REPO_ROOT)!r}); from scripts.benchmark import _memory_probe; "
-                f"print(json.dumps(_memory_probe({list(patch)!r}, {list(channels)!r}, {batch_size}, {num_samples}, "
-                f"{device!r}, {amp!r}, {bool(use_checkpoint)})))")
-        result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO_ROOT,
-                                env={**os.environ, "PYTHONWARNINGS": "ignore"})
+        code = (
+            f"import json, sys; sys.path.insert(0, {str(REPO_ROOT)!r}); from scripts.benchmark import _memory_probe; "
+            f"print(json.dumps(_memory_probe({list(patch)!r}, {list(channels)!r}, {batch_size}, {num_samples}, "
+            f"{device!r}, {amp!r}, {bool(use_checkpoint)})))"
+        )
+        result = subprocess.run(
+            [sys.executable, "-c", code],
+            capture_output=True,
+            text=True,
+            cwd=REPO_ROOT,
+            env={**os.environ, "PYTHONWARNINGS": "ignore"},
+        )
         if result.returncode != 0:
             raise RuntimeError(f"memory probe for patch {patch} failed:\n{result.stderr[-3000:]}")
         rows.append(json.loads(result.stdout.strip().splitlines()[-1]))
     print("\n| device | patch | channels | batch | amp | gradient checkpointing | peak mem (GiB) |")
     print("|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['device']} | {'x'.join(map(str, r['patch_size']))} | {r['channels']} | {r['batch']} | {r['amp']} | "
-              f"{r['use_checkpoint']} | {r['peak_mem_gib']:.2f} |")
+        print(
+            f"| {r['device']} | {'x'.join(map(str, r['patch_size']))} | {r['channels']} | {r['batch']} | {r['amp']} | "
+            f"{r['use_checkpoint']} | {r['peak_mem_gib']:.2f} |"
+        )
     if output:
         Path(output).write_text(json.dumps(rows, indent=2))
     return rows

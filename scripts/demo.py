@@ -29,13 +29,29 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 PROFILES = {
     "autoencoder_3d": {
         "cpu": {
-            "patch_size": [32, 32, 32], "channels": [16, 32, 32], "norm_num_groups": 8, "d_channels": 16,
-            "num_samples": 2, "max_epochs": 200, "val_interval": 25, "adv_warmup_iterations": 100,
-            "lr": 5e-4, "d_lr": 5e-4, "lr_warmup_iterations": 20, "log_interval": 50,
+            "patch_size": [32, 32, 32],
+            "channels": [16, 32, 32],
+            "norm_num_groups": 8,
+            "d_channels": 16,
+            "num_samples": 2,
+            "max_epochs": 200,
+            "val_interval": 25,
+            "adv_warmup_iterations": 100,
+            "lr": 5e-4,
+            "d_lr": 5e-4,
+            "lr_warmup_iterations": 20,
+            "log_interval": 50,
         },
         "gpu": {
-            "patch_size": [64, 64, 64], "num_samples": 2, "max_epochs": 200, "val_interval": 25,
-            "adv_warmup_iterations": 100, "lr": 2e-4, "d_lr": 2e-4, "lr_warmup_iterations": 20, "log_interval": 50,
+            "patch_size": [64, 64, 64],
+            "num_samples": 2,
+            "max_epochs": 200,
+            "val_interval": 25,
+            "adv_warmup_iterations": 100,
+            "lr": 2e-4,
+            "d_lr": 2e-4,
+            "lr_warmup_iterations": 20,
+            "log_interval": 50,
         },
     }
 }
@@ -44,7 +60,10 @@ PROFILES = {
 def _args(overrides: dict) -> list[str]:
     args = []
     for key, value in overrides.items():
-        args += [f"--{key}", str(value) if isinstance(value, bool) else (value if isinstance(value, str) else json.dumps(value))]
+        args += [
+            f"--{key}",
+            str(value) if isinstance(value, bool) else (value if isinstance(value, str) else json.dumps(value)),
+        ]
     return args
 
 
@@ -55,8 +74,13 @@ def _run(cmd: list[str], env: dict[str, str]) -> None:
         sys.exit(f"demo stage failed with exit code {result.returncode}: {' '.join(cmd[:6])} ...")
 
 
-def main(bundle: str = "autoencoder_3d", output_dir: str | None = None, max_epochs: int | None = None,
-         device: str = "auto", num_threads: int | None = None) -> dict:
+def main(
+    bundle: str = "autoencoder_3d",
+    output_dir: str | None = None,
+    max_epochs: int | None = None,
+    device: str = "auto",
+    num_threads: int | None = None,
+) -> dict:
     """Train ``bundle`` on its demo data, evaluate the best checkpoint, print locations and metrics.
 
     Args:
@@ -96,18 +120,31 @@ def main(bundle: str = "autoencoder_3d", output_dir: str | None = None, max_epoc
     start = time.time()
     _run(base + ["training", "--config_file", str(configs / "train.json"), *_args(overrides)], env)
     trained = time.time() - start
-    evaluation = {k: v for k, v in overrides.items() if k in ("output_dir", "patch_size", "channels", "norm_num_groups",
-                                                               "d_channels", "device", "num_threads")}
-    _run(base + ["run", "--config_file", json.dumps([str(configs / "train.json"), str(configs / "evaluate.json")]),
-                 *_args(evaluation)], env)
+    evaluation = {
+        k: v
+        for k, v in overrides.items()
+        if k in ("output_dir", "patch_size", "channels", "norm_num_groups", "d_channels", "device", "num_threads")
+    }
+    _run(
+        base
+        + [
+            "run",
+            "--config_file",
+            json.dumps([str(configs / "train.json"), str(configs / "evaluate.json")]),
+            *_args(evaluation),
+        ],
+        env,
+    )
     metrics = json.loads((out / "eval" / "metrics.json").read_text())["latest"]
     training = json.loads((out / "metrics.json").read_text())
     print(f"\n{bundle}: trained in {trained / 60:.1f} min on {'GPU' if use_gpu else 'CPU'}")
     print("  validation during training (step: PSNR dB / SSIM / MS-SSIM):")
     for h in training["history"]:
         print(f"    {h['step']:>6}: {h['val_psnr']:.2f} / {h['val_ssim']:.4f} / {h['val_ms_ssim']:.4f}")
-    print(f"  best checkpoint, whole validation volumes: PSNR {metrics['val_psnr']:.2f} dB, SSIM {metrics['val_ssim']:.4f},"
-          f" MS-SSIM {metrics['val_ms_ssim']:.4f}")
+    print(
+        f"  best checkpoint, whole validation volumes: PSNR {metrics['val_psnr']:.2f} dB, SSIM {metrics['val_ssim']:.4f},"
+        f" MS-SSIM {metrics['val_ms_ssim']:.4f}"
+    )
     print(f"  outputs:        {out}")
     print(f"  best model:     {out / 'models' / 'model.pt'}  (resumable state: {out / 'models' / 'last.pt'})")
     print(f"  metrics:        {out / 'metrics.json'}, {out / 'metrics.csv'}, {out / 'eval' / 'metrics_per_volume.csv'}")

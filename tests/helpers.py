@@ -12,6 +12,9 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+import torch
+from monai.networks.nets import AutoencoderKL, PatchDiscriminator
+
 REPO_ROOT = Path(__file__).resolve().parents[1]
 BUNDLES = REPO_ROOT / "bundles"
 SCHEMA = REPO_ROOT / "tests" / "data" / "meta_schema_20240725.json"
@@ -55,10 +58,13 @@ def run_bundle(
 ) -> subprocess.CompletedProcess:
     """``python -m monai.bundle run <run_id> --config_file ... <args>`` from the repository root."""
     cmd = [sys.executable, "-m", "monai.bundle", "run", run_id, "--config_file", config_arg(bundle, *configs), *args]
-    result = subprocess.run(cmd, cwd=REPO_ROOT, env=env or bundle_env(), capture_output=True, text=True,
-                            timeout=timeout)
+    result = subprocess.run(
+        cmd, cwd=REPO_ROOT, env=env or bundle_env(), capture_output=True, text=True, timeout=timeout
+    )
     if check and result.returncode != 0:
-        raise AssertionError(f"{' '.join(cmd)} failed ({result.returncode}):\n{result.stdout[-4000:]}\n{result.stderr[-6000:]}")
+        raise AssertionError(
+            f"{' '.join(cmd)} failed ({result.returncode}):\n{result.stdout[-4000:]}\n{result.stderr[-6000:]}"
+        )
     return result
 
 
@@ -70,5 +76,38 @@ def free_port() -> int:
 
 def torchrun_cmd(nproc: int, *module_args: str) -> list[str]:
     """A single-node ``torchrun`` command on a free loopback port."""
-    return [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--nnodes=1",
-            f"--master_addr=127.0.0.1", f"--master_port={free_port()}", *module_args]
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        f"--nproc_per_node={nproc}",
+        "--nnodes=1",
+        "--master_addr=127.0.0.1",
+        f"--master_port={free_port()}",
+        *module_args,
+    ]
+
+
+def tiny_autoencoder(seed: int | None = 0) -> AutoencoderKL:
+    """A 2-level AutoencoderKL (2x downsampling, no attention) small enough for CPU unit tests."""
+    if seed is not None:
+        torch.manual_seed(seed)
+    return AutoencoderKL(
+        spatial_dims=3,
+        in_channels=1,
+        out_channels=1,
+        channels=(8, 16),
+        latent_channels=2,
+        num_res_blocks=1,
+        norm_num_groups=4,
+        attention_levels=(False, False),
+        with_encoder_nonlocal_attn=False,
+        with_decoder_nonlocal_attn=False,
+    )
+
+
+def tiny_discriminator(seed: int | None = 1) -> PatchDiscriminator:
+    """A 2-layer PatchDiscriminator for 16^3 inputs."""
+    if seed is not None:
+        torch.manual_seed(seed)
+    return PatchDiscriminator(spatial_dims=3, channels=8, in_channels=1, num_layers_d=2)

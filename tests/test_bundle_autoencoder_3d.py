@@ -43,8 +43,15 @@ def phantoms(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def trained(phantoms, tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("ae_run")
-    args = overrides(dataset_dir=str(phantoms), output_dir=str(out), max_epochs=3, val_interval=1,
-                     adv_warmup_iterations=2, ckpt_interval=2, **TINY)
+    args = overrides(
+        dataset_dir=str(phantoms),
+        output_dir=str(out),
+        max_epochs=3,
+        val_interval=1,
+        adv_warmup_iterations=2,
+        ckpt_interval=2,
+        **TINY,
+    )
     run_bundle(BUNDLE, ["train.json"], args=args)
     return out
 
@@ -75,8 +82,16 @@ def test_training_outputs(trained):
     rows = (trained / "metrics.csv").read_text().splitlines()
     assert rows[0] == "step,epoch,tag,value"
     tags = {r.split(",")[2] for r in rows[1:]}
-    assert {"train/loss", "train/recon_loss", "train/kl_loss", "train/samples_per_s", "train/data_wait",
-            "train/peak_mem_gib", "train/lr_autoencoder", "val_psnr"} <= tags
+    assert {
+        "train/loss",
+        "train/recon_loss",
+        "train/kl_loss",
+        "train/samples_per_s",
+        "train/data_wait",
+        "train/peak_mem_gib",
+        "train/lr_autoencoder",
+        "val_psnr",
+    } <= tags
     assert "train/d_loss" in tags and "train/adv_loss" in tags  # adversarial terms after the warm-up
 
     tb = _tb_tags(trained / "tensorboard")
@@ -100,8 +115,13 @@ def test_evaluate_matches_best_validation(trained, phantoms):
 
 
 def test_inference_reconstruct_and_encode(trained, phantoms):
-    common = dict(dataset_dir=str(phantoms / "images"), output_dir=str(trained), patch_size=TINY["patch_size"],
-                  channels=TINY["channels"], norm_num_groups=TINY["norm_num_groups"])
+    common = dict(
+        dataset_dir=str(phantoms / "images"),
+        output_dir=str(trained),
+        patch_size=TINY["patch_size"],
+        channels=TINY["channels"],
+        norm_num_groups=TINY["norm_num_groups"],
+    )
     run_bundle(BUNDLE, ["inference.json"], run_id="run", args=overrides(**common))
     run_bundle(BUNDLE, ["inference.json"], run_id="run", args=overrides(mode="encode", **common))
     source = nib.load(phantoms / "images" / "phantom_val_000.nii.gz")
@@ -116,8 +136,17 @@ def test_inference_reconstruct_and_encode(trained, phantoms):
 
 
 def test_inference_without_inputs_fails_clearly(trained, tmp_path):
-    result = run_bundle(BUNDLE, ["inference.json"], run_id="run", check=False,
-                        args=overrides(dataset_dir=str(tmp_path), output_dir=str(trained), **{k: TINY[k] for k in ("patch_size", "channels", "norm_num_groups")}))
+    result = run_bundle(
+        BUNDLE,
+        ["inference.json"],
+        run_id="run",
+        check=False,
+        args=overrides(
+            dataset_dir=str(tmp_path),
+            output_dir=str(trained),
+            **{k: TINY[k] for k in ("patch_size", "channels", "norm_num_groups")},
+        ),
+    )
     assert result.returncode != 0
     assert "no input volumes match" in result.stderr and str(tmp_path) in result.stderr
 
@@ -132,10 +161,20 @@ def test_metadata_valid_against_schema():
 
 
 def test_verify_net_in_out():
-    cmd = [sys.executable, "-m", "monai.bundle", "verify_net_in_out", "network",
-           "--meta_file", str(BUNDLES / BUNDLE / "configs" / "metadata.json"),
-           "--config_file", config_arg(BUNDLE, "inference.json"), "--n", "4",
-           *overrides(**{k: TINY[k] for k in ("channels", "norm_num_groups")}, device="cpu")]
+    cmd = [
+        sys.executable,
+        "-m",
+        "monai.bundle",
+        "verify_net_in_out",
+        "network",
+        "--meta_file",
+        str(BUNDLES / BUNDLE / "configs" / "metadata.json"),
+        "--config_file",
+        config_arg(BUNDLE, "inference.json"),
+        "--n",
+        "4",
+        *overrides(**{k: TINY[k] for k in ("channels", "norm_num_groups")}, device="cpu"),
+    ]
     result = subprocess.run(cmd, cwd=REPO_ROOT, env=bundle_env(), capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "data shape of network is verified with no error" in result.stdout + result.stderr
@@ -143,12 +182,26 @@ def test_verify_net_in_out():
 
 def test_ckpt_export_trace_matches_pytorch(trained, tmp_path):
     exported = tmp_path / "model.ts"
-    cmd = [sys.executable, "-m", "monai.bundle", "ckpt_export", "network", "--filepath", str(exported),
-           "--ckpt_file", str(trained / "models" / "model.pt"),
-           "--meta_file", str(BUNDLES / BUNDLE / "configs" / "metadata.json"),
-           "--config_file", config_arg(BUNDLE, "inference.json"), "--use_trace", "True",
-           "--input_shape", "[1,1,16,16,16]",
-           *overrides(**{k: TINY[k] for k in ("channels", "norm_num_groups")}, device="cpu")]
+    cmd = [
+        sys.executable,
+        "-m",
+        "monai.bundle",
+        "ckpt_export",
+        "network",
+        "--filepath",
+        str(exported),
+        "--ckpt_file",
+        str(trained / "models" / "model.pt"),
+        "--meta_file",
+        str(BUNDLES / BUNDLE / "configs" / "metadata.json"),
+        "--config_file",
+        config_arg(BUNDLE, "inference.json"),
+        "--use_trace",
+        "True",
+        "--input_shape",
+        "[1,1,16,16,16]",
+        *overrides(**{k: TINY[k] for k in ("channels", "norm_num_groups")}, device="cpu"),
+    ]
     result = subprocess.run(cmd, cwd=REPO_ROOT, env=bundle_env(), capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     ts = torch.jit.load(str(exported))
@@ -158,8 +211,16 @@ def test_ckpt_export_trace_matches_pytorch(trained, tmp_path):
     from common.handlers.checkpoint import load_network_weights
     from common.networks.wrappers import ReconstructionNetwork
 
-    ae = AutoencoderKL(spatial_dims=3, in_channels=1, out_channels=1, channels=(8, 16, 16), latent_channels=3,
-                       num_res_blocks=1, norm_num_groups=4, attention_levels=(False, False, True))
+    ae = AutoencoderKL(
+        spatial_dims=3,
+        in_channels=1,
+        out_channels=1,
+        channels=(8, 16, 16),
+        latent_channels=3,
+        num_res_blocks=1,
+        norm_num_groups=4,
+        attention_levels=(False, False, True),
+    )
     net = ReconstructionNetwork(load_network_weights(ae, trained / "models" / "model.pt")).eval()
     x = torch.rand(1, 1, 16, 16, 16)
     with torch.no_grad():
@@ -168,8 +229,14 @@ def test_ckpt_export_trace_matches_pytorch(trained, tmp_path):
 
 def test_mlflow_tracking(phantoms, tmp_path):
     pytest.importorskip("mlflow")
-    args = overrides(dataset_dir=str(phantoms), output_dir=str(tmp_path), max_epochs=1, val_interval=1,
-                     adv_warmup_iterations=0, **TINY) + ["--tracking", "mlflow"]
+    args = overrides(
+        dataset_dir=str(phantoms),
+        output_dir=str(tmp_path),
+        max_epochs=1,
+        val_interval=1,
+        adv_warmup_iterations=0,
+        **TINY,
+    ) + ["--tracking", "mlflow"]
     run_bundle(BUNDLE, ["train.json"], args=args)
     db = tmp_path / "mlruns.db"
     assert db.is_file()
@@ -188,14 +255,23 @@ def test_preflight_refuses_bad_data_and_writes_nothing(phantoms, tmp_path):
     nan[3, 3, 3] = np.nan
     nib.save(nib.Nifti1Image(nan, good.affine), data / "nan.nii.gz")
     nib.save(nib.Nifti1Image(np.zeros((24, 24), np.float32), np.eye(4)), data / "flat.nii.gz")
-    (data / "datalist.json").write_text(json.dumps({
-        "training": [{"image": str(phantoms / "images" / "phantom_train_000.nii.gz")}, {"image": "missing.nii.gz"},
-                     {"image": "nan.nii.gz"}, {"image": "flat.nii.gz"}],
-        "validation": [{"image": str(phantoms / "images" / "phantom_val_000.nii.gz")}],
-    }))
+    (data / "datalist.json").write_text(
+        json.dumps(
+            {
+                "training": [
+                    {"image": str(phantoms / "images" / "phantom_train_000.nii.gz")},
+                    {"image": "missing.nii.gz"},
+                    {"image": "nan.nii.gz"},
+                    {"image": "flat.nii.gz"},
+                ],
+                "validation": [{"image": str(phantoms / "images" / "phantom_val_000.nii.gz")}],
+            }
+        )
+    )
     out = tmp_path / "out"
-    result = run_bundle(BUNDLE, ["train.json"], check=False,
-                        args=overrides(dataset_dir=str(data), output_dir=str(out), **TINY))
+    result = run_bundle(
+        BUNDLE, ["train.json"], check=False, args=overrides(dataset_dir=str(data), output_dir=str(out), **TINY)
+    )
     assert result.returncode != 0
     text = result.stdout + result.stderr
     for name in ("missing.nii.gz", "nan.nii.gz", "flat.nii.gz"):
@@ -210,14 +286,29 @@ def _final_weights(out: Path) -> dict[str, torch.Tensor]:
 
 def test_kill_and_resume_matches_uninterrupted_run(phantoms, tmp_path):
     """SIGKILL a run after its second checkpoint, re-run the same command: it resumes and ends bit-identical."""
-    common = dict(dataset_dir=str(phantoms), max_epochs=6, val_interval=2, adv_warmup_iterations=3, ckpt_interval=2,
-                  deterministic=True, **TINY)
+    common = dict(
+        dataset_dir=str(phantoms),
+        max_epochs=6,
+        val_interval=2,
+        adv_warmup_iterations=3,
+        ckpt_interval=2,
+        deterministic=True,
+        **TINY,
+    )
     reference = tmp_path / "reference"
     run_bundle(BUNDLE, ["train.json"], args=overrides(output_dir=str(reference), **common))
 
     out = tmp_path / "interrupted"
-    cmd = [sys.executable, "-m", "monai.bundle", "run", "training", "--config_file", config_arg(BUNDLE, "train.json"),
-           *overrides(output_dir=str(out), **common)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "monai.bundle",
+        "run",
+        "training",
+        "--config_file",
+        config_arg(BUNDLE, "train.json"),
+        *overrides(output_dir=str(out), **common),
+    ]
     proc = subprocess.Popen(cmd, cwd=REPO_ROOT, env=bundle_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.time() + 300
     killed_at = None
@@ -252,17 +343,40 @@ def test_torchrun_two_processes(phantoms, tmp_path):
     """2-process gloo DDP: ranks train on different partitions and end with identical weights."""
     out = tmp_path / "ddp"
     probe = tmp_path / "probe.json"
-    probe.write_text(json.dumps({
-        "finalize": ["$torch.save({'weights': @autoencoder.state_dict(), 'd_weights': @discriminator.state_dict(), "
-                      "'train': [d['image'] for d in @train#dataset.data], 'iteration': @train#trainer.state.iteration}, "
-                      "@output_dir + '/rank' + str(torch.distributed.get_rank()) + '.pt')",
-                     "$@summary_writer.close() if @summary_writer is not None else None",
-                     "$common.utils.destroy_distributed()"],
-    }))
-    configs = json.dumps([str(BUNDLES / BUNDLE / "configs" / n) for n in ("train.json", "multi_gpu_train.json")] + [str(probe)])
-    cmd = torchrun_cmd(2, "-m", "monai.bundle", "run", "training", "--config_file", configs,
-                       *overrides(dataset_dir=str(phantoms), output_dir=str(out), max_epochs=2, val_interval=1,
-                                  adv_warmup_iterations=1, ckpt_interval=1, **TINY))
+    probe.write_text(
+        json.dumps(
+            {
+                "finalize": [
+                    "$torch.save({'weights': @autoencoder.state_dict(), 'd_weights': @discriminator.state_dict(), "
+                    "'train': [d['image'] for d in @train#dataset.data], 'iteration': @train#trainer.state.iteration}, "
+                    "@output_dir + '/rank' + str(torch.distributed.get_rank()) + '.pt')",
+                    "$@summary_writer.close() if @summary_writer is not None else None",
+                    "$common.utils.destroy_distributed()",
+                ],
+            }
+        )
+    )
+    configs = json.dumps(
+        [str(BUNDLES / BUNDLE / "configs" / n) for n in ("train.json", "multi_gpu_train.json")] + [str(probe)]
+    )
+    cmd = torchrun_cmd(
+        2,
+        "-m",
+        "monai.bundle",
+        "run",
+        "training",
+        "--config_file",
+        configs,
+        *overrides(
+            dataset_dir=str(phantoms),
+            output_dir=str(out),
+            max_epochs=2,
+            val_interval=1,
+            adv_warmup_iterations=1,
+            ckpt_interval=1,
+            **TINY,
+        ),
+    )
     result = subprocess.run(cmd, cwd=REPO_ROOT, env=bundle_env(), capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
     r0 = torch.load(out / "rank0.pt", weights_only=True)
@@ -278,3 +392,25 @@ def test_torchrun_two_processes(phantoms, tmp_path):
     log = (out / "train.log.rank1").read_text()
     assert "[rank 1]" in log
     assert (out / "models" / "last.pt").is_file() and not (out / "train.log").read_text().count("[rank 1]")
+
+
+def test_smartcache_training(phantoms, tmp_path):
+    """cache_rate < 1 with replace_rate > 0 trains from a SmartCache whose contents rotate between epochs."""
+    out = tmp_path / "smart"
+    probe = tmp_path / "probe.json"
+    record = (
+        "$torch.save({'type': type(@train#dataset).__name__, 'cache_num': @train#dataset.cache_num, "
+        "'iteration': @train#trainer.state.iteration, 'items': [str(d['image']) for d in @train#dataset.data]}, "
+        "@output_dir + '/probe.pt')"
+    )
+    probe.write_text(json.dumps({"finalize": [record]}))
+    configs = json.dumps([str(BUNDLES / BUNDLE / "configs" / "train.json"), str(probe)])
+    cmd = [sys.executable, "-m", "monai.bundle", "run", "training", "--config_file", configs,
+           *overrides(dataset_dir=str(phantoms), output_dir=str(out), max_epochs=4, val_interval=4, cache_rate=0.5,
+                      replace_rate=0.5, adv_warmup_iterations=1, **TINY)]
+    result = subprocess.run(cmd, cwd=REPO_ROOT, env=bundle_env(), capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-4000:]
+    probe_out = torch.load(out / "probe.pt", weights_only=True)
+    assert probe_out["type"] == "SmartCacheDataset" and probe_out["cache_num"] == 2
+    assert probe_out["iteration"] == 4  # an epoch is the 2 cached volumes = 1 step of batch 2
+    assert len(probe_out["items"]) == 4

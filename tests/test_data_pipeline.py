@@ -218,9 +218,14 @@ def test_make_dataset_smart_cache_only_with_replacement_and_partial_cache(single
     assert type(partial) is CacheDataset and len(partial) == 10
 
 
-@pytest.mark.parametrize("kwargs, match", [({"cache_rate": 1.5}, "cache_rate must be in \\[0, 1\\], got 1.5"),
-                                           ({"cache_rate": -0.1}, "cache_rate"),
-                                           ({"replace_rate": 2}, "replace_rate must be in \\[0, 1\\], got 2")])
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"cache_rate": 1.5}, "cache_rate must be in \\[0, 1\\], got 1.5"),
+        ({"cache_rate": -0.1}, "cache_rate"),
+        ({"replace_rate": 2}, "replace_rate must be in \\[0, 1\\], got 2"),
+    ],
+)
 def test_make_dataset_rejects_bad_rates(single_process, kwargs, match):
     with pytest.raises(ValueError, match=match):
         make_dataset(_items(), Compose([]), **kwargs)

@@ -9,39 +9,18 @@ import copy
 import numpy as np
 import pytest
 import torch
+from ignite.engine import Events
 from monai.data import MetaTensor
 from monai.engines.utils import IterationEvents
 from monai.losses import PatchAdversarialLoss
-from monai.networks.nets import AutoencoderKL, PatchDiscriminator
-from ignite.engine import Events
 from torch import nn
 
 from common.data.demo import make_phantom
 from common.engines.autoencoder_gan import AutoencoderGANTrainer, prepare_image_batch
 from common.losses.autoencoder import kl_divergence
+from tests.helpers import tiny_autoencoder, tiny_discriminator
 
 SIDE = 16
-
-
-def tiny_autoencoder(seed: int = 0) -> AutoencoderKL:
-    torch.manual_seed(seed)
-    return AutoencoderKL(
-        spatial_dims=3,
-        in_channels=1,
-        out_channels=1,
-        channels=(8, 16),
-        latent_channels=2,
-        num_res_blocks=1,
-        norm_num_groups=4,
-        attention_levels=(False, False),
-        with_encoder_nonlocal_attn=False,
-        with_decoder_nonlocal_attn=False,
-    )
-
-
-def tiny_discriminator(seed: int = 1) -> PatchDiscriminator:
-    torch.manual_seed(seed)
-    return PatchDiscriminator(spatial_dims=3, channels=8, in_channels=1, num_layers_d=2)
 
 
 class ConvNet(nn.Module):
@@ -231,7 +210,10 @@ def test_adversarial_warmup():
 def test_no_adversarial_terms_with_zero_weight():
     disc = tiny_discriminator()
     trainer = make_trainer(
-        ConvNet(), random_batches(2), discriminator=disc, d_optimizer=torch.optim.SGD(disc.parameters(), lr=0.1),
+        ConvNet(),
+        random_batches(2),
+        discriminator=disc,
+        d_optimizer=torch.optim.SGD(disc.parameters(), lr=0.1),
         adv_weight=0.0,
     )
     outputs = record_outputs(trainer)
@@ -332,8 +314,9 @@ def test_gradient_accumulation_steps_every_second_iteration():
 
 def test_gradient_accumulation_steps_at_the_end_of_an_odd_epoch():
     net = ConvNet()
-    trainer = make_trainer(net, random_batches(3), optimizer=torch.optim.SGD(net.parameters(), lr=0.5),
-                           accumulation_steps=2, max_epochs=2)
+    trainer = make_trainer(
+        net, random_batches(3), optimizer=torch.optim.SGD(net.parameters(), lr=0.5), accumulation_steps=2, max_epochs=2
+    )
     snapshots = record_params(trainer, net)
     trainer.run()
     changed = [not same(snapshots[i], snapshots[i - 1]) for i in range(1, 7)]
@@ -372,8 +355,13 @@ def test_grad_clip_reports_norm_and_matches_clip_grad_norm():
 
 def test_grad_clip_reports_discriminator_norm():
     disc = tiny_discriminator()
-    trainer = make_trainer(ConvNet(), random_batches(1), discriminator=disc,
-                           d_optimizer=torch.optim.SGD(disc.parameters(), lr=0.01), grad_clip=1.0)
+    trainer = make_trainer(
+        ConvNet(),
+        random_batches(1),
+        discriminator=disc,
+        d_optimizer=torch.optim.SGD(disc.parameters(), lr=0.01),
+        grad_clip=1.0,
+    )
     outputs = record_outputs(trainer)
     trainer.run()
     assert outputs[0]["grad_norm"].item() > 0 and outputs[0]["d_grad_norm"].item() > 0
@@ -389,8 +377,14 @@ def test_no_grad_norm_without_clipping():
 # ---------------------------------------------------------------------------------------------- precision
 def test_bf16_on_cpu_gives_finite_losses():
     ae, disc = tiny_autoencoder(), tiny_discriminator()
-    trainer = make_trainer(ae, random_batches(2), discriminator=disc,
-                           d_optimizer=torch.optim.Adam(disc.parameters(), lr=1e-3), amp="bf16", grad_clip=1.0)
+    trainer = make_trainer(
+        ae,
+        random_batches(2),
+        discriminator=disc,
+        d_optimizer=torch.optim.Adam(disc.parameters(), lr=1e-3),
+        amp="bf16",
+        grad_clip=1.0,
+    )
     outputs = record_outputs(trainer)
     trainer.run()
     assert trainer.scaler is None and trainer.amp_dtype is torch.bfloat16

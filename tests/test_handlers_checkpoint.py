@@ -15,7 +15,6 @@ import pytest
 import torch
 from ignite.engine import Events
 from monai.handlers import LrScheduleHandler
-from monai.networks.nets import AutoencoderKL, PatchDiscriminator
 from monai.transforms import (
     Compose,
     EnsureChannelFirstd,
@@ -42,27 +41,9 @@ from common.handlers.checkpoint import (
     load_network_weights,
     save_checkpoint,
 )
+from tests.helpers import tiny_autoencoder, tiny_discriminator
 
 SIDE = 16
-
-
-def tiny_autoencoder() -> AutoencoderKL:
-    return AutoencoderKL(
-        spatial_dims=3,
-        in_channels=1,
-        out_channels=1,
-        channels=(8, 16),
-        latent_channels=2,
-        num_res_blocks=1,
-        norm_num_groups=4,
-        attention_levels=(False, False),
-        with_encoder_nonlocal_attn=False,
-        with_decoder_nonlocal_attn=False,
-    )
-
-
-def tiny_discriminator() -> PatchDiscriminator:
-    return PatchDiscriminator(spatial_dims=3, channels=8, in_channels=1, num_layers_d=2)
 
 
 class Pickled:
@@ -141,10 +122,10 @@ def test_load_checkpoint_missing_file(tmp_path):
 
 def test_load_network_weights_strips_ddp_prefix(tmp_path):
     torch.manual_seed(0)
-    source = tiny_discriminator()
+    source = tiny_discriminator(seed=None)
     save_checkpoint({f"module.{k}": v for k, v in source.state_dict().items()}, tmp_path / "ddp.pt")
     torch.manual_seed(1)
-    target = tiny_discriminator()
+    target = tiny_discriminator(seed=None)
     assert not torch.equal(next(target.parameters()), next(source.parameters()))
     assert load_network_weights(target, tmp_path / "ddp.pt") is target
     for key, value in target.state_dict().items():
@@ -152,9 +133,9 @@ def test_load_network_weights_strips_ddp_prefix(tmp_path):
 
 
 def test_load_network_weights_from_a_key_into_a_wrapped_network(tmp_path):
-    source = tiny_discriminator()
+    source = tiny_discriminator(seed=None)
     save_checkpoint({"discriminator": source.state_dict(), "other": {}}, tmp_path / "full.pt")
-    target = nn.DataParallel(tiny_discriminator())
+    target = nn.DataParallel(tiny_discriminator(seed=None))
     load_network_weights(target, tmp_path / "full.pt", key="discriminator")
     for key, value in source.state_dict().items():
         assert torch.equal(target.module.state_dict()[key], value)
@@ -164,16 +145,16 @@ def test_load_network_weights_from_a_key_into_a_wrapped_network(tmp_path):
 
 
 def test_load_network_weights_mismatch_names_the_network(tmp_path):
-    save_checkpoint(tiny_discriminator().state_dict(), tmp_path / "d.pt")
+    save_checkpoint(tiny_discriminator(seed=None).state_dict(), tmp_path / "d.pt")
     with pytest.raises(CheckpointError, match="does not match AutoencoderKL"):
-        load_network_weights(tiny_autoencoder(), tmp_path / "d.pt")
+        load_network_weights(tiny_autoencoder(seed=None), tmp_path / "d.pt")
     # strict=False tolerates missing keys but not mismatched shapes
-    first = next(iter(tiny_discriminator().state_dict()))
-    partial = {first: tiny_discriminator().state_dict()[first]}
+    first = next(iter(tiny_discriminator(seed=None).state_dict()))
+    partial = {first: tiny_discriminator(seed=None).state_dict()[first]}
     save_checkpoint(partial, tmp_path / "partial.pt")
-    load_network_weights(tiny_discriminator(), tmp_path / "partial.pt", strict=False)
+    load_network_weights(tiny_discriminator(seed=None), tmp_path / "partial.pt", strict=False)
     with pytest.raises(CheckpointError, match="does not match PatchDiscriminator"):
-        load_network_weights(tiny_discriminator(), tmp_path / "partial.pt")
+        load_network_weights(tiny_discriminator(seed=None), tmp_path / "partial.pt")
 
 
 # ---------------------------------------------------------------------------------------------- best-k saver
@@ -305,7 +286,7 @@ def test_transform_rng_state_round_trip_covers_nested_randomizers(tmp_path):
 # ---------------------------------------------------------------------------------------------- manager
 def _trainer(max_epochs: int, save_dir: Path, resume="auto", interval: int = 2, n_batches: int = 2, amp="none"):
     torch.manual_seed(0)
-    ae, disc = tiny_autoencoder(), tiny_discriminator()
+    ae, disc = tiny_autoencoder(seed=None), tiny_discriminator(seed=None)
     opt = torch.optim.Adam(ae.parameters(), lr=1e-3)
     d_opt = torch.optim.Adam(disc.parameters(), lr=1e-3)
     sched = warmup_cosine(opt, 1, 8, 0.1)
@@ -340,6 +321,7 @@ def _trainer(max_epochs: int, save_dir: Path, resume="auto", interval: int = 2, 
 def test_manager_saves_everything_needed_to_resume(tmp_path, monkeypatch):
     saved_at: list[int] = []
     original = ckpt.save_checkpoint
+
     def recording_save(obj, path):
         saved_at.append(obj["trainer"]["iteration"])
         return original(obj, path)
@@ -350,7 +332,14 @@ def test_manager_saves_everything_needed_to_resume(tmp_path, monkeypatch):
     assert saved_at == [2, 4]  # every 2 iterations; the end of training coincides with the last one
     content = load_checkpoint(tmp_path / "last.pt")
     assert set(content) == {
-        "autoencoder", "discriminator", "optimizer", "d_optimizer", "lr_scheduler", "trainer", "rng", "meta"
+        "autoencoder",
+        "discriminator",
+        "optimizer",
+        "d_optimizer",
+        "lr_scheduler",
+        "trainer",
+        "rng",
+        "meta",
     }
     assert content["trainer"] == {"iteration": 4, "epoch": 2, "epoch_length": 2, "max_epochs": 2}
     for key, value in run.ae.state_dict().items():
@@ -374,7 +363,9 @@ def test_manager_resumes_automatically(tmp_path):
     run.trainer.add_event_handler(
         Events.STARTED,
         lambda e: at_start.update(
-            iteration=e.state.iteration, epoch=e.state.epoch, lr=run.opt.param_groups[0]["lr"],
+            iteration=e.state.iteration,
+            epoch=e.state.epoch,
+            lr=run.opt.param_groups[0]["lr"],
             weight=run.ae.state_dict()["encoder.blocks.0.conv.weight"].clone(),
         ),
     )
@@ -487,7 +478,7 @@ def _resumable_run(data: list[dict], save_dir: Path, max_epochs: int, resume, st
     )
     dataset = make_dataset(data, transform, cache_rate=1.0, partition=False, num_init_workers=1)
     loader = make_loader(dataset, batch_size=2, shuffle=True, num_workers=0)
-    ae, disc = tiny_autoencoder(), tiny_discriminator()
+    ae, disc = tiny_autoencoder(seed=None), tiny_discriminator(seed=None)
     opt = torch.optim.Adam(ae.parameters(), lr=1e-3)
     d_opt = torch.optim.Adam(disc.parameters(), lr=1e-3)
     total = max_epochs * len(loader)
@@ -495,8 +486,14 @@ def _resumable_run(data: list[dict], save_dir: Path, max_epochs: int, resume, st
     d_sched = warmup_cosine(d_opt, 2, total, 0.1)
     manager = CheckpointManager(
         save_dir,
-        {"autoencoder": ae, "discriminator": disc, "optimizer": opt, "d_optimizer": d_opt, "lr_scheduler": sched,
-         "d_lr_scheduler": d_sched},
+        {
+            "autoencoder": ae,
+            "discriminator": disc,
+            "optimizer": opt,
+            "d_optimizer": d_opt,
+            "lr_scheduler": sched,
+            "d_lr_scheduler": d_sched,
+        },
         interval=3,
         resume=resume,
         transform=transform,

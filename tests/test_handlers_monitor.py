@@ -78,8 +78,12 @@ def test_training_monitor_throughput_wait_and_losses(tmp_path):
     engine = Engine(_step)
     optimizer = torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=0.01)
     writer = FakeWriter()
-    monitor = TrainingMonitor(interval=5, summary_writer=writer, csv_path=tmp_path / "metrics.csv",
-                              optimizers={"autoencoder": optimizer, "discriminator": None})
+    monitor = TrainingMonitor(
+        interval=5,
+        summary_writer=writer,
+        csv_path=tmp_path / "metrics.csv",
+        optimizers={"autoencoder": optimizer, "discriminator": None},
+    )
     monitor.attach(engine)
     start = time.perf_counter()
     engine.run(SlowLoader(10), max_epochs=1)
@@ -106,8 +110,14 @@ def test_training_monitor_throughput_wait_and_losses(tmp_path):
     assert rows[0] == ["step", "epoch", "tag", "value"]
     tags = {row[2] for row in rows[1:]}
     assert tags == {
-        "train/samples_per_s", "train/voxels_per_s", "train/data_wait", "train/step_time_s", "train/peak_mem_gib",
-        "train/lr_autoencoder", "train/loss", "train/recon_loss",
+        "train/samples_per_s",
+        "train/voxels_per_s",
+        "train/data_wait",
+        "train/step_time_s",
+        "train/peak_mem_gib",
+        "train/lr_autoencoder",
+        "train/loss",
+        "train/recon_loss",
     }
     assert len(rows) == 1 + 2 * len(tags)
     losses = {int(row[0]): float(row[3]) for row in rows[1:] if row[2] == "train/loss"}

@@ -8,7 +8,7 @@ import copy
 
 import pytest
 import torch
-from monai.networks.nets import AutoencoderKL, VQVAE
+from monai.networks.nets import VQVAE
 from torch import nn
 
 from common.networks.wrappers import (
@@ -19,22 +19,7 @@ from common.networks.wrappers import (
     split_autoencoder_output,
     unwrap,
 )
-
-
-def tiny_autoencoder(seed: int = 0) -> AutoencoderKL:
-    torch.manual_seed(seed)
-    return AutoencoderKL(
-        spatial_dims=3,
-        in_channels=1,
-        out_channels=1,
-        channels=(8, 16),
-        latent_channels=2,
-        num_res_blocks=1,
-        norm_num_groups=4,
-        attention_levels=(False, False),
-        with_encoder_nonlocal_attn=False,
-        with_decoder_nonlocal_attn=False,
-    )
+from tests.helpers import tiny_autoencoder
 
 
 def tiny_vqvae(seed: int = 0) -> VQVAE:

@@ -7,8 +7,6 @@ from __future__ import annotations
 import csv
 import json
 
-import pytest
-
 from tests.helpers import overrides, run_bundle
 
 
@@ -18,9 +16,22 @@ def test_mni_training_improves(tmp_path):
     datalist = make_demo_dataset(tmp_path / "demo")
     out = tmp_path / "run"
     args = overrides(
-        dataset_dir=str(datalist.parent), output_dir=str(out), patch_size=[16, 16, 16], channels=[8, 16, 16],
-        norm_num_groups=4, d_channels=8, d_num_layers=2, batch_size=2, num_samples=4, max_epochs=30,
-        val_interval=30, adv_warmup_iterations=40, lr=2e-3, d_lr=2e-3, lr_warmup_iterations=5, log_interval=10,
+        dataset_dir=str(datalist.parent),
+        output_dir=str(out),
+        patch_size=[16, 16, 16],
+        channels=[8, 16, 16],
+        norm_num_groups=4,
+        d_channels=8,
+        d_num_layers=2,
+        batch_size=2,
+        num_samples=4,
+        max_epochs=30,
+        val_interval=30,
+        adv_warmup_iterations=40,
+        lr=2e-3,
+        d_lr=2e-3,
+        lr_warmup_iterations=5,
+        log_interval=10,
         num_threads=1,
     ) + ["--train#handlers#3#exec_at_start", "True"]
     run_bundle("autoencoder_3d", ["train.json"], args=args)

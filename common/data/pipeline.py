@@ -12,14 +12,14 @@ import torch
 from monai.data import CacheDataset, SmartCacheDataset, ThreadDataLoader, partition_dataset
 from monai.transforms import (
     Compose,
-    Invertd,
-    MapTransform,
-    SaveImaged,
     EnsureChannelFirstd,
     EnsureTyped,
+    Invertd,
     LoadImaged,
+    MapTransform,
     Orientationd,
     RandSpatialCropSamplesd,
+    SaveImaged,
     ScaleIntensityRanged,
     ScaleIntensityRangePercentilesd,
     Spacingd,
@@ -31,7 +31,13 @@ from common.utils import get_rank, get_world_size
 __all__ = [
     "raise_no_inputs",
     "LatentAffined",
-    "inference_postprocessing","intensity_transform", "make_dataset", "make_loader", "partition_for_rank", "volume_transforms"]
+    "inference_postprocessing",
+    "intensity_transform",
+    "make_dataset",
+    "make_loader",
+    "partition_for_rank",
+    "volume_transforms",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -104,8 +110,9 @@ def volume_transforms(
         if patch_size is None:
             raise ValueError("patch_size is required for training transforms.")
         transforms.append(
-            RandSpatialCropSamplesd(keys, roi_size=tuple(int(p) for p in patch_size), num_samples=int(num_samples),
-                                    random_size=False)
+            RandSpatialCropSamplesd(
+                keys, roi_size=tuple(int(p) for p in patch_size), num_samples=int(num_samples), random_size=False
+            )
         )
     return Compose(transforms)
 
@@ -126,7 +133,9 @@ def partition_for_rank(data: Sequence[Any], shuffle: bool = True, seed: int = 0,
     even = even_divisible or len(data) < world
     if len(data) < world:  # partition_dataset refuses fewer items than partitions: repeat them
         data = (data * (world // len(data) + 1))[:world]
-    return list(partition_dataset(data, num_partitions=world, shuffle=shuffle, seed=seed, even_divisible=even)[get_rank()])
+    return list(
+        partition_dataset(data, num_partitions=world, shuffle=shuffle, seed=seed, even_divisible=even)[get_rank()]
+    )
 
 
 def make_dataset(
@@ -152,16 +161,25 @@ def make_dataset(
         raise ValueError(f"cache_rate must be in [0, 1], got {cache_rate!r}.")
     if not 0.0 <= float(replace_rate) <= 1.0:
         raise ValueError(f"replace_rate must be in [0, 1], got {replace_rate!r}.")
-    items = partition_for_rank(data, shuffle=shuffle, seed=seed, even_divisible=even_divisible) if partition else list(data)
+    items = (
+        partition_for_rank(data, shuffle=shuffle, seed=seed, even_divisible=even_divisible) if partition else list(data)
+    )
     cache_num = max(1, int(len(items) * float(cache_rate))) if items else 0
     if float(replace_rate) > 0 and cache_num < len(items):
         return SmartCacheDataset(
-            items, transform=transform, replace_rate=float(replace_rate), cache_num=cache_num,
-            num_init_workers=num_init_workers, num_replace_workers=num_replace_workers, progress=progress,
-            shuffle=shuffle, seed=seed + get_rank(),
+            items,
+            transform=transform,
+            replace_rate=float(replace_rate),
+            cache_num=cache_num,
+            num_init_workers=num_init_workers,
+            num_replace_workers=num_replace_workers,
+            progress=progress,
+            shuffle=shuffle,
+            seed=seed + get_rank(),
         )
-    return CacheDataset(items, transform=transform, cache_rate=float(cache_rate), num_workers=num_init_workers,
-                        progress=progress)
+    return CacheDataset(
+        items, transform=transform, cache_rate=float(cache_rate), num_workers=num_init_workers, progress=progress
+    )
 
 
 def make_loader(
@@ -171,7 +189,9 @@ def make_loader(
 
     Keep ``num_workers=0`` when the cache lives on the GPU (forked workers cannot share CUDA tensors).
     """
-    return ThreadDataLoader(dataset, batch_size=int(batch_size), shuffle=shuffle, num_workers=int(num_workers), **kwargs)
+    return ThreadDataLoader(
+        dataset, batch_size=int(batch_size), shuffle=shuffle, num_workers=int(num_workers), **kwargs
+    )
 
 
 class LatentAffined(MapTransform):
@@ -213,20 +233,40 @@ def inference_postprocessing(mode: str, preprocessing: Compose, output_dir: str,
         ValueError: for another mode.
     """
     if mode == "reconstruct":
-        return Compose([
-            Invertd(keys=pred_key, transform=preprocessing, orig_keys="image", nearest_interp=False, to_tensor=True),
-            SaveImaged(keys=pred_key, output_dir=output_dir, output_postfix="recon", separate_folder=False,
-                       resample=False, print_log=False),
-        ])
+        return Compose(
+            [
+                Invertd(
+                    keys=pred_key, transform=preprocessing, orig_keys="image", nearest_interp=False, to_tensor=True
+                ),
+                SaveImaged(
+                    keys=pred_key,
+                    output_dir=output_dir,
+                    output_postfix="recon",
+                    separate_folder=False,
+                    resample=False,
+                    print_log=False,
+                ),
+            ]
+        )
     if mode == "encode":
-        return Compose([
-            LatentAffined(keys=pred_key, ref_key="image"),
-            SaveImaged(keys=pred_key, output_dir=output_dir, output_postfix="latent", separate_folder=False,
-                       resample=False, print_log=False),
-        ])
+        return Compose(
+            [
+                LatentAffined(keys=pred_key, ref_key="image"),
+                SaveImaged(
+                    keys=pred_key,
+                    output_dir=output_dir,
+                    output_postfix="latent",
+                    separate_folder=False,
+                    resample=False,
+                    print_log=False,
+                ),
+            ]
+        )
     raise ValueError(f"mode must be 'reconstruct' or 'encode', got {mode!r}.")
 
 
 def raise_no_inputs(dataset_dir: str, pattern: str) -> None:
     """Raise the error of an inference run that found no input volume."""
-    raise FileNotFoundError(f"no input volumes match {pattern!r} under {dataset_dir!r} (set --dataset_dir/--input_pattern).")
+    raise FileNotFoundError(
+        f"no input volumes match {pattern!r} under {dataset_dir!r} (set --dataset_dir/--input_pattern)."
+    )

@@ -159,9 +159,7 @@ def _check_nifti(path: str, patch: tuple[int, ...] | None, allow_pad: bool, chec
     return _non_finite_reason(non_finite)
 
 
-def _check_itk(
-    path: str | list[str], patch: tuple[int, ...] | None, allow_pad: bool, check_values: bool
-) -> str | None:
+def _check_itk(path: str | list[str], patch: tuple[int, ...] | None, allow_pad: bool, check_values: bool) -> str | None:
     """Check a DICOM series (a folder or a list of files) with ITK."""
     if isinstance(path, str):
         files = [name for name in os.listdir(path) if os.path.isfile(os.path.join(path, name))]
@@ -415,7 +413,9 @@ def preflight_or_exit(
     loaded: dict[str, list[dict]] = {}
     try:
         if not enabled:
-            loaded = load_sections(datalist, base_dir, **{k: v for k, v in kwargs.items() if k in ("sections", "keys", "required")})
+            loaded = load_sections(
+                datalist, base_dir, **{k: v for k, v in kwargs.items() if k in ("sections", "keys", "required")}
+            )
         else:
             shard = (dist.get_rank(), dist.get_world_size()) if distributed else None
             loaded = preflight(datalist, base_dir=base_dir, patch_size=patch_size, shard=shard, **kwargs)

@@ -10,8 +10,8 @@ from typing import Any
 
 import torch
 from monai.engines import Trainer
-from monai.engines.workflow import Workflow
 from monai.engines.utils import IterationEvents, default_metric_cmp_fn
+from monai.engines.workflow import Workflow
 from monai.utils import CommonKeys as Keys
 from torch import nn
 from torch.optim import Optimizer

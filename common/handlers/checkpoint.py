@@ -287,7 +287,9 @@ class BestCheckpointSaver:
         self.n_saved = int(n_saved)
         self.mode = mode
         self.filename = filename
-        self.global_step_transform = global_step_transform or (lambda engine: getattr(engine, "global_step", engine.state.epoch))
+        self.global_step_transform = global_step_transform or (
+            lambda engine: getattr(engine, "global_step", engine.state.epoch)
+        )
 
     def attach(self, engine: Engine) -> None:
         engine.add_event_handler(Events.EPOCH_COMPLETED, self)
@@ -342,8 +344,11 @@ def _randomizable(transform: Any, _seen: set[int] | None = None) -> list[Any]:
     seen.add(id(transform))
     found = [transform] if isinstance(getattr(transform, "R", None), np.random.RandomState) else []
     children = list(getattr(transform, "transforms", ()) or ())
-    children += [v for k, v in getattr(transform, "__dict__", {}).items()
-                 if k != "transforms" and isinstance(v, (Transform, Randomizable))]
+    children += [
+        v
+        for k, v in getattr(transform, "__dict__", {}).items()
+        if k != "transforms" and isinstance(v, (Transform, Randomizable))
+    ]
     for child in children:
         found.extend(_randomizable(child, seen))
     return found

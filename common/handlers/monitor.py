@@ -276,8 +276,11 @@ class MetricsRecorder:
 
     def _write_per_volume(self, engine: Engine) -> None:
         details = getattr(engine.state, "metric_details", None) or {}
-        columns = {k: torch.as_tensor(v).reshape(len(self._filenames), -1).mean(dim=1).tolist() for k, v in details.items()
-                   if torch.as_tensor(v).numel() % max(len(self._filenames), 1) == 0 and self._filenames}
+        columns = {
+            k: torch.as_tensor(v).reshape(len(self._filenames), -1).mean(dim=1).tolist()
+            for k, v in details.items()
+            if torch.as_tensor(v).numel() % max(len(self._filenames), 1) == 0 and self._filenames
+        }
         path = self.output_dir / "metrics_per_volume.csv"
         with open(path, "w", newline="") as f:
             writer = csv.writer(f)
@@ -295,7 +298,10 @@ class MetricsRecorder:
             self.writer.flush()
         if self.output_dir is None:
             return
-        _append_csv(self.output_dir / "metrics.csv", [(step, engine.state.epoch, self.tag_prefix + k, v) for k, v in metrics.items()])
+        _append_csv(
+            self.output_dir / "metrics.csv",
+            [(step, engine.state.epoch, self.tag_prefix + k, v) for k, v in metrics.items()],
+        )
         self.summary["latest"] = {"step": step, **metrics}
         self.summary["history"].append({"step": step, **metrics})
         key = self.key_metric
@@ -320,8 +326,14 @@ class TorchProfilerHandler:
         profile_memory: record allocations.
     """
 
-    def __init__(self, output_dir: str | os.PathLike, wait: int = 2, warmup: int = 2, active: int = 4,
-                 profile_memory: bool = True) -> None:
+    def __init__(
+        self,
+        output_dir: str | os.PathLike,
+        wait: int = 2,
+        warmup: int = 2,
+        active: int = 4,
+        profile_memory: bool = True,
+    ) -> None:
         self.output_dir = str(output_dir)
         self.schedule = torch.profiler.schedule(wait=wait, warmup=warmup, active=active, repeat=1)
         self.total = wait + warmup + active

@@ -11,7 +11,13 @@ import torch.distributed as dist
 from torch import nn
 
 __all__ = [
-    "LatentEncoder","ReconstructionNetwork", "clean_state_dict", "prepare_network", "split_autoencoder_output", "unwrap"]
+    "LatentEncoder",
+    "ReconstructionNetwork",
+    "clean_state_dict",
+    "prepare_network",
+    "split_autoencoder_output",
+    "unwrap",
+]
 
 
 def prepare_network(
