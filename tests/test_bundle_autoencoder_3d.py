@@ -405,12 +405,60 @@ def test_smartcache_training(phantoms, tmp_path):
     )
     probe.write_text(json.dumps({"finalize": [record]}))
     configs = json.dumps([str(BUNDLES / BUNDLE / "configs" / "train.json"), str(probe)])
-    cmd = [sys.executable, "-m", "monai.bundle", "run", "training", "--config_file", configs,
-           *overrides(dataset_dir=str(phantoms), output_dir=str(out), max_epochs=4, val_interval=4, cache_rate=0.5,
-                      replace_rate=0.5, adv_warmup_iterations=1, **TINY)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "monai.bundle",
+        "run",
+        "training",
+        "--config_file",
+        configs,
+        *overrides(
+            dataset_dir=str(phantoms),
+            output_dir=str(out),
+            max_epochs=4,
+            val_interval=4,
+            cache_rate=0.5,
+            replace_rate=0.5,
+            adv_warmup_iterations=1,
+            **TINY,
+        ),
+    ]
     result = subprocess.run(cmd, cwd=REPO_ROOT, env=bundle_env(), capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-4000:]
     probe_out = torch.load(out / "probe.pt", weights_only=True)
     assert probe_out["type"] == "SmartCacheDataset" and probe_out["cache_num"] == 2
     assert probe_out["iteration"] == 4  # an epoch is the 2 cached volumes = 1 step of batch 2
     assert len(probe_out["items"]) == 4
+
+
+def test_compile_saves_clean_keys(phantoms, tmp_path):
+    """``--compile True`` (torch.compile, inductor on the CPU) trains and its checkpoints load into a plain network."""
+    out = tmp_path / "compiled"
+    args = overrides(
+        dataset_dir=str(phantoms),
+        output_dir=str(out),
+        max_epochs=1,
+        val_interval=1,
+        adv_warmup_iterations=0,
+        compile=True,
+        **TINY,
+    )
+    run_bundle(BUNDLE, ["train.json"], args=args, timeout=900)
+    from monai.networks.nets import AutoencoderKL
+
+    from common.handlers.checkpoint import load_network_weights
+
+    last = torch.load(out / "models" / "last.pt", weights_only=True)
+    assert not any("_orig_mod" in k or k.startswith("module.") for k in last["autoencoder"])
+    ae = AutoencoderKL(
+        spatial_dims=3,
+        in_channels=1,
+        out_channels=1,
+        channels=(8, 16, 16),
+        latent_channels=3,
+        num_res_blocks=1,
+        norm_num_groups=4,
+        attention_levels=(False, False, True),
+    )
+    load_network_weights(ae, out / "models" / "model.pt")  # strict load of the best weights

@@ -18,7 +18,7 @@ from torch.optim import Optimizer
 
 from common.losses.autoencoder import kl_divergence
 from common.networks.wrappers import split_autoencoder_output, unwrap
-from common.utils import amp_dtype, make_grad_scaler
+from common.utils import amp_dtype, autocast, make_grad_scaler
 
 __all__ = ["AutoencoderGANTrainer", "prepare_image_batch"]
 
@@ -181,11 +181,6 @@ class AutoencoderGANTrainer(Trainer):
         Workflow.run(self)
 
     # ------------------------------------------------------------------ helpers
-    def _autocast(self):
-        return torch.autocast(
-            device_type=torch.device(self.state.device).type, dtype=self.amp_dtype, enabled=self.amp_dtype is not None
-        )
-
     def _accumulation_flags(self, engine: AutoencoderGANTrainer) -> tuple[bool, bool]:
         acc = self.accumulation_steps
         if acc == 1:
@@ -234,7 +229,7 @@ class AutoencoderGANTrainer(Trainer):
         engine.network.train()
         if zero_grad:
             engine.optimizer.zero_grad(set_to_none=True)
-        with self._autocast():
+        with autocast(self.state.device, self.amp_mode):
             recon, extras = split_autoencoder_output(engine.network(inputs))
             output[Keys.PRED] = recon
             engine.fire_event(IterationEvents.FORWARD_COMPLETED)
@@ -275,7 +270,7 @@ class AutoencoderGANTrainer(Trainer):
             self.discriminator.train()
             if zero_grad:
                 self.d_optimizer.zero_grad(set_to_none=True)
-            with self._autocast():
+            with autocast(self.state.device, self.amp_mode):
                 fake = self._logits(self.discriminator(recon.detach().contiguous()))
                 real = self._logits(self.discriminator(inputs.contiguous()))
                 d_loss = 0.5 * (
