@@ -55,6 +55,30 @@ def _settings(patch_size, channels, batch_size, num_samples, device) -> dict:
     }
 
 
+def _networks(s: dict, use_checkpoint: bool = False, flash_attention: bool | None = None):
+    """The bundle's default AutoencoderKL and PatchDiscriminator at the benchmark's channel widths.
+
+    ``flash_attention`` defaults to the bundle's choice (on for CUDA); the tutorial loop passes ``False``.
+    """
+    from monai.networks.nets import AutoencoderKL, PatchDiscriminator
+
+    device = s["device"]
+    ae = AutoencoderKL(
+        spatial_dims=3,
+        in_channels=1,
+        out_channels=1,
+        channels=s["channels"],
+        latent_channels=3,
+        num_res_blocks=1,
+        norm_num_groups=s["norm_num_groups"],
+        attention_levels=(False, False, True),
+        use_checkpoint=use_checkpoint,
+        use_flash_attention=device.type == "cuda" if flash_attention is None else flash_attention,
+    ).to(device)
+    disc = PatchDiscriminator(spatial_dims=3, num_layers_d=3, channels=s["d_channels"], in_channels=1).to(device)
+    return ae, disc
+
+
 def _bundle_trainer(s: dict, iterations: int, output_dir: str, extra: dict | None = None):
     from monai.bundle import ConfigWorkflow
 
@@ -115,7 +139,6 @@ def _plain_loop(s: dict, data: list[dict], iterations: int, warmup: int, workers
     """The training loop of MONAI's 3D latent-diffusion tutorial (fp32, CPU CacheDataset + DataLoader)."""
     from monai.data import CacheDataset, DataLoader
     from monai.losses import PatchAdversarialLoss
-    from monai.networks.nets import AutoencoderKL, PatchDiscriminator
     from monai.transforms import (
         Compose,
         EnsureChannelFirstd,
@@ -145,19 +168,7 @@ def _plain_loop(s: dict, data: list[dict], iterations: int, warmup: int, workers
     loader = DataLoader(
         dataset, batch_size=s["batch_size"], shuffle=True, num_workers=workers, persistent_workers=workers > 0
     )
-    ae = AutoencoderKL(
-        spatial_dims=3,
-        in_channels=1,
-        out_channels=1,
-        channels=s["channels"],
-        latent_channels=3,
-        num_res_blocks=1,
-        norm_num_groups=s["norm_num_groups"],
-        attention_levels=(False, False, True),
-    ).to(device)
-    disc = PatchDiscriminator(
-        spatial_dims=3, num_layers_d=3, channels=s["d_channels"], in_channels=1, out_channels=1
-    ).to(device)
+    ae, disc = _networks(s, flash_attention=False)
     opt_g = torch.optim.Adam(ae.parameters(), lr=1e-4)
     opt_d = torch.optim.Adam(disc.parameters(), lr=1e-4)
     adv = PatchAdversarialLoss(criterion="least_squares")
@@ -280,7 +291,6 @@ def throughput(
 def _memory_probe(patch_size, channels, batch_size, num_samples, device, amp, use_checkpoint) -> dict:
     """One measurement (run in a fresh process): peak memory of three full training steps."""
     from monai.losses import PatchAdversarialLoss
-    from monai.networks.nets import AutoencoderKL, PatchDiscriminator
 
     from common.engines.autoencoder_gan import AutoencoderGANTrainer
     from common.handlers.monitor import peak_memory_gib
@@ -288,19 +298,7 @@ def _memory_probe(patch_size, channels, batch_size, num_samples, device, amp, us
 
     dev = resolve_device(device)
     s = _settings(patch_size, channels, batch_size, num_samples, dev)
-    ae = AutoencoderKL(
-        spatial_dims=3,
-        in_channels=1,
-        out_channels=1,
-        channels=s["channels"],
-        latent_channels=3,
-        num_res_blocks=1,
-        norm_num_groups=s["norm_num_groups"],
-        attention_levels=(False, False, True),
-        use_checkpoint=use_checkpoint,
-        use_flash_attention=dev.type == "cuda",
-    ).to(dev)
-    disc = PatchDiscriminator(spatial_dims=3, num_layers_d=3, channels=s["d_channels"], in_channels=1).to(dev)
+    ae, disc = _networks(s, use_checkpoint=use_checkpoint)
     data = [{"image": torch.rand(batch_size * num_samples, 1, *patch_size)} for _ in range(3)]
     trainer = AutoencoderGANTrainer(
         device=dev,

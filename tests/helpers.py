@@ -30,8 +30,8 @@ def bundle_env(**extra: str) -> dict[str, str]:
 
 
 def config_arg(bundle: str, *names: str) -> str:
-    """The ``--config_file`` value for one or several (merged) configs of ``bundle``."""
-    paths = [str(BUNDLES / bundle / "configs" / name) for name in names]
+    """The ``--config_file`` value for one or several (merged) configs of ``bundle`` (absolute paths kept)."""
+    paths = [name if os.path.isabs(name) else str(BUNDLES / bundle / "configs" / name) for name in names]
     return paths[0] if len(paths) == 1 else json.dumps(paths)
 
 

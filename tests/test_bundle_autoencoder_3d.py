@@ -356,9 +356,6 @@ def test_torchrun_two_processes(phantoms, tmp_path):
             }
         )
     )
-    configs = json.dumps(
-        [str(BUNDLES / BUNDLE / "configs" / n) for n in ("train.json", "multi_gpu_train.json")] + [str(probe)]
-    )
     cmd = torchrun_cmd(
         2,
         "-m",
@@ -366,7 +363,7 @@ def test_torchrun_two_processes(phantoms, tmp_path):
         "run",
         "training",
         "--config_file",
-        configs,
+        config_arg(BUNDLE, "train.json", "multi_gpu_train.json", str(probe)),
         *overrides(
             dataset_dir=str(phantoms),
             output_dir=str(out),
@@ -404,28 +401,17 @@ def test_smartcache_training(phantoms, tmp_path):
         "@output_dir + '/probe.pt')"
     )
     probe.write_text(json.dumps({"finalize": [record]}))
-    configs = json.dumps([str(BUNDLES / BUNDLE / "configs" / "train.json"), str(probe)])
-    cmd = [
-        sys.executable,
-        "-m",
-        "monai.bundle",
-        "run",
-        "training",
-        "--config_file",
-        configs,
-        *overrides(
-            dataset_dir=str(phantoms),
-            output_dir=str(out),
-            max_epochs=4,
-            val_interval=4,
-            cache_rate=0.5,
-            replace_rate=0.5,
-            adv_warmup_iterations=1,
-            **TINY,
-        ),
-    ]
-    result = subprocess.run(cmd, cwd=REPO_ROOT, env=bundle_env(), capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stderr[-4000:]
+    args = overrides(
+        dataset_dir=str(phantoms),
+        output_dir=str(out),
+        max_epochs=4,
+        val_interval=4,
+        cache_rate=0.5,
+        replace_rate=0.5,
+        adv_warmup_iterations=1,
+        **TINY,
+    )
+    run_bundle(BUNDLE, ["train.json", str(probe)], args=args)
     probe_out = torch.load(out / "probe.pt", weights_only=True)
     assert probe_out["type"] == "SmartCacheDataset" and probe_out["cache_num"] == 2
     assert probe_out["iteration"] == 4  # an epoch is the 2 cached volumes = 1 step of batch 2
