@@ -1,0 +1,517 @@
+# Copyright (c) the 3D MONAI bundle collection contributors.
+# Licensed under the Apache License, Version 2.0.
+"""Packaging every bundle into a standalone zip, running it without the repository, ``large_files.yml`` hash
+checks, and downloading from a loopback HTTP server with MONAI's ``download`` and the safe wrapper, including
+archives that try to write outside the target folder."""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import os
+import stat
+import subprocess
+import sys
+import threading
+import warnings
+import zipfile
+from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from common.bundle_tools.package import (
+    MODEL_FILE,
+    LargeFileError,
+    UnsafeArchiveError,
+    check_archive,
+    download_bundle,
+    extract_bundle,
+    package_bundle,
+    verify_large_files,
+)
+from common.handlers.checkpoint import CheckpointError
+from tests.helpers import BUNDLES, REPO_ROOT, bundle_env
+
+BUNDLE_NAMES = sorted(p.parent.parent.name for p in BUNDLES.glob("*/configs/metadata.json"))
+ZIP_DATE = (1980, 1, 1, 0, 0, 0)
+
+
+class _QuietHandler(SimpleHTTPRequestHandler):
+    def log_message(self, format: str, *args) -> None:  # noqa: A002 - the signature of the base class
+        pass
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    """A loopback HTTP server on a free port serving a temporary folder: ``(folder, base url)``."""
+    root = tmp_path_factory.mktemp("served")
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), functools.partial(_QuietHandler, directory=str(root)))
+    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
+    thread.start()
+    yield root, f"http://127.0.0.1:{httpd.server_address[1]}"
+    httpd.shutdown()
+    httpd.server_close()
+    thread.join(timeout=10)
+
+
+def _configs(name: str, *files: str) -> list[str]:
+    configs = BUNDLES / name / "configs"
+    return [str(configs / f) for f in files if (configs / f).is_file()]
+
+
+def _tiny_checkpoint(name: str, path: Path) -> Path:
+    """The state dict of the bundle's ``network_def`` at ``configs/tiny.json`` sizes (no training needed)."""
+    from monai.bundle import ConfigParser
+
+    parser = ConfigParser()
+    parser.read_config(_configs(name, "inference.json", "tiny.json"))
+    torch.manual_seed(0)
+    torch.save(parser.get_parsed_content("network_def").state_dict(), path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def packages(tmp_path_factory) -> dict[str, tuple[Path, Path]]:
+    """Every bundle packaged once with a tiny checkpoint: ``name -> (zip, checkpoint)``."""
+    root = tmp_path_factory.mktemp("packages")
+    made = {}
+    for name in BUNDLE_NAMES:
+        ckpt = _tiny_checkpoint(name, root / f"{name}_tiny.pt")
+        made[name] = (package_bundle(name, ckpt, root / "dist"), ckpt)
+    return made
+
+
+def _metadata(name: str) -> dict:
+    return json.loads((BUNDLES / name / "configs" / "metadata.json").read_text())
+
+
+def _input_volume(name: str, folder: Path) -> Path:
+    """A random NIfTI volume shaped as the metadata's ``image`` input (every side at least 24)."""
+    import nibabel as nib
+    from monai.bundle.scripts import _get_fake_spatial_shape
+
+    spec = _metadata(name)["network_data_format"]["inputs"].get("image", {})
+    shape = spec.get("spatial_shape", [])
+    if len(shape) != 3 or spec.get("num_channels") != 1:
+        pytest.skip(f"{name}: standalone test needs a single-channel 3D 'image' input, metadata declares {spec!r}")
+    n = 1
+    while min(_get_fake_spatial_shape(shape, n=n, any=24)) < 24:
+        n += 1
+    size = _get_fake_spatial_shape(shape, n=n, any=24)
+    folder.mkdir(parents=True, exist_ok=True)
+    data = np.random.default_rng(0).random(size).astype(np.float32)
+    nib.save(nib.Nifti1Image(data, np.diag([2.0, 2.0, 2.0, 1.0])), folder / "volume.nii.gz")
+    return folder
+
+
+def _standalone_env() -> dict[str, str]:
+    """A subprocess environment in which only the installed packages (not this repository) are importable."""
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONSAFEPATH")}
+    env.update({"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"})
+    return env
+
+
+def _run_standalone(bundle: Path, name: str, dataset: Path, *args: str) -> subprocess.CompletedProcess:
+    """``python -m monai.bundle run`` of inference.json (+ tiny.json) from inside the bundle folder."""
+    configs = [c for c in ("configs/inference.json", "configs/tiny.json") if (bundle / c).is_file()]
+    cmd = [sys.executable, "-m", "monai.bundle", "run", "--config_file", json.dumps(configs)]
+    cmd += ["--dataset_dir", str(dataset), *args]
+    result = subprocess.run(cmd, cwd=bundle, env=_standalone_env(), capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, f"{name}: {result.stdout[-3000:]}\n{result.stderr[-5000:]}"
+    return result
+
+
+def _listing(folder: Path) -> list[str]:
+    return sorted(str(p.relative_to(folder)) for p in folder.rglob("*"))
+
+
+def _write_zip(path: Path, members: list[tuple[str, bytes, int]]) -> Path:
+    """A zip with raw member names (no sanitising) and the given unix modes."""
+    with warnings.catch_warnings(), zipfile.ZipFile(path, "w") as zf:
+        warnings.simplefilter("ignore")  # "Duplicate name" when a test writes one on purpose
+        for member, data, mode in members:
+            info = zipfile.ZipInfo(member, date_time=ZIP_DATE)
+            info.create_system = 3
+            info.external_attr = mode << 16
+            zf.writestr(info, data)
+    return path
+
+
+# ------------------------------------------------------------------------------------------------ packaging
+@pytest.mark.parametrize("name", BUNDLE_NAMES)
+def test_package_layout(name, packages):
+    zip_path, ckpt = packages[name]
+    version = _metadata(name)["version"]
+    assert zip_path.name == f"{name}_v{version}.zip"
+    with zipfile.ZipFile(zip_path) as zf:
+        infos = zf.infolist()
+        names = [i.filename for i in infos]
+        assert names == sorted(names) and len(set(names)) == len(names)
+        assert all(n.startswith(f"{name}/") and ".." not in n.split("/") and not n.startswith("/") for n in names)
+        assert all(i.date_time == ZIP_DATE and i.external_attr >> 16 == stat.S_IFREG | 0o644 for i in infos)
+        rel = {n[len(name) + 1 :] for n in names}
+        bundle = BUNDLES / name
+        configs = {f"configs/{p.name}" for p in (bundle / "configs").iterdir() if p.is_file()}
+        assert configs <= rel and {"LICENSE", "docs/README.md", "large_files.yml", MODEL_FILE} <= rel
+        for item in sorted(configs) + ["LICENSE", "docs/README.md"]:
+            assert zf.read(f"{name}/{item}") == (bundle / item).read_bytes(), item
+        assert zf.read(f"{name}/{MODEL_FILE}") == ckpt.read_bytes()
+        common = {
+            f"common/{p.relative_to(REPO_ROOT / 'common').as_posix()}"
+            for p in (REPO_ROOT / "common").rglob("*.py")
+            if "__pycache__" not in p.parts
+        }
+        assert {r for r in rel if r.startswith("common/")} == common
+        assert not any("__pycache__" in r or r.endswith(".pyc") for r in rel)
+        assert not any(r.startswith(("outputs/", "demo_data/")) for r in rel)
+
+        import yaml
+
+        large = yaml.safe_load(zf.read(f"{name}/large_files.yml"))["large_files"]
+    entry = next(e for e in large if e["path"] == MODEL_FILE)
+    assert entry == {
+        "path": MODEL_FILE,
+        "url": "",
+        "hash_val": hashlib.sha256(ckpt.read_bytes()).hexdigest(),
+        "hash_type": "sha256",
+    }
+
+
+@pytest.mark.parametrize("name", BUNDLE_NAMES)
+def test_package_cli_is_deterministic(name, packages, tmp_path):
+    """The CLI, another checkpoint path with a different mtime and another folder give the same zip bytes."""
+    zip_path, ckpt = packages[name]
+    copy = tmp_path / "elsewhere.pt"
+    copy.write_bytes(ckpt.read_bytes())
+    os.utime(copy, (1_000_000_000, 1_000_000_000))
+    cmd = [sys.executable, str(REPO_ROOT / "scripts" / "package_bundle.py"), name, "--ckpt", str(copy)]
+    result = subprocess.run(
+        [*cmd, "--output", str(tmp_path / "out")], cwd=tmp_path, env=bundle_env(), capture_output=True, text=True
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    again = tmp_path / "out" / zip_path.name
+    assert again.read_bytes() == zip_path.read_bytes()
+    assert f"sha256 {hashlib.sha256(again.read_bytes()).hexdigest()}" in result.stdout
+
+
+def _bundle_copy(name: str, folder: Path, version: str) -> Path:
+    """A copy of the bundle's packaged files whose metadata ``version`` is replaced."""
+    import shutil
+
+    copy = folder / name
+    for item in ("configs", "docs"):
+        shutil.copytree(BUNDLES / name / item, copy / item)
+    for item in ("LICENSE", "large_files.yml"):
+        shutil.copy(BUNDLES / name / item, copy / item)
+    meta = _metadata(name)
+    meta["version"] = version
+    (copy / "configs" / "metadata.json").write_text(json.dumps(meta))
+    return copy
+
+
+class _Payload:
+    """A Python object: a checkpoint holding it needs unpickling code and must be refused."""
+
+
+def test_package_refusals(packages, tmp_path):
+    name = BUNDLE_NAMES[0]
+    _, good = packages[name]
+    out = tmp_path / "dist"
+    pickled = tmp_path / "pickled.pt"
+    torch.save({"weight": torch.zeros(2), "payload": _Payload()}, pickled)
+    with pytest.raises(CheckpointError, match="pickled Python objects") as e:
+        package_bundle(name, pickled, out)
+    assert str(pickled) in str(e.value)
+    corrupt = tmp_path / "corrupt.pt"
+    corrupt.write_bytes(good.read_bytes()[: len(good.read_bytes()) // 2])
+    with pytest.raises(CheckpointError, match="corrupt"):
+        package_bundle(name, corrupt, out)
+    empty = tmp_path / "empty.pt"
+    torch.save({"epoch": 3}, empty)
+    with pytest.raises(CheckpointError, match="holds no tensors"):
+        package_bundle(name, empty, out)
+    with pytest.raises(FileNotFoundError, match="missing.pt"):
+        package_bundle(name, tmp_path / "missing.pt", out)
+    with pytest.raises(ValueError, match="differs from 'version'"):
+        package_bundle(name, good, out, version="99.0.0")
+    unreleased = _bundle_copy(name, tmp_path / "copy", "9.9.9")
+    with pytest.raises(ValueError, match="'9.9.9' has no entry in 'changelog'"):
+        package_bundle(unreleased, good, out)
+    with pytest.raises(FileNotFoundError, match="no_such_bundle"):
+        package_bundle("no_such_bundle", good, out)
+    assert not out.exists() or not list(out.iterdir())
+
+
+def test_package_cli_refuses_pickled_checkpoint(tmp_path):
+    pickled = tmp_path / "pickled.pt"
+    torch.save({"weight": torch.zeros(2), "payload": _Payload()}, pickled)
+    cmd = [sys.executable, str(REPO_ROOT / "scripts" / "package_bundle.py"), BUNDLE_NAMES[0], "--ckpt", str(pickled)]
+    result = subprocess.run(
+        [*cmd, "--output", str(tmp_path / "out")], cwd=tmp_path, env=bundle_env(), capture_output=True, text=True
+    )
+    assert result.returncode == 1
+    assert "pickled Python objects" in result.stderr and str(pickled) in result.stderr
+    assert "Traceback" not in result.stderr and not (tmp_path / "out").exists()
+
+
+# ---------------------------------------------------------------------------------------------- large files
+def test_large_files_hashes(packages, server, tmp_path):
+    """The packaged ``large_files.yml`` works with MONAI's ``download_large_files`` and with ours, with and
+    without a url, and a modified weights file is an error for both."""
+    from monai.apps.utils import HashCheckError
+    from monai.bundle import download_large_files
+
+    name = BUNDLE_NAMES[0]
+    zip_path, ckpt = packages[name]
+    with zipfile.ZipFile(zip_path) as zf:
+        zf.extractall(tmp_path / "plain")
+    bundle = tmp_path / "plain" / name
+    assert verify_large_files(bundle) == [MODEL_FILE]
+    download_large_files(bundle_path=str(bundle))  # url "": only the hash of the file in the bundle is checked
+    assert (bundle / MODEL_FILE).read_bytes() == ckpt.read_bytes()
+
+    data = bytearray((bundle / MODEL_FILE).read_bytes())
+    data[-100] ^= 0xFF
+    (bundle / MODEL_FILE).write_bytes(bytes(data))
+    with pytest.raises(LargeFileError, match="model.pt") as e:
+        verify_large_files(bundle)
+    assert "sha256" in str(e.value)
+    with pytest.raises(HashCheckError):
+        download_large_files(bundle_path=str(bundle))
+
+    # with a url: a missing weights file is downloaded (loopback) and checked; wrong content is refused
+    served, base = server
+    (served / "weights.pt").write_bytes(ckpt.read_bytes())
+    (served / "wrong.pt").write_bytes(b"not the weights")
+    with_url = package_bundle(name, ckpt, tmp_path / "url" / "b.zip", url=f"{base}/weights.pt")
+    with zipfile.ZipFile(with_url) as zf:
+        zf.extractall(tmp_path / "url")
+    bundle = tmp_path / "url" / name
+    (bundle / MODEL_FILE).unlink()
+    assert verify_large_files(bundle) == []
+    with pytest.raises(LargeFileError, match="missing"):
+        verify_large_files(bundle, missing_ok=False)
+    download_large_files(bundle_path=str(bundle))
+    assert (bundle / MODEL_FILE).read_bytes() == ckpt.read_bytes()
+    assert verify_large_files(bundle, missing_ok=False) == [MODEL_FILE]
+
+    yml = bundle / "large_files.yml"
+    yml.write_text(yml.read_text().replace(f"{base}/weights.pt", f"{base}/wrong.pt"))
+    (bundle / MODEL_FILE).unlink()
+    with pytest.raises(HashCheckError):
+        download_large_files(bundle_path=str(bundle))
+    assert not (bundle / MODEL_FILE).exists()
+
+
+@pytest.mark.parametrize(
+    "entry, message",
+    [
+        ({"path": "../outside.pt", "url": "", "hash_val": "0" * 64}, "contains '..'"),
+        ({"path": "/etc/passwd", "url": "", "hash_val": "0" * 64}, "absolute path"),
+        ({"path": "models/model.pt", "url": ""}, "no hash_val"),
+        ({"path": "models/model.pt", "url": "", "hash_val": "0" * 64, "hash_type": "crc32"}, "hash_type"),
+    ],
+)
+def test_verify_large_files_refusals(tmp_path, entry, message):
+    import yaml
+
+    (tmp_path / "models").mkdir()
+    (tmp_path / MODEL_FILE).write_bytes(b"weights")
+    (tmp_path / "large_files.yml").write_text(yaml.safe_dump({"large_files": [entry]}))
+    with pytest.raises(LargeFileError, match=message):
+        verify_large_files(tmp_path)
+
+
+# ------------------------------------------------------------------------------------- standalone inference
+@pytest.mark.parametrize("name", BUNDLE_NAMES)
+def test_standalone_inference(name, packages, tmp_path):
+    """Unzipped anywhere, run from its folder with no repository on the path, the bundle predicts with the
+    weights in ``models/model.pt`` (found by default) and writes to ``<bundle>/outputs``."""
+    zip_path, _ = packages[name]
+    with zipfile.ZipFile(zip_path) as zf:
+        zf.extractall(tmp_path / "anywhere")
+    bundle = tmp_path / "anywhere" / name
+    dataset = _input_volume(name, tmp_path / "data")
+    probe = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            f"import sys, common, common.bundle; print(common.__file__); print(common.bundle.bundle_root({name!r})); "
+            "print(sys.path)",
+        ],
+        cwd=bundle,
+        env=_standalone_env(),
+        capture_output=True,
+        text=True,
+    )
+    assert probe.returncode == 0, probe.stderr
+    common_file, root, path = probe.stdout.splitlines()
+    assert Path(common_file).resolve() == (bundle / "common" / "__init__.py").resolve()
+    assert Path(root).resolve() == bundle.resolve()
+    assert str(REPO_ROOT) not in path
+
+    _run_standalone(bundle, name, dataset)
+    predictions = sorted((bundle / "outputs" / "predictions").glob("*.nii*"))
+    assert len(predictions) == 1, _listing(bundle / "outputs")
+
+
+# ------------------------------------------------------------------------------------------------ download
+@pytest.mark.parametrize("name", BUNDLE_NAMES)
+def test_download_and_run(name, packages, server, tmp_path):
+    """``monai.bundle download`` and ``scripts/download_bundle.py`` fetch the zip from a loopback server into the
+    same tree; the wrapper checks the zip's hash and the downloaded bundle runs standalone."""
+    from monai.apps.utils import HashCheckError
+
+    zip_path, _ = packages[name]
+    served, base = server
+    (served / zip_path.name).write_bytes(zip_path.read_bytes())
+    url = f"{base}/{zip_path.name}"
+    sha = hashlib.sha256(zip_path.read_bytes()).hexdigest()
+    with zipfile.ZipFile(zip_path) as zf:
+        expected = sorted(n[len(name) + 1 :] for n in zf.namelist())
+
+    plain = tmp_path / "plain"
+    cmd = [sys.executable, "-m", "monai.bundle", "download", "--name", name, "--source", "url", "--url", url]
+    result = subprocess.run(
+        [*cmd, "--bundle_dir", str(plain), "--progress", "False"], env=bundle_env(), capture_output=True, text=True
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert sorted(p for p in _listing(plain / name) if (plain / name / p).is_file()) == expected
+
+    safe = tmp_path / "safe"
+    with pytest.raises(HashCheckError, match="hash check of downloaded file failed"):
+        download_bundle(url, safe, name=name, hash_val="f" * 64, progress=False)
+    assert not safe.exists()
+    script = [sys.executable, str(REPO_ROOT / "scripts" / "download_bundle.py"), "--url", url, "--name", name]
+    script += ["--bundle_dir", str(safe), "--progress", "False", "--hash_val", sha]
+    result = subprocess.run(script, env=bundle_env(), capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert _listing(safe) == [name] + [f"{name}/{p}" for p in _listing(safe / name)]  # no zip, no staging left
+    assert sorted(p for p in _listing(safe / name) if (safe / name / p).is_file()) == expected
+    for rel in expected:
+        assert (safe / name / rel).read_bytes() == (plain / name / rel).read_bytes(), rel
+
+    with pytest.raises(FileExistsError, match="already exists"):
+        download_bundle(url, safe, name=name, hash_val=sha, progress=False)
+
+    out = tmp_path / "predictions_out"
+    _run_standalone(safe / name, name, _input_volume(name, tmp_path / "data"), "--output_dir", str(out))
+    assert len(list((out / "predictions").glob("*.nii*"))) == 1
+
+
+GOOD = ("evil/configs/metadata.json", b"{}", stat.S_IFREG | 0o644)
+UNSAFE = {
+    "dotdot": [GOOD, ("../evil.txt", b"pwned", stat.S_IFREG | 0o644)],
+    "nested_dotdot": [GOOD, ("evil/../../evil.txt", b"pwned", stat.S_IFREG | 0o644)],
+    "absolute": [GOOD, ("/tmp/evil_absolute_member.txt", b"pwned", stat.S_IFREG | 0o644)],
+    "symlink": [GOOD, ("evil/configs/link", b"../../../outside", stat.S_IFLNK | 0o777)],
+    "backslash": [GOOD, ("evil\\..\\..\\evil.txt", b"pwned", stat.S_IFREG | 0o644)],
+}
+BAD_MEMBER = {
+    "dotdot": "'../evil.txt' contains '..'",
+    "nested_dotdot": "'evil/../../evil.txt' contains '..'",
+    "absolute": "'/tmp/evil_absolute_member.txt' is an absolute path",
+    "symlink": "'evil/configs/link' is a symbolic link",
+    "backslash": "contains a backslash",
+}
+
+
+@pytest.mark.parametrize("kind", sorted(UNSAFE))
+def test_download_refuses_unsafe_zip(kind, server, tmp_path):
+    """Unsafe members are refused before extraction: nothing appears in or beside the target folder."""
+    served, base = server
+    _write_zip(served / f"{kind}.zip", UNSAFE[kind])
+    parent = tmp_path / "parent"
+    parent.mkdir()
+    target = parent / "target"
+    before = _listing(tmp_path)
+    with pytest.raises(UnsafeArchiveError) as e:
+        download_bundle(f"{base}/{kind}.zip", target, progress=False)
+    assert BAD_MEMBER[kind] in str(e.value)
+    assert _listing(tmp_path) == before and not target.exists()
+    assert not Path("/tmp/evil_absolute_member.txt").exists()
+
+
+def test_download_cli_refuses_zip_slip(server, tmp_path):
+    served, base = server
+    _write_zip(served / "slip.zip", UNSAFE["dotdot"])
+    target = tmp_path / "parent" / "target"
+    target.mkdir(parents=True)
+    before = _listing(tmp_path)
+    cmd = [sys.executable, str(REPO_ROOT / "scripts" / "download_bundle.py"), "--url", f"{base}/slip.zip"]
+    result = subprocess.run(
+        [*cmd, "--bundle_dir", str(target), "--progress", "False"], env=bundle_env(), capture_output=True, text=True
+    )
+    assert result.returncode == 1
+    assert "refusing" in result.stderr and "'../evil.txt' contains '..'" in result.stderr
+    assert "Traceback" not in result.stderr
+    assert _listing(tmp_path) == before and not list(target.iterdir())
+
+
+def test_plain_monai_download_with_zip_slip(server, tmp_path):
+    """What MONAI 1.6.1's own ``download`` does with a ``..`` member: it fails and writes nothing outside the
+    target folder (its ``safe_extract_member``), but only when it reaches the member, so the zip and the members
+    before it stay inside. Recorded here; the wrapper does not rely on it."""
+    served, base = server
+    _write_zip(served / "slip_monai.zip", UNSAFE["dotdot"])
+    target = tmp_path / "parent" / "target"
+    target.mkdir(parents=True)
+    before = _listing(tmp_path / "parent")
+    cmd = [sys.executable, "-m", "monai.bundle", "download", "--name", "evil", "--source", "url"]
+    cmd += ["--url", f"{base}/slip_monai.zip", "--bundle_dir", str(target), "--progress", "False"]
+    result = subprocess.run(cmd, env=bundle_env(), capture_output=True, text=True)
+    assert result.returncode != 0 and "Unsafe path detected in archive: ../evil.txt" in result.stderr
+    after = _listing(tmp_path / "parent")
+    assert [p for p in after if not p.startswith("target/")] == before
+    assert not (tmp_path / "parent" / "evil.txt").exists()
+
+
+# --------------------------------------------------------------------------------------- archive checks
+def test_check_archive_layout(packages, tmp_path):
+    name = BUNDLE_NAMES[0]
+    zip_path, _ = packages[name]
+    assert check_archive(zip_path) == name == check_archive(zip_path, name)
+    with pytest.raises(UnsafeArchiveError, match="expected 'other'"):
+        check_archive(zip_path, "other")
+    meta = ("a/configs/metadata.json", b"{}", stat.S_IFREG | 0o644)
+    cases = {
+        "two_tops.zip": ([meta, ("b/x.txt", b"", stat.S_IFREG | 0o644)], "expected one top folder"),
+        "top_file.zip": ([meta, ("x.txt", b"", stat.S_IFREG | 0o644)], "'x.txt' is a file at the top level"),
+        "no_meta.zip": ([("a/x.txt", b"", stat.S_IFREG | 0o644)], "not a bundle"),
+        "duplicate.zip": ([meta, meta], "appears twice"),
+        "fifo.zip": ([meta, ("a/pipe", b"", stat.S_IFIFO | 0o644)], "special file"),
+        "dot.zip": ([meta, ("a/./x.txt", b"", stat.S_IFREG | 0o644)], "not a normalised relative path"),
+    }
+    for file, (members, message) in cases.items():
+        with pytest.raises(UnsafeArchiveError, match=message):
+            check_archive(_write_zip(tmp_path / file, members))
+    (tmp_path / "text.zip").write_text("not a zip")
+    with pytest.raises(UnsafeArchiveError, match="not a readable zip"):
+        check_archive(tmp_path / "text.zip")
+
+
+def test_extract_refuses_tampered_weights(packages, tmp_path):
+    """A zip whose weights do not match its ``large_files.yml`` leaves nothing in the target folder."""
+    name = BUNDLE_NAMES[0]
+    zip_path, _ = packages[name]
+    tampered = tmp_path / "tampered.zip"
+    with zipfile.ZipFile(zip_path) as src, zipfile.ZipFile(tampered, "w") as dst:
+        for info in src.infolist():
+            data = src.read(info)
+            dst.writestr(info, b"other weights" if info.filename == f"{name}/{MODEL_FILE}" else data)
+    target = tmp_path / "target"
+    with pytest.raises(LargeFileError, match="model.pt"):
+        extract_bundle(tampered, target, name=name)
+    assert target.is_dir() and not list(target.iterdir())
+    bundle = extract_bundle(zip_path, target, name=name)
+    assert verify_large_files(bundle, missing_ok=False) == [MODEL_FILE]
+    with pytest.raises(FileExistsError, match="already exists"):
+        extract_bundle(zip_path, target, name=name)
+    (bundle / "configs" / "extra.json").write_text("{}")
+    assert extract_bundle(zip_path, target, name=name, overwrite=True) == bundle
+    assert not (bundle / "configs" / "extra.json").exists()
+    assert all(p.split("/")[0] == name for p in _listing(target))  # no staging folder left
