@@ -1,0 +1,266 @@
+# Copyright (c) the 3D MONAI bundle collection contributors.
+# Licensed under the Apache License, Version 2.0.
+"""Every bundle notebook (``bundles/*/docs/*.ipynb``) is committed without outputs and runs top to bottom,
+headless, in a fresh Python kernel started from this interpreter with the repository importable; plus unit tests
+of the notebook helpers in ``common/notebooks.py``.
+
+The notebooks run with their own folder as working directory (as ``jupyter lab`` starts them); the executed
+copies are written to the test's temporary folder, never back into the repository.
+"""
+
+from __future__ import annotations
+
+import csv
+import hashlib
+import logging
+import os
+import re
+import sys
+import time
+from pathlib import Path
+
+import nbformat
+import numpy as np
+import pytest
+import torch
+from jupyter_client.kernelspec import KernelSpecManager
+from nbclient import NotebookClient
+from nbclient.exceptions import CellControlSignal, DeadKernelError
+
+from common.notebooks import (
+    config_table,
+    plot_comparison,
+    plot_orthogonal_slices,
+    plot_training_curves,
+    read_metrics_csv,
+    remove_workdir,
+    setup_matplotlib,
+)
+from tests.helpers import BUNDLES, REPO_ROOT
+
+NOTEBOOKS = sorted(BUNDLES.glob("*/docs/*.ipynb"))
+KERNEL_NAME = "python3"
+CELL_TIMEOUT_S = 600
+_ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
+
+
+def _notebook_id(path: Path) -> str:
+    return path.relative_to(BUNDLES).as_posix()
+
+
+def _digest(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def _source_head(cell: nbformat.NotebookNode, lines: int = 6) -> str:
+    source = cell.source.splitlines()
+    more = "\n    ..." if len(source) > lines else ""
+    return "\n".join(f"    {line}" for line in source[:lines]) + more
+
+
+def _error_text(cell: nbformat.NotebookNode) -> str:
+    """The error output of an executed cell (exception, message and traceback without terminal colours)."""
+    for output in cell.get("outputs", []):
+        if output.get("output_type") == "error":
+            traceback = _ANSI.sub("", "\n".join(output.get("traceback", [])))
+            return f"{output.get('ename')}: {output.get('evalue')}\n{traceback[-6000:]}"
+    return ""
+
+
+@pytest.fixture(scope="module")
+def python_kernel(tmp_path_factory: pytest.TempPathFactory):
+    """A private ``python3`` kernelspec that runs this interpreter with the repository on ``PYTHONPATH``.
+
+    It is put first on ``JUPYTER_PATH``, so a ``python3`` kernelspec installed for another interpreter (a user's
+    or a system one) cannot be picked instead; only ipykernel needs to be installed, as on a fresh CI machine after
+    ``pip install -r requirements.txt``. Runtime files and the IPython profile also live in the temporary folder.
+    """
+    from ipykernel.kernelspec import write_kernel_spec
+
+    root = tmp_path_factory.mktemp("jupyter")
+    write_kernel_spec(root / "data" / "kernels" / KERNEL_NAME, overrides={"display_name": "Python 3 (tests)"})
+    pythonpath = os.pathsep.join(p for p in (str(REPO_ROOT), os.environ.get("PYTHONPATH", "")) if p)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("JUPYTER_PATH", os.pathsep.join(p for p in (str(root / "data"), os.environ.get("JUPYTER_PATH")) if p))
+        mp.setenv("JUPYTER_RUNTIME_DIR", str(root / "runtime"))
+        mp.setenv("IPYTHONDIR", str(root / "ipython"))
+        mp.setenv("PYTHONPATH", pythonpath)
+        spec = KernelSpecManager().get_kernel_spec(KERNEL_NAME)
+        assert Path(spec.argv[0]) == Path(sys.executable), f"kernel {KERNEL_NAME!r} runs {spec.argv[0]!r}"
+        yield spec
+
+
+def test_notebooks_are_discovered():
+    assert NOTEBOOKS, f"no notebook found as {BUNDLES}/*/docs/*.ipynb"
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=_notebook_id)
+def test_notebook_is_committed_clean(path: Path):
+    nb = nbformat.read(path, as_version=nbformat.NO_CONVERT)
+    nbformat.validate(nb)
+    assert nb.nbformat == 4, f"{path}: nbformat {nb.nbformat}, expected 4"
+    dirty = [
+        f"cell {index} ({'outputs' if cell.outputs else 'execution count'})"
+        for index, cell in enumerate(nb.cells)
+        if cell.cell_type == "code" and (cell.outputs or cell.execution_count is not None)
+    ]
+    assert not dirty, (
+        f"{path} is committed with outputs or execution counts in {', '.join(dirty)}; clear them with "
+        f"`jupyter nbconvert --clear-output --inplace {path.relative_to(REPO_ROOT)}`"
+    )
+    kernel = nb.metadata.get("kernelspec", {}).get("name")
+    assert kernel == KERNEL_NAME, f"{path}: kernelspec {kernel!r}, expected {KERNEL_NAME!r}"
+    assert any(cell.cell_type == "markdown" for cell in nb.cells), f"{path} has no markdown cell"
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=_notebook_id)
+def test_notebook_runs(path: Path, python_kernel, tmp_path: Path):
+    before = _digest(path)
+    folder_before = sorted(p.name for p in path.parent.iterdir())
+    nb = nbformat.read(path, as_version=4)
+    timings: dict[int, float] = {}
+    current: dict[str, float | int] = {}
+
+    def on_cell_start(cell_index: int, **_) -> None:
+        current.update(index=cell_index, start=time.perf_counter())
+
+    def on_cell_executed(cell_index: int, **_) -> None:
+        timings[cell_index] = time.perf_counter() - current["start"]
+
+    client = NotebookClient(
+        nb,
+        timeout=CELL_TIMEOUT_S,
+        kernel_name=KERNEL_NAME,
+        resources={"metadata": {"path": str(path.parent)}},
+        on_cell_start=on_cell_start,
+        on_cell_executed=on_cell_executed,
+    )
+    start = time.perf_counter()
+    failure: Exception | None = None
+    try:
+        client.execute()
+    except (CellControlSignal, DeadKernelError) as e:  # cell errors and timeouts, or a crashed kernel
+        failure = e
+    total = time.perf_counter() - start
+    executed = tmp_path / path.name
+    nbformat.write(nb, executed)
+    if failure is not None:
+        index = current.get("index")
+        if index is None:
+            pytest.fail(f"{_notebook_id(path)}: the kernel failed before the first cell: {failure}", pytrace=False)
+        cell = nb.cells[int(index)]
+        detail = _error_text(cell) or _ANSI.sub("", str(failure))[-6000:]
+        pytest.fail(
+            f"{_notebook_id(path)}: cell {index} failed ({type(failure).__name__}); executed copy: {executed}\n"
+            f"{_source_head(cell)}\n{detail}",
+            pytrace=False,
+        )
+    slowest = sorted(timings.items(), key=lambda item: -item[1])[:3]
+    print(f"{_notebook_id(path)}: {total:.1f} s; slowest cells " + ", ".join(f"{i}: {t:.1f} s" for i, t in slowest))
+
+    errors = [index for index, cell in enumerate(nb.cells) if _error_text(cell)]
+    assert not errors, f"{_notebook_id(path)}: error outputs in cells {errors}"
+    code_cells = [cell for cell in nb.cells if cell.cell_type == "code"]
+    assert all(cell.execution_count is not None for cell in code_cells), "not every code cell ran"
+    assert _digest(path) == before, f"{path} was modified by its execution"
+    assert sorted(p.name for p in path.parent.iterdir()) == folder_before, f"{path.parent} gained or lost files"
+
+
+def _write_metrics(path: Path, rows: list[tuple[int, int, str, float]]) -> Path:
+    with open(path, "w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow(["step", "epoch", "tag", "value"])
+        writer.writerows(rows)
+    return path
+
+
+def test_read_metrics_csv_and_training_curves(tmp_path: Path):
+    rows = [(1, 1, "train/loss", 0.5), (2, 1, "train/loss", 0.25), (2, 1, "val_psnr", 20.0), (3, 2, "train/adv", 0.1)]
+    path = _write_metrics(tmp_path / "metrics.csv", rows)
+    series = read_metrics_csv(path)
+    assert series == {"train/loss": [(1, 0.5), (2, 0.25)], "val_psnr": [(2, 20.0)], "train/adv": [(3, 0.1)]}
+
+    fig = plot_training_curves(path, tags=["val_psnr", "not_logged", "train/loss"])
+    visible = [ax for ax in fig.axes if ax.get_visible()]
+    assert [ax.get_title() for ax in visible] == ["val_psnr", "train/loss"]
+    np.testing.assert_allclose(visible[1].lines[0].get_xydata(), [[1, 0.5], [2, 0.25]])
+    assert len([ax for ax in plot_training_curves(series, ncols=2).axes if ax.get_visible()]) == 3
+
+    with pytest.raises(ValueError, match="none of the tags"):
+        plot_training_curves(path, tags=["not_logged"])
+    with pytest.raises(FileNotFoundError, match="missing.csv"):
+        read_metrics_csv(tmp_path / "missing.csv")
+    (tmp_path / "bad.csv").write_text("a,b\n1,2\n")
+    with pytest.raises(ValueError, match="bad.csv"):
+        read_metrics_csv(tmp_path / "bad.csv")
+
+
+def test_config_table():
+    from monai.bundle import ConfigParser
+
+    parser = ConfigParser({"a": 2, "b": "$@a * 3", "c": {"x": [1, 2]}, "pipe": "a|b", "long": "y" * 200})
+    lines = config_table(parser, ["a", "b", "c#x", "pipe", "long"]).splitlines()
+    assert lines[:2] == ["| id | in the config | resolved |", "|---|---|---|"]
+    assert lines[2] == "| `a` | `2` |  |"
+    assert lines[3] == "| `b` | `$@a * 3` | `6` |"
+    assert lines[4] == "| `c#x` | `[1, 2]` |  |"
+    assert lines[5] == "| `pipe` | `a\\|b` |  |"
+    assert lines[6].endswith("...` |  |") and len(lines[6]) < 120
+    assert config_table(parser, ["b"], resolve=False).splitlines()[2] == "| `b` | `$@a * 3` |  |"
+    with pytest.raises(KeyError, match="missing"):
+        config_table(parser, ["missing"])
+
+
+def test_plot_orthogonal_slices():
+    batch = torch.rand(2, 1, 8, 10, 12)
+    fig = plot_orthogonal_slices(batch, titles=["first", "second"])
+    assert len(fig.axes) == 6
+    assert [ax.get_title() for ax in fig.axes[:3]] == ["sagittal", "coronal", "axial"]
+    assert fig.axes[3].get_ylabel() == "second"
+    axial = fig.axes[2].images[0].get_array()
+    np.testing.assert_allclose(axial, np.rot90(batch[0, 0, :, :, 6].numpy()))
+    with pytest.raises(ValueError, match="2 volumes"):
+        plot_orthogonal_slices(batch, titles=["one"])
+    with pytest.raises(ValueError, match="at least one"):
+        plot_orthogonal_slices([])
+
+
+def test_plot_comparison():
+    image = torch.rand(1, 10, 12, 6)
+    recon = image * 0.5
+    fig = plot_comparison(image, recon, error_scale=2.0, title="t")
+    assert len(fig.axes) == 9
+    assert [ax.get_title() for ax in fig.axes[:3]] == ["input", "reconstruction", "|error| x 2"]
+    assert [ax.get_ylabel() for ax in fig.axes[::3]] == ["sagittal", "coronal", "axial"]
+    # each cell is cut back to its slice (no padding): sagittal (Z, Y), coronal (Z, X), axial (Y, X) after rotation
+    shapes = [fig.axes[3 * row].images[0].get_array().shape for row in range(3)]
+    assert shapes == [(6, 12), (6, 10), (12, 10)]
+    expected_error = np.clip(np.abs(np.rot90(image[0, :, :, 3].numpy()) * 0.5) * 2.0, 0, 1)
+    np.testing.assert_allclose(fig.axes[8].images[0].get_array(), expected_error, atol=1e-6)
+    with pytest.raises(ValueError, match="same spatial shape"):
+        plot_comparison(image, torch.rand(1, 10, 12, 7))
+
+
+def test_remove_workdir(tmp_path: Path):
+    work, other = tmp_path / "work", tmp_path / "other"
+    (work / "outputs").mkdir(parents=True)
+    other.mkdir()
+    root = logging.getLogger()
+    inside = logging.FileHandler(work / "outputs" / "train.log")
+    outside = logging.FileHandler(other / "train.log")
+    root.addHandler(inside)
+    root.addHandler(outside)
+    try:
+        remove_workdir(work)
+        assert not work.exists()
+        assert inside not in root.handlers and inside.stream is None
+        assert outside in root.handlers
+        remove_workdir(work)  # a missing folder is not an error
+    finally:
+        for handler in (inside, outside):
+            root.removeHandler(handler)
+            handler.close()
+
+
+def test_setup_matplotlib_outside_a_kernel():
+    assert setup_matplotlib().lower() == "agg"
