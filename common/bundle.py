@@ -4,9 +4,12 @@
 
 from __future__ import annotations
 
+import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
-__all__ = ["bundle_root", "find_checkpoint"]
+__all__ = ["bundle_root", "check_settings_or_exit", "find_checkpoint"]
 
 
 def bundle_root(name: str) -> str:
@@ -42,3 +45,19 @@ def find_checkpoint(output_dir: str, bundle_root: str, name: str = "model.pt") -
     raise FileNotFoundError(
         f"no trained weights: looked for {[str(c) for c in candidates]}; train first or pass --ckpt_path."
     )
+
+
+def check_settings_or_exit(check: Callable[..., Any], **settings: Any) -> None:
+    """Run a bundle's hyperparameter check first thing in ``initialize``: on ``ValueError``/``TypeError`` print
+    its message (which names the config ids) and exit with status 1, before anything is built or written.
+
+    Args:
+        check: a function raising ``ValueError`` for invalid settings, e.g.
+            ``common.networks.vqgan.check_vqgan_settings``.
+        settings: the config values, passed to ``check`` by name.
+    """
+    try:
+        check(**settings)
+    except (ValueError, TypeError) as exc:
+        print(f"configuration error: {exc}", file=sys.stderr, flush=True)
+        raise SystemExit(1) from None

@@ -8,10 +8,12 @@ import logging
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import numpy as np
 import torch
-from monai.data import CacheDataset, SmartCacheDataset, ThreadDataLoader, partition_dataset
+from monai.data import CacheDataset, MetaTensor, SmartCacheDataset, ThreadDataLoader, partition_dataset
 from monai.transforms import (
     Compose,
+    DivisiblePadd,
     EnsureChannelFirstd,
     EnsureTyped,
     Invertd,
@@ -31,6 +33,7 @@ from common.utils import get_rank, get_world_size
 __all__ = [
     "raise_no_inputs",
     "LatentAffined",
+    "VQCodesd",
     "inference_postprocessing",
     "intensity_transform",
     "make_dataset",
@@ -77,8 +80,9 @@ def volume_transforms(
     num_samples: int = 1,
     cache_device: torch.device | str | None = None,
     train: bool = True,
+    divisible_by: Sequence[int] | int | None = None,
 ) -> Compose:
-    """Load -> channel first -> orientation -> spacing -> intensity -> pad to ``patch_size`` -> device -> crop.
+    """Load -> channel first -> orientation -> spacing -> intensity -> pad -> device -> random crops.
 
     Everything before the random crop is deterministic and is cached by the dataset; ``cache_device`` moves
     the volume there right after the deterministic part, so with ``cuda`` the cache lives in GPU memory and the
@@ -93,6 +97,9 @@ def volume_transforms(
         num_samples: random patches drawn per volume per visit (training only).
         cache_device: device of the cached volumes (``None``: CPU).
         train: add the random crop (validation/inference keep whole volumes).
+        divisible_by: also pad every spatial size to a multiple of this (per axis), e.g. a network's total
+            downsampling, so whole-volume latents have an integer size; the same padding in training,
+            validation and inference keeps them consistent (inference undoes it with ``Invertd``).
     """
     keys = list(keys)
     transforms: list = [LoadImaged(keys, image_only=True), EnsureChannelFirstd(keys)]
@@ -105,6 +112,9 @@ def volume_transforms(
         transforms.append(norm)
     if patch_size is not None:
         transforms.append(SpatialPadd(keys, spatial_size=tuple(int(p) for p in patch_size)))
+    if divisible_by is not None:
+        k = [int(divisible_by)] * 3 if isinstance(divisible_by, int) else [int(v) for v in divisible_by]
+        transforms.append(DivisiblePadd(keys, k=k))
     transforms.append(EnsureTyped(keys, dtype=torch.float32, device=cache_device, track_meta=not train))
     if train:
         if patch_size is None:
@@ -222,12 +232,76 @@ class LatentAffined(MapTransform):
         return d
 
 
-def inference_postprocessing(mode: str, preprocessing: Compose, output_dir: str, pred_key: str = "pred") -> Compose:
+class VQCodesd(MapTransform):
+    """Quantize a stitched continuous latent with a vector quantizer and add its code indices.
+
+    The latent under each key (channel first, one volume) is replaced by its quantized version and the indices
+    are stored under ``codes_key`` (``(1, *spatial)``, int32), both keeping the latent's metadata (affine).
+    Quantizing after stitching keeps every latent voxel a codebook vector, which blending quantized windows
+    would not.
+
+    Args:
+        keys: continuous latent keys.
+        quantizer: an ``EMAVectorQuantizer`` (or a module with a ``quantizer`` attribute), in eval mode.
+        codes_key: key of the code indices.
+    """
+
+    def __init__(self, keys: Sequence[str] | str, quantizer: torch.nn.Module, codes_key: str = "codes") -> None:
+        super().__init__(keys)
+        self.quantizer = getattr(quantizer, "quantizer", quantizer)
+        self.codes_key = codes_key
+
+    def __call__(self, data: Mapping[str, Any]) -> dict[str, Any]:
+        d = dict(data)
+        device = self.quantizer.embeddings.device
+        for key in self.key_iterator(d):
+            latent = d[key]
+            meta = dict(getattr(latent, "meta", {}))
+            plain = latent.as_tensor() if isinstance(latent, MetaTensor) else torch.as_tensor(latent)
+            with torch.no_grad():
+                out = self.quantizer(plain[None].to(device))
+            d[key] = MetaTensor(out["quantized"][0].detach().cpu(), meta=meta)
+            d[self.codes_key] = MetaTensor(out["indices"][:1].to(torch.int32).cpu(), meta=dict(meta))
+        return d
+
+
+def _save(key: str, output_dir: str, postfix: str, dtype: Any = None) -> SaveImaged:
+    return SaveImaged(
+        keys=key,
+        output_dir=output_dir,
+        output_postfix=postfix,
+        separate_folder=False,
+        resample=False,
+        print_log=False,
+        output_dtype=dtype,
+    )
+
+
+def _to_hu(key: str, intensity: Mapping[str, Any] | None) -> list:
+    """For a CT window, map [0, 1] back to Hounsfield units (nothing for other intensity modes)."""
+    if not intensity or str(intensity.get("mode", "")).lower() != "ct":
+        return []
+    a_min, a_max = float(intensity.get("a_min", -1000)), float(intensity.get("a_max", 1000))
+    return [ScaleIntensityRanged(key, a_min=0.0, a_max=1.0, b_min=a_min, b_max=a_max, clip=False)]
+
+
+def inference_postprocessing(
+    mode: str,
+    preprocessing: Compose,
+    output_dir: str,
+    pred_key: str = "pred",
+    quantizer: torch.nn.Module | None = None,
+    intensity: Mapping[str, Any] | None = None,
+) -> Compose:
     """Postprocessing for an autoencoder's inference.
 
     ``reconstruct``: undo padding/spacing/orientation so the reconstruction lies on the input's grid with the
     input's affine, then save ``<name>_recon.nii.gz``. ``encode``: save the latent map as ``<name>_latent.nii.gz``
-    (channels last, the affine scaled by the downsampling factor) for latent diffusion models.
+    (channels last, the affine scaled by the downsampling factor) for latent diffusion models; with a
+    ``quantizer`` the stitched latent is quantized first and the code indices are saved as
+    ``<name>_codes.nii.gz`` (int32, same affine). ``decode``: the input is a latent (or code) map; save the
+    decoded image as ``<name>_decoded.nii.gz`` with the affine scaled back to the image grid.
+    With a CT ``intensity`` window, reconstructed and decoded images are mapped back to Hounsfield units.
 
     Raises:
         ValueError: for another mode.
@@ -238,31 +312,24 @@ def inference_postprocessing(mode: str, preprocessing: Compose, output_dir: str,
                 Invertd(
                     keys=pred_key, transform=preprocessing, orig_keys="image", nearest_interp=False, to_tensor=True
                 ),
-                SaveImaged(
-                    keys=pred_key,
-                    output_dir=output_dir,
-                    output_postfix="recon",
-                    separate_folder=False,
-                    resample=False,
-                    print_log=False,
-                ),
+                *_to_hu(pred_key, intensity),
+                _save(pred_key, output_dir, "recon"),
             ]
         )
     if mode == "encode":
+        steps: list = [LatentAffined(keys=pred_key, ref_key="image")]
+        if quantizer is not None:
+            steps += [VQCodesd(pred_key, quantizer), _save("codes", output_dir, "codes", np.int32)]
+        return Compose([*steps, _save(pred_key, output_dir, "latent")])
+    if mode == "decode":
         return Compose(
             [
                 LatentAffined(keys=pred_key, ref_key="image"),
-                SaveImaged(
-                    keys=pred_key,
-                    output_dir=output_dir,
-                    output_postfix="latent",
-                    separate_folder=False,
-                    resample=False,
-                    print_log=False,
-                ),
+                *_to_hu(pred_key, intensity),
+                _save(pred_key, output_dir, "decoded"),
             ]
         )
-    raise ValueError(f"mode must be 'reconstruct' or 'encode', got {mode!r}.")
+    raise ValueError(f"mode must be 'reconstruct', 'encode' or 'decode', got {mode!r}.")
 
 
 def raise_no_inputs(dataset_dir: str, pattern: str) -> None:

@@ -274,8 +274,15 @@ def _load_sections(
     sections: Sequence[str],
     required: Sequence[str],
     keys: Sequence[str],
+    max_cases: int | None = None,
 ) -> tuple[dict[str, list[tuple[int, dict]]], list[str]]:
-    """Parse every requested section; return the valid entries with their index, and the problem lines."""
+    """Parse every requested section; return the valid entries with their index, and the problem lines.
+
+    ``max_cases`` keeps only the first entries of each section (a quick run on part of a cohort); the entries
+    left out are neither checked nor returned.
+    """
+    if max_cases is not None and (isinstance(max_cases, bool) or int(max_cases) < 1):
+        raise PreflightError([f"max_cases must be a positive integer or null, got {max_cases!r}"], "config")
     loaded: dict[str, list[tuple[int, dict]]] = {}
     problems: list[str] = []
     for section in sections:
@@ -288,6 +295,9 @@ def _load_sections(
         except DatalistError as exc:
             problems.append(f"{section}: {exc}")
             continue
+        if max_cases is not None:
+            entries = entries[: int(max_cases)]
+            entry_problems = [(index, reason) for index, reason in entry_problems if index < int(max_cases)]
         problems += [f"{section}[{index}]: {reason}" for index, reason in entry_problems]
         loaded[section] = [(index, entry) for index, entry in enumerate(entries) if entry is not None]
     return loaded, problems
@@ -304,6 +314,7 @@ def preflight(
     num_workers: int = 2,
     required: Sequence[str] = ("training",),
     shard: tuple[int, int] | None = None,
+    max_cases: int | None = None,
 ) -> dict[str, list[dict]]:
     """Check a whole datalist and every volume it names, reporting all problems in one error.
 
@@ -323,6 +334,7 @@ def preflight(
         required: sections that must be present.
         shard: ``(index, count)``: read only every ``count``-th distinct volume starting at ``index`` (ranks of
             a distributed job split the reading; see :func:`preflight_or_exit`).
+        max_cases: keep only the first ``max_cases`` entries of each section (``None``: all).
 
     Returns:
         Section name -> the loaded entries (absolute paths), for every section that is present.
@@ -344,7 +356,7 @@ def preflight(
             read_datalist_json(source)
         except DatalistError as exc:
             raise PreflightError([str(exc)], source) from exc
-    loaded, problems = _load_sections(datalist, base_dir, sections, required, keys)
+    loaded, problems = _load_sections(datalist, base_dir, sections, required, keys, max_cases)
     unique = {_path_key(entry[k]) for items in loaded.values() for _, entry in items for k in keys}
     ordered = sorted(unique, key=lambda p: (isinstance(p, tuple), p))
     if shard is not None:
@@ -368,6 +380,7 @@ def load_sections(
     sections: Sequence[str] = ("training", "validation"),
     keys: Sequence[str] = ("image",),
     required: Sequence[str] = ("training",),
+    max_cases: int | None = None,
 ) -> dict[str, list[dict]]:
     """Load the sections of a datalist without reading the volumes (preflight switched off).
 
@@ -378,7 +391,7 @@ def load_sections(
     sections = (sections,) if isinstance(sections, str) else tuple(sections)
     keys = (keys,) if isinstance(keys, str) else tuple(keys)
     try:
-        loaded, problems = _load_sections(datalist, base_dir, sections, required, keys)
+        loaded, problems = _load_sections(datalist, base_dir, sections, required, keys, max_cases)
     except DatalistError as exc:
         raise PreflightError([str(exc)], source) from exc
     if problems:
@@ -414,7 +427,9 @@ def preflight_or_exit(
     try:
         if not enabled:
             loaded = load_sections(
-                datalist, base_dir, **{k: v for k, v in kwargs.items() if k in ("sections", "keys", "required")}
+                datalist,
+                base_dir,
+                **{k: v for k, v in kwargs.items() if k in ("sections", "keys", "required", "max_cases")},
             )
         else:
             shard = (dist.get_rank(), dist.get_world_size()) if distributed else None

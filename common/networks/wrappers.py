@@ -11,6 +11,7 @@ import torch.distributed as dist
 from torch import nn
 
 __all__ = [
+    "LatentDecoder",
     "LatentEncoder",
     "ReconstructionNetwork",
     "clean_state_dict",
@@ -159,15 +160,32 @@ class LatentEncoder(_InferenceView):
     """Inference view of an autoencoder's encoder: ``forward(x)`` returns the latent map.
 
     ``AutoencoderKL`` gives the posterior mean (deterministic), VQ-VAE style networks the quantized latent
-    (``encode_stage_2_inputs``).
+    (``encode_stage_2_inputs``), or with ``quantized=False`` the continuous encoder output (to be stitched
+    over sliding windows and quantized afterwards, see ``common.data.pipeline.VQCodesd``).
 
     Args:
         network: the autoencoder.
+        quantized: for VQ networks, return the quantized latent.
     """
+
+    def __init__(self, network: nn.Module, quantized: bool = True) -> None:
+        super().__init__(network)
+        self.quantized = bool(quantized)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         net = unwrap(self.network)
-        if hasattr(net, "encode_stage_2_inputs") and not hasattr(net, "sampling"):
+        if hasattr(net, "encode_stage_2_inputs") and not hasattr(net, "sampling") and self.quantized:
             return net.encode_stage_2_inputs(x)
         encoded = net.encode(x)
         return encoded[0] if isinstance(encoded, (tuple, list)) else encoded
+
+
+class LatentDecoder(_InferenceView):
+    """Inference view of an autoencoder's decoder: ``forward(latent)`` returns the decoded image.
+
+    Args:
+        network: the autoencoder (``decode`` of a VQ-GAN also accepts one channel of code indices).
+    """
+
+    def forward(self, latent: torch.Tensor) -> torch.Tensor:
+        return unwrap(self.network).decode(latent)

@@ -1,0 +1,476 @@
+# Copyright (c) the 3D MONAI bundle collection contributors.
+# Licensed under the Apache License, Version 2.0.
+"""3D VQ-GAN (TATS / MedicalDiffusion design) with an EMA codebook that restarts dead codes and stays in sync
+across DDP ranks.
+
+The encoder halves the resolution ``log2(downsample[axis])`` times per axis with stride-2 convolutions (kernel 4)
+followed by pre-activation residual blocks (GroupNorm, SiLU), then projects to ``embedding_dim`` channels; the
+decoder mirrors it with transposed convolutions. The quantizer keeps an exponential moving average (EMA) of the
+code counts and code sums (van den Oord et al. 2017, appendix), is initialised from the encoder outputs of the
+first training batch, and re-seeds codes whose EMA count falls below ``restart_thres`` from encoder outputs of the
+current batch (Dhariwal et al. 2020, Jukebox). Under ``torch.distributed`` the counts and sums are all-reduced and
+the initialisation and restart candidates are broadcast from rank 0, so every rank holds the same codebook
+without relying on DDP buffer broadcasting.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from monai.networks.blocks import Convolution
+from monai.networks.nets.autoencoderkl import AEKLResBlock
+from torch import nn
+
+__all__ = [
+    "EMAVectorQuantizer",
+    "VQGAN",
+    "VQGANDecoder",
+    "VQGANEncoder",
+    "check_vqgan_settings",
+    "downsample_levels",
+]
+
+_DIST_ARGMIN_CHUNK = 16384
+
+
+def _distributed() -> bool:
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def downsample_levels(downsample: Sequence[int] | int, spatial_dims: int = 3) -> list[int]:
+    """Number of stride-2 levels per axis for a per-axis ``downsample`` factor (each a power of two >= 1).
+
+    Raises:
+        ValueError: when a factor is not a positive power of two or the length does not match ``spatial_dims``.
+    """
+    factors = [int(downsample)] * spatial_dims if isinstance(downsample, int) else [int(d) for d in downsample]
+    if len(factors) != spatial_dims:
+        raise ValueError(f"downsample needs {spatial_dims} factors (one per axis), got {list(factors)}.")
+    levels = []
+    for f in factors:
+        if f < 1 or f & (f - 1):
+            raise ValueError(f"downsample factors must be powers of two >= 1, got {factors}.")
+        levels.append(int(math.log2(f)))
+    return levels
+
+
+def _level_convolution(
+    spatial_dims: int, in_channels: int, out_channels: int, strides: Sequence[int], transposed: bool
+) -> Convolution:
+    """Stride-2 axes use kernel 4, stride-1 axes kernel 3; padding 1 then gives exactly n/2 (or 2n) and n."""
+    kernel = [4 if s == 2 else 3 for s in strides]
+    return Convolution(
+        spatial_dims,
+        in_channels,
+        out_channels,
+        strides=list(strides),
+        kernel_size=kernel,
+        padding=1,
+        output_padding=0 if transposed else None,
+        is_transposed=transposed,
+        conv_only=True,
+    )
+
+
+def _check_groups(channels: Sequence[int], norm_num_groups: int) -> None:
+    bad = [c for c in channels if c % int(norm_num_groups)]
+    if bad:
+        raise ValueError(
+            f"norm_num_groups={norm_num_groups} must divide every feature width; widths {sorted(set(channels))} "
+            f"(n_hiddens x 2^level) include {bad[0]}."
+        )
+
+
+class VQGANEncoder(nn.Module):
+    """Encoder of the 3D VQ-GAN: ``(B, in_channels, *S) -> (B, embedding_dim, *S / downsample)``.
+
+    Args:
+        spatial_dims: number of spatial dimensions.
+        in_channels: image channels.
+        n_hiddens: width of the first convolution; level ``i`` has ``n_hiddens * 2**(i+1)`` channels.
+        downsample: per-axis downsampling factor (powers of two).
+        embedding_dim: channels of the latent (the codebook vectors).
+        num_res_blocks: residual blocks after each strided convolution.
+        norm_num_groups: GroupNorm groups.
+    """
+
+    def __init__(
+        self,
+        spatial_dims: int = 3,
+        in_channels: int = 1,
+        n_hiddens: int = 16,
+        downsample: Sequence[int] | int = (4, 4, 4),
+        embedding_dim: int = 8,
+        num_res_blocks: int = 1,
+        norm_num_groups: int = 8,
+    ) -> None:
+        super().__init__()
+        levels = downsample_levels(downsample, spatial_dims)
+        n_levels = max(levels)
+        widths = [n_hiddens * 2 ** (i + 1) for i in range(n_levels)] or [n_hiddens]
+        _check_groups(widths, norm_num_groups)
+        self.conv_first = Convolution(spatial_dims, in_channels, n_hiddens, kernel_size=3, conv_only=True)
+        blocks: list[nn.Module] = []
+        channels = n_hiddens
+        for i in range(n_levels):
+            out = n_hiddens * 2 ** (i + 1)
+            strides = [2 if lv > i else 1 for lv in levels]
+            blocks.append(_level_convolution(spatial_dims, channels, out, strides, transposed=False))
+            blocks.extend(AEKLResBlock(spatial_dims, out, norm_num_groups, 1e-6, out) for _ in range(num_res_blocks))
+            channels = out
+        self.blocks = nn.Sequential(*blocks)
+        self.final = nn.Sequential(nn.GroupNorm(norm_num_groups, channels, eps=1e-6), nn.SiLU())
+        self.pre_vq_conv = Convolution(spatial_dims, channels, embedding_dim, kernel_size=1, conv_only=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.pre_vq_conv(self.final(self.blocks(self.conv_first(x))))
+
+
+class VQGANDecoder(nn.Module):
+    """Decoder of the 3D VQ-GAN: ``(B, embedding_dim, *L) -> (B, out_channels, *L * downsample)``.
+
+    Args:
+        spatial_dims: number of spatial dimensions.
+        out_channels: image channels.
+        n_hiddens: as in :class:`VQGANEncoder`.
+        downsample: per-axis upsampling factor (the encoder's downsampling).
+        embedding_dim: latent channels.
+        num_res_blocks: residual blocks after each transposed convolution.
+        norm_num_groups: GroupNorm groups.
+    """
+
+    def __init__(
+        self,
+        spatial_dims: int = 3,
+        out_channels: int = 1,
+        n_hiddens: int = 16,
+        downsample: Sequence[int] | int = (4, 4, 4),
+        embedding_dim: int = 8,
+        num_res_blocks: int = 1,
+        norm_num_groups: int = 8,
+    ) -> None:
+        super().__init__()
+        levels = downsample_levels(downsample, spatial_dims)
+        n_levels = max(levels)
+        channels = n_hiddens * 2**n_levels
+        _check_groups([n_hiddens * 2 ** (n_levels - i) for i in range(n_levels)] or [channels], norm_num_groups)
+        self.post_vq_conv = Convolution(spatial_dims, embedding_dim, channels, kernel_size=1, conv_only=True)
+        self.first = nn.Sequential(nn.GroupNorm(norm_num_groups, channels, eps=1e-6), nn.SiLU())
+        blocks: list[nn.Module] = []
+        for i in range(n_levels):
+            out = n_hiddens * 2 ** (n_levels - i)
+            strides = [2 if lv > i else 1 for lv in levels]
+            blocks.append(_level_convolution(spatial_dims, channels, out, strides, transposed=True))
+            blocks.extend(AEKLResBlock(spatial_dims, out, norm_num_groups, 1e-6, out) for _ in range(num_res_blocks))
+            channels = out
+        self.blocks = nn.Sequential(*blocks)
+        self.conv_last = Convolution(spatial_dims, channels, out_channels, kernel_size=3, conv_only=True)
+
+    def forward(self, z: torch.Tensor) -> torch.Tensor:
+        return self.conv_last(self.blocks(self.first(self.post_vq_conv(z))))
+
+
+class EMAVectorQuantizer(nn.Module):
+    """Vector quantizer with an EMA codebook, data-dependent initialisation and dead-code restart.
+
+    ``forward(z)`` (``z``: ``(B, D, *spatial)``) returns a dict with ``quantized`` (straight-through, same shape as
+    ``z``), ``quantization_loss`` (``commitment_cost * ||z - sg(e)||^2``; the codebook itself is learnt by the EMA,
+    not by gradients), ``indices`` (``(B, *spatial)``), and the batch statistics ``perplexity`` and
+    ``codebook_usage`` (fraction of codes used by this batch; all ranks' assignments under DDP) and
+    ``codebook_restarts`` (codes re-seeded by this call).
+
+    Training-mode update per call, with ``n_k`` the number of vectors assigned to code ``k`` and ``s_k`` their
+    sum (both summed over ranks)::
+
+        N_k <- decay N_k + (1 - decay) n_k;   m_k <- decay m_k + (1 - decay) s_k
+        e_k <- m_k / N~_k,   N~_k = (N_k + eps) / (sum N + K eps) * sum N   (Laplace smoothing)
+
+    then every code with ``N_k < restart_thres`` (unless ``no_random_restart``) is re-seeded: ``e_k = m_k = x``
+    for a random encoder output ``x`` of the batch (chosen on rank 0 and broadcast), ``N_k = 1``. The first
+    training call instead initialises all codes from random encoder outputs. In eval mode nothing changes except
+    ``usage_counts``, a histogram of assigned codes that evaluation metrics read and reset.
+
+    Args:
+        n_codes: codebook size (>= 2).
+        embedding_dim: code dimension.
+        decay: EMA decay (MedicalDiffusion/TATS use 0.99).
+        commitment_cost: weight of the commitment loss (0.25).
+        restart_thres: EMA count below which a code is dead.
+        no_random_restart: turn the restart off.
+        eps: Laplace smoothing constant.
+    """
+
+    def __init__(
+        self,
+        n_codes: int,
+        embedding_dim: int,
+        decay: float = 0.99,
+        commitment_cost: float = 0.25,
+        restart_thres: float = 1.0,
+        no_random_restart: bool = False,
+        eps: float = 1e-7,
+    ) -> None:
+        super().__init__()
+        if int(n_codes) < 2:
+            raise ValueError(f"n_codes must be >= 2, got {n_codes!r}.")
+        if not 0.0 < float(decay) < 1.0:
+            raise ValueError(f"decay must be in (0, 1), got {decay!r}.")
+        self.n_codes = int(n_codes)
+        self.embedding_dim = int(embedding_dim)
+        self.decay = float(decay)
+        self.commitment_cost = float(commitment_cost)
+        self.restart_thres = float(restart_thres)
+        self.no_random_restart = bool(no_random_restart)
+        self.eps = float(eps)
+        self.register_buffer("embeddings", torch.randn(self.n_codes, self.embedding_dim))
+        self.register_buffer("cluster_size", torch.zeros(self.n_codes))
+        self.register_buffer("embed_sum", self.embeddings.clone())
+        self.register_buffer("initialized", torch.tensor(False))
+        self.register_buffer("usage_counts", torch.zeros(self.n_codes, dtype=torch.long), persistent=False)
+
+    # ------------------------------------------------------------------ helpers
+    def _candidates(self, flat: torch.Tensor) -> torch.Tensor:
+        """``n_codes`` random rows of ``flat`` (tiled with small noise when there are fewer), rank 0's on all ranks."""
+        rows = flat
+        if rows.shape[0] < self.n_codes:
+            repeats = math.ceil(self.n_codes / rows.shape[0])
+            std = 0.01 / math.sqrt(rows.shape[1])
+            rows = rows.repeat(repeats, 1)
+            rows = rows + torch.randn_like(rows) * std
+        picked = rows[torch.randperm(rows.shape[0], device=rows.device)[: self.n_codes]].contiguous()
+        if _distributed():
+            dist.broadcast(picked, src=0)
+        return picked
+
+    @torch.no_grad()
+    def _initialise(self, flat: torch.Tensor) -> None:
+        candidates = self._candidates(flat)
+        self.embeddings.copy_(candidates)
+        self.embed_sum.copy_(candidates)
+        self.cluster_size.fill_(1.0)
+        self.initialized.fill_(True)
+
+    @torch.no_grad()
+    def nearest(self, flat: torch.Tensor) -> torch.Tensor:
+        """Index of the nearest code for each row of ``flat`` (``(N, D)``), computed in chunks to bound memory."""
+        codes = self.embeddings.float()
+        code_sq = (codes**2).sum(1)
+        out = torch.empty(flat.shape[0], dtype=torch.long, device=flat.device)
+        for start in range(0, flat.shape[0], _DIST_ARGMIN_CHUNK):
+            chunk = flat[start : start + _DIST_ARGMIN_CHUNK].float()
+            distances = (chunk**2).sum(1, keepdim=True) - 2 * chunk @ codes.t() + code_sq
+            out[start : start + chunk.shape[0]] = distances.argmin(1)
+        return out
+
+    @torch.no_grad()
+    def _ema_update(self, flat: torch.Tensor, indices: torch.Tensor, counts: torch.Tensor) -> int:
+        sums = torch.zeros_like(self.embed_sum).index_add_(0, indices, flat.float())
+        if _distributed():
+            dist.all_reduce(sums)
+        self.cluster_size.mul_(self.decay).add_(counts, alpha=1 - self.decay)
+        self.embed_sum.mul_(self.decay).add_(sums, alpha=1 - self.decay)
+        total = self.cluster_size.sum()
+        smoothed = (self.cluster_size + self.eps) / (total + self.n_codes * self.eps) * total
+        self.embeddings.copy_(self.embed_sum / smoothed.unsqueeze(1))
+        if self.no_random_restart:
+            return 0
+        candidates = self._candidates(flat.float())  # collective: every rank draws, rank 0's are used
+        dead = self.cluster_size < self.restart_thres
+        n_dead = int(dead.sum())
+        if n_dead:
+            self.embeddings[dead] = candidates[dead]
+            self.embed_sum[dead] = candidates[dead]
+            self.cluster_size[dead] = 1.0
+        return n_dead
+
+    @staticmethod
+    def perplexity(counts: torch.Tensor) -> torch.Tensor:
+        """``exp(H(p))`` of the code histogram ``counts`` (the effective number of codes in use)."""
+        probs = counts.float() / counts.sum().clamp_min(1)
+        return torch.exp(-(probs * torch.log(probs + 1e-10)).sum())
+
+    def reset_usage(self) -> None:
+        """Zero the eval-mode code histogram."""
+        self.usage_counts.zero_()
+
+    def embed(self, indices: torch.Tensor) -> torch.Tensor:
+        """Codebook vectors for ``indices`` ``(B, *spatial)``, channel first: ``(B, D, *spatial)``."""
+        indices = indices.long()
+        if indices.numel() and (int(indices.min()) < 0 or int(indices.max()) >= self.n_codes):
+            raise ValueError(
+                f"code indices must be in [0, {self.n_codes - 1}], got range "
+                f"[{int(indices.min())}, {int(indices.max())}]."
+            )
+        return F.embedding(indices, self.embeddings).movedim(-1, 1)
+
+    # ------------------------------------------------------------------ forward
+    def forward(self, z: torch.Tensor) -> dict[str, torch.Tensor]:
+        if z.shape[1] != self.embedding_dim:
+            raise ValueError(f"expected {self.embedding_dim} latent channels, got input of shape {tuple(z.shape)}.")
+        flat = z.movedim(1, -1).reshape(-1, self.embedding_dim)
+        if self.training and not bool(self.initialized):
+            self._initialise(flat.detach().float())
+        indices = self.nearest(flat.detach())
+        counts = torch.bincount(indices, minlength=self.n_codes).float()
+        if _distributed() and self.training:
+            dist.all_reduce(counts)
+        quantized_flat = self.embeddings[indices].to(z.dtype)
+        quantized = quantized_flat.reshape(*z.shape[:1], *z.shape[2:], self.embedding_dim).movedim(-1, 1)
+        loss = self.commitment_cost * F.mse_loss(z.float(), quantized.detach().float())
+        restarts = 0
+        if self.training:
+            restarts = self._ema_update(flat.detach(), indices, counts)
+        else:
+            self.usage_counts += counts.long()
+        return {
+            "quantized": z + (quantized - z).detach(),
+            "quantization_loss": loss,
+            "indices": indices.reshape(z.shape[0], *z.shape[2:]),
+            "perplexity": self.perplexity(counts),
+            "codebook_usage": (counts > 0).float().mean(),
+            "codebook_restarts": torch.tensor(float(restarts), device=z.device),
+        }
+
+
+class VQGAN(nn.Module):
+    """3D VQ-GAN generator: encoder, EMA vector quantizer and decoder.
+
+    ``forward(x)`` returns a dict: ``pred`` (reconstruction), ``quantization_loss``, and the codebook statistics
+    ``perplexity``, ``codebook_usage``, ``codebook_restarts`` (see :class:`EMAVectorQuantizer`). Whole volumes are
+    handled by sliding windows outside the network (``reconstruct``/``encode``/``decode`` on patches).
+
+    Args:
+        spatial_dims: number of spatial dimensions.
+        in_channels: image channels.
+        out_channels: reconstructed channels.
+        n_hiddens: encoder/decoder base width.
+        downsample: per-axis downsampling factor (powers of two), e.g. ``[4, 4, 4]``.
+        embedding_dim: code dimension.
+        n_codes: codebook size.
+        num_res_blocks: residual blocks per level.
+        norm_num_groups: GroupNorm groups.
+        decay, commitment_cost, restart_thres, no_random_restart: see :class:`EMAVectorQuantizer`.
+    """
+
+    def __init__(
+        self,
+        spatial_dims: int = 3,
+        in_channels: int = 1,
+        out_channels: int = 1,
+        n_hiddens: int = 16,
+        downsample: Sequence[int] | int = (4, 4, 4),
+        embedding_dim: int = 8,
+        n_codes: int = 16384,
+        num_res_blocks: int = 1,
+        norm_num_groups: int = 8,
+        decay: float = 0.99,
+        commitment_cost: float = 0.25,
+        restart_thres: float = 1.0,
+        no_random_restart: bool = False,
+    ) -> None:
+        super().__init__()
+        levels = downsample_levels(downsample, spatial_dims)
+        self.downsample = tuple(2**lv for lv in levels)
+        self.encoder = VQGANEncoder(
+            spatial_dims, in_channels, n_hiddens, downsample, embedding_dim, num_res_blocks, norm_num_groups
+        )
+        self.quantizer = EMAVectorQuantizer(
+            n_codes, embedding_dim, decay, commitment_cost, restart_thres, no_random_restart
+        )
+        self.decoder = VQGANDecoder(
+            spatial_dims, out_channels, n_hiddens, downsample, embedding_dim, num_res_blocks, norm_num_groups
+        )
+
+    def encode(self, x: torch.Tensor) -> torch.Tensor:
+        """Continuous (pre-quantization) latent of ``x``."""
+        return self.encoder(x)
+
+    def quantize(self, z: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Quantize a continuous latent (see :class:`EMAVectorQuantizer`)."""
+        return self.quantizer(z)
+
+    def decode(self, latent: torch.Tensor) -> torch.Tensor:
+        """Decode quantized latents ``(B, embedding_dim, ...)`` or code indices ``(B, 1, ...)``/``(B, ...)``.
+
+        A one-channel float map is read as code indices when ``embedding_dim > 1`` (as saved by ``encode``
+        inference); values must then be integers in ``[0, n_codes)``.
+        """
+        dim = self.quantizer.embedding_dim
+        if latent.ndim == self.decoder_ndim - 1 or (latent.shape[1] == 1 and dim != 1):
+            codes = latent[:, 0] if latent.ndim == self.decoder_ndim else latent
+            rounded = torch.round(codes.float())
+            if not torch.equal(rounded, codes.float()):
+                raise ValueError("a one-channel latent is read as code indices, but it holds non-integer values.")
+            latent = self.quantizer.embed(rounded.long())
+        elif latent.shape[1] != dim:
+            raise ValueError(
+                f"decode expects {dim} latent channels or one channel of code indices, got shape {tuple(latent.shape)}."
+            )
+        return self.decoder(latent.to(self.quantizer.embeddings.dtype))
+
+    @property
+    def decoder_ndim(self) -> int:
+        return len(self.downsample) + 2
+
+    def encode_stage_2_inputs(self, x: torch.Tensor) -> torch.Tensor:
+        """Quantized latent of ``x`` (what a latent diffusion model trains on)."""
+        return self.quantize(self.encode(x))["quantized"]
+
+    def reconstruct(self, x: torch.Tensor) -> torch.Tensor:
+        """Encode, quantize and decode ``x``."""
+        return self.decoder(self.encode_stage_2_inputs(x))
+
+    def forward(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        out = self.quantize(self.encode(x))
+        recon = self.decoder(out.pop("quantized"))
+        out.pop("indices")
+        return {"pred": recon, **out}
+
+
+def check_vqgan_settings(
+    patch_size: Sequence[int],
+    downsample: Sequence[int] | int,
+    n_codes: int,
+    discriminator_iter_start: int,
+    intensity: dict | None = None,
+    patches_per_volume: int = 1,
+    micro_batch_size: int | None = None,
+) -> None:
+    """Check the VQ-GAN hyperparameters before anything is built or written.
+
+    Raises:
+        ValueError: naming the config id and the value, for: ``downsample`` not powers of two, ``patch_size``
+            not divisible by ``downsample`` on every axis, ``n_codes < 2``, negative ``discriminator_iter_start``,
+            an inverted HU window (``intensity`` ``a_min >= a_max``), ``patches_per_volume < 1`` or
+            ``micro_batch_size < 1``.
+    """
+    problems = []
+    try:
+        levels = downsample_levels(downsample, len(patch_size))
+        factors = [2**lv for lv in levels]
+        bad = [p for p, f in zip(patch_size, factors) if int(p) % f]
+        if bad:
+            problems.append(
+                f"'patch_size' {list(patch_size)} must be divisible by the total downsampling 'downsample' {factors} "
+                "on every axis."
+            )
+    except ValueError as exc:
+        problems.append(f"'downsample': {exc}")
+    if isinstance(n_codes, bool) or int(n_codes) < 2:
+        problems.append(f"'n_codes' must be >= 2, got {n_codes!r}.")
+    if isinstance(discriminator_iter_start, bool) or int(discriminator_iter_start) < 0:
+        problems.append(f"'discriminator_iter_start' must be >= 0 (iterations), got {discriminator_iter_start!r}.")
+    if intensity and str(intensity.get("mode", "")).lower() == "ct":
+        a_min, a_max = float(intensity.get("a_min", -1000)), float(intensity.get("a_max", 1000))
+        if a_min >= a_max:
+            problems.append(f"'intensity' HU window is inverted or empty: a_min={a_min} must be < a_max={a_max}.")
+    if int(patches_per_volume) < 1:
+        problems.append(f"'patches_per_volume' must be >= 1, got {patches_per_volume!r}.")
+    if micro_batch_size is not None and int(micro_batch_size) < 1:
+        problems.append(f"'micro_batch_size' must be >= 1 or null, got {micro_batch_size!r}.")
+    if problems:
+        raise ValueError("invalid VQ-GAN configuration:\n  " + "\n  ".join(problems))
