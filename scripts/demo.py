@@ -5,6 +5,7 @@
     python scripts/demo.py                      # autoencoder_3d, GPU when there is one, else the CPU
     python scripts/demo.py --max_epochs 50      # shorter
     python scripts/demo.py --output_dir /tmp/ae # somewhere else
+    python scripts/demo.py --bundle vqgan_3d    # the patchwise VQ-GAN (add --no_random_restart True to compare)
 
 The demo data (the real MNI152 T1 template and its GM/WM maps from the nilearn wheel, split into disjoint
 superior/inferior blocks for training/validation) is built on first use. Each stage is the bundle's own command
@@ -21,6 +22,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -53,8 +55,54 @@ PROFILES = {
             "lr_warmup_iterations": 20,
             "log_interval": 50,
         },
-    }
+    },
+    "vqgan_3d": {
+        "cpu": {
+            "patch_size": [32, 32, 32],
+            "n_hiddens": 16,
+            "n_codes": 1024,
+            "embedding_dim": 8,
+            "disc_channels": 16,
+            "disc_layers": 2,
+            "batch_size": 2,
+            "patches_per_volume": 4,
+            "micro_batch_size": 4,
+            "max_epochs": 150,
+            "val_interval": 25,
+            "discriminator_iter_start": 150,
+            "lr": 3e-4,
+            "d_lr": 3e-4,
+            "log_interval": 50,
+        },
+        "gpu": {
+            "patch_size": [64, 64, 64],
+            "batch_size": 2,
+            "patches_per_volume": 4,
+            "micro_batch_size": 4,
+            "n_codes": 2048,
+            "max_epochs": 200,
+            "val_interval": 25,
+            "discriminator_iter_start": 200,
+            "log_interval": 50,
+        },
+    },
 }
+
+# Overrides that evaluation must repeat: everything that shapes the network or the evaluation itself.
+EVAL_KEYS = (
+    "output_dir",
+    "patch_size",
+    "channels",
+    "norm_num_groups",
+    "d_channels",
+    "n_hiddens",
+    "n_codes",
+    "embedding_dim",
+    "downsample",
+    "no_random_restart",
+    "device",
+    "num_threads",
+)
 
 
 def _args(overrides: dict) -> list[str]:
@@ -80,6 +128,7 @@ def main(
     max_epochs: int | None = None,
     device: str = "auto",
     num_threads: int | None = None,
+    **extra: Any,
 ) -> dict:
     """Train ``bundle`` on its demo data, evaluate the best checkpoint, print locations and metrics.
 
@@ -90,6 +139,7 @@ def main(
         max_epochs: override the brief-run epoch count.
         device: ``auto`` (GPU when available), ``cpu`` or ``cuda``.
         num_threads: CPU threads (default: all cores).
+        extra: any other bundle override, e.g. ``--no_random_restart True`` for vqgan_3d.
 
     Returns:
         The evaluation metrics.
@@ -102,6 +152,7 @@ def main(
     overrides = dict(PROFILES[bundle]["gpu" if use_gpu else "cpu"])
     if max_epochs is not None:
         overrides["max_epochs"] = int(max_epochs)
+    overrides.update(extra)
     out = Path(output_dir or REPO_ROOT / "bundles" / bundle / "outputs" / "demo").resolve()
     if output_dir is None and out.exists():
         # the demo's own folder: start afresh (an explicit --output_dir resumes instead, like the bundle does)
@@ -120,11 +171,7 @@ def main(
     start = time.time()
     _run(base + ["training", "--config_file", str(configs / "train.json"), *_args(overrides)], env)
     trained = time.time() - start
-    evaluation = {
-        k: v
-        for k, v in overrides.items()
-        if k in ("output_dir", "patch_size", "channels", "norm_num_groups", "d_channels", "device", "num_threads")
-    }
+    evaluation = {k: v for k, v in overrides.items() if k in EVAL_KEYS}
     _run(
         base
         + [
@@ -139,11 +186,18 @@ def main(
     training = json.loads((out / "metrics.json").read_text())
     print(f"\n{bundle}: trained in {trained / 60:.1f} min on {'GPU' if use_gpu else 'CPU'}")
     print("  validation during training (step: PSNR dB / SSIM / MS-SSIM):")
+    codebook = "val_codebook_usage" in metrics
     for h in training["history"]:
-        print(f"    {h['step']:>6}: {h['val_psnr']:.2f} / {h['val_ssim']:.4f} / {h['val_ms_ssim']:.4f}")
+        usage = f" / usage {h['val_codebook_usage']:.3f}" if codebook else ""
+        print(f"    {h['step']:>6}: {h['val_psnr']:.2f} / {h['val_ssim']:.4f} / {h['val_ms_ssim']:.4f}{usage}")
+    usage = (
+        f", codebook usage {metrics['val_codebook_usage']:.3f} (perplexity {metrics['val_perplexity']:.1f})"
+        if codebook
+        else ""
+    )
     print(
         f"  best checkpoint, whole validation volumes: PSNR {metrics['val_psnr']:.2f} dB, SSIM {metrics['val_ssim']:.4f},"
-        f" MS-SSIM {metrics['val_ms_ssim']:.4f}"
+        f" MS-SSIM {metrics['val_ms_ssim']:.4f}{usage}"
     )
     print(f"  outputs:        {out}")
     print(f"  best model:     {out / 'models' / 'model.pt'}  (resumable state: {out / 'models' / 'last.pt'})")

@@ -21,6 +21,8 @@ from common.data.datalist import DatalistError, load_datalist, write_datalist
 
 __all__ = [
     "PHANTOM_KINDS",
+    "make_ct_phantom",
+    "write_dicom_series",
     "main",
     "make_demo_dataset",
     "make_phantom",
@@ -347,6 +349,129 @@ def make_phantom(shape: Sequence[int] = (32, 32, 32), seed: int = 0, kind: str =
     return np.clip(volume, 0.0, 1.0).astype(np.float32)
 
 
+def make_ct_phantom(shape: Sequence[int] = (64, 64, 64), seed: int = 0, noise_hu: float = 15.0) -> np.ndarray:
+    """A seeded synthetic chest CT (contrast-enhanced, CT-pulmonary-angiography-like) in Hounsfield units.
+
+    Axes are ``(X, Y, Z)`` with +Y anterior and +Z superior (RAS), axial slices along Z. Air
+    outside the body (-1000 HU); an elliptic body of soft tissue (40 HU) with a subcutaneous fat layer
+    (-100 HU); two lungs (-850 HU); a heart (40 HU) holding a contrast-filled blood pool (300 HU) from which
+    pulmonary arteries (300 HU) run into the lungs, with 0-2 filling defects ("emboli", 30 HU); a vertebral
+    column (cancellous 250 HU in a 700 HU cortex); and rib segments (600 HU). Sizes, positions and the number
+    of vessels vary with ``seed``; edges are slightly blurred and Gaussian noise of ``noise_hu`` is added.
+
+    Args:
+        shape: spatial size ``(X, Y, Z)``.
+        seed: random seed; the same seed gives the same volume.
+        noise_hu: standard deviation of the added noise in HU.
+
+    Returns:
+        A float32 array of ``shape`` in HU (about -1000 to 800).
+    """
+    from scipy.ndimage import gaussian_filter
+
+    shape = _validate_triple("shape", shape, positive_int=True)
+    rng = np.random.default_rng(seed)
+    x, y, z = np.meshgrid(*[np.linspace(-1.0, 1.0, s, dtype=np.float32) for s in shape], indexing="ij")
+    hu = np.full(shape, -1000.0, dtype=np.float32)
+
+    def inside(cx, cy, cz, rx, ry, rz):
+        return ((x - cx) / rx) ** 2 + ((y - cy) / ry) ** 2 + ((z - cz) / rz) ** 2 <= 1.0
+
+    bx, by = rng.uniform(0.82, 0.92), rng.uniform(0.6, 0.7)
+    body = (x / bx) ** 2 + (y / by) ** 2 <= 1.0
+    hu[body] = -100.0  # fat layer
+    hu[(x / (bx - 0.07)) ** 2 + (y / (by - 0.07)) ** 2 <= 1.0] = 40.0
+    for side in (-1, 1):
+        lung = inside(side * rng.uniform(0.34, 0.42), rng.uniform(-0.08, 0.02), 0.1, 0.28, 0.4, 0.95)
+        hu[lung] = -850.0
+    hx, hy, hz = rng.uniform(0.0, 0.12), rng.uniform(0.15, 0.25), rng.uniform(-0.35, -0.15)
+    hu[inside(hx, hy, hz, 0.26, 0.22, 0.35)] = 40.0
+    hu[inside(hx, hy, hz, 0.17, 0.14, 0.24)] = 300.0
+    for _ in range(int(rng.integers(2, 5))):
+        # a pulmonary artery: a tube from the heart towards one lung
+        side = rng.choice([-1.0, 1.0])
+        end = np.array([side * rng.uniform(0.3, 0.5), rng.uniform(-0.2, 0.1), rng.uniform(-0.2, 0.6)])
+        start = np.array([hx, hy, hz])
+        t = np.clip(
+            ((x - start[0]) * (end - start)[0] + (y - start[1]) * (end - start)[1] + (z - start[2]) * (end - start)[2])
+            / np.sum((end - start) ** 2),
+            0.0,
+            1.0,
+        )
+        d2 = (x - start[0] - t * (end - start)[0]) ** 2 + (y - start[1] - t * (end - start)[1]) ** 2
+        d2 = d2 + (z - start[2] - t * (end - start)[2]) ** 2
+        radius = rng.uniform(0.035, 0.06)
+        hu[d2 <= radius**2] = 300.0
+    for _ in range(int(rng.integers(0, 3))):
+        ex, ey, ez = rng.uniform(-0.4, 0.4), rng.uniform(-0.2, 0.2), rng.uniform(-0.2, 0.6)
+        hu[inside(ex, ey, ez, 0.04, 0.04, 0.06) & (hu == 300.0)] = 30.0
+    sx = rng.uniform(-0.03, 0.03)
+    spine = (x - sx) ** 2 + (y + 0.45) ** 2
+    hu[spine <= 0.12**2] = 700.0
+    hu[spine <= 0.08**2] = 250.0
+    ring = np.sqrt((x / (bx - 0.1)) ** 2 + (y / (by - 0.1)) ** 2)
+    period = rng.uniform(0.25, 0.35)
+    ribs = (np.abs(ring - 1.0) < 0.04) & (np.cos(np.pi * z / period * 2) > 0.7)
+    hu[ribs & body] = 600.0
+    hu = gaussian_filter(hu, sigma=0.6)
+    hu += rng.normal(0.0, float(noise_hu), size=shape).astype(np.float32)
+    return hu.astype(np.float32)
+
+
+def write_dicom_series(
+    folder: str | os.PathLike, volume: np.ndarray, spacing: Sequence[float] = (1.0, 1.0, 1.0)
+) -> Path:
+    """Write a 3D ``(X, Y, Z)`` RAS volume as a DICOM series (one int16 file per axial slice) with ITK.
+
+    The series' orientation is set so that reading it back (ITK, MONAI ``LoadImage``) gives the same array
+    with an RAS affine of ``diag(spacing)``.
+
+    Args:
+        folder: the series folder (created; must not already hold files).
+        volume: the voxel values (rounded to int16, e.g. HU).
+        spacing: voxel size in mm.
+
+    Returns:
+        The folder.
+
+    Raises:
+        FileExistsError: when ``folder`` already holds files.
+        ValueError: when ``volume`` is not 3D.
+    """
+    import itk
+
+    folder = Path(os.path.expanduser(os.fspath(folder))).absolute()
+    volume = np.asarray(volume)
+    if volume.ndim != 3:
+        raise ValueError(f"volume must be 3D (X, Y, Z), got shape {volume.shape}")
+    if folder.is_dir() and any(folder.iterdir()):
+        raise FileExistsError(f"{folder} already holds files; a series needs its own folder")
+    folder.mkdir(parents=True, exist_ok=True)
+    array = np.ascontiguousarray(np.clip(np.round(volume), -32768, 32767).astype(np.int16).transpose(2, 1, 0))
+    sx, sy, sz = _validate_triple("spacing", spacing)
+    # DICOM patient space is LPS: the array's +X (right to left in RAS terms, -L) and +Y (anterior, -P) give row
+    # and column cosines (-1, 0, 0) and (0, -1, 0); every slice carries its own position along Z
+    series_uid = f"1.2.826.0.1.3680043.8.498.{abs(hash((str(folder), volume.shape))) % 10**12}"
+    for k in range(array.shape[0]):
+        image = itk.image_from_array(np.ascontiguousarray(array[k]))
+        image.SetSpacing([float(sx), float(sy)])
+        meta = image.GetMetaDataDictionary()
+        for tag, value in {
+            "0008|0060": "CT",
+            "0020|000e": series_uid,
+            "0020|0013": str(k + 1),
+            "0020|0032": f"0\\0\\{k * sz:.6f}",
+            "0020|0037": "-1\\0\\0\\0\\-1\\0",
+            "0018|0050": f"{sz:.6f}",
+        }.items():
+            meta[tag] = value
+        io = itk.GDCMImageIO.New()
+        io.KeepOriginalUIDOn()
+        writer = itk.ImageFileWriter.New(Input=image, FileName=str(folder / f"slice{k:04d}.dcm"), ImageIO=io)
+        writer.Update()
+    return folder
+
+
 def write_phantom_dataset(
     output_dir: str | os.PathLike,
     n_train: int = 4,
@@ -354,10 +479,14 @@ def write_phantom_dataset(
     shape: Sequence[int] = (32, 32, 32),
     seed: int = 0,
     spacing: Sequence[float] = (1, 1, 1),
+    kind: str = "ellipsoids",
+    dicom: bool = False,
 ) -> Path:
     """Write seeded phantoms as NIfTI files and a datalist (same layout as :func:`make_demo_dataset`).
 
     Every volume gets its own seed derived from ``seed``, so training and validation volumes differ.
+    ``kind="ct"`` writes chest CT phantoms in HU (:func:`make_ct_phantom`); ``dicom=True`` writes each volume
+    as a DICOM series folder (``images/<name>/slice*.dcm``) instead of a NIfTI file.
 
     Args:
         output_dir: folder to write into (created when missing); images go to ``output_dir/images/``.
@@ -366,6 +495,8 @@ def write_phantom_dataset(
         shape: spatial size of each volume.
         seed: base random seed.
         spacing: voxel size in mm, written into the affines.
+        kind: ``"ellipsoids"`` (values in [0, 1]) or ``"ct"`` (HU).
+        dicom: write DICOM series folders instead of NIfTI files.
 
     Returns:
         The path of ``output_dir/datalist.json`` (paths relative to ``output_dir``).
@@ -386,8 +517,16 @@ def write_phantom_dataset(
         sections["validation"] = []
     for i, volume_seed in enumerate(seeds):
         section, suffix, index = ("training", "train", i) if i < n_train else ("validation", "val", i - n_train)
-        data = make_phantom(shape, seed=int(volume_seed))
-        path = write_nifti(out / "images" / f"phantom_{suffix}_{index:03d}.nii.gz", data, affine)
+        data = (
+            make_ct_phantom(shape, seed=int(volume_seed))
+            if kind == "ct"
+            else make_phantom(shape, seed=int(volume_seed), kind=kind)
+        )
+        name = f"phantom_{suffix}_{index:03d}"
+        if dicom:
+            path = write_dicom_series(out / "images" / name, data, spacing)
+        else:
+            path = write_nifti(out / "images" / f"{name}.nii.gz", data, affine)
         sections[section].append({"image": str(path)})
     return write_datalist(out / "datalist.json", sections, base_dir=out)
 

@@ -260,7 +260,9 @@ class VQCodesd(MapTransform):
             plain = latent.as_tensor() if isinstance(latent, MetaTensor) else torch.as_tensor(latent)
             with torch.no_grad():
                 out = self.quantizer(plain[None].to(device))
-            d[key] = MetaTensor(out["quantized"][0].detach().cpu(), meta=meta)
+            # the codebook rows themselves: the straight-through output z + (e - z) differs from e in the last bits
+            quantized = self.quantizer.embed(out["indices"])[0]
+            d[key] = MetaTensor(quantized.to(plain.dtype).detach().cpu(), meta=meta)
             d[self.codes_key] = MetaTensor(out["indices"][:1].to(torch.int32).cpu(), meta=dict(meta))
         return d
 
@@ -278,11 +280,12 @@ def _save(key: str, output_dir: str, postfix: str, dtype: Any = None) -> SaveIma
 
 
 def _to_hu(key: str, intensity: Mapping[str, Any] | None) -> list:
-    """For a CT window, map [0, 1] back to Hounsfield units (nothing for other intensity modes)."""
+    """For a CT window, map [0, 1] back to Hounsfield units, clipped to the window (the network only ever saw
+    windowed intensities); nothing for other intensity modes."""
     if not intensity or str(intensity.get("mode", "")).lower() != "ct":
         return []
     a_min, a_max = float(intensity.get("a_min", -1000)), float(intensity.get("a_max", 1000))
-    return [ScaleIntensityRanged(key, a_min=0.0, a_max=1.0, b_min=a_min, b_max=a_max, clip=False)]
+    return [ScaleIntensityRanged(key, a_min=0.0, a_max=1.0, b_min=a_min, b_max=a_max, clip=True)]
 
 
 def inference_postprocessing(
@@ -301,7 +304,8 @@ def inference_postprocessing(
     ``quantizer`` the stitched latent is quantized first and the code indices are saved as
     ``<name>_codes.nii.gz`` (int32, same affine). ``decode``: the input is a latent (or code) map; save the
     decoded image as ``<name>_decoded.nii.gz`` with the affine scaled back to the image grid.
-    With a CT ``intensity`` window, reconstructed and decoded images are mapped back to Hounsfield units.
+    With a CT ``intensity`` window, reconstructed and decoded images are mapped back to Hounsfield units (clipped
+    to the window).
 
     Raises:
         ValueError: for another mode.

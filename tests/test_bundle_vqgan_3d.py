@@ -1,0 +1,287 @@
+# Copyright (c) the 3D MONAI bundle collection contributors.
+# Licensed under the Apache License, Version 2.0.
+"""Workflow tests of ``bundles/vqgan_3d``, run as users run it, on synthetic chest CT written as DICOM series:
+datalist builder -> train -> evaluate -> inference (reconstruct, encode, decode), configuration and data checks,
+resume, max_cases and a 2-process torchrun job with identical codebooks."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import nibabel as nib
+import numpy as np
+import pytest
+import torch
+
+from tests.helpers import BUNDLES, REPO_ROOT, SCHEMA, bundle_env, config_arg, overrides, run_bundle, torchrun_cmd
+
+BUNDLE = "vqgan_3d"
+TINY_JSON = "tiny.json"
+ARCH = dict(n_hiddens=4, downsample=[4, 4, 4], embedding_dim=4, n_codes=32, norm_num_groups=4, patch_size=[16, 16, 16])
+SHAPE = (24, 24, 22)  # 22 slices: not a multiple of the downsampling, padded to 24 everywhere
+
+
+@pytest.fixture(scope="module")
+def ct_series(tmp_path_factory) -> Path:
+    """Six chest CT phantoms in HU as DICOM series folders, listed by ``scripts/make_datalist.py --dicom``."""
+    from common.data.demo import write_phantom_dataset
+
+    root = tmp_path_factory.mktemp("ct_dicom")
+    write_phantom_dataset(root, n_train=4, n_val=2, shape=SHAPE, kind="ct", dicom=True, spacing=(1.5, 1.5, 2.0))
+    (root / "datalist.json").unlink()
+    cmd = [sys.executable, "scripts/make_datalist.py", "--data_dir", str(root), "--dicom", "--val_fraction", "0.34"]
+    result = subprocess.run(cmd, cwd=REPO_ROOT, env=bundle_env(), capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    datalist = json.loads((root / "datalist.json").read_text())
+    assert len(datalist["training"]) == 4 and len(datalist["validation"]) == 2
+    assert all(not Path(e["image"]).is_absolute() for e in datalist["training"])
+    return root
+
+
+@pytest.fixture(scope="module")
+def trained(ct_series, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("vq_run")
+    run_bundle(BUNDLE, ["train.json", TINY_JSON], args=overrides(dataset_dir=str(ct_series), output_dir=str(out)))
+    return out
+
+
+def test_training_outputs(trained):
+    models = trained / "models"
+    assert (models / "last.pt").is_file() and (models / "model.pt").is_file()
+    ranked = sorted(p.name for p in models.glob("model_val_psnr=*_step=*.pt"))
+    assert 1 <= len(ranked) <= 3 and all("/" not in name for name in ranked)
+    last = torch.load(models / "last.pt", weights_only=True)
+    assert last["trainer"]["iteration"] == 8  # 4 volumes x 2 epochs, batch 1
+    weights = last["vqgan"]
+    assert {"quantizer.embeddings", "quantizer.cluster_size", "quantizer.embed_sum", "quantizer.initialized"} <= set(
+        weights
+    )
+    assert bool(weights["quantizer.initialized"]) and weights["quantizer.embeddings"].shape == (32, 4)
+    assert "quantizer.usage_counts" not in weights
+    heads = {key.split(".")[0] for key in last["discriminator"]}
+    assert heads == {"image", "video"}
+
+    summary = json.loads((trained / "metrics.json").read_text())
+    assert [h["step"] for h in summary["history"]] == [4, 8]
+    for h in summary["history"]:
+        assert 0 < h["val_codebook_usage"] <= 1 and 1 <= h["val_perplexity"] <= 32
+        assert 0 < h["val_ssim"] <= 1 and np.isfinite(h["val_psnr"])
+    csv = (trained / "metrics.csv").read_text()
+    for tag in ("train/perplexity", "train/codebook_usage", "train/codebook_restarts", "train/adv_loss_image"):
+        assert tag in csv or tag.split("/")[1] in csv, tag
+
+
+def test_evaluate_matches_best_validation(trained, ct_series):
+    run_bundle(
+        BUNDLE,
+        ["train.json", TINY_JSON, "evaluate.json"],
+        run_id="run",
+        args=overrides(dataset_dir=str(ct_series), output_dir=str(trained)),
+    )
+    evaluation = json.loads((trained / "eval" / "metrics.json").read_text())["latest"]
+    best = json.loads((trained / "metrics.json").read_text())["best"]
+    for key in ("val_psnr", "val_ssim", "val_ms_ssim", "val_codebook_usage", "val_perplexity"):
+        assert evaluation[key] == pytest.approx(best[key], rel=1e-5), key
+    per_volume = (trained / "eval" / "metrics_per_volume.csv").read_text().splitlines()
+    assert len(per_volume) == 3
+
+
+def _source(ct_series: Path, name: str) -> tuple[np.ndarray, np.ndarray]:
+    from monai.transforms import LoadImage
+
+    image = LoadImage(image_only=True)(str(ct_series / "images" / name))
+    return image.numpy(), image.affine.numpy()
+
+
+def test_inference_reconstruct_encode_decode_round_trip(trained, ct_series, tmp_path):
+    images = str(ct_series / "images")
+    pred = tmp_path / "pred"
+    common = dict(output_dir=str(trained), input_pattern="phantom_val_000", **ARCH)
+    run_bundle(
+        BUNDLE,
+        ["inference.json"],
+        run_id="run",
+        args=overrides(dataset_dir=images, prediction_dir=str(tmp_path / "recon"), **common),
+    )
+    run_bundle(
+        BUNDLE,
+        ["inference.json"],
+        run_id="run",
+        args=overrides(dataset_dir=images, prediction_dir=str(pred), mode="encode", **common),
+    )
+    source, affine = _source(ct_series, "phantom_val_000")
+    recon = nib.load(tmp_path / "recon" / "phantom_val_000_recon.nii.gz")
+    assert recon.shape == SHAPE
+    np.testing.assert_allclose(recon.affine, affine, atol=1e-4)
+    values = recon.get_fdata()
+    assert values.min() >= -1000 - 1e-3 and values.max() <= 1000 + 1e-3  # back in HU, inside the window
+    assert np.corrcoef(values.ravel(), np.clip(source, -1000, 1000).ravel())[0, 1] > 0.3
+
+    latent = nib.load(pred / "phantom_val_000_latent.nii.gz")
+    codes = nib.load(pred / "phantom_val_000_codes.nii.gz")
+    assert latent.shape == (6, 6, 6, 4) and codes.shape == (6, 6, 6)
+    assert codes.get_data_dtype() == np.int32
+    code_values = np.asarray(codes.dataobj)
+    assert code_values.min() >= 0 and code_values.max() < 32
+    np.testing.assert_allclose(np.diag(latent.affine)[:3], 4 * np.diag(affine)[:3], atol=1e-5)
+    np.testing.assert_allclose(codes.affine, latent.affine, atol=1e-6)
+    # every latent vector is exactly the codebook vector of its code
+    book = torch.load(trained / "models" / "model.pt", weights_only=True)["quantizer.embeddings"].numpy()
+    np.testing.assert_allclose(np.asarray(latent.dataobj), book[code_values], atol=1e-6)
+
+    out = tmp_path / "decoded"  # one run decodes both the latent and the code map
+    run_bundle(
+        BUNDLE,
+        ["inference.json"],
+        run_id="run",
+        args=overrides(
+            dataset_dir=str(pred), prediction_dir=str(out), mode="decode", **{**common, "input_pattern": "*_000_*"}
+        ),
+    )
+    decoded = {kind: nib.load(out / f"phantom_val_000_{kind}_decoded.nii.gz") for kind in ("latent", "codes")}
+    assert decoded["latent"].shape == (24, 24, 24)  # the padded grid
+    np.testing.assert_allclose(decoded["latent"].get_fdata(), decoded["codes"].get_fdata(), atol=0.01)  # HU
+    # the decoded grid sits where the padded image grid was: same voxel size, origin shifted by the padding
+    np.testing.assert_allclose(decoded["latent"].affine[:3, :3], affine[:3, :3], atol=1e-5)
+    np.testing.assert_allclose(decoded["latent"].affine[:3, 3], affine[:3, 3] - affine[:3, :3] @ [0, 0, 1], atol=1e-4)
+
+
+def test_stitched_reconstruction_equals_single_pass_when_the_volume_fits():
+    from monai.inferers import SlidingWindowInferer
+
+    from common.networks.vqgan import VQGAN
+    from common.networks.wrappers import LatentEncoder, ReconstructionNetwork
+
+    torch.manual_seed(0)
+    net = VQGAN(n_hiddens=4, downsample=(4, 4, 4), embedding_dim=4, n_codes=32, norm_num_groups=4)
+    x = torch.rand(1, 1, 16, 16, 16)
+    net.train()
+    net(x)  # initialise the codebook from data
+    net.eval()
+    with torch.no_grad():
+        for overlap in (0.25, 0.5):
+            inferer = SlidingWindowInferer(roi_size=(16, 16, 16), sw_batch_size=2, overlap=overlap, mode="gaussian")
+            torch.testing.assert_close(inferer(x, ReconstructionNetwork(net)), net.reconstruct(x), rtol=0, atol=1e-6)
+            latent = inferer(x, LatentEncoder(net, quantized=False))
+            torch.testing.assert_close(latent, net.encode(x), rtol=0, atol=1e-6)
+        big = torch.rand(1, 1, 32, 24, 16)
+        inferer = SlidingWindowInferer(roi_size=(16, 16, 16), sw_batch_size=2, overlap=0.25, mode="gaussian")
+        stitched = inferer(big, ReconstructionNetwork(net))
+        assert stitched.shape == big.shape and torch.isfinite(stitched).all()
+
+
+def test_bad_settings_are_refused_before_anything_is_written(ct_series, tmp_path):
+    out = tmp_path / "out"
+    result = run_bundle(
+        BUNDLE,
+        ["train.json", TINY_JSON],
+        check=False,
+        args=overrides(
+            dataset_dir=str(ct_series),
+            output_dir=str(out),
+            patch_size=[18, 16, 16],
+            n_codes=1,
+            discriminator_iter_start=-5,
+            ct_window={"mode": "ct", "a_min": 400, "a_max": -1000},
+        ),
+    )
+    assert result.returncode == 1
+    text = result.stderr
+    assert "configuration error" in text and "Traceback" not in text
+    for key in ("'patch_size'", "'n_codes'", "'discriminator_iter_start'", "'intensity' HU window is inverted"):
+        assert key in text, key
+    assert not out.exists()
+
+
+def test_bad_data_is_reported_per_case_before_training(ct_series, tmp_path):
+    data = tmp_path / "data"
+    (data / "empty_series").mkdir(parents=True)
+    good = str(ct_series / "images" / "phantom_train_000")
+    (data / "datalist.json").write_text(
+        json.dumps({"training": [{"image": good}, {"image": "empty_series"}, {"image": "missing_series"}]})
+    )
+    out = tmp_path / "out"
+    result = run_bundle(
+        BUNDLE, ["train.json", TINY_JSON], check=False, args=overrides(dataset_dir=str(data), output_dir=str(out))
+    )
+    assert result.returncode == 1
+    assert "preflight found 2 problem(s)" in result.stderr
+    assert "training[1]" in result.stderr and "DICOM series folder is required" in result.stderr
+    assert "training[2]" in result.stderr and "does not exist" in result.stderr
+    assert not out.exists()
+
+
+def test_metadata_valid_against_schema():
+    jsonschema = pytest.importorskip("jsonschema")
+    meta = json.loads((BUNDLES / BUNDLE / "configs" / "metadata.json").read_text())
+    jsonschema.validate(meta, json.loads(SCHEMA.read_text()))
+    assert meta["version"] in meta["changelog"]
+    assert set(meta["network_data_format"]["inputs"]) == {"image"}
+    assert set(meta["network_data_format"]["outputs"]) == {"pred"}
+
+
+def test_resume_continues_to_the_same_result(ct_series, tmp_path):
+    """A run stopped after 1 epoch and re-run with more epochs ends bit-identical to one uninterrupted run
+    (weights, codebook buffers and optimizer state, through a checkpoint with per-rank and transform RNG)."""
+    base = dict(
+        dataset_dir=str(ct_series), max_cases=2, deterministic=True, discriminator_iter_start=1, ckpt_interval=1
+    )
+    reference = tmp_path / "reference"
+    run_bundle(BUNDLE, ["train.json", TINY_JSON], args=overrides(output_dir=str(reference), max_epochs=2, **base))
+    resumed = tmp_path / "resumed"
+    run_bundle(BUNDLE, ["train.json", TINY_JSON], args=overrides(output_dir=str(resumed), max_epochs=1, **base))
+    assert torch.load(resumed / "models" / "last.pt", weights_only=True)["trainer"]["iteration"] == 2  # max_cases
+    second = run_bundle(
+        BUNDLE, ["train.json", TINY_JSON], args=overrides(output_dir=str(resumed), max_epochs=2, **base)
+    )
+    assert "resumed from" in second.stdout + second.stderr
+    final = torch.load(resumed / "models" / "last.pt", weights_only=True)
+    expected = torch.load(reference / "models" / "last.pt", weights_only=True)
+    assert final["trainer"]["iteration"] == expected["trainer"]["iteration"] == 4
+    for part in ("vqgan", "discriminator"):
+        for key, value in expected[part].items():
+            assert torch.equal(final[part][key], value), f"{part}.{key}"
+
+
+def test_torchrun_two_processes_keep_identical_codebooks(ct_series, tmp_path):
+    out = tmp_path / "ddp"
+    probe = tmp_path / "probe.json"
+    probe.write_text(
+        json.dumps(
+            {
+                "finalize": [
+                    "$torch.save({'weights': @vqgan.state_dict(), 'train': [str(d['image']) for d in "
+                    "@train#dataset.data], 'iteration': @train#trainer.state.iteration}, "
+                    "@output_dir + '/rank' + str(torch.distributed.get_rank()) + '.pt')",
+                    "$common.utils.assert_replicas_equal({'vqgan': @vqgan})",
+                    "$common.utils.destroy_distributed()",
+                ]
+            }
+        )
+    )
+    cmd = torchrun_cmd(
+        2,
+        "-m",
+        "monai.bundle",
+        "run",
+        "training",
+        "--config_file",
+        config_arg(BUNDLE, "train.json", TINY_JSON, "multi_gpu_train.json", str(probe)),
+        *overrides(dataset_dir=str(ct_series), output_dir=str(out), max_epochs=1, val_interval=1),
+    )
+    result = subprocess.run(cmd, cwd=REPO_ROOT, env=bundle_env(), capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
+    r0 = torch.load(out / "rank0.pt", weights_only=True)
+    r1 = torch.load(out / "rank1.pt", weights_only=True)
+    assert r0["iteration"] == r1["iteration"] == 2  # 4 volumes / 2 ranks, batch 1
+    assert not set(r0["train"]) & set(r1["train"]), "ranks must cache different volumes"
+    for key in ("quantizer.embeddings", "quantizer.cluster_size", "quantizer.embed_sum", "quantizer.initialized"):
+        assert torch.equal(r0["weights"][key], r1["weights"][key]), key
+    for key in r0["weights"]:
+        assert torch.equal(r0["weights"][key], r1["weights"][key]), key
+    assert "identical on all 2 ranks" in (out / "train.log").read_text()
+    summary = json.loads((out / "metrics.json").read_text())
+    assert 0 < summary["latest"]["val_codebook_usage"] <= 1
