@@ -320,3 +320,160 @@ def test_reconstruct_postprocessing_returns_to_the_input_grid(tmp_path):
 def test_raise_no_inputs_message():
     with pytest.raises(FileNotFoundError, match=r"'\*\.nii\.gz' under '/data'"):
         raise_no_inputs("/data", "*.nii.gz")
+
+
+# ---------------------------------------------------------------------------------------------- VQ codes / decode
+def _codebook(n_codes: int = 8, dim: int = 3, seed: int = 0):
+    from common.networks.vqgan import EMAVectorQuantizer
+
+    quantizer = EMAVectorQuantizer(n_codes, dim)
+    with torch.no_grad():
+        quantizer.embeddings.copy_(torch.randn(n_codes, dim, generator=torch.Generator().manual_seed(seed)))
+    return quantizer.eval()
+
+
+def test_vq_codes_replace_the_latent_with_codebook_vectors_and_add_codes():
+    from common.data.pipeline import VQCodesd
+
+    quantizer = _codebook()
+    affine = torch.tensor([[4.0, 0, 0, 1.5], [0, 4.0, 0, -2.0], [0, 0, 8.0, 3.0], [0, 0, 0, 1]], dtype=torch.float64)
+    values = torch.randn(3, 4, 5, 2, generator=torch.Generator().manual_seed(1))
+    latent = MetaTensor(values.clone(), affine=affine, meta={"filename_or_obj": "/in/case1.nii.gz"})
+    out = VQCodesd("pred", quantizer)({"pred": latent, "other": 5})
+    codes, quantized = out["codes"], out["pred"]
+    assert out["other"] == 5
+    assert isinstance(codes, MetaTensor) and isinstance(quantized, MetaTensor)
+    assert codes.dtype == torch.int32 and codes.shape == (1, 4, 5, 2)
+    expected = torch.cdist(values.reshape(3, -1).t(), quantizer.embeddings).argmin(1).reshape(1, 4, 5, 2)
+    assert torch.equal(codes.as_tensor().long(), expected)
+    assert len(expected.unique()) > 2
+    # every voxel is exactly its codebook vector, i.e. embed(codes)
+    assert quantized.shape == (3, 4, 5, 2)
+    assert torch.equal(quantized.as_tensor(), quantizer.embed(codes.as_tensor())[0])
+    for tensor in (codes, quantized):
+        torch.testing.assert_close(torch.as_tensor(tensor.affine, dtype=torch.float64), affine)
+        assert tensor.meta["filename_or_obj"] == "/in/case1.nii.gz"
+    assert torch.equal(latent.as_tensor(), values)  # the input is not modified in place
+
+
+def test_vq_codes_accept_a_vqgan_and_a_codes_key():
+    from common.data.pipeline import VQCodesd
+    from common.networks.vqgan import VQGAN
+
+    torch.manual_seed(0)
+    model = VQGAN(n_hiddens=4, norm_num_groups=4, downsample=[2, 2, 2], embedding_dim=3, n_codes=8).eval()
+    transform = VQCodesd(["pred"], model, codes_key="idx")
+    assert transform.quantizer is model.quantizer
+    latent = torch.randn(3, 2, 2, 2)
+    out = transform({"pred": latent})
+    assert "codes" not in out and out["idx"].shape == (1, 2, 2, 2)
+    assert torch.equal(out["pred"].as_tensor(), model.quantizer.embed(out["idx"].as_tensor())[0])
+
+
+@pytest.mark.parametrize(
+    "divisible_by, shape", [([4, 4, 4], (80, 96, 32)), (4, (80, 96, 32)), ([8, 5, 16], (80, 100, 32))]
+)
+def test_volume_transforms_pad_to_a_multiple(tmp_path, divisible_by, shape):
+    path, _ = _volume(tmp_path, shape=(77, 96, 30))
+    plain = volume_transforms(patch_size=None, train=False)({"image": str(path)})["image"]
+    padded = volume_transforms(patch_size=None, train=False, divisible_by=divisible_by)({"image": str(path)})["image"]
+    assert plain.shape == (1, 77, 96, 30)
+    assert padded.shape == (1, *shape)
+    # symmetric zero padding: the volume sits at floor(pad / 2) on each axis
+    offsets = [(s - p) // 2 for s, p in zip(shape, (77, 96, 30))]
+    window = tuple(slice(o, o + p) for o, p in zip(offsets, (77, 96, 30)))
+    assert torch.equal(padded[(0, *window)], plain[0])
+    outside = padded.as_tensor().clone()
+    outside[(0, *window)] = 0
+    assert outside.abs().sum() == 0  # nothing but zeros outside
+
+
+def test_divisible_padding_after_the_patch_padding_and_undone_by_reconstruct(tmp_path):
+    path, array = _volume(tmp_path, shape=(10, 13, 7), name="case5.nii.gz")
+    preprocessing = volume_transforms(patch_size=(12, 12, 12), train=False, divisible_by=[8, 4, 8])
+    data = preprocessing({"image": str(path)})
+    assert data["image"].shape == (1, 16, 16, 16)  # 12 -> 16, 13 -> 16, 12 -> 16
+    data["pred"] = data["image"].clone()
+    inference_postprocessing("reconstruct", preprocessing, str(tmp_path / "out"))(data)
+    saved = nib.load(tmp_path / "out" / "case5_recon.nii.gz")
+    assert saved.shape == (10, 13, 7)
+    np.testing.assert_allclose(np.asarray(saved.dataobj), _mri_normalised(array), atol=1e-5)
+
+
+def test_reconstruct_postprocessing_maps_a_ct_window_back_to_hounsfield_units(tmp_path):
+    array = np.linspace(-1500, 1500, 8 * 9 * 10, dtype=np.float32).reshape(8, 9, 10)
+    path = write_nifti(tmp_path / "ct.nii.gz", array)
+    intensity = {"mode": "ct", "a_min": -1000, "a_max": 1000}
+    preprocessing = volume_transforms(intensity=intensity, patch_size=None, train=False, divisible_by=4)
+    data = preprocessing({"image": str(path)})
+    data["pred"] = data["image"].clone()
+    inference_postprocessing("reconstruct", preprocessing, str(tmp_path / "out"), intensity=intensity)(data)
+    saved = np.asarray(nib.load(tmp_path / "out" / "ct_recon.nii.gz").dataobj)
+    np.testing.assert_allclose(saved, np.clip(array, -1000, 1000), atol=0.05)
+
+
+def _decode_inputs(pred: torch.Tensor):
+    latent_affine = torch.tensor([[8.0, 0, 0, 10], [0, 8.0, 0, 20], [0, 0, 8.0, 30], [0, 0, 0, 1]], dtype=torch.float64)
+    meta = {"filename_or_obj": "/in/case9.nii.gz"}
+    codes = MetaTensor(torch.zeros(1, 4, 4, 2), affine=latent_affine, meta=dict(meta))
+    decoded = MetaTensor(pred, affine=latent_affine.clone(), meta=dict(meta))
+    return {"image": codes, "pred": decoded}
+
+
+def test_decode_postprocessing_saves_the_image_on_the_image_grid(tmp_path):
+    pred = torch.rand(1, 16, 16, 8, generator=torch.Generator().manual_seed(0))
+    post = inference_postprocessing("decode", volume_transforms(train=False), str(tmp_path))
+    post(_decode_inputs(pred.clone()))
+    saved = nib.load(tmp_path / "case9_decoded.nii.gz")
+    assert saved.shape == (16, 16, 8)
+    np.testing.assert_allclose(np.asarray(saved.dataobj), pred[0].numpy(), atol=1e-6)
+    # 8 mm latent voxels, 4x upsampled: 2 mm image voxels; latent voxel 0 (at 10, 20, 30 mm) is the centre of
+    # image voxels 0..3, so image voxel 0 lies 1.5 image voxels (3 mm) before it on every axis
+    expected = np.diag([2.0, 2.0, 2.0, 1.0])
+    expected[:3, 3] = [7.0, 17.0, 27.0]
+    np.testing.assert_allclose(saved.affine, expected, atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    "intensity, expected",
+    [
+        ({"mode": "ct", "a_min": -1000, "a_max": 1000}, [-1000.0, -500.0, 0.0, 1000.0, 1000.0, -1000.0]),
+        ({"mode": "ct", "a_min": -200, "a_max": 300}, [-200.0, -75.0, 50.0, 300.0, 300.0, -200.0]),
+        ({"mode": "mri"}, [0.0, 0.25, 0.5, 1.0, 1.2, -0.1]),
+        (None, [0.0, 0.25, 0.5, 1.0, 1.2, -0.1]),
+    ],
+)
+def test_decode_postprocessing_intensity(tmp_path, intensity, expected):
+    pred = torch.zeros(1, 16, 16, 8)
+    pred[0, :6, 0, 0] = torch.tensor([0.0, 0.25, 0.5, 1.0, 1.2, -0.1])  # 1.2 / -0.1: outside the window, clipped
+    post = inference_postprocessing("decode", volume_transforms(train=False), str(tmp_path), intensity=intensity)
+    post(_decode_inputs(pred))
+    saved = np.asarray(nib.load(tmp_path / "case9_decoded.nii.gz").dataobj)
+    np.testing.assert_allclose(saved[:6, 0, 0], expected, atol=1e-3)
+
+
+def test_encode_postprocessing_with_a_quantizer_saves_codes_and_code_vectors(tmp_path):
+    quantizer = _codebook(n_codes=8, dim=3)
+    affine = np.diag([1.0, 1.0, 2.0, 1.0])
+    meta = {"filename_or_obj": "/in/case7.nii.gz"}
+    image = MetaTensor(torch.zeros(1, 8, 8, 8), affine=torch.as_tensor(affine), meta=dict(meta))
+    values = torch.randn(3, 4, 4, 4, generator=torch.Generator().manual_seed(2))
+    latent = MetaTensor(values.clone(), affine=torch.as_tensor(affine), meta=dict(meta))
+    post = inference_postprocessing("encode", volume_transforms(train=False), str(tmp_path), quantizer=quantizer)
+    post({"image": image, "pred": latent})
+    codes = nib.load(tmp_path / "case7_codes.nii.gz")
+    saved_latent = nib.load(tmp_path / "case7_latent.nii.gz")
+    assert codes.get_data_dtype() == np.int32
+    expected_codes = torch.cdist(values.reshape(3, -1).t(), quantizer.embeddings).argmin(1).reshape(4, 4, 4)
+    np.testing.assert_array_equal(np.asarray(codes.dataobj).reshape(4, 4, 4), expected_codes.numpy())
+    vectors = quantizer.embeddings[expected_codes].numpy()  # (4, 4, 4, 3): channels last, as saved
+    np.testing.assert_array_equal(np.asarray(saved_latent.dataobj), vectors)  # exactly the codebook rows
+    expected_affine = np.diag([2.0, 2.0, 4.0, 1.0])
+    expected_affine[:3, 3] = [0.5, 0.5, 1.0]
+    np.testing.assert_allclose(codes.affine, expected_affine, atol=1e-6)
+    np.testing.assert_allclose(saved_latent.affine, expected_affine, atol=1e-6)
+
+
+def test_inference_postprocessing_unknown_mode_lists_the_modes(tmp_path):
+    with pytest.raises(ValueError, match="mode must be 'reconstruct', 'encode' or 'decode', got 'quantize'"):
+        inference_postprocessing("quantize", volume_transforms(train=False), str(tmp_path))

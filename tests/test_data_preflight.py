@@ -281,3 +281,116 @@ def test_cli_exit_codes(tmp_path: Path, repo_root: Path) -> None:
     assert "preflight found 2 problem(s)" in bad.stderr
     assert "gone.nii.gz: does not exist" in bad.stderr
     assert "is smaller than patch_size (32, 32, 32)" in bad.stderr
+
+
+# ---------------------------------------------------------------------------------------------- max_cases
+@pytest.fixture
+def cohort(tmp_path: Path) -> dict:
+    """Training: good, good, missing, corrupt; validation: good, missing. Only the first entries are usable."""
+    good = [_good(tmp_path / f"good{i}.nii.gz", seed=i) for i in range(3)]
+    corrupt = tmp_path / "corrupt.nii.gz"
+    corrupt.write_bytes(b"not a nifti file at all" * 20)
+    training = [good[0], good[1], tmp_path / "missing.nii.gz", corrupt]
+    validation = [good[2], tmp_path / "missing_val.nii.gz"]
+    return {
+        "file": _datalist(tmp_path / "d.json", training, validation),
+        "training": training,
+        "validation": validation,
+    }
+
+
+def _spy_reads(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    import common.data.preflight as module
+
+    seen: list[str] = []
+    check = module.check_volume
+
+    def spy(path, *args, **kwargs):
+        seen.append(str(path))
+        return check(path, *args, **kwargs)
+
+    monkeypatch.setattr(module, "check_volume", spy)
+    return seen
+
+
+def test_preflight_max_cases_keeps_and_checks_only_the_first_entries(cohort: dict, monkeypatch) -> None:
+    seen = _spy_reads(monkeypatch)
+    loaded = preflight(cohort["file"], max_cases=1)
+    assert [e["image"] for e in loaded["training"]] == [str(cohort["training"][0])]
+    assert [e["image"] for e in loaded["validation"]] == [str(cohort["validation"][0])]
+    assert sorted(seen) == sorted([str(cohort["training"][0]), str(cohort["validation"][0])])  # nothing else read
+
+
+def test_preflight_max_cases_reports_problems_within_the_kept_entries_only(cohort: dict) -> None:
+    with pytest.raises(PreflightError) as info:
+        preflight(cohort["file"], max_cases=3)
+    problems = info.value.problems
+    assert problems == [
+        f"training[2] {cohort['training'][2]}: does not exist",
+        f"validation[1] {cohort['validation'][1]}: does not exist",
+    ]  # training[3] (corrupt) lies beyond max_cases
+    with pytest.raises(PreflightError) as info:
+        preflight(cohort["file"])
+    assert len(info.value.problems) == 3 and any("training[3]" in p for p in info.value.problems)
+
+
+def test_preflight_max_cases_larger_than_a_section_keeps_it_whole(tmp_path: Path) -> None:
+    good = [_good(tmp_path / f"g{i}.nii.gz", seed=i) for i in range(3)]
+    loaded = preflight(_datalist(tmp_path / "d.json", good, good[:1]), max_cases=2)
+    assert [e["image"] for e in loaded["training"]] == [str(g) for g in good[:2]]
+    assert [e["image"] for e in loaded["validation"]] == [str(good[0])]
+    assert len(preflight(_datalist(tmp_path / "d.json", good), max_cases=10)["training"]) == 3
+
+
+def test_max_cases_also_skips_bad_entries_beyond_it(tmp_path: Path) -> None:
+    good = _good(tmp_path / "a.nii.gz")
+    file = tmp_path / "d.json"
+    file.write_text(json.dumps({"training": [{"image": str(good)}, {"label": "x"}, 7]}))
+    assert [e["image"] for e in preflight(file, max_cases=1)["training"]] == [str(good)]
+    with pytest.raises(PreflightError) as info:
+        preflight(file, max_cases=2)
+    assert len(info.value.problems) == 1
+    assert info.value.problems[0].startswith("training[1]: entry is missing required key 'image'")
+
+
+def test_load_sections_max_cases(cohort: dict, monkeypatch) -> None:
+    from common.data.preflight import load_sections
+
+    seen = _spy_reads(monkeypatch)
+    loaded = load_sections(cohort["file"], max_cases=2)
+    assert [e["image"] for e in loaded["training"]] == [str(p) for p in cohort["training"][:2]]
+    assert [e["image"] for e in loaded["validation"]] == [str(p) for p in cohort["validation"][:2]]
+    assert len(load_sections(cohort["file"])["training"]) == 4
+    assert load_sections(cohort["file"], max_cases=2.0) == loaded  # a whole float (from a config) is fine
+    assert seen == []  # no volume is read
+
+
+@pytest.mark.parametrize("bad", [0, -2, True, 1.5, "abc"])
+def test_invalid_max_cases_is_a_preflight_error(cohort: dict, bad) -> None:
+    from common.data.preflight import load_sections
+
+    match = rf"max_cases must be a positive integer or null, got {bad!r}".replace("(", r"\(")
+    with pytest.raises(PreflightError, match=match):
+        preflight(cohort["file"], max_cases=bad)
+    with pytest.raises(PreflightError, match=match):
+        load_sections(cohort["file"], max_cases=bad)
+
+
+def test_preflight_or_exit_passes_max_cases_on(cohort: dict, capsys) -> None:
+    from common.data.preflight import preflight_or_exit
+
+    loaded = preflight_or_exit(cohort["file"], max_cases=1)
+    assert [e["image"] for e in loaded["training"]] == [str(cohort["training"][0])]
+    assert [e["image"] for e in loaded["validation"]] == [str(cohort["validation"][0])]
+    assert capsys.readouterr().err == ""
+    with pytest.raises(SystemExit) as info:
+        preflight_or_exit(cohort["file"], max_cases=3)
+    assert info.value.code == 1
+    err = capsys.readouterr().err
+    assert "preflight found 2 problem(s)" in err and "training[3]" not in err
+    unchecked = preflight_or_exit(cohort["file"], enabled=False, max_cases=3)  # structure only, no volume read
+    assert [e["image"] for e in unchecked["training"]] == [str(p) for p in cohort["training"][:3]]
+    with pytest.raises(SystemExit) as info:
+        preflight_or_exit(cohort["file"], enabled=False, max_cases=0)
+    assert info.value.code == 1
+    assert "max_cases must be a positive integer or null, got 0" in capsys.readouterr().err

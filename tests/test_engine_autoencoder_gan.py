@@ -17,6 +17,7 @@ from torch import nn
 
 from common.data.demo import make_phantom
 from common.engines.autoencoder_gan import AutoencoderGANTrainer, prepare_image_batch
+from common.losses.adversarial import HingeAdversarialLoss
 from common.losses.autoencoder import kl_divergence
 from tests.helpers import tiny_autoencoder, tiny_discriminator
 
@@ -449,3 +450,117 @@ def test_prepare_image_batch_returns_plain_tensors():
     plain = torch.rand(1, 1, 2, 2, 2)
     inputs, _ = prepare_image_batch(plain, "cpu", dtype=torch.float64)
     assert inputs.dtype == torch.float64 and torch.allclose(inputs, plain.double())
+
+
+# ---------------------------------------------------------------- micro-batching and multi-head discriminators
+def _params_after(network, batches, **kwargs) -> tuple[list[torch.Tensor], list[dict]]:
+    optimizer = torch.optim.SGD(network.parameters(), lr=0.1)
+    trainer = make_trainer(network, batches, optimizer=optimizer, **kwargs)
+    outputs = record_outputs(trainer)
+    trainer.run()
+    return [p.detach().clone() for p in network.parameters()], outputs
+
+
+def test_micro_batches_give_the_full_batch_update():
+    batches = random_batches(2, n=4)
+    full, out_full = _params_after(QuantNet(), batches)
+    micro, out_micro = _params_after(QuantNet(), batches, micro_batch_size=1)
+    uneven, _ = _params_after(QuantNet(), batches, micro_batch_size=3)  # chunks of 3 and 1
+    for a, b, c in zip(full, micro, uneven):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(c, a, rtol=1e-5, atol=1e-6)
+    for name in ("loss", "recon_loss", "quantization_loss"):
+        assert out_micro[-1][name].item() == pytest.approx(out_full[-1][name].item(), rel=1e-5)
+    assert out_micro[0]["pred"].shape == batches[0].shape
+
+
+def test_micro_batched_discriminator_step_equals_full_batch():
+    from common.networks.discriminators import SliceVolumeDiscriminator
+
+    def run(micro):
+        torch.manual_seed(3)
+        disc = SliceVolumeDiscriminator(channels=4, num_layers=2, image=False, norm="INSTANCE")
+        trainer = make_trainer(
+            ConvNet(),
+            random_batches(1, n=4),
+            discriminator=disc,
+            d_optimizer=torch.optim.SGD(disc.parameters(), lr=0.1),
+            adv_loss=HingeAdversarialLoss(),
+            adv_weight={"video": 0.5},
+            micro_batch_size=micro,
+        )
+        outputs = record_outputs(trainer)
+        trainer.run()
+        return [p.detach().clone() for p in disc.parameters()], outputs[-1]
+
+    full, out_full = run(None)
+    micro, out_micro = run(2)
+    for a, b in zip(full, micro):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6)
+    assert out_micro["d_loss"].item() == pytest.approx(out_full["d_loss"].item(), rel=1e-5)
+
+
+def _vqgan_trainer(start: int, image: float = 1.0, video: float = 1.0, feat: float = 4.0, n_batches: int = 4):
+    from common.networks.discriminators import SliceVolumeDiscriminator
+    from common.networks.vqgan import VQGAN
+
+    torch.manual_seed(0)
+    net = VQGAN(n_hiddens=4, downsample=(4, 4, 4), embedding_dim=4, n_codes=16, norm_num_groups=4)
+    disc = SliceVolumeDiscriminator(channels=4, num_layers=2, image=image > 0, video=video > 0, norm="INSTANCE")
+    trainer = make_trainer(
+        net,
+        random_batches(n_batches, n=2),
+        discriminator=disc,
+        d_optimizer=torch.optim.Adam(disc.parameters(), lr=1e-3),
+        adv_loss=HingeAdversarialLoss(),
+        adv_weight={"image": image, "video": video},
+        adv_warmup_iterations=start,
+        feature_matching_weight=feat,
+        recon_weight=4.0,
+        micro_batch_size=1,
+    )
+    return trainer, disc
+
+
+def test_gan_terms_and_discriminator_updates_start_after_discriminator_iter_start():
+    trainer, disc = _vqgan_trainer(start=2)
+    outputs = record_outputs(trainer)
+    d_params = record_params(trainer, disc)
+    trainer.run()
+    gan_keys = ("adv_loss", "feature_matching_loss", "d_loss", "adv_loss_image", "adv_loss_video")
+    for i, out in enumerate(outputs):
+        iteration = i + 1
+        if iteration <= 2:
+            assert not any(k in out for k in gan_keys), f"GAN terms at iteration {iteration}"
+            assert same(d_params[i + 1], d_params[i]), f"discriminator changed at iteration {iteration}"
+            expected = 4.0 * out["recon_loss"] + out["quantization_loss"]
+        else:
+            assert all(k in out for k in gan_keys), f"GAN terms missing at iteration {iteration}"
+            assert out["adv_loss"].item() != 0 and out["feature_matching_loss"].item() > 0
+            assert not same(d_params[i + 1], d_params[i]), f"discriminator unchanged at iteration {iteration}"
+            assert out["adv_loss"].item() == pytest.approx(
+                (out["adv_loss_image"] + out["adv_loss_video"]).item(), rel=1e-5, abs=1e-6
+            )
+            expected = (
+                4.0 * out["recon_loss"] + out["quantization_loss"] + out["adv_loss"] + 4.0 * out["feature_matching_loss"]
+            )
+        assert out["loss"].item() == pytest.approx(expected.item(), rel=1e-5, abs=1e-6)
+        assert 0 < out["codebook_usage"].item() <= 1 and out["perplexity"].item() >= 1
+        assert "codebook_restarts" in out
+
+
+def test_zero_weight_head_is_skipped():
+    trainer, disc = _vqgan_trainer(start=0, video=0.0, feat=0.0, n_batches=1)
+    assert disc.video is None
+    outputs = record_outputs(trainer)
+    trainer.run()
+    out = outputs[-1]
+    assert "adv_loss_image" in out and "adv_loss_video" not in out and "feature_matching_loss" not in out
+    assert out["adv_loss"].item() == pytest.approx(out["adv_loss_image"].item())
+
+
+def test_bad_micro_batch_and_warmup_are_rejected():
+    with pytest.raises(ValueError, match="micro_batch_size"):
+        make_trainer(ConvNet(), random_batches(1), micro_batch_size=0)
+    with pytest.raises(ValueError, match="adv_warmup_iterations"):
+        make_trainer(ConvNet(), random_batches(1), adv_warmup_iterations=-1)

@@ -260,3 +260,16 @@ def test_rank_and_world_size_from_environment(no_dist_env):
 def test_init_distributed_without_launcher_is_a_clear_error(no_dist_env):
     with pytest.raises(RuntimeError, match="RANK/WORLD_SIZE"):
         init_distributed(torch.device("cpu"))
+
+
+# ---------------------------------------------------------------------------------------------- replica check
+def test_assert_replicas_equal_without_a_process_group_compares_nothing(no_dist_env):
+    """Single process: no collective, nothing compared (the 2-rank behaviour is tested under torchrun in
+    ``test_networks_vqgan.py``)."""
+    import torch.distributed as dist
+
+    from common.utils import assert_replicas_equal
+
+    assert not dist.is_initialized()
+    no_dist_env.setenv("WORLD_SIZE", "2")  # the environment alone does not make it distributed
+    assert assert_replicas_equal({"net": torch.nn.Linear(2, 2)}) == 0

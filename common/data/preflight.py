@@ -268,6 +268,14 @@ def _display(value: str | tuple[str, ...] | list[str]) -> str:
     return f"[{value[0]}, ... ({len(value)} files)]"
 
 
+def _positive_integer(value: Any) -> bool:
+    """Whether ``value`` is a positive whole number (``3``, ``3.0``, ``"3"``; not ``True``, ``1.5`` or ``"abc"``)."""
+    try:
+        return not isinstance(value, bool) and float(value).is_integer() and int(value) >= 1
+    except (TypeError, ValueError, OverflowError):
+        return False
+
+
 def _load_sections(
     datalist: str | os.PathLike | Mapping[str, Any],
     base_dir: str | None,
@@ -281,7 +289,7 @@ def _load_sections(
     ``max_cases`` keeps only the first entries of each section (a quick run on part of a cohort); the entries
     left out are neither checked nor returned.
     """
-    if max_cases is not None and (isinstance(max_cases, bool) or int(max_cases) < 1):
+    if max_cases is not None and not _positive_integer(max_cases):
         raise PreflightError([f"max_cases must be a positive integer or null, got {max_cases!r}"], "config")
     loaded: dict[str, list[tuple[int, dict]]] = {}
     problems: list[str] = []

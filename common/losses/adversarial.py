@@ -16,7 +16,8 @@ __all__ = ["HingeAdversarialLoss", "feature_matching_loss"]
 class HingeAdversarialLoss(PatchAdversarialLoss):
     """Hinge GAN loss (Lim & Ye 2017; used by TATS / MedicalDiffusion's VQ-GAN).
 
-    Discriminator: ``mean(relu(1 - D(real)))`` or ``mean(relu(1 + D(fake)))`` (MONAI's hinge criterion).
+    Discriminator: ``mean(relu(1 - D(real)))`` or ``mean(relu(1 + D(fake)))`` (MONAI's hinge criterion, on the raw
+    logits: MONAI's ``tanh`` before the hinge is switched off, as in TATS).
     Generator: ``-mean(D(fake))``. MONAI's ``PatchAdversarialLoss(criterion="hinge")`` uses
     ``mean(relu(1 - D(fake)))`` for the generator too, whose gradient vanishes once the discriminator scores a
     fake above 1; this class keeps the standard generator term. Called like MONAI's loss:
@@ -25,6 +26,7 @@ class HingeAdversarialLoss(PatchAdversarialLoss):
 
     def __init__(self) -> None:
         super().__init__(criterion="hinge", reduction="mean")
+        self.activation = None  # MONAI squashes hinge logits with tanh, so relu(1 - tanh(x)) never reaches 0
 
     def forward(
         self, input: torch.Tensor | list, target_is_real: bool, for_discriminator: bool

@@ -1,0 +1,132 @@
+# Copyright (c) the 3D MONAI bundle collection contributors.
+# Licensed under the Apache License, Version 2.0.
+"""Worker of the 2-process (gloo, CPU) codebook synchronisation test in ``tests/test_networks_vqgan.py``.
+
+Run as ``torchrun --nproc_per_node=2 tests/ddp_codebook_worker.py OUTDIR``. Every rank seeds its RNGs with
+``SEED + rank`` (so the initialisation/restart candidates each rank draws differ) and feeds its own random latents
+to the same small ``EMAVectorQuantizer``. It runs, in one process group:
+
+* ``ema``: a quantizer started from a shared, already initialised codebook with ``no_random_restart=True``
+  (the part a single process can reproduce exactly on the concatenated batches);
+* ``restart``: a fresh quantizer (initialised from the first batch) with dead-code restarts on;
+* ``metric``: ``CodebookMetric`` usage and perplexity over eval-mode batches that differ per rank;
+* ``perturb``: rank 1 changes one buffer, then ``assert_replicas_equal`` must raise on every rank.
+
+Each rank saves what it saw to ``OUTDIR/rank{r}.pt`` and the replica-check message to ``OUTDIR/error_rank{r}.txt``.
+"""
+
+from __future__ import annotations
+
+import copy
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from common.metrics.codebook import CodebookMetric
+from common.networks.vqgan import EMAVectorQuantizer
+from common.utils import assert_replicas_equal
+
+N_CODES, DIM, STEPS, SEED, DECAY = 16, 4, 4, 100, 0.9
+SHAPE = (2, DIM, 2, 2, 2)  # 16 latent vectors per rank and step
+RESTART_THRES = 0.95  # a code unused for one step after init drops to 0.9 (no float boundary at exactly 1.0)
+
+
+def rank_latents(rank: int) -> list[torch.Tensor]:
+    """This rank's training latents: different per rank (and shifted on rank 1 so codes go unused there)."""
+    gen = torch.Generator().manual_seed(SEED + 1000 * (rank + 1))
+    return [torch.randn(SHAPE, generator=gen) + 3.0 * rank for _ in range(STEPS)]
+
+
+def shared_start() -> dict[str, torch.Tensor]:
+    """An initialised codebook identical on every rank (drawn from a generator both ranks seed alike)."""
+    gen = torch.Generator().manual_seed(SEED)
+    codes = torch.randn(N_CODES, DIM, generator=gen) * 2.0
+    return {"embeddings": codes, "embed_sum": codes.clone(), "cluster_size": torch.ones(N_CODES)}
+
+
+def replica_check(modules: dict) -> int | str:
+    """``assert_replicas_equal``'s count, or its error message (so the test reports it instead of a crash)."""
+    try:
+        return assert_replicas_equal(modules)
+    except RuntimeError as exc:
+        return str(exc)
+
+
+def buffers(quantizer: EMAVectorQuantizer) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in quantizer.state_dict().items()}
+
+
+def main(outdir: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    torch.manual_seed(SEED + rank)
+    latents = rank_latents(rank)
+    result: dict = {"latents": latents}
+
+    # ---- ema: exact single-process reference possible
+    ema = EMAVectorQuantizer(N_CODES, DIM, decay=DECAY, no_random_restart=True).train()
+    start = shared_start()
+    with torch.no_grad():
+        for key, value in start.items():
+            getattr(ema, key).copy_(value)
+        ema.initialized.fill_(True)
+    result["ema_start"] = start
+    steps = [ema(z) for z in latents]
+    result["ema_indices"] = [s["indices"] for s in steps]
+    result["ema_perplexity"] = [s["perplexity"] for s in steps]
+    result["ema_usage"] = [s["codebook_usage"] for s in steps]
+    result["ema_buffers"] = buffers(ema)
+    result["ema_replicas"] = replica_check({"quantizer": ema})
+
+    # ---- restart: initialisation from the first batch and dead-code restarts, candidates from rank 0
+    restart = EMAVectorQuantizer(N_CODES, DIM, decay=DECAY, restart_thres=RESTART_THRES).train()
+    result["restart_before_init"] = restart.embeddings.clone()  # differs per rank (seed + rank)
+    inits: list[torch.Tensor] = []
+    initialise = restart._initialise
+
+    def spy(flat: torch.Tensor) -> None:
+        initialise(flat)
+        inits.append(restart.embeddings.clone())
+
+    restart._initialise = spy
+    restart_steps = [restart(z) for z in latents]
+    result["restart_init"] = inits
+    result["restart_counts"] = [float(s["codebook_restarts"]) for s in restart_steps]
+    result["restart_buffers"] = buffers(restart)
+    result["restart_replicas"] = replica_check({"quantizer": restart, "ema": ema})
+
+    # ---- metric: eval-mode histograms differ per rank; the metric reports the all-rank statistics
+    restart.eval()
+    usage, perplexity = CodebookMetric(restart, "usage"), CodebookMetric(restart, "perplexity")
+    usage.reset()
+    codes = [0, 1, 2, 3, 0, 1, 2, 3] if rank == 0 else list(range(4, 12))
+    eval_latent = restart.embeddings[codes].t().reshape(1, DIM, len(codes), 1, 1).clone()
+    eval_out = restart(eval_latent)
+    result["eval_indices"] = eval_out["indices"].flatten()
+    result["local_usage_counts"] = restart.usage_counts.clone()
+    result["metric_usage"] = usage.compute()
+    result["metric_perplexity"] = perplexity.compute()
+    result["eval_buffers"] = buffers(restart)
+
+    # ---- perturb: one buffer differs on rank 1
+    perturbed = copy.deepcopy(ema)
+    if rank == 1:
+        with torch.no_grad():
+            perturbed.embed_sum[0, 0] += 1.0
+    try:
+        assert_replicas_equal({"quantizer": perturbed})
+        message = "no error"
+    except RuntimeError as exc:
+        message = str(exc)
+    Path(outdir, f"error_rank{rank}.txt").write_text(message)
+
+    torch.save(result, Path(outdir, f"rank{rank}.pt"))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
