@@ -1,22 +1,33 @@
 # Copyright (c) the 3D MONAI bundle collection contributors.
 # Licensed under the Apache License, Version 2.0.
-"""Benchmarks: bundle training throughput against a plain PyTorch loop, and peak memory per patch size.
+"""Benchmarks: bundle training throughput against a plain PyTorch loop, peak memory per patch size, and VQ-GAN
+whole-volume reconstruction cost.
 
     python scripts/benchmark.py throughput                         # autoencoder_3d, CPU or GPU
     python scripts/benchmark.py throughput --patch_size "[64,64,64]" --iterations 40
     python scripts/benchmark.py memory --patch_sizes "[[32,32,32],[64,64,64]]"
+    python scripts/benchmark.py vqgan_throughput                   # vqgan_3d, CPU or GPU
+    python scripts/benchmark.py vqgan_throughput --patch_size "[64,64,64]" --n_hiddens 16 --iterations 20
+    python scripts/benchmark.py vqgan_reconstruction               # reduced volume (128x128x151) on the CPU
+    python scripts/benchmark.py vqgan_reconstruction --shape "[512,512,604]" --sw_batch_sizes "[1,2,4]" --device cuda
 
 ``throughput`` runs, in one process and alternating, (a) the plain loop of MONAI's 3D latent-diffusion tutorial
 (CPU ``CacheDataset`` + ``DataLoader``, fp32, the same AutoencoderKL + PatchDiscriminator, L1 + KL + least-squares
 adversarial losses, batch and patch) and (b) the bundle's own trainer built from ``train.json`` with every
 handler it normally has. It reports samples/s of each, their ratio, the bundle's data-wait fraction and peak
 memory. ``memory`` measures peak memory of training steps at each patch size, each in a fresh subprocess.
+``vqgan_throughput`` does what ``throughput`` does for ``vqgan_3d``: a plain loop with TATS' VQ-GAN losses
+(``l1_weight`` x L1 + commitment + 2D/3D hinge generator terms + ``gan_feat_weight`` x feature matching; hinge
+discriminator loss; Adam betas (0.5, 0.9)) against the bundle's trainer, both micro-batched alike and adversarial
+from the first iteration. ``vqgan_reconstruction`` times whole-volume sliding-window reconstruction (the bundle's
+inference path) and fits a peak-memory model ``a + b x sw_batch_size``, each measurement in a fresh subprocess.
 Results are printed as a Markdown table and written as JSON.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import platform
 import statistics
@@ -24,6 +35,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -32,13 +44,32 @@ if str(REPO_ROOT) not in sys.path:
 
 import torch  # noqa: E402
 
-CONFIGS = REPO_ROOT / "bundles" / "autoencoder_3d" / "configs"
+BUNDLES = REPO_ROOT / "bundles"
+GIB = 2**30
+
+
+def _train_config(bundle: str) -> dict:
+    """The raw ``configs/train.json`` of ``bundle`` (its literal defaults: widths, loss weights, optimizer)."""
+    return json.loads((BUNDLES / bundle / "configs" / "train.json").read_text())
 
 
 def _device_name(device: torch.device) -> str:
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
     return f"CPU ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)"
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _print_table(header: Sequence[str], rows: Sequence[Sequence]) -> None:
+    """Print a Markdown table."""
+    print("\n| " + " | ".join(header) + " |")
+    print("|" + "---|" * len(header))
+    for row in rows:
+        print("| " + " | ".join(str(cell) for cell in row) + " |")
 
 
 def _settings(patch_size, channels, batch_size, num_samples, device) -> dict:
@@ -50,6 +81,44 @@ def _settings(patch_size, channels, batch_size, num_samples, device) -> dict:
         "batch_size": batch_size,
         "num_samples": num_samples,
         "d_channels": 16 if small else 32,
+        "device": device,
+        "amp": "none" if device.type == "cpu" else "bf16",
+    }
+
+
+def _vqgan_network(**overrides) -> dict:
+    """VQGAN hyperparameters: the ``vqgan_3d`` ``train.json`` defaults, replaced by the overrides that are not None."""
+    config = _train_config("vqgan_3d")
+    network = {}
+    for key in ("n_hiddens", "downsample", "embedding_dim", "n_codes", "num_res_blocks", "norm_num_groups"):
+        value = config[key] if overrides.get(key) is None else overrides[key]
+        network[key] = [int(v) for v in value] if isinstance(value, (list, tuple)) else int(value)
+    return network
+
+
+def _vqgan_settings(
+    patch_size, network: dict, disc_channels, disc_layers, batch_size, patches_per_volume, micro_batch_size, device
+) -> dict:
+    """Settings of a ``vqgan_3d`` throughput run; loss weights, optimizer and clipping come from ``train.json``."""
+    config = _train_config("vqgan_3d")
+    return {
+        "patch_size": list(patch_size),
+        "network": dict(network),
+        "disc_channels": int(disc_channels),
+        "disc_layers": int(disc_layers),
+        "disc_norm": config["disc_norm"],
+        "slice_axis": config["slice_axis"],
+        "batch_size": int(batch_size),
+        "num_samples": int(patches_per_volume),
+        "micro_batch_size": int(micro_batch_size),
+        "weights": {
+            k: float(config[k]) for k in ("l1_weight", "image_gan_weight", "video_gan_weight", "gan_feat_weight")
+        },
+        "lr": float(config["lr"]),
+        "d_lr": float(config["d_lr"]),
+        "betas": tuple(config["betas"]),
+        "grad_clip": float(config["grad_clip"]),
+        "intensity": config["demo_intensity"],
         "device": device,
         "amp": "none" if device.type == "cpu" else "bf16",
     }
@@ -79,11 +148,41 @@ def _networks(s: dict, use_checkpoint: bool = False, flash_attention: bool | Non
     return ae, disc
 
 
-def _bundle_trainer(s: dict, iterations: int, output_dir: str, extra: dict | None = None):
-    from monai.bundle import ConfigWorkflow
+def _vqgan(network: dict, device: torch.device):
+    """The bundle's VQGAN (codebook EMA decay, commitment cost and restart threshold from ``train.json``)."""
+    from common.networks.vqgan import VQGAN
 
-    overrides = {
-        "output_dir": output_dir,
+    config = _train_config("vqgan_3d")
+    return VQGAN(
+        spatial_dims=3,
+        in_channels=1,
+        out_channels=1,
+        decay=config["codebook_decay"],
+        commitment_cost=config["commitment_cost"],
+        restart_thres=config["restart_thres"],
+        no_random_restart=config["no_random_restart"],
+        **network,
+    ).to(device)
+
+
+def _vqgan_networks(s: dict):
+    """The VQGAN and the bundle's SliceVolumeDiscriminator (2D slice + 3D volume heads) at the run's widths."""
+    from common.networks.discriminators import SliceVolumeDiscriminator
+
+    disc = SliceVolumeDiscriminator(
+        in_channels=1,
+        channels=s["disc_channels"],
+        num_layers=s["disc_layers"],
+        slice_axis=s["slice_axis"],
+        image=s["weights"]["image_gan_weight"] > 0,
+        video=s["weights"]["video_gan_weight"] > 0,
+        norm=s["disc_norm"],
+    )
+    return _vqgan(s["network"], s["device"]), disc.to(s["device"])
+
+
+def _autoencoder_overrides(s: dict) -> dict:
+    return {
         "patch_size": s["patch_size"],
         "channels": s["channels"],
         "norm_num_groups": s["norm_num_groups"],
@@ -91,6 +190,38 @@ def _bundle_trainer(s: dict, iterations: int, output_dir: str, extra: dict | Non
         "num_samples": s["num_samples"],
         "d_channels": s["d_channels"],
         "adv_warmup_iterations": 0,
+    }
+
+
+def _vqgan_overrides(s: dict) -> dict:
+    return {
+        "patch_size": s["patch_size"],
+        **s["network"],
+        "disc_channels": s["disc_channels"],
+        "disc_layers": s["disc_layers"],
+        "batch_size": s["batch_size"],
+        "patches_per_volume": s["num_samples"],
+        "micro_batch_size": s["micro_batch_size"],
+        "discriminator_iter_start": 0,
+        # a dataset_dir other than the bundle's own demo_data would select the CT window
+        "intensity": s["intensity"],
+    }
+
+
+BUNDLE_OVERRIDES = {"autoencoder_3d": _autoencoder_overrides, "vqgan_3d": _vqgan_overrides}
+
+
+def _bundle_trainer(
+    s: dict, iterations: int, output_dir: str, extra: dict | None = None, bundle: str = "autoencoder_3d"
+):
+    """``train#trainer`` of ``bundle`` built from its ``train.json`` with every handler on, for ``iterations``
+    steps at the run's settings, and its ``TrainingMonitor`` (validation and checkpoint intervals pushed out of
+    reach, adversarial terms on from the first iteration)."""
+    from monai.bundle import ConfigWorkflow
+
+    overrides = {
+        "output_dir": output_dir,
+        **BUNDLE_OVERRIDES[bundle](s),
         "max_epochs": 1,
         "epoch_length": iterations,
         "val_interval": 10**6,
@@ -103,7 +234,8 @@ def _bundle_trainer(s: dict, iterations: int, output_dir: str, extra: dict | Non
         "cache_device": str(s["device"]),
         **(extra or {}),
     }
-    workflow = ConfigWorkflow(config_file=str(CONFIGS / "train.json"), workflow_type="train", **overrides)
+    config_file = BUNDLES / bundle / "configs" / "train.json"
+    workflow = ConfigWorkflow(config_file=str(config_file), workflow_type="train", **overrides)
     workflow.initialize()
     trainer = workflow.parser.get_parsed_content("train#trainer")
     monitor = next(
@@ -117,28 +249,23 @@ def _time_engine(trainer, warmup: int) -> tuple[float, int]:
 
     marks = {}
 
-    def _sync():
-        if trainer.state.device.type == "cuda":
-            torch.cuda.synchronize()
-
     @trainer.on(Events.ITERATION_COMPLETED(once=warmup))
     def _start(engine):
-        _sync()
+        _sync(trainer.state.device)
         marks["start"] = time.perf_counter()
 
     @trainer.on(Events.COMPLETED)
     def _end(engine):
-        _sync()
+        _sync(trainer.state.device)
         marks["end"] = time.perf_counter()
 
     trainer.run()
     return marks["end"] - marks["start"], trainer.state.iteration - warmup
 
 
-def _plain_loop(s: dict, data: list[dict], iterations: int, warmup: int, workers: int) -> float:
-    """The training loop of MONAI's 3D latent-diffusion tutorial (fp32, CPU CacheDataset + DataLoader)."""
+def _plain_loader(s: dict, data: list[dict], workers: int):
+    """The tutorial's data path: CPU ``CacheDataset`` of whole volumes + ``DataLoader`` with random patches."""
     from monai.data import CacheDataset, DataLoader
-    from monai.losses import PatchAdversarialLoss
     from monai.transforms import (
         Compose,
         EnsureChannelFirstd,
@@ -150,9 +277,6 @@ def _plain_loop(s: dict, data: list[dict], iterations: int, warmup: int, workers
         SpatialPadd,
     )
 
-    from common.losses.autoencoder import kl_divergence
-
-    device = s["device"]
     transforms = Compose(
         [
             LoadImaged("image"),
@@ -165,49 +289,173 @@ def _plain_loop(s: dict, data: list[dict], iterations: int, warmup: int, workers
         ]
     )
     dataset = CacheDataset(data, transform=transforms, cache_rate=1.0, progress=False)
-    loader = DataLoader(
+    return DataLoader(
         dataset, batch_size=s["batch_size"], shuffle=True, num_workers=workers, persistent_workers=workers > 0
     )
+
+
+def _timed_loop(s: dict, loader, step: Callable[[torch.Tensor], None], iterations: int, warmup: int) -> float:
+    """Samples (patches) per second of ``step`` over the batches of ``loader`` after ``warmup`` untimed steps."""
+    device = s["device"]
+    done, start = 0, None
+    while done < iterations:
+        for batch in loader:
+            step(batch["image"].to(device))
+            done += 1
+            if done == warmup:
+                _sync(device)
+                start = time.perf_counter()
+            if done >= iterations:
+                break
+    _sync(device)
+    samples = (iterations - warmup) * s["batch_size"] * s["num_samples"]
+    return samples / (time.perf_counter() - start)
+
+
+def _plain_loop(s: dict, data: list[dict], iterations: int, warmup: int, workers: int) -> float:
+    """The training loop of MONAI's 3D latent-diffusion tutorial (fp32, CPU CacheDataset + DataLoader)."""
+    from monai.losses import PatchAdversarialLoss
+
+    from common.losses.autoencoder import kl_divergence
+
+    loader = _plain_loader(s, data, workers)
     ae, disc = _networks(s, flash_attention=False)
     opt_g = torch.optim.Adam(ae.parameters(), lr=1e-4)
     opt_d = torch.optim.Adam(disc.parameters(), lr=1e-4)
     adv = PatchAdversarialLoss(criterion="least_squares")
     l1 = torch.nn.L1Loss()
-    step, start = 0, None
-    while step < iterations:
-        for batch in loader:
-            images = batch["image"].to(device)
-            opt_g.zero_grad(set_to_none=True)
-            recon, z_mu, z_sigma = ae(images)
-            logits_fake = disc(recon.contiguous().float())[-1]
+
+    def step(images: torch.Tensor) -> None:
+        opt_g.zero_grad(set_to_none=True)
+        recon, z_mu, z_sigma = ae(images)
+        logits_fake = disc(recon.contiguous().float())[-1]
+        loss_g = (
+            l1(recon.float(), images.float())
+            + 1e-7 * kl_divergence(z_mu, z_sigma)
+            + 0.05 * adv(logits_fake, target_is_real=True, for_discriminator=False)
+        )
+        loss_g.backward()
+        opt_g.step()
+        opt_d.zero_grad(set_to_none=True)
+        logits_fake = disc(recon.contiguous().detach())[-1]
+        logits_real = disc(images.contiguous().detach())[-1]
+        loss_d = 0.5 * (
+            adv(logits_fake, target_is_real=False, for_discriminator=True)
+            + adv(logits_real, target_is_real=True, for_discriminator=True)
+        )
+        loss_d.backward()
+        opt_d.step()
+        loss_g.item()  # the tutorial logs the loss every step
+
+    return _timed_loop(s, loader, step, iterations, warmup)
+
+
+def _vqgan_plain_loop(s: dict, data: list[dict], iterations: int, warmup: int, workers: int) -> float:
+    """A plain PyTorch VQ-GAN loop with TATS' losses (fp32, CPU CacheDataset + DataLoader).
+
+    Generator: ``l1_weight`` x L1 + commitment loss + image/video hinge generator terms ``-mean(D(fake))`` +
+    ``gan_feat_weight`` x feature matching (real features without gradients); discriminator: hinge loss on the
+    same random slices. Each batch is split into ``micro_batch_size`` chunks whose gradients are accumulated
+    with weights ``len(chunk) / len(batch)``, one Adam(betas 0.5, 0.9) step per network per batch, gradient
+    norm clipped as in ``train.json``. One generator forward per chunk serves both steps (TATS repeats it).
+    """
+    from common.losses.adversarial import HingeAdversarialLoss, feature_matching_loss
+
+    loader = _plain_loader(s, data, workers)
+    vqgan, disc = _vqgan_networks(s)
+    opt_g = torch.optim.Adam(vqgan.parameters(), lr=s["lr"], betas=s["betas"])
+    opt_d = torch.optim.Adam(disc.parameters(), lr=s["d_lr"], betas=s["betas"])
+    hinge = HingeAdversarialLoss()
+    w = s["weights"]
+    head_weights = {"image": w["image_gan_weight"], "video": w["video_gan_weight"]}
+    heads = [h for h, weight in head_weights.items() if weight > 0]
+
+    def step(images: torch.Tensor) -> None:
+        # a batch of MetaTensors cannot go through the quantizer (MONAI refuses to slice inconsistent batch metadata)
+        images = images.as_tensor() if hasattr(images, "as_tensor") else images
+        chunks = images.split(s["micro_batch_size"])
+        opt_g.zero_grad(set_to_none=True)
+        recons = []
+        for x in chunks:
+            out = vqgan(x)
+            recon = out["pred"]
+            views = disc.sample_views(x)
+            fake = disc(recon, views)
+            with torch.no_grad():
+                real = disc(x, views)
             loss_g = (
-                l1(recon.float(), images.float())
-                + 1e-7 * kl_divergence(z_mu, z_sigma)
-                + 0.05 * adv(logits_fake, target_is_real=True, for_discriminator=False)
+                w["l1_weight"] * torch.nn.functional.l1_loss(recon, x)
+                + out["quantization_loss"]
+                + sum(head_weights[h] * hinge(fake[h][-1], target_is_real=True, for_discriminator=False) for h in heads)
+                + w["gan_feat_weight"] * sum(feature_matching_loss(fake[h], real[h]) for h in heads)
             )
-            loss_g.backward()
-            opt_g.step()
-            opt_d.zero_grad(set_to_none=True)
-            logits_fake = disc(recon.contiguous().detach())[-1]
-            logits_real = disc(images.contiguous().detach())[-1]
-            loss_d = 0.5 * (
-                adv(logits_fake, target_is_real=False, for_discriminator=True)
-                + adv(logits_real, target_is_real=True, for_discriminator=True)
+            (loss_g * (x.shape[0] / images.shape[0])).backward()
+            recons.append(recon.detach())
+        torch.nn.utils.clip_grad_norm_(vqgan.parameters(), s["grad_clip"])
+        opt_g.step()
+        opt_d.zero_grad(set_to_none=True)
+        for x, recon in zip(chunks, recons):
+            views = disc.sample_views(x)
+            fake, real = disc(recon, views), disc(x, views)
+            loss_d = sum(
+                0.5
+                * (
+                    hinge(fake[h][-1], target_is_real=False, for_discriminator=True)
+                    + hinge(real[h][-1], target_is_real=True, for_discriminator=True)
+                )
+                for h in heads
             )
-            loss_d.backward()
-            opt_d.step()
-            loss_g.item()  # the tutorial logs the loss every step
-            step += 1
-            if step == warmup:
-                if device.type == "cuda":
-                    torch.cuda.synchronize()
-                start = time.perf_counter()
-            if step >= iterations:
-                break
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    samples = (iterations - warmup) * s["batch_size"] * s["num_samples"]
-    return samples / (time.perf_counter() - start)
+            (loss_d * (x.shape[0] / images.shape[0])).backward()
+        torch.nn.utils.clip_grad_norm_(disc.parameters(), s["grad_clip"])
+        opt_d.step()
+        loss_g.item()  # a plain loop logs the loss every step
+
+    return _timed_loop(s, loader, step, iterations, warmup)
+
+
+def _alternate(s: dict, bundle: str, plain: Callable, iterations: int, warmup: int, repeats: int, workers: int) -> dict:
+    """Run ``plain`` and the bundle's trainer alternately ``repeats`` times on the demo data set.
+
+    Returns:
+        Medians of samples/s of each side and of the bundle's data-wait fraction, their ratio (bundle / plain),
+        the largest peak memory and every run under ``runs``.
+    """
+    from common.data.datalist import load_datalist
+    from common.data.demo import make_demo_dataset
+
+    with tempfile.TemporaryDirectory() as tmp:
+        datalist = make_demo_dataset(Path(tmp) / "demo")
+        data = load_datalist(datalist, "training")
+        runs = {"plain": [], "bundle": [], "data_wait": [], "peak_mem_gib": []}
+        for r in range(int(repeats)):
+            runs["plain"].append(plain(s, data, iterations + warmup, warmup, workers))
+            trainer, monitor = _bundle_trainer(
+                s, iterations + warmup, str(Path(tmp) / f"run{r}"), {"dataset_dir": str(Path(tmp) / "demo")}, bundle
+            )
+            elapsed, steps = _time_engine(trainer, warmup)
+            runs["bundle"].append(steps * s["batch_size"] * s["num_samples"] / elapsed)
+            runs["data_wait"].append(monitor.history[-1]["data_wait"] if monitor.history else float("nan"))
+            runs["peak_mem_gib"].append(monitor.history[-1]["peak_mem_gib"] if monitor.history else float("nan"))
+    plain_rate, bundle_rate = statistics.median(runs["plain"]), statistics.median(runs["bundle"])
+    return {
+        "plain_samples_per_s": plain_rate,
+        "bundle_samples_per_s": bundle_rate,
+        "speedup": bundle_rate / plain_rate,
+        "bundle_data_wait": statistics.median(runs["data_wait"]),
+        "bundle_peak_mem_gib": max(runs["peak_mem_gib"]),
+        "runs": runs,
+    }
+
+
+def _setup(device: str, num_threads: int | None, baseline_workers: int | None) -> tuple[torch.device, int]:
+    """Resolve the device, set torch CPU threads, and pick the plain loop's DataLoader workers."""
+    from common.utils import resolve_device
+
+    if num_threads:
+        torch.set_num_threads(int(num_threads))
+    dev = resolve_device(device)
+    workers = baseline_workers if baseline_workers is not None else (4 if dev.type == "cuda" else 0)
+    return dev, workers
 
 
 def throughput(
@@ -238,28 +486,8 @@ def throughput(
         num_threads: torch CPU threads.
         output: JSON file for the results.
     """
-    from common.data.datalist import load_datalist
-    from common.data.demo import make_demo_dataset
-    from common.utils import resolve_device
-
-    if num_threads:
-        torch.set_num_threads(int(num_threads))
-    dev = resolve_device(device)
+    dev, workers = _setup(device, num_threads, baseline_workers)
     s = _settings(patch_size, channels, batch_size, num_samples, dev)
-    workers = baseline_workers if baseline_workers is not None else (4 if dev.type == "cuda" else 0)
-    with tempfile.TemporaryDirectory() as tmp:
-        datalist = make_demo_dataset(Path(tmp) / "demo")
-        data = load_datalist(datalist, "training")
-        results = {"plain": [], "bundle": [], "data_wait": [], "peak_mem_gib": []}
-        for r in range(int(repeats)):
-            results["plain"].append(_plain_loop(s, data, iterations + warmup, warmup, workers))
-            trainer, monitor = _bundle_trainer(
-                s, iterations + warmup, str(Path(tmp) / f"run{r}"), {"dataset_dir": str(Path(tmp) / "demo")}
-            )
-            elapsed, steps = _time_engine(trainer, warmup)
-            results["bundle"].append(steps * s["batch_size"] * s["num_samples"] / elapsed)
-            results["data_wait"].append(monitor.history[-1]["data_wait"] if monitor.history else float("nan"))
-            results["peak_mem_gib"].append(monitor.history[-1]["peak_mem_gib"] if monitor.history else float("nan"))
     summary = {
         "device": _device_name(dev),
         "patch_size": list(patch_size),
@@ -267,25 +495,156 @@ def throughput(
         "batch": f"{batch_size}x{num_samples}",
         "amp": s["amp"],
         "timed_iterations": iterations,
-        "plain_samples_per_s": statistics.median(results["plain"]),
-        "bundle_samples_per_s": statistics.median(results["bundle"]),
-        "bundle_data_wait": statistics.median(results["data_wait"]),
-        "bundle_peak_mem_gib": max(results["peak_mem_gib"]),
-        "runs": results,
+        **_alternate(s, "autoencoder_3d", _plain_loop, iterations, warmup, repeats, workers),
     }
-    summary["speedup"] = summary["bundle_samples_per_s"] / summary["plain_samples_per_s"]
-    print(
-        "\n| device | patch | channels | batch | amp | plain loop (samples/s) | bundle (samples/s) | bundle / plain | data wait | peak mem (GiB) |"
-    )
-    print("|---|---|---|---|---|---|---|---|---|---|")
-    print(
-        f"| {summary['device']} | {'x'.join(map(str, patch_size))} | {list(channels)} | {summary['batch']} | {s['amp']} | "
-        f"{summary['plain_samples_per_s']:.2f} | {summary['bundle_samples_per_s']:.2f} | {summary['speedup']:.3f} | "
-        f"{summary['bundle_data_wait']:.1%} | {summary['bundle_peak_mem_gib']:.2f} |"
+    _print_table(
+        [
+            "device",
+            "patch",
+            "channels",
+            "batch",
+            "amp",
+            "plain loop (samples/s)",
+            "bundle (samples/s)",
+            "bundle / plain",
+            "data wait",
+            "peak mem (GiB)",
+        ],
+        [
+            [
+                summary["device"],
+                "x".join(map(str, patch_size)),
+                list(channels),
+                summary["batch"],
+                s["amp"],
+                f"{summary['plain_samples_per_s']:.2f}",
+                f"{summary['bundle_samples_per_s']:.2f}",
+                f"{summary['speedup']:.3f}",
+                f"{summary['bundle_data_wait']:.1%}",
+                f"{summary['bundle_peak_mem_gib']:.2f}",
+            ]
+        ],
     )
     if output:
         Path(output).write_text(json.dumps(summary, indent=2))
     return summary
+
+
+def vqgan_throughput(
+    patch_size=(32, 32, 32),
+    n_hiddens: int = 8,
+    n_codes: int = 512,
+    embedding_dim: int = 8,
+    disc_channels: int = 16,
+    disc_layers: int = 2,
+    batch_size: int = 2,
+    patches_per_volume: int = 2,
+    micro_batch_size: int = 2,
+    iterations: int = 50,
+    warmup: int = 5,
+    repeats: int = 2,
+    device: str = "auto",
+    baseline_workers: int | None = None,
+    num_threads: int | None = None,
+    output: str | None = None,
+) -> dict:
+    """``vqgan_3d`` trainer vs a plain PyTorch VQ-GAN loop with TATS' losses, alternating in one process.
+
+    Both sides train the same VQGAN + SliceVolumeDiscriminator on ``batch_size`` demo volumes x
+    ``patches_per_volume`` random patches per step, micro-batched by ``micro_batch_size``, with the adversarial
+    terms on from the first iteration (``discriminator_iter_start`` 0); loss weights, Adam betas, learning rates
+    and gradient clipping are ``train.json``'s. The plain side is fp32 with a CPU ``CacheDataset`` +
+    ``DataLoader``; the bundle side is ``train#trainer`` with all its handlers, its data path and its default
+    precision (bf16 on GPUs). Samples are patches. The other widths (``downsample``, ``norm_num_groups``, ...)
+    are ``train.json``'s; ``n_hiddens`` must be a multiple of its ``norm_num_groups`` (8).
+
+    Args:
+        patch_size: training patch (divisible by the VQGAN's downsampling, 4 per axis).
+        n_hiddens: VQGAN base width (16 in ``train.json``).
+        n_codes: codebook size (16384 in ``train.json``).
+        embedding_dim: code dimension.
+        disc_channels: first-layer width of both discriminators (64 in ``train.json``).
+        disc_layers: downsampling layers of each discriminator (3 in ``train.json``).
+        batch_size: volumes per step.
+        patches_per_volume: random patches drawn per volume.
+        micro_batch_size: patches forwarded and back-propagated at once.
+        iterations: timed steps per run (after ``warmup``).
+        warmup: untimed steps at the start of each run.
+        repeats: runs of each side; the median is reported.
+        device: ``auto``, ``cpu`` or ``cuda``.
+        baseline_workers: DataLoader workers of the plain loop (default: 4 on GPU machines, 0 on 2-core CPUs).
+        num_threads: torch CPU threads.
+        output: JSON file for the results.
+    """
+    dev, workers = _setup(device, num_threads, baseline_workers)
+    network = _vqgan_network(n_hiddens=n_hiddens, n_codes=n_codes, embedding_dim=embedding_dim)
+    s = _vqgan_settings(
+        patch_size, network, disc_channels, disc_layers, batch_size, patches_per_volume, micro_batch_size, dev
+    )
+    summary = {
+        "device": _device_name(dev),
+        "patch_size": list(patch_size),
+        "network": network,
+        "discriminator": {"channels": s["disc_channels"], "num_layers": s["disc_layers"], "norm": s["disc_norm"]},
+        "batch": f"{batch_size}x{patches_per_volume}",
+        "micro_batch_size": s["micro_batch_size"],
+        "amp": s["amp"],
+        "timed_iterations": iterations,
+        **_alternate(s, "vqgan_3d", _vqgan_plain_loop, iterations, warmup, repeats, workers),
+    }
+    _print_table(
+        [
+            "device",
+            "patch",
+            "VQGAN (hiddens, codes x dim)",
+            "disc (channels x layers)",
+            "batch",
+            "micro-batch",
+            "amp",
+            "plain loop (patches/s)",
+            "bundle (patches/s)",
+            "bundle / plain",
+            "data wait",
+            "peak mem (GiB)",
+        ],
+        [
+            [
+                summary["device"],
+                "x".join(map(str, patch_size)),
+                f"{network['n_hiddens']}, {network['n_codes']}x{network['embedding_dim']}",
+                f"{s['disc_channels']}x{s['disc_layers']}",
+                summary["batch"],
+                s["micro_batch_size"],
+                s["amp"],
+                f"{summary['plain_samples_per_s']:.2f}",
+                f"{summary['bundle_samples_per_s']:.2f}",
+                f"{summary['speedup']:.3f}",
+                f"{summary['bundle_data_wait']:.1%}",
+                f"{summary['bundle_peak_mem_gib']:.2f}",
+            ]
+        ],
+    )
+    if output:
+        Path(output).write_text(json.dumps(summary, indent=2))
+    return summary
+
+
+def _run_probe(probe: str, **kwargs) -> dict:
+    """Call ``probe`` (a function of this module returning a JSON-able dict) in a fresh Python process."""
+    code = (
+        f"import json, sys; sys.path.insert(0, {str(REPO_ROOT)!r}); from scripts.benchmark import {probe}; "
+        f"print(json.dumps({probe}(**json.loads({json.dumps(kwargs)!r}))))"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        cwd=REPO_ROOT,
+        env={**os.environ, "PYTHONWARNINGS": "ignore"},
+    )
+    if result.returncode != 0:
+        raise RuntimeError(f"{probe}({kwargs}) failed:\n{result.stderr[-3000:]}")
+    return json.loads(result.stdout.strip().splitlines()[-1])
 
 
 def _memory_probe(patch_size, channels, batch_size, num_samples, device, amp, use_checkpoint) -> dict:
@@ -339,36 +698,380 @@ def memory(
 
     Each size runs in a fresh subprocess so the CPU figure (peak resident set size) is not inherited.
     """
-    rows = []
-    for patch in patch_sizes:
-        code = (
-            f"import json, sys; sys.path.insert(0, {str(REPO_ROOT)!r}); from scripts.benchmark import _memory_probe; "
-            f"print(json.dumps(_memory_probe({list(patch)!r}, {list(channels)!r}, {batch_size}, {num_samples}, "
-            f"{device!r}, {amp!r}, {bool(use_checkpoint)})))"
+    rows = [
+        _run_probe(
+            "_memory_probe",
+            patch_size=list(patch),
+            channels=list(channels),
+            batch_size=batch_size,
+            num_samples=num_samples,
+            device=device,
+            amp=amp,
+            use_checkpoint=bool(use_checkpoint),
         )
-        result = subprocess.run(
-            [sys.executable, "-c", code],
-            capture_output=True,
-            text=True,
-            cwd=REPO_ROOT,
-            env={**os.environ, "PYTHONWARNINGS": "ignore"},
-        )
-        if result.returncode != 0:
-            raise RuntimeError(f"memory probe for patch {patch} failed:\n{result.stderr[-3000:]}")
-        rows.append(json.loads(result.stdout.strip().splitlines()[-1]))
-    print("\n| device | patch | channels | batch | amp | gradient checkpointing | peak mem (GiB) |")
-    print("|---|---|---|---|---|---|---|")
-    for r in rows:
-        print(
-            f"| {r['device']} | {'x'.join(map(str, r['patch_size']))} | {r['channels']} | {r['batch']} | {r['amp']} | "
-            f"{r['use_checkpoint']} | {r['peak_mem_gib']:.2f} |"
-        )
+        for patch in patch_sizes
+    ]
+    _print_table(
+        ["device", "patch", "channels", "batch", "amp", "gradient checkpointing", "peak mem (GiB)"],
+        [
+            [
+                r["device"],
+                "x".join(map(str, r["patch_size"])),
+                r["channels"],
+                r["batch"],
+                r["amp"],
+                r["use_checkpoint"],
+                f"{r['peak_mem_gib']:.2f}",
+            ]
+            for r in rows
+        ],
+    )
     if output:
         Path(output).write_text(json.dumps(rows, indent=2))
     return rows
 
 
+def _n_windows(shape: Sequence[int], roi: Sequence[int], overlap: float) -> int:
+    """Number of sliding windows MONAI's ``SlidingWindowInferer`` runs over a ``shape`` volume."""
+    from monai.data.utils import dense_patch_slices
+
+    padded = [max(int(s), int(r)) for s, r in zip(shape, roi)]
+    interval = [max(int(int(r) * (1 - float(overlap))), 1) for r in roi]
+    return len(dense_patch_slices(padded, [int(r) for r in roi], interval))
+
+
+def _volume_bytes(shape: Sequence[int], roi: Sequence[int]) -> dict[str, int]:
+    """Whole-volume float32 tensors of a sliding-window reconstruction: the input (plus its padded copy when a
+    side is shorter than the window) and the stitched output + count map (``2 x 4 bytes x voxels``)."""
+    voxels = math.prod(int(s) for s in shape)
+    padded = math.prod(max(int(s), int(r)) for s, r in zip(shape, roi))
+    input_bytes = 4 * voxels + (4 * padded if padded != voxels else 0)
+    return {"input": input_bytes, "output_buffers": 2 * 4 * padded, "total": input_bytes + 2 * 4 * padded}
+
+
+STAGES = ("encoder", "quantizer", "decoder")
+
+
+def _reset_peak_memory(device: torch.device) -> bool:
+    """Restart this process's peak-memory mark (CUDA allocator peak; on Linux the peak resident set size, via
+    ``/proc/self/clear_refs``). Returns False where it cannot be restarted."""
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+        return True
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+    except OSError:
+        return False
+    return True
+
+
+def _stage_hooks(modules: dict[str, torch.nn.Module], device: torch.device) -> dict[str, dict[str, float]]:
+    """Peak memory and time of the forward calls of each named module, and the peak of everything between them
+    (``other``: the sliding-window stitching, and the process itself).
+
+    Forward hooks restart the peak-memory mark around each call, so ``peak_gib`` of a stage is the largest
+    footprint of the process while that stage ran (its activations plus whatever else was alive).
+    """
+    from common.handlers.monitor import peak_memory_gib
+
+    stats = {name: {"peak_gib": 0.0, "seconds": 0.0} for name in [*modules, "other"]}
+    started: dict[str, float] = {}
+
+    def before(name: str) -> Callable:
+        def hook(module, args) -> None:
+            _sync(device)
+            stats["other"]["peak_gib"] = max(stats["other"]["peak_gib"], peak_memory_gib(device))
+            _reset_peak_memory(device)
+            started[name] = time.perf_counter()
+
+        return hook
+
+    def after(name: str) -> Callable:
+        def hook(module, args, output) -> None:
+            _sync(device)
+            stats[name]["seconds"] += time.perf_counter() - started[name]
+            stats[name]["peak_gib"] = max(stats[name]["peak_gib"], peak_memory_gib(device))
+            _reset_peak_memory(device)
+
+        return hook
+
+    for name, module in modules.items():
+        module.register_forward_pre_hook(before(name))
+        module.register_forward_hook(after(name))
+    return stats
+
+
+def _reconstruction_probe(
+    shape, patch_size, sw_batch_size, overlap, network, device, amp, warmup, repeats, num_threads
+) -> dict:
+    """One measurement (run in a fresh process): sliding-window reconstruction of a random ``shape`` volume.
+
+    The bundle's inference path: ``SlidingWindowInferer`` (roi ``patch_size``, gaussian blending) around
+    ``ReconstructionNetwork(VQGAN)`` in eval mode under ``torch.no_grad`` (bf16 autocast on GPUs with
+    ``amp=bf16``). Returns the median time of ``repeats`` runs after ``warmup``, the peak memory (CUDA allocator
+    peak, or the process's peak resident set size on the CPU) and the peak and share of time of each VQGAN
+    stage (encoder, quantizer, decoder; ``None`` peaks where the peak mark cannot be restarted).
+    """
+    from monai.inferers import SlidingWindowInferer
+
+    from common.handlers.monitor import peak_memory_gib
+    from common.networks.wrappers import ReconstructionNetwork
+    from common.utils import autocast, resolve_device
+
+    if num_threads:
+        torch.set_num_threads(int(num_threads))
+    dev = resolve_device(device)
+    amp = amp if dev.type == "cuda" else "none"
+    vqgan = _vqgan(network, dev).eval()
+    net = ReconstructionNetwork(vqgan)
+    inferer = SlidingWindowInferer(roi_size=patch_size, sw_batch_size=sw_batch_size, overlap=overlap, mode="gaussian")
+    volume = torch.rand(1, 1, *shape, device=dev)
+    stages = _stage_hooks({name: getattr(vqgan, name) for name in STAGES}, dev)
+    resettable = _reset_peak_memory(dev)
+    times = []
+    with torch.no_grad(), autocast(dev, amp):
+        for _ in range(int(warmup) + int(repeats)):
+            _sync(dev)
+            start = time.perf_counter()
+            inferer(volume, net)  # the output is dropped at once, so runs do not overlap in memory
+            _sync(dev)
+            times.append(time.perf_counter() - start)
+    stages["other"]["peak_gib"] = max(stages["other"]["peak_gib"], peak_memory_gib(dev))
+    windows = _n_windows(shape, patch_size, overlap)
+    seconds = statistics.median(times[int(warmup) :])
+    return {
+        "shape": list(shape),
+        "patch_size": list(patch_size),
+        "sw_batch_size": int(sw_batch_size),
+        "effective_sw_batch_size": min(int(sw_batch_size), windows),
+        "windows": windows,
+        "amp": amp,
+        "seconds_per_volume": seconds,
+        "seconds_per_window": seconds / windows,
+        "runs_s": times[int(warmup) :],
+        "peak_mem_gib": max(s["peak_gib"] for s in stages.values()) if resettable else peak_memory_gib(dev),
+        "stage_peak_mem_gib": {n: stages[n]["peak_gib"] if resettable else None for n in (*STAGES, "other")},
+        "stage_time_share": {n: stages[n]["seconds"] / sum(times) for n in STAGES},
+        "device": _device_name(dev),
+    }
+
+
+def _fit_line(xs: Sequence[float], ys: Sequence[float]) -> tuple[float, float]:
+    """Least-squares ``y = a + b x``."""
+    mx, my = statistics.fmean(xs), statistics.fmean(ys)
+    b = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
+    return my - b * mx, b
+
+
+def _memory_model(rows: list[dict]) -> dict | None:
+    """Fit ``peak = a + b x sw_batch_size`` (effective batch) to the whole-process peaks and to each stage's.
+
+    Returns ``None`` with fewer than two distinct effective batch sizes; stage fits only where stage peaks were
+    measured.
+    """
+    xs = [r["effective_sw_batch_size"] for r in rows]
+    if len(set(xs)) < 2:
+        return None
+    model = {"overall": _fit_line(xs, [r["peak_mem_gib"] for r in rows])}
+    if all(r["stage_peak_mem_gib"]["other"] is not None for r in rows):
+        for name in (*STAGES, "other"):
+            model[name] = _fit_line(xs, [r["stage_peak_mem_gib"][name] for r in rows])
+    return model
+
+
+def _predict_peak(model: dict, sw_batch_size: int, extra_gib: float) -> dict[str, float]:
+    """Predicted peak at ``sw_batch_size`` from the overall fit and as the largest of the stage fits, each plus
+    ``extra_gib`` (the larger whole-volume tensors of the target volume)."""
+    at = {name: a + b * sw_batch_size for name, (a, b) in model.items()}
+    stages = [v for name, v in at.items() if name != "overall"]
+    return {
+        "linear_fit_gib": at["overall"] + extra_gib,
+        "max_of_stages_gib": max(stages) + extra_gib if stages else float("nan"),
+        **{f"{name}_gib": v for name, v in at.items() if name != "overall"},
+    }
+
+
+def vqgan_reconstruction(
+    shape=(128, 128, 151),
+    patch_size=None,
+    sw_batch_sizes=(1, 2),
+    overlap: float = 0.25,
+    n_hiddens: int | None = None,
+    downsample=None,
+    embedding_dim: int | None = None,
+    n_codes: int | None = None,
+    device: str = "auto",
+    amp: str = "bf16",
+    warmup: int = 1,
+    repeats: int = 2,
+    target_shape=(512, 512, 604),
+    predict_sw_batch_sizes=(1, 2, 4),
+    num_threads: int | None = None,
+    output: str | None = None,
+) -> dict:
+    """Whole-volume VQ-GAN reconstruction time and peak memory through the bundle's sliding-window path.
+
+    Each ``sw_batch_size`` is measured in a fresh subprocess (see ``_reconstruction_probe``), which also records
+    the peak of each VQGAN stage (encoder, quantizer, decoder). Memory model: ``peak = a + b x sw_batch_size``
+    (effective batch: at most the number of windows) fitted to the whole-process peaks, and the same fit per
+    stage. The peak for ``target_shape`` is predicted from both, plus the growth of the whole-volume float32
+    tensors from ``shape`` to ``target_shape`` (input 4 bytes/voxel; stitched output + count map 2 x 4
+    bytes/voxel), the only part of the peak that grows with the volume. The stage model (largest stage) is the
+    one to trust: the quantizer's nearest-code search runs in chunks of 16384 latent vectors x ``n_codes``
+    float32 distances (1 GiB per temporary at 16384 codes), a peak that does not grow with the batch, so while
+    it dominates the whole-process fit is flat and under-predicts larger batches. ``a`` also holds the
+    interpreter and libraries (~0.6 GiB on the CPU) and the whole-volume tensors of ``shape``.
+
+    Defaults: the network of ``train.json`` (``n_hiddens`` 16, ``downsample`` 4, ``embedding_dim`` 8,
+    ``n_codes`` 16384) with its 128^3 patch on a CT pulmonary angiogram reduced 4x per axis (128x128x151 for
+    512x512x604: 2 windows), which a 2-core CPU runs in about 4 minutes; on a GPU pass
+    ``--shape "[512,512,604]" --sw_batch_sizes "[1,2,4]"`` (150 windows).
+
+    Args:
+        shape: volume size (random data).
+        patch_size: sliding-window roi (default ``train.json``'s ``patch_size``).
+        sw_batch_sizes: windows per forward pass to measure (at least two distinct values for the fit).
+        overlap: window overlap.
+        n_hiddens, downsample, embedding_dim, n_codes: VQGAN size (default ``train.json``'s).
+        device: ``auto``, ``cpu`` or ``cuda``.
+        amp: autocast on GPUs (``bf16``, ``fp16`` or ``none``); the CPU runs fp32.
+        warmup: untimed reconstructions before the timed ones (in each subprocess).
+        repeats: timed reconstructions; the median is reported.
+        target_shape: volume size the memory model predicts for.
+        predict_sw_batch_sizes: ``sw_batch_size`` values of the prediction.
+        num_threads: torch CPU threads.
+        output: JSON file for the results.
+    """
+    network = _vqgan_network(n_hiddens=n_hiddens, downsample=downsample, embedding_dim=embedding_dim, n_codes=n_codes)
+    roi = [int(p) for p in (patch_size or _train_config("vqgan_3d")["patch_size"])]
+    rows = [
+        _run_probe(
+            "_reconstruction_probe",
+            shape=[int(v) for v in shape],
+            patch_size=roi,
+            sw_batch_size=int(sw),
+            overlap=float(overlap),
+            network=network,
+            device=device,
+            amp=amp,
+            warmup=int(warmup),
+            repeats=int(repeats),
+            num_threads=num_threads,
+        )
+        for sw in sw_batch_sizes
+    ]
+
+    def stage_peaks(r: dict) -> str:
+        peaks = r["stage_peak_mem_gib"]
+        return " / ".join("-" if peaks[n] is None else f"{peaks[n]:.2f}" for n in STAGES)
+
+    _print_table(
+        [
+            "device",
+            "volume",
+            "patch",
+            "VQGAN (hiddens, codes x dim)",
+            "amp",
+            "sw batch",
+            "windows",
+            "time / volume (s)",
+            "s / window",
+            "time in encoder / quantizer / decoder",
+            "peak mem (GiB)",
+            "peak in encoder / quantizer / decoder (GiB)",
+        ],
+        [
+            [
+                r["device"],
+                "x".join(map(str, r["shape"])),
+                "x".join(map(str, roi)),
+                f"{network['n_hiddens']}, {network['n_codes']}x{network['embedding_dim']}",
+                r["amp"],
+                r["sw_batch_size"]
+                if r["sw_batch_size"] == r["effective_sw_batch_size"]
+                else f"{r['sw_batch_size']} (runs as {r['effective_sw_batch_size']})",
+                r["windows"],
+                f"{r['seconds_per_volume']:.2f}",
+                f"{r['seconds_per_window']:.2f}",
+                " / ".join(f"{r['stage_time_share'][n]:.0%}" for n in STAGES),
+                f"{r['peak_mem_gib']:.2f}",
+                stage_peaks(r),
+            ]
+            for r in rows
+        ],
+    )
+    measured, target = _volume_bytes(shape, roi), _volume_bytes(target_shape, roi)
+    target_windows = _n_windows(target_shape, roi, overlap)
+    summary = {
+        "network": network,
+        "patch_size": roi,
+        "overlap": float(overlap),
+        "measurements": rows,
+        "volume_bytes": {"x".join(map(str, shape)): measured, "x".join(map(str, target_shape)): target},
+    }
+    model = _memory_model(rows)
+    if model is None:
+        print("\nmemory model: needs two distinct effective sw_batch_size values (at most the number of windows).")
+    else:
+        extra = (target["total"] - measured["total"]) / GIB
+        predictions = []
+        for sw in predict_sw_batch_sizes:
+            effective = min(int(sw), target_windows)
+            nearest = min(rows, key=lambda r: abs(r["effective_sw_batch_size"] - effective))
+            predictions.append(
+                {
+                    "sw_batch_size": int(sw),
+                    **_predict_peak(model, effective, extra),
+                    "seconds_per_volume": nearest["seconds_per_window"] * target_windows,
+                    "seconds_per_window_from_sw_batch_size": nearest["sw_batch_size"],
+                }
+            )
+        summary["fit"] = {name: {"a_gib": a, "b_gib_per_window": b} for name, (a, b) in model.items()}
+        summary["predictions"] = {"shape": list(target_shape), "windows": target_windows, "rows": predictions}
+        fits = ", ".join(f"{name} {a:.2f} + {b:.2f} x sw" for name, (a, b) in model.items())
+        print(
+            f"\nmemory model ({rows[0]['device']}, {rows[0]['amp']}, {'x'.join(map(str, shape))}, GiB): {fits}. "
+            f"Whole-volume float32 tensors: {'x'.join(map(str, shape))} input {measured['input'] / GIB:.2f} + "
+            f"output/count {measured['output_buffers'] / GIB:.2f} GiB; {'x'.join(map(str, target_shape))} input "
+            f"{target['input'] / GIB:.2f} + output/count {target['output_buffers'] / GIB:.2f} GiB."
+        )
+        _print_table(
+            [
+                "volume",
+                "windows",
+                "sw batch",
+                "predicted peak, linear fit (GiB)",
+                "predicted peak, largest stage (GiB)",
+                "output + count buffers (GiB)",
+                "est. time / volume (s)",
+            ],
+            [
+                [
+                    "x".join(map(str, target_shape)),
+                    target_windows,
+                    p["sw_batch_size"],
+                    f"{p['linear_fit_gib']:.2f}",
+                    f"{p['max_of_stages_gib']:.2f}",
+                    f"{target['output_buffers'] / GIB:.2f}",
+                    f"{p['seconds_per_volume']:.0f} (s/window at sw {p['seconds_per_window_from_sw_batch_size']})",
+                ]
+                for p in predictions
+            ],
+        )
+    if output:
+        Path(output).write_text(json.dumps(summary, indent=2))
+    return summary
+
+
 if __name__ == "__main__":
     import fire
 
-    fire.Fire({"throughput": throughput, "memory": memory}, serialize=lambda _: None)
+    fire.Fire(
+        {
+            "throughput": throughput,
+            "memory": memory,
+            "vqgan_throughput": vqgan_throughput,
+            "vqgan_reconstruction": vqgan_reconstruction,
+        },
+        serialize=lambda _: None,
+    )

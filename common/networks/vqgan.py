@@ -34,7 +34,7 @@ __all__ = [
     "downsample_levels",
 ]
 
-_DIST_ARGMIN_CHUNK = 16384
+_DIST_ARGMIN_CHUNK = 4096  # rows per distance block: 4096 x n_codes floats (256 MiB at 16384 codes)
 
 
 def _distributed() -> bool:
@@ -262,8 +262,8 @@ class EMAVectorQuantizer(nn.Module):
         out = torch.empty(flat.shape[0], dtype=torch.long, device=flat.device)
         for start in range(0, flat.shape[0], _DIST_ARGMIN_CHUNK):
             chunk = flat[start : start + _DIST_ARGMIN_CHUNK].float()
-            distances = (chunk**2).sum(1, keepdim=True) - 2 * chunk @ codes.t() + code_sq
-            out[start : start + chunk.shape[0]] = distances.argmin(1)
+            # ||x||^2 is the same for every code of a row, so argmin(||e||^2 - 2 x.e) is the nearest code
+            out[start : start + chunk.shape[0]] = torch.addmm(code_sq, chunk, codes.t(), alpha=-2).argmin(1)
         return out
 
     @torch.no_grad()
@@ -309,6 +309,8 @@ class EMAVectorQuantizer(nn.Module):
 
     # ------------------------------------------------------------------ forward
     def forward(self, z: torch.Tensor) -> dict[str, torch.Tensor]:
+        if hasattr(z, "as_tensor"):  # a MetaTensor: its batched metadata cannot follow the flattening
+            z = z.as_tensor()
         if z.shape[1] != self.embedding_dim:
             raise ValueError(f"expected {self.embedding_dim} latent channels, got input of shape {tuple(z.shape)}.")
         flat = z.movedim(1, -1).reshape(-1, self.embedding_dim)
