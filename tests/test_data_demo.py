@@ -167,3 +167,41 @@ def test_demo_cli_phantom(tmp_path: Path, repo_root: Path) -> None:
     )
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == str(tmp_path / "out" / "datalist.json")
+
+
+def test_ct_phantom_has_chest_anatomy_in_hu() -> None:
+    a = demo.make_ct_phantom((48, 48, 40), seed=3)
+    assert a.dtype == np.float32 and a.shape == (48, 48, 40)
+    np.testing.assert_array_equal(a, demo.make_ct_phantom((48, 48, 40), seed=3))
+    assert not np.array_equal(a, demo.make_ct_phantom((48, 48, 40), seed=4))
+    clean = demo.make_ct_phantom((48, 48, 40), seed=3, noise_hu=0.0)
+    assert np.abs(clean[0, 0, :] + 1000).max() < 1  # air in the corner
+    centre_slice = clean[:, :, 20]
+    for hu, name in ((-850, "lung"), (40, "soft tissue"), (300, "contrast-filled vessels"), (-100, "fat")):
+        assert np.sum(np.abs(centre_slice - hu) < 30) > 5, name
+    # RAS: the spine (bone, > 200 HU) is posterior (low Y), the contrast-filled heart anterior of it
+    bone_y = np.nonzero(clean[20:28, :, 20] > 200)[1]
+    blood_y = np.nonzero(np.abs(clean[:, :, 5:20] - 300) < 30)[1]
+    assert bone_y.size and blood_y.size and bone_y.mean() < blood_y.mean()
+
+
+def test_dicom_series_round_trip_keeps_array_and_ras_affine(tmp_path: Path) -> None:
+    from monai.transforms import LoadImage
+
+    volume = demo.make_ct_phantom((20, 16, 12), seed=1)
+    folder = demo.write_dicom_series(tmp_path / "series", volume, spacing=(0.8, 0.8, 2.5))
+    assert len(list(folder.glob("*.dcm"))) == 12
+    image = LoadImage(image_only=True)(str(folder))
+    np.testing.assert_array_equal(image.numpy(), np.round(volume))
+    np.testing.assert_allclose(image.affine.numpy(), np.diag([0.8, 0.8, 2.5, 1.0]), atol=1e-6)
+    with pytest.raises(FileExistsError, match="already holds files"):
+        demo.write_dicom_series(folder, volume)
+    with pytest.raises(ValueError, match="3D"):
+        demo.write_dicom_series(tmp_path / "flat", volume[0])
+
+
+def test_write_phantom_dataset_ct_dicom(tmp_path: Path) -> None:
+    datalist = demo.write_phantom_dataset(tmp_path, n_train=2, n_val=1, shape=(12, 12, 8), kind="ct", dicom=True)
+    sections = json.loads(datalist.read_text())
+    assert [e["image"] for e in sections["training"]] == ["images/phantom_train_000", "images/phantom_train_001"]
+    assert len(list((tmp_path / "images" / "phantom_val_000").glob("*.dcm"))) == 8

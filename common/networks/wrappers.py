@@ -27,7 +27,7 @@ def prepare_network(
     distributed: bool | None = None,
     compile: bool = False,
     sync_batchnorm: bool = False,
-    static_graph: bool = True,
+    static_graph: bool = False,
     find_unused_parameters: bool = False,
     broadcast_buffers: bool = False,
     compile_kwargs: Mapping | None = None,
@@ -44,7 +44,8 @@ def prepare_network(
         compile: apply ``torch.compile`` (after DDP, so DDP's bucketing still sees the graph breaks).
         sync_batchnorm: convert BatchNorm layers to SyncBatchNorm; applied only for CUDA + distributed, since
             SyncBatchNorm has no CPU/gloo implementation.
-        static_graph: DDP ``static_graph`` (the same parameters are used every iteration).
+        static_graph: DDP ``static_graph``. Off by default: a static graph breaks ``no_sync`` (PyTorch asserts
+            ``expect_autograd_hooks_`` in the reducer), which gradient accumulation and micro-batching rely on.
         find_unused_parameters: DDP ``find_unused_parameters``.
         broadcast_buffers: DDP ``broadcast_buffers``; off by default (BatchNorm statistics stay per rank or are
             synchronised by SyncBatchNorm).
