@@ -8,6 +8,8 @@ whole-volume reconstruction cost.
     python scripts/benchmark.py memory --patch_sizes "[[32,32,32],[64,64,64]]"
     python scripts/benchmark.py vqgan_throughput                   # vqgan_3d, CPU or GPU
     python scripts/benchmark.py vqgan_throughput --patch_size "[64,64,64]" --n_hiddens 16 --iterations 20
+    python scripts/benchmark.py vqgan_memory                       # train.json network, 64^3 and 128^3 patches
+    python scripts/benchmark.py vqgan_memory --device cuda --amp bf16 --micro_batch_sizes "[1,2,4]"
     python scripts/benchmark.py vqgan_reconstruction               # reduced volume (128x128x151) on the CPU
     python scripts/benchmark.py vqgan_reconstruction --shape "[512,512,604]" --sw_batch_sizes "[1,2,4]" --device cuda
 
@@ -19,7 +21,9 @@ memory. ``memory`` measures peak memory of training steps at each patch size, ea
 ``vqgan_throughput`` does what ``throughput`` does for ``vqgan_3d``: a plain loop with TATS' VQ-GAN losses
 (``l1_weight`` x L1 + commitment + 2D/3D hinge generator terms + ``gan_feat_weight`` x feature matching; hinge
 discriminator loss; Adam betas (0.5, 0.9)) against the bundle's trainer, both micro-batched alike and adversarial
-from the first iteration. ``vqgan_reconstruction`` times whole-volume sliding-window reconstruction (the bundle's
+from the first iteration. ``vqgan_memory`` measures peak memory and time of full ``vqgan_3d`` training steps (the
+bundle's trainer, both discriminators, adversarial terms on) per patch and micro-batch size, each in a fresh
+subprocess. ``vqgan_reconstruction`` times whole-volume sliding-window reconstruction (the bundle's
 inference path) and fits a peak-memory model ``a + b x sw_batch_size``, each measurement in a fresh subprocess.
 Results are printed as a Markdown table and written as JSON.
 """
@@ -731,6 +735,263 @@ def memory(
     return rows
 
 
+def _memory_volume_shape(patch_size: Sequence[int], downsample: Sequence[int] | int) -> list[int]:
+    """Size of the whole volumes of a training-memory probe's temporary data set: a quarter larger than the patch
+    on every axis (so random crops move) and a multiple of the VQGAN's downsampling (so the pipeline's
+    ``DivisiblePadd`` adds nothing)."""
+    factors = [int(downsample)] * len(patch_size) if isinstance(downsample, int) else [int(d) for d in downsample]
+    return [math.ceil(int(p) * 5 / 4 / k) * k for p, k in zip(patch_size, factors)]
+
+
+def _vqgan_memory_runs(
+    patch_sizes: Sequence[Sequence[int]],
+    micro_batch_sizes: Sequence[int],
+    batch_size: int = 1,
+    patches_per_volume: int | None = None,
+    extra_runs: Sequence[Sequence] = (),
+) -> list[dict]:
+    """The runs of ``vqgan_memory``: every patch size x micro-batch size, plus each ``extra_runs`` entry
+    ``[patch_size, micro_batch_size, patches_per_volume]``; duplicates dropped, ordered by patch volume, then
+    micro-batch, then patches per step.
+
+    A step draws ``batch_size`` volumes x ``patches_per_volume`` patches; ``None`` draws just enough for one
+    micro-batch (``ceil(micro_batch_size / batch_size)`` per volume).
+
+    Raises:
+        ValueError: for sizes below 1, or a step with fewer patches than its micro-batch (the trainer would
+            forward a smaller one than the row says).
+    """
+    wanted = [(p, m, patches_per_volume) for p in patch_sizes for m in micro_batch_sizes]
+    wanted += [(run[0], run[1], run[2]) for run in extra_runs]
+    runs: dict[tuple, dict] = {}
+    for patch, micro, per_volume in wanted:
+        micro = int(micro)
+        per_volume = math.ceil(micro / int(batch_size)) if per_volume is None else int(per_volume)
+        if min(micro, int(batch_size), per_volume, *(int(p) for p in patch)) < 1:
+            raise ValueError(f"sizes must be >= 1, got patch {list(patch)}, micro-batch {micro}, {per_volume}/volume")
+        if int(batch_size) * per_volume < micro:
+            raise ValueError(f"a step of {batch_size} x {per_volume} patches is smaller than its micro-batch ({micro})")
+        run = {
+            "patch_size": [int(p) for p in patch],
+            "batch_size": int(batch_size),
+            "patches_per_volume": per_volume,
+            "micro_batch_size": micro,
+        }
+        runs[(tuple(run["patch_size"]), micro, per_volume)] = run
+    return sorted(
+        runs.values(),
+        key=lambda r: (math.prod(r["patch_size"]), r["micro_batch_size"], r["batch_size"] * r["patches_per_volume"]),
+    )
+
+
+def _vqgan_memory_probe(
+    patch_size,
+    network,
+    disc_channels,
+    disc_layers,
+    batch_size,
+    patches_per_volume,
+    micro_batch_size,
+    device,
+    amp,
+    steps,
+    warmup,
+    num_threads,
+) -> dict:
+    """One measurement (run in a fresh process): ``steps`` full training steps of the ``vqgan_3d`` trainer.
+
+    ``train#trainer`` comes from the bundle's ``train.json`` (see ``_bundle_trainer``: every handler, Adam,
+    gradient clipping, micro-batching, both discriminators, adversarial and feature-matching terms from the
+    first step) on a temporary data set of ``batch_size`` phantom volumes a quarter larger than the patch.
+    The peak-memory mark (CUDA allocator peak, or the peak resident set size on the CPU) is restarted just
+    before the first step and again after ``warmup`` steps: ``peak_mem_gib`` is the largest over all steps,
+    ``steady_peak_mem_gib`` over the steps after the warmup (without the first step's one-off allocations: cuDNN
+    autotuning, the optimizers' state), ``start_mem_gib`` the footprint before the first step (process, networks,
+    cached volumes). The CPU peak never falls below the parent's peak resident set size, which ``exec``
+    hands down and no reset clears (the parent stays small). ``seconds_per_step`` is the median wall time of the
+    steps after the warmup, batch loading included.
+    """
+    from ignite.engine import Events
+
+    from common.data.demo import write_phantom_dataset
+    from common.handlers.monitor import peak_memory_gib
+    from common.utils import resolve_device
+
+    if num_threads:
+        torch.set_num_threads(int(num_threads))
+    if not 1 <= int(warmup) < int(steps):
+        raise ValueError(f"need 1 <= warmup < steps, got warmup={warmup}, steps={steps}")
+    dev = resolve_device(device)
+    s = _vqgan_settings(
+        patch_size, network, disc_channels, disc_layers, batch_size, patches_per_volume, micro_batch_size, dev
+    )
+    s["amp"] = amp if dev.type == "cuda" else "none"
+    marks: dict[str, float] = {}
+    ends: list[float] = []
+    with tempfile.TemporaryDirectory() as tmp:
+        shape = _memory_volume_shape(patch_size, network["downsample"])
+        write_phantom_dataset(Path(tmp) / "data", n_train=int(batch_size), n_val=0, shape=shape)
+        trainer, _ = _bundle_trainer(
+            s, int(steps), str(Path(tmp) / "run"), {"dataset_dir": str(Path(tmp) / "data")}, "vqgan_3d"
+        )
+
+        @trainer.on(Events.STARTED)
+        def _start(engine) -> None:
+            _sync(dev)
+            marks["resettable"] = _reset_peak_memory(dev)
+            marks["start_mem_gib"] = peak_memory_gib(dev)
+            ends.append(time.perf_counter())
+
+        @trainer.on(Events.ITERATION_COMPLETED)
+        def _step(engine) -> None:
+            _sync(dev)
+            ends.append(time.perf_counter())
+            if engine.state.iteration == int(warmup):
+                marks["warmup_peak_mem_gib"] = peak_memory_gib(dev)
+                _reset_peak_memory(dev)
+            elif engine.state.iteration == int(steps):  # before the final checkpoint is written
+                marks["steady_peak_mem_gib"] = peak_memory_gib(dev)
+
+        trainer.run()
+    seconds = [b - a for a, b in zip(ends, ends[1:])]
+    steady = marks["steady_peak_mem_gib"] if marks["resettable"] else None
+    return {
+        "patch_size": [int(p) for p in patch_size],
+        "volume_shape": shape,
+        "batch_size": int(batch_size),
+        "patches_per_volume": int(patches_per_volume),
+        "patches_per_step": int(batch_size) * int(patches_per_volume),
+        "micro_batch_size": trainer.micro_batch_size,
+        "adversarial_from_step_1": trainer.adversarial_active(1),
+        "feature_matching_weight": trainer.feature_matching_weight,
+        "amp": trainer.amp_mode,
+        "steps": int(steps),
+        "warmup": int(warmup),
+        "peak_mem_gib": max(marks["warmup_peak_mem_gib"], marks["steady_peak_mem_gib"]),
+        "steady_peak_mem_gib": steady,
+        "start_mem_gib": marks["start_mem_gib"],
+        "seconds_per_step": statistics.median(seconds[int(warmup) :]),
+        "step_seconds": seconds,
+        "device": _device_name(dev),
+    }
+
+
+def vqgan_memory(
+    patch_sizes=((64, 64, 64), (128, 128, 128)),
+    micro_batch_sizes=(1, 2),
+    batch_size: int = 1,
+    patches_per_volume: int | None = None,
+    extra_runs=(((64, 64, 64), 1, 4),),
+    n_hiddens: int | None = None,
+    n_codes: int | None = None,
+    embedding_dim: int | None = None,
+    disc_channels: int | None = None,
+    disc_layers: int | None = None,
+    steps: int = 3,
+    warmup: int = 1,
+    device: str = "auto",
+    amp: str = "bf16",
+    num_threads: int | None = None,
+    output: str | None = None,
+) -> dict:
+    """Peak memory and time of full ``vqgan_3d`` training steps per patch size and micro-batch size.
+
+    Each run builds ``train#trainer`` from the bundle's ``train.json`` (VQGAN + 2D slice and 3D volume
+    discriminators, Adam, adversarial and feature-matching terms from the first step) in a fresh subprocess and
+    trains ``steps`` steps (see ``_vqgan_memory_probe``): on GPUs the CUDA allocator peak, on the CPU the peak
+    resident set size of the process. A step draws ``batch_size`` volumes x ``patches_per_volume`` patches and
+    forwards them ``micro_batch_size`` at a time; memory follows the micro-batch, not the patches per step,
+    which the default extra run (64^3, micro-batch 1, 4 patches per step) shows next to the 1-patch step.
+
+    Defaults: the network of ``train.json`` (``n_hiddens`` 16, ``downsample`` 4, ``embedding_dim`` 8,
+    ``n_codes`` 16384, discriminators 64 channels x 3 layers). On GPUs pass ``--device cuda --amp bf16``.
+
+    Args:
+        patch_sizes: training patches to measure.
+        micro_batch_sizes: patches forwarded and back-propagated at once.
+        batch_size: volumes per step.
+        patches_per_volume: patches drawn per volume (``None``: one micro-batch per step).
+        extra_runs: further ``[patch_size, micro_batch_size, patches_per_volume]`` runs.
+        n_hiddens, n_codes, embedding_dim: VQGAN size (default ``train.json``'s).
+        disc_channels, disc_layers: discriminator size (default ``train.json``'s).
+        steps: training steps per run.
+        warmup: steps before the timed ones (their peak counts in ``peak_mem_gib``; at least 1).
+        device: ``auto``, ``cpu`` or ``cuda``.
+        amp: autocast on GPUs (``bf16``, ``fp16`` or ``none``); the CPU runs fp32.
+        num_threads: torch CPU threads.
+        output: JSON file for the results.
+    """
+    config = _train_config("vqgan_3d")
+    network = _vqgan_network(n_hiddens=n_hiddens, n_codes=n_codes, embedding_dim=embedding_dim)
+    disc = {
+        "channels": int(config["disc_channels"] if disc_channels is None else disc_channels),
+        "num_layers": int(config["disc_layers"] if disc_layers is None else disc_layers),
+    }
+    rows = []
+    for run in _vqgan_memory_runs(patch_sizes, micro_batch_sizes, batch_size, patches_per_volume, extra_runs):
+        label = f"{'x'.join(map(str, run['patch_size']))}, micro-batch {run['micro_batch_size']}"
+        print(f"measuring {label}, {run['batch_size']}x{run['patches_per_volume']} patches/step ...", file=sys.stderr)
+        start = time.perf_counter()
+        try:
+            row = _run_probe(
+                "_vqgan_memory_probe",
+                **run,
+                network=network,
+                disc_channels=disc["channels"],
+                disc_layers=disc["num_layers"],
+                device=device,
+                amp=amp,
+                steps=int(steps),
+                warmup=int(warmup),
+                num_threads=num_threads,
+            )
+        except RuntimeError as exc:  # e.g. out of memory: keep the other rows
+            row = {**run, "patches_per_step": run["batch_size"] * run["patches_per_volume"], "error": str(exc)[-500:]}
+        print(f"  done in {time.perf_counter() - start:.0f} s", file=sys.stderr)
+        rows.append(row)
+
+    def gib(value) -> str:
+        return "-" if value is None else f"{value:.2f}"
+
+    _print_table(
+        [
+            "device",
+            "patch",
+            "patches / step",
+            "micro-batch",
+            "amp",
+            "peak mem (GiB)",
+            "peak after step 1 (GiB)",
+            "before step 1 (GiB)",
+            "s / step",
+        ],
+        [
+            [
+                r.get("device", device),
+                "x".join(map(str, r["patch_size"])),
+                r["patches_per_step"],
+                r["micro_batch_size"],
+                r.get("amp", amp),
+                *(
+                    ["failed: " + r["error"].strip().splitlines()[-1][:80], "-", "-", "-"]
+                    if "error" in r
+                    else [
+                        gib(r["peak_mem_gib"]),
+                        gib(r["steady_peak_mem_gib"]),
+                        gib(r["start_mem_gib"]),
+                        f"{r['seconds_per_step']:.2f}",
+                    ]
+                ),
+            ]
+            for r in rows
+        ],
+    )
+    summary = {"network": network, "discriminator": disc, "steps": int(steps), "warmup": int(warmup), "rows": rows}
+    if output:
+        Path(output).write_text(json.dumps(summary, indent=2))
+    return summary
+
+
 def _n_windows(shape: Sequence[int], roi: Sequence[int], overlap: float) -> int:
     """Number of sliding windows MONAI's ``SlidingWindowInferer`` runs over a ``shape`` volume."""
     from monai.data.utils import dense_patch_slices
@@ -1070,6 +1331,7 @@ if __name__ == "__main__":
         {
             "throughput": throughput,
             "memory": memory,
+            "vqgan_memory": vqgan_memory,
             "vqgan_throughput": vqgan_throughput,
             "vqgan_reconstruction": vqgan_reconstruction,
         },

@@ -1,7 +1,7 @@
 # Copyright (c) the 3D MONAI bundle collection contributors.
 # Licensed under the Apache License, Version 2.0.
-"""Tests for the vqgan_3d benchmarks of scripts/benchmark.py at toy sizes (window counts, memory model, one
-throughput comparison and one reconstruction probe)."""
+"""Tests for the vqgan_3d benchmarks of scripts/benchmark.py at toy sizes (window counts, memory model, the runs
+of the training-memory benchmark, one throughput comparison and one reconstruction probe)."""
 
 from __future__ import annotations
 
@@ -74,3 +74,23 @@ def test_vqgan_throughput_runs_both_sides(tmp_path, capsys):
     assert summary["plain_samples_per_s"] > 0 and summary["bundle_samples_per_s"] > 0
     assert json.loads(out.read_text())["batch"] == "1x2"
     assert "| bundle / plain |" in capsys.readouterr().out
+
+
+def test_vqgan_memory_runs_and_volume_shape():
+    runs = benchmark._vqgan_memory_runs([[128] * 3, [64] * 3], [1, 2], extra_runs=[[[64] * 3, 1, 4], [[64] * 3, 1, 1]])
+    # by patch volume, then micro-batch, then patches per step; by default a step is one micro-batch
+    assert [(r["patch_size"][0], r["micro_batch_size"], r["patches_per_volume"]) for r in runs] == [
+        (64, 1, 1),
+        (64, 1, 4),
+        (64, 2, 2),
+        (128, 1, 1),
+        (128, 2, 2),
+    ]
+    assert all(r["batch_size"] == 1 for r in runs)
+    two_volumes = benchmark._vqgan_memory_runs([[32] * 3], [3], batch_size=2)
+    assert two_volumes[0]["patches_per_volume"] == 2  # 2 x 2 patches hold a micro-batch of 3
+    with pytest.raises(ValueError, match="smaller than its micro-batch"):
+        benchmark._vqgan_memory_runs([[32] * 3], [4], patches_per_volume=2)
+    # a quarter larger than the patch, rounded up to the downsampling: DivisiblePadd leaves it alone
+    assert benchmark._memory_volume_shape([64, 128, 16], [4, 4, 4]) == [80, 160, 20]
+    assert benchmark._memory_volume_shape([30, 30, 30], 8) == [40, 40, 40]
