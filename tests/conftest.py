@@ -22,3 +22,19 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 @pytest.fixture
 def repo_root() -> Path:
     return REPO_ROOT
+
+
+@pytest.fixture(autouse=True)
+def _restore_root_logging():
+    """Remove root-logger handlers a test added (in-process bundle runs call ``setup_logging``, whose stream
+    handler would otherwise outlive the test's captured stdout) and restore the level."""
+    import logging
+
+    root = logging.getLogger()
+    handlers, level = list(root.handlers), root.level
+    yield
+    for handler in list(root.handlers):
+        if handler not in handlers:
+            root.removeHandler(handler)
+            handler.close()
+    root.setLevel(level)

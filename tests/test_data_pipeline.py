@@ -477,3 +477,19 @@ def test_encode_postprocessing_with_a_quantizer_saves_codes_and_code_vectors(tmp
 def test_inference_postprocessing_unknown_mode_lists_the_modes(tmp_path):
     with pytest.raises(ValueError, match="mode must be 'reconstruct', 'encode' or 'decode', got 'quantize'"):
         inference_postprocessing("quantize", volume_transforms(train=False), str(tmp_path))
+
+
+def test_vqcodesd_never_updates_a_training_mode_codebook():
+    from monai.data import MetaTensor
+
+    from common.data.pipeline import VQCodesd
+    from common.networks.vqgan import EMAVectorQuantizer
+
+    torch.manual_seed(0)
+    quantizer = EMAVectorQuantizer(8, 3)
+    quantizer.initialized.fill_(True)
+    quantizer.train()
+    before = quantizer.embeddings.clone()
+    out = VQCodesd("pred", quantizer)({"pred": MetaTensor(torch.randn(3, 4, 4, 4))})
+    assert torch.equal(quantizer.embeddings, before) and quantizer.training
+    assert torch.equal(out["pred"].as_tensor(), quantizer.embed(out["codes"].as_tensor().long())[0])

@@ -252,3 +252,19 @@ def test_prepare_network_ddp_on_single_process_group(tmp_path):
             prepare_network(frozen, "cpu")
     finally:
         dist.destroy_process_group()
+
+
+def test_inference_views_do_not_leave_the_network_in_training_mode():
+    """MONAI's ``eval_mode`` calls ``train()`` afterwards on modules that were training when it started."""
+    from monai.networks.utils import eval_mode
+
+    from common.networks.vqgan import VQGAN
+    from common.networks.wrappers import LatentDecoder, LatentEncoder, ReconstructionNetwork
+
+    net = VQGAN(n_hiddens=4, downsample=(4, 4, 4), embedding_dim=4, n_codes=8, norm_num_groups=4)
+    for view in (ReconstructionNetwork(net), LatentEncoder(net), LatentDecoder(net)):
+        net.train()
+        view = type(view)(net)
+        with eval_mode(view):
+            assert not net.quantizer.training
+        assert not net.quantizer.training, type(view).__name__

@@ -258,8 +258,13 @@ class VQCodesd(MapTransform):
             latent = d[key]
             meta = dict(getattr(latent, "meta", {}))
             plain = latent.as_tensor() if isinstance(latent, MetaTensor) else torch.as_tensor(latent)
-            with torch.no_grad():
-                out = self.quantizer(plain[None].to(device))
+            training = self.quantizer.training
+            self.quantizer.eval()  # quantizing must never update the codebook (MONAI's eval_mode restores train())
+            try:
+                with torch.no_grad():
+                    out = self.quantizer(plain[None].to(device))
+            finally:
+                self.quantizer.train(training)
             # the codebook rows themselves: the straight-through output z + (e - z) differs from e in the last bits
             quantized = self.quantizer.embed(out["indices"])[0]
             d[key] = MetaTensor(quantized.to(plain.dtype).detach().cpu(), meta=meta)

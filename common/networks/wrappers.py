@@ -127,11 +127,18 @@ def split_autoencoder_output(output) -> tuple[torch.Tensor, dict[str, torch.Tens
 
 
 class _InferenceView(nn.Module):
-    """Base of inference views: checkpoints of the wrapped network load and save without a prefix."""
+    """Base of inference views: checkpoints of the wrapped network load and save without a prefix.
+
+    A view starts in eval mode: MONAI evaluators run the network inside ``eval_mode``, which afterwards calls
+    ``train()`` on every module that was in training mode when it started - a fresh view would otherwise put the
+    wrapped network (e.g. a VQ-GAN whose codebook updates in training mode) back into training mode after each
+    inference batch.
+    """
 
     def __init__(self, network: nn.Module) -> None:
         super().__init__()
         self.network = network
+        self.eval()
 
     def state_dict(self, *args, **kwargs):
         return unwrap(self.network).state_dict(*args, **kwargs)
