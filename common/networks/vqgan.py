@@ -231,6 +231,11 @@ class EMAVectorQuantizer(nn.Module):
         self.register_buffer("embed_sum", self.embeddings.clone())
         self.register_buffer("initialized", torch.tensor(False))
         self.register_buffer("usage_counts", torch.zeros(self.n_codes, dtype=torch.long), persistent=False)
+        self._known_initialized = False  # host-side cache of ``initialized`` (reset when a state dict is loaded)
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs) -> None:
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+        self._known_initialized = False
 
     # ------------------------------------------------------------------ helpers
     def _candidates(self, flat: torch.Tensor) -> torch.Tensor:
@@ -267,7 +272,8 @@ class EMAVectorQuantizer(nn.Module):
         return out
 
     @torch.no_grad()
-    def _ema_update(self, flat: torch.Tensor, indices: torch.Tensor, counts: torch.Tensor) -> int:
+    def _ema_update(self, flat: torch.Tensor, indices: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """EMA step and restarts; returns the number of re-seeded codes as a tensor (no host synchronisation)."""
         sums = torch.zeros_like(self.embed_sum).index_add_(0, indices, flat.float())
         if _distributed():
             dist.all_reduce(sums)
@@ -277,15 +283,13 @@ class EMAVectorQuantizer(nn.Module):
         smoothed = (self.cluster_size + self.eps) / (total + self.n_codes * self.eps) * total
         self.embeddings.copy_(self.embed_sum / smoothed.unsqueeze(1))
         if self.no_random_restart:
-            return 0
+            return torch.zeros((), device=flat.device)
         candidates = self._candidates(flat.float())  # collective: every rank draws, rank 0's are used
         dead = self.cluster_size < self.restart_thres
-        n_dead = int(dead.sum())
-        if n_dead:
-            self.embeddings[dead] = candidates[dead]
-            self.embed_sum[dead] = candidates[dead]
-            self.cluster_size[dead] = 1.0
-        return n_dead
+        self.embeddings.copy_(torch.where(dead.unsqueeze(1), candidates, self.embeddings))
+        self.embed_sum.copy_(torch.where(dead.unsqueeze(1), candidates, self.embed_sum))
+        self.cluster_size.masked_fill_(dead, 1.0)
+        return dead.sum().float()
 
     @staticmethod
     def perplexity(counts: torch.Tensor) -> torch.Tensor:
@@ -314,8 +318,11 @@ class EMAVectorQuantizer(nn.Module):
         if z.shape[1] != self.embedding_dim:
             raise ValueError(f"expected {self.embedding_dim} latent channels, got input of shape {tuple(z.shape)}.")
         flat = z.movedim(1, -1).reshape(-1, self.embedding_dim)
-        if self.training and not bool(self.initialized):
+        if self.training and not self._known_initialized:
+            self._known_initialized = bool(self.initialized)  # one host synchronisation, then cached
+        if self.training and not self._known_initialized:
             self._initialise(flat.detach().float())
+            self._known_initialized = True
         indices = self.nearest(flat.detach())
         counts = torch.bincount(indices, minlength=self.n_codes).float()
         if _distributed() and self.training:
@@ -323,7 +330,7 @@ class EMAVectorQuantizer(nn.Module):
         quantized_flat = self.embeddings[indices].to(z.dtype)
         quantized = quantized_flat.reshape(*z.shape[:1], *z.shape[2:], self.embedding_dim).movedim(-1, 1)
         loss = self.commitment_cost * F.mse_loss(z.float(), quantized.detach().float())
-        restarts = 0
+        restarts = torch.zeros((), device=z.device)
         if self.training:
             restarts = self._ema_update(flat.detach(), indices, counts)
         else:
@@ -334,7 +341,7 @@ class EMAVectorQuantizer(nn.Module):
             "indices": indices.reshape(z.shape[0], *z.shape[2:]),
             "perplexity": self.perplexity(counts),
             "codebook_usage": (counts > 0).float().mean(),
-            "codebook_restarts": torch.tensor(float(restarts), device=z.device),
+            "codebook_restarts": restarts,
         }
 
 
