@@ -542,7 +542,10 @@ def test_gan_terms_and_discriminator_updates_start_after_discriminator_iter_star
                 (out["adv_loss_image"] + out["adv_loss_video"]).item(), rel=1e-5, abs=1e-6
             )
             expected = (
-                4.0 * out["recon_loss"] + out["quantization_loss"] + out["adv_loss"] + 4.0 * out["feature_matching_loss"]
+                4.0 * out["recon_loss"]
+                + out["quantization_loss"]
+                + out["adv_loss"]
+                + 4.0 * out["feature_matching_loss"]
             )
         assert out["loss"].item() == pytest.approx(expected.item(), rel=1e-5, abs=1e-6)
         assert 0 < out["codebook_usage"].item() <= 1 and out["perplexity"].item() >= 1
