@@ -242,7 +242,8 @@ class VQCodesd(MapTransform):
 
     Args:
         keys: continuous latent keys.
-        quantizer: an ``EMAVectorQuantizer`` (or a module with a ``quantizer`` attribute), in eval mode.
+        quantizer: an ``EMAVectorQuantizer`` (or a module with a ``quantizer`` attribute); it is switched to eval
+            mode while quantizing (the codebook never changes) and its mode is restored afterwards.
         codes_key: key of the code indices.
     """
 
@@ -272,7 +273,7 @@ class VQCodesd(MapTransform):
         return d
 
 
-def _save(key: str, output_dir: str, postfix: str, dtype: Any = None) -> SaveImaged:
+def _save(key: str, output_dir: str, postfix: str, dtype: Any = np.float32) -> SaveImaged:
     return SaveImaged(
         keys=key,
         output_dir=output_dir,
