@@ -7,6 +7,7 @@ Example::
     python scripts/make_datalist.py --data_dir /data/brats --output datalist.json \\
         --pattern "*flair.nii.gz" --val_fraction 0.2 --seed 0
     python scripts/make_datalist.py --data_dir /data/ct_series --dicom
+    python scripts/make_datalist.py --data_dir /data/BraTS2023-GLI-Training --brats
 """
 
 from __future__ import annotations
@@ -20,7 +21,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from common.data.datalist import write_datalist  # noqa: E402
 
-__all__ = ["find_dicom_series", "find_volumes", "main", "make_datalist", "split_items"]
+__all__ = [
+    "BRATS_MODALITIES",
+    "find_brats_cases",
+    "find_dicom_series",
+    "find_volumes",
+    "main",
+    "make_datalist",
+    "split_items",
+]
+
+BRATS_MODALITIES = ("t1n", "t1c", "t2w", "t2f")
 
 
 def find_volumes(data_dir: Path, pattern: str) -> list[str]:
@@ -52,13 +63,49 @@ def find_dicom_series(data_dir: Path) -> list[str]:
     return sorted(series)
 
 
-def split_items(items: list[str], val_fraction: float, seed: int) -> tuple[list[str], list[str]]:
+def find_brats_cases(
+    data_dir: Path, modalities: tuple[str, ...] = BRATS_MODALITIES, label: str = "seg"
+) -> list[dict[str, str]]:
+    """BraTS 2023 cases under ``data_dir``: folders ``<case>/`` holding ``<case>-<modality>.nii.gz`` files.
+
+    Args:
+        data_dir: the folder to search (recursively) for case folders.
+        modalities: modalities every case must have.
+        label: the optional segmentation suffix, added as ``"label"`` when present.
+
+    Returns:
+        One entry per case, sorted by case id: ``{"case_id": ..., "t1n": path, ..., "label": path}``.
+
+    Raises:
+        ValueError: naming every case with missing modalities (and which), all at once.
+    """
+    cases, problems = [], []
+    for folder in sorted({p.parent for p in data_dir.rglob("*.nii.gz") if p.is_file()}):
+        case = folder.name
+        files = {m: folder / f"{case}-{m}.nii.gz" for m in (*modalities, label)}
+        present = [m for m in modalities if files[m].is_file()]
+        if not present:
+            continue  # not a case folder
+        missing = [m for m in modalities if m not in present]
+        if missing:
+            problems.append(f"case {case} ({folder}): missing {', '.join(f'{case}-{m}.nii.gz' for m in missing)}")
+            continue
+        entry = {"case_id": case, **{m: str(files[m].absolute()) for m in modalities}}
+        if files[label].is_file():
+            entry["label"] = str(files[label].absolute())
+        cases.append(entry)
+    if problems:
+        raise ValueError(f"{len(problems)} BraTS case(s) are incomplete:\n  " + "\n  ".join(problems))
+    return cases
+
+
+def split_items(items: list, val_fraction: float, seed: int) -> tuple[list, list]:
     """Shuffle ``items`` with ``seed`` and split them into training and validation.
 
     At least one item goes to validation when there are two or more, and at least one stays in training.
 
     Args:
-        items: the paths to split.
+        items: the paths (or entries) to split.
         val_fraction: the fraction for validation, in ``[0, 1)``.
         seed: seed of the shuffle.
 
@@ -87,6 +134,7 @@ def make_datalist(
     val_fraction: float = 0.2,
     seed: int = 0,
     dicom: bool = False,
+    brats: bool = False,
 ) -> Path:
     """Find the volumes, split them, write the datalist with paths relative to ``data_dir`` and print a summary.
 
@@ -98,6 +146,8 @@ def make_datalist(
         val_fraction: fraction of volumes for validation, in ``[0, 1)``.
         seed: seed of the shuffle.
         dicom: treat every folder that contains ``.dcm`` files as one volume (a DICOM series).
+        brats: list BraTS 2023 cases (``<case>/<case>-t1n|t1c|t2w|t2f[-seg].nii.gz``) as multi-modality entries
+            ``{"case_id", "t1n", "t1c", "t2w", "t2f"[, "label"]}``; an incomplete case is an error naming it.
 
     Returns:
         The path of the written datalist.
@@ -109,16 +159,24 @@ def make_datalist(
     root = Path(os.path.expanduser(str(data_dir))).absolute()
     if not root.is_dir():
         raise FileNotFoundError(f"data_dir {str(root)!r} does not exist or is not a folder")
-    items = find_dicom_series(root) if dicom else find_volumes(root, pattern)
+    if brats:
+        items: list = find_brats_cases(root)
+        what = "no BraTS case folders (<case>/<case>-t1n.nii.gz, ...)"
+    elif dicom:
+        items = [{"image": p} for p in find_dicom_series(root)]
+        what = "no folders containing .dcm files"
+    else:
+        items = [{"image": p} for p in find_volumes(root, pattern)]
+        what = f"no files matching {pattern!r}"
     if not items:
-        what = "no folders containing .dcm files" if dicom else f"no files matching {pattern!r}"
         raise FileNotFoundError(f"{what} under data_dir {str(root)!r}")
     training, validation = split_items(items, val_fraction, seed)
-    sections = {"training": [{"image": p} for p in training]}
+    sections = {"training": training}
     if validation:
-        sections["validation"] = [{"image": p} for p in validation]
+        sections["validation"] = validation
     out = Path(os.path.expanduser(output)).absolute() if output else root / "datalist.json"
-    write_datalist(out, sections, base_dir=root)
+    keys = (*BRATS_MODALITIES, "label") if brats else ("image",)
+    write_datalist(out, sections, base_dir=root, keys=keys)
     print(f"wrote {out}: {len(training)} training, {len(validation)} validation volumes (paths relative to {root})")
     if not validation:
         print("note: a single volume was found, so there is no validation section")
@@ -134,10 +192,13 @@ def main(
     val_fraction: float = 0.2,
     seed: int = 0,
     dicom: bool = False,
+    brats: bool = False,
 ) -> None:
     """Command-line entry for :func:`make_datalist` (same arguments); exits with status 1 on errors."""
     try:
-        make_datalist(data_dir, output=output, pattern=pattern, val_fraction=val_fraction, seed=seed, dicom=dicom)
+        make_datalist(
+            data_dir, output=output, pattern=pattern, val_fraction=val_fraction, seed=seed, dicom=dicom, brats=brats
+        )
     except (OSError, ValueError) as exc:
         print(f"make_datalist: {exc}", file=sys.stderr)
         sys.exit(1)

@@ -226,3 +226,54 @@ def test_make_datalist_cli(tmp_path: Path, repo_root: Path) -> None:
         timeout=60,
     )
     assert failed.returncode == 1 and "nope" in failed.stderr
+
+
+def _brats_tree(root: Path, cases: dict[str, tuple[str, ...]]) -> None:
+    for case, modalities in cases.items():
+        folder = root / case
+        folder.mkdir(parents=True)
+        for m in modalities:
+            (folder / f"{case}-{m}.nii.gz").write_bytes(b"x")
+
+
+def test_make_datalist_brats_layout(tmp_path: Path, repo_root: Path) -> None:
+    script = _load_script(repo_root)
+    full = ("t1n", "t1c", "t2w", "t2f")
+    cases = {f"BraTS-GLI-{i:05d}-000": full + (("seg",) if i % 2 == 0 else ()) for i in range(5)}
+    _brats_tree(tmp_path / "brats", cases)
+    (tmp_path / "brats" / "README.txt").write_text("not a case")
+    out = script.make_datalist(str(tmp_path / "brats"), brats=True, val_fraction=0.2, seed=1)
+    raw = json.loads(out.read_text())
+    entries = raw["training"] + raw["validation"]
+    assert len(raw["training"]) == 4 and len(raw["validation"]) == 1
+    assert sorted(e["case_id"] for e in entries) == sorted(cases)
+    for e in entries:
+        case = e["case_id"]
+        for m in full:
+            assert e[m] == os.path.join(case, f"{case}-{m}.nii.gz")  # relative to data_dir
+        assert ("label" in e) == ("seg" in cases[case])
+    loaded = load_datalist(out, "training", keys=full)
+    assert all(os.path.isabs(e["t1n"]) and os.path.isfile(e["t2f"]) for e in loaded)
+
+
+def test_make_datalist_brats_names_incomplete_cases(tmp_path: Path, repo_root: Path) -> None:
+    script = _load_script(repo_root)
+    _brats_tree(
+        tmp_path / "brats",
+        {"case-a": ("t1n", "t1c", "t2w", "t2f"), "case-b": ("t1n", "t2w"), "case-c": ("t1c", "t2w", "t2f")},
+    )
+    with pytest.raises(ValueError) as info:
+        script.make_datalist(str(tmp_path / "brats"), brats=True)
+    message = str(info.value)
+    assert "2 BraTS case(s) are incomplete" in message
+    assert "case case-b" in message and "case-b-t1c.nii.gz, case-b-t2f.nii.gz" in message
+    assert "case case-c" in message and "case-c-t1n.nii.gz" in message and "case-a" not in message
+    assert not (tmp_path / "brats" / "datalist.json").exists()
+    failed = subprocess.run(
+        [sys.executable, "scripts/make_datalist.py", "--data_dir", str(tmp_path / "brats"), "--brats"],
+        cwd=repo_root,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert failed.returncode == 1 and "case-b-t2f.nii.gz" in failed.stderr
