@@ -47,17 +47,25 @@ def find_checkpoint(output_dir: str, bundle_root: str, name: str = "model.pt") -
     )
 
 
-def check_settings_or_exit(check: Callable[..., Any], **settings: Any) -> None:
+def check_settings_or_exit(check: Callable[..., Any], **settings: Any) -> Any:
     """Run a bundle's hyperparameter check first thing in ``initialize``: on ``ValueError``/``TypeError`` print
     its message (which names the config ids) and exit with status 1, before anything is built or written.
+
+    It also guards builders whose failure is a configuration error (e.g. loading a frozen autoencoder for latent
+    diffusion, or weights that do not fit the configured network: ``CheckpointError``): their result is returned.
 
     Args:
         check: a function raising ``ValueError`` for invalid settings, e.g.
             ``common.networks.vqgan.check_vqgan_settings``.
         settings: the config values, passed to ``check`` by name.
+
+    Returns:
+        What ``check`` returns.
     """
+    from common.handlers.checkpoint import CheckpointError
+
     try:
-        check(**settings)
-    except (ValueError, TypeError) as exc:
+        return check(**settings)
+    except (ValueError, TypeError, CheckpointError) as exc:
         print(f"configuration error: {exc}", file=sys.stderr, flush=True)
         raise SystemExit(1) from None

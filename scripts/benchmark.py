@@ -12,6 +12,9 @@ whole-volume reconstruction cost.
     python scripts/benchmark.py vqgan_memory --device cuda --amp bf16 --micro_batch_sizes "[1,2,4]"
     python scripts/benchmark.py vqgan_reconstruction               # reduced volume (128x128x151) on the CPU
     python scripts/benchmark.py vqgan_reconstruction --shape "[512,512,604]" --sw_batch_sizes "[1,2,4]" --device cuda
+    python scripts/benchmark.py ddpm_sampling                      # fast_ddpm_3d: 10-step grid vs 1000 steps
+    python scripts/benchmark.py ddpm_quality                       # equal training budgets, fast vs baseline
+    python scripts/benchmark.py ddpm_throughput                    # fast_ddpm_3d trainer vs a plain loop
 
 ``throughput`` runs, in one process and alternating, (a) the plain loop of MONAI's 3D latent-diffusion tutorial
 (CPU ``CacheDataset`` + ``DataLoader``, fp32, the same AutoencoderKL + PatchDiscriminator, L1 + KL + least-squares
@@ -25,6 +28,7 @@ from the first iteration. ``vqgan_memory`` measures peak memory and time of full
 bundle's trainer, both discriminators, adversarial terms on) per patch and micro-batch size, each in a fresh
 subprocess. ``vqgan_reconstruction`` times whole-volume sliding-window reconstruction (the bundle's
 inference path) and fits a peak-memory model ``a + b x sw_batch_size``, each measurement in a fresh subprocess.
+The ``ddpm_*`` benchmarks of ``fast_ddpm_3d`` live in ``scripts/benchmark_diffusion.py``.
 Results are printed as a Markdown table and written as JSON.
 """
 
@@ -33,7 +37,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -48,32 +51,18 @@ if str(REPO_ROOT) not in sys.path:
 
 import torch  # noqa: E402
 
-BUNDLES = REPO_ROOT / "bundles"
-GIB = 2**30
-
-
-def _train_config(bundle: str) -> dict:
-    """The raw ``configs/train.json`` of ``bundle`` (its literal defaults: widths, loss weights, optimizer)."""
-    return json.loads((BUNDLES / bundle / "configs" / "train.json").read_text())
-
-
-def _device_name(device: torch.device) -> str:
-    if device.type == "cuda":
-        return torch.cuda.get_device_name(device)
-    return f"CPU ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)"
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def _print_table(header: Sequence[str], rows: Sequence[Sequence]) -> None:
-    """Print a Markdown table."""
-    print("\n| " + " | ".join(header) + " |")
-    print("|" + "---|" * len(header))
-    for row in rows:
-        print("| " + " | ".join(str(cell) for cell in row) + " |")
+from scripts.benchmark_tools import (  # noqa: E402
+    GIB,
+    alternate,
+    bundle_trainer,
+    device_name,
+    print_table,
+    print_throughput,
+    setup,
+    sync,
+    timed_loop,
+    train_config,
+)
 
 
 def _settings(patch_size, channels, batch_size, num_samples, device) -> dict:
@@ -92,7 +81,7 @@ def _settings(patch_size, channels, batch_size, num_samples, device) -> dict:
 
 def _vqgan_network(**overrides) -> dict:
     """VQGAN hyperparameters: the ``vqgan_3d`` ``train.json`` defaults, replaced by the overrides that are not None."""
-    config = _train_config("vqgan_3d")
+    config = train_config("vqgan_3d")
     network = {}
     for key in ("n_hiddens", "downsample", "embedding_dim", "n_codes", "num_res_blocks", "norm_num_groups"):
         value = config[key] if overrides.get(key) is None else overrides[key]
@@ -104,7 +93,7 @@ def _vqgan_settings(
     patch_size, network: dict, disc_channels, disc_layers, batch_size, patches_per_volume, micro_batch_size, device
 ) -> dict:
     """Settings of a ``vqgan_3d`` throughput run; loss weights, optimizer and clipping come from ``train.json``."""
-    config = _train_config("vqgan_3d")
+    config = train_config("vqgan_3d")
     return {
         "patch_size": list(patch_size),
         "network": dict(network),
@@ -156,7 +145,7 @@ def _vqgan(network: dict, device: torch.device):
     """The bundle's VQGAN (codebook EMA decay, commitment cost and restart threshold from ``train.json``)."""
     from common.networks.vqgan import VQGAN
 
-    config = _train_config("vqgan_3d")
+    config = train_config("vqgan_3d")
     return VQGAN(
         spatial_dims=3,
         in_channels=1,
@@ -212,61 +201,6 @@ def _vqgan_overrides(s: dict) -> dict:
     }
 
 
-BUNDLE_OVERRIDES = {"autoencoder_3d": _autoencoder_overrides, "vqgan_3d": _vqgan_overrides}
-
-
-def _bundle_trainer(
-    s: dict, iterations: int, output_dir: str, extra: dict | None = None, bundle: str = "autoencoder_3d"
-):
-    """``train#trainer`` of ``bundle`` built from its ``train.json`` with every handler on, for ``iterations``
-    steps at the run's settings, and its ``TrainingMonitor`` (validation and checkpoint intervals pushed out of
-    reach, adversarial terms on from the first iteration)."""
-    from monai.bundle import ConfigWorkflow
-
-    overrides = {
-        "output_dir": output_dir,
-        **BUNDLE_OVERRIDES[bundle](s),
-        "max_epochs": 1,
-        "epoch_length": iterations,
-        "val_interval": 10**6,
-        "ckpt_interval": 10**6,
-        "log_interval": 10**6,
-        "resume": False,
-        "device": str(s["device"]),
-        "amp": s["amp"],
-        "num_threads": torch.get_num_threads(),
-        "cache_device": str(s["device"]),
-        **(extra or {}),
-    }
-    config_file = BUNDLES / bundle / "configs" / "train.json"
-    workflow = ConfigWorkflow(config_file=str(config_file), workflow_type="train", **overrides)
-    workflow.initialize()
-    trainer = workflow.parser.get_parsed_content("train#trainer")
-    monitor = next(
-        h for h in workflow.parser.get_parsed_content("train#handlers") if type(h).__name__ == "TrainingMonitor"
-    )
-    return trainer, monitor
-
-
-def _time_engine(trainer, warmup: int) -> tuple[float, int]:
-    from ignite.engine import Events
-
-    marks = {}
-
-    @trainer.on(Events.ITERATION_COMPLETED(once=warmup))
-    def _start(engine):
-        _sync(trainer.state.device)
-        marks["start"] = time.perf_counter()
-
-    @trainer.on(Events.COMPLETED)
-    def _end(engine):
-        _sync(trainer.state.device)
-        marks["end"] = time.perf_counter()
-
-    trainer.run()
-    return marks["end"] - marks["start"], trainer.state.iteration - warmup
-
-
 def _plain_loader(s: dict, data: list[dict], workers: int):
     """The tutorial's data path: CPU ``CacheDataset`` of whole volumes + ``DataLoader`` with random patches."""
     from monai.data import CacheDataset, DataLoader
@@ -296,24 +230,6 @@ def _plain_loader(s: dict, data: list[dict], workers: int):
     return DataLoader(
         dataset, batch_size=s["batch_size"], shuffle=True, num_workers=workers, persistent_workers=workers > 0
     )
-
-
-def _timed_loop(s: dict, loader, step: Callable[[torch.Tensor], None], iterations: int, warmup: int) -> float:
-    """Samples (patches) per second of ``step`` over the batches of ``loader`` after ``warmup`` untimed steps."""
-    device = s["device"]
-    done, start = 0, None
-    while done < iterations:
-        for batch in loader:
-            step(batch["image"].to(device))
-            done += 1
-            if done == warmup:
-                _sync(device)
-                start = time.perf_counter()
-            if done >= iterations:
-                break
-    _sync(device)
-    samples = (iterations - warmup) * s["batch_size"] * s["num_samples"]
-    return samples / (time.perf_counter() - start)
 
 
 def _plain_loop(s: dict, data: list[dict], iterations: int, warmup: int, workers: int) -> float:
@@ -351,7 +267,7 @@ def _plain_loop(s: dict, data: list[dict], iterations: int, warmup: int, workers
         opt_d.step()
         loss_g.item()  # the tutorial logs the loss every step
 
-    return _timed_loop(s, loader, step, iterations, warmup)
+    return timed_loop(s, loader, step, iterations, warmup)
 
 
 def _vqgan_plain_loop(s: dict, data: list[dict], iterations: int, warmup: int, workers: int) -> float:
@@ -414,52 +330,7 @@ def _vqgan_plain_loop(s: dict, data: list[dict], iterations: int, warmup: int, w
         opt_d.step()
         loss_g.item()  # a plain loop logs the loss every step
 
-    return _timed_loop(s, loader, step, iterations, warmup)
-
-
-def _alternate(s: dict, bundle: str, plain: Callable, iterations: int, warmup: int, repeats: int, workers: int) -> dict:
-    """Run ``plain`` and the bundle's trainer alternately ``repeats`` times on the demo data set.
-
-    Returns:
-        Medians of samples/s of each side and of the bundle's data-wait fraction, their ratio (bundle / plain),
-        the largest peak memory and every run under ``runs``.
-    """
-    from common.data.datalist import load_datalist
-    from common.data.demo import make_demo_dataset
-
-    with tempfile.TemporaryDirectory() as tmp:
-        datalist = make_demo_dataset(Path(tmp) / "demo")
-        data = load_datalist(datalist, "training")
-        runs = {"plain": [], "bundle": [], "data_wait": [], "peak_mem_gib": []}
-        for r in range(int(repeats)):
-            runs["plain"].append(plain(s, data, iterations + warmup, warmup, workers))
-            trainer, monitor = _bundle_trainer(
-                s, iterations + warmup, str(Path(tmp) / f"run{r}"), {"dataset_dir": str(Path(tmp) / "demo")}, bundle
-            )
-            elapsed, steps = _time_engine(trainer, warmup)
-            runs["bundle"].append(steps * s["batch_size"] * s["num_samples"] / elapsed)
-            runs["data_wait"].append(monitor.history[-1]["data_wait"] if monitor.history else float("nan"))
-            runs["peak_mem_gib"].append(monitor.history[-1]["peak_mem_gib"] if monitor.history else float("nan"))
-    plain_rate, bundle_rate = statistics.median(runs["plain"]), statistics.median(runs["bundle"])
-    return {
-        "plain_samples_per_s": plain_rate,
-        "bundle_samples_per_s": bundle_rate,
-        "speedup": bundle_rate / plain_rate,
-        "bundle_data_wait": statistics.median(runs["data_wait"]),
-        "bundle_peak_mem_gib": max(runs["peak_mem_gib"]),
-        "runs": runs,
-    }
-
-
-def _setup(device: str, num_threads: int | None, baseline_workers: int | None) -> tuple[torch.device, int]:
-    """Resolve the device, set torch CPU threads, and pick the plain loop's DataLoader workers."""
-    from common.utils import resolve_device
-
-    if num_threads:
-        torch.set_num_threads(int(num_threads))
-    dev = resolve_device(device)
-    workers = baseline_workers if baseline_workers is not None else (4 if dev.type == "cuda" else 0)
-    return dev, workers
+    return timed_loop(s, loader, step, iterations, warmup)
 
 
 def throughput(
@@ -490,44 +361,28 @@ def throughput(
         num_threads: torch CPU threads.
         output: JSON file for the results.
     """
-    dev, workers = _setup(device, num_threads, baseline_workers)
+    dev, workers = setup(device, num_threads, baseline_workers)
     s = _settings(patch_size, channels, batch_size, num_samples, dev)
     summary = {
-        "device": _device_name(dev),
+        "device": device_name(dev),
         "patch_size": list(patch_size),
         "channels": list(channels),
         "batch": f"{batch_size}x{num_samples}",
         "amp": s["amp"],
         "timed_iterations": iterations,
-        **_alternate(s, "autoencoder_3d", _plain_loop, iterations, warmup, repeats, workers),
+        **alternate(
+            s, "autoencoder_3d", _plain_loop, iterations, warmup, repeats, workers, extra=_autoencoder_overrides(s)
+        ),
     }
-    _print_table(
-        [
-            "device",
-            "patch",
-            "channels",
-            "batch",
-            "amp",
-            "plain loop (samples/s)",
-            "bundle (samples/s)",
-            "bundle / plain",
-            "data wait",
-            "peak mem (GiB)",
-        ],
-        [
-            [
-                summary["device"],
-                "x".join(map(str, patch_size)),
-                list(channels),
-                summary["batch"],
-                s["amp"],
-                f"{summary['plain_samples_per_s']:.2f}",
-                f"{summary['bundle_samples_per_s']:.2f}",
-                f"{summary['speedup']:.3f}",
-                f"{summary['bundle_data_wait']:.1%}",
-                f"{summary['bundle_peak_mem_gib']:.2f}",
-            ]
-        ],
+    print_throughput(
+        summary,
+        {
+            "device": summary["device"],
+            "patch": "x".join(map(str, patch_size)),
+            "channels": list(channels),
+            "batch": summary["batch"],
+            "amp": s["amp"],
+        },
     )
     if output:
         Path(output).write_text(json.dumps(summary, indent=2))
@@ -580,13 +435,13 @@ def vqgan_throughput(
         num_threads: torch CPU threads.
         output: JSON file for the results.
     """
-    dev, workers = _setup(device, num_threads, baseline_workers)
+    dev, workers = setup(device, num_threads, baseline_workers)
     network = _vqgan_network(n_hiddens=n_hiddens, n_codes=n_codes, embedding_dim=embedding_dim)
     s = _vqgan_settings(
         patch_size, network, disc_channels, disc_layers, batch_size, patches_per_volume, micro_batch_size, dev
     )
     summary = {
-        "device": _device_name(dev),
+        "device": device_name(dev),
         "patch_size": list(patch_size),
         "network": network,
         "discriminator": {"channels": s["disc_channels"], "num_layers": s["disc_layers"], "norm": s["disc_norm"]},
@@ -594,39 +449,19 @@ def vqgan_throughput(
         "micro_batch_size": s["micro_batch_size"],
         "amp": s["amp"],
         "timed_iterations": iterations,
-        **_alternate(s, "vqgan_3d", _vqgan_plain_loop, iterations, warmup, repeats, workers),
+        **alternate(s, "vqgan_3d", _vqgan_plain_loop, iterations, warmup, repeats, workers, extra=_vqgan_overrides(s)),
     }
-    _print_table(
-        [
-            "device",
-            "patch",
-            "VQGAN (hiddens, codes x dim)",
-            "disc (channels x layers)",
-            "batch",
-            "micro-batch",
-            "amp",
-            "plain loop (patches/s)",
-            "bundle (patches/s)",
-            "bundle / plain",
-            "data wait",
-            "peak mem (GiB)",
-        ],
-        [
-            [
-                summary["device"],
-                "x".join(map(str, patch_size)),
-                f"{network['n_hiddens']}, {network['n_codes']}x{network['embedding_dim']}",
-                f"{s['disc_channels']}x{s['disc_layers']}",
-                summary["batch"],
-                s["micro_batch_size"],
-                s["amp"],
-                f"{summary['plain_samples_per_s']:.2f}",
-                f"{summary['bundle_samples_per_s']:.2f}",
-                f"{summary['speedup']:.3f}",
-                f"{summary['bundle_data_wait']:.1%}",
-                f"{summary['bundle_peak_mem_gib']:.2f}",
-            ]
-        ],
+    print_throughput(
+        summary,
+        {
+            "device": summary["device"],
+            "patch": "x".join(map(str, patch_size)),
+            "VQGAN (hiddens, codes x dim)": f"{network['n_hiddens']}, {network['n_codes']}x{network['embedding_dim']}",
+            "disc (channels x layers)": f"{s['disc_channels']}x{s['disc_layers']}",
+            "batch": summary["batch"],
+            "micro-batch": s["micro_batch_size"],
+            "amp": s["amp"],
+        },
     )
     if output:
         Path(output).write_text(json.dumps(summary, indent=2))
@@ -684,7 +519,7 @@ def _memory_probe(patch_size, channels, batch_size, num_samples, device, amp, us
         "amp": trainer.amp_mode,
         "use_checkpoint": use_checkpoint,
         "peak_mem_gib": peak_memory_gib(dev),
-        "device": _device_name(dev),
+        "device": device_name(dev),
     }
 
 
@@ -715,7 +550,7 @@ def memory(
         )
         for patch in patch_sizes
     ]
-    _print_table(
+    print_table(
         ["device", "patch", "channels", "batch", "amp", "gradient checkpointing", "peak mem (GiB)"],
         [
             [
@@ -800,7 +635,7 @@ def _vqgan_memory_probe(
 ) -> dict:
     """One measurement (run in a fresh process): ``steps`` full training steps of the ``vqgan_3d`` trainer.
 
-    ``train#trainer`` comes from the bundle's ``train.json`` (see ``_bundle_trainer``: every handler, Adam,
+    ``train#trainer`` comes from the bundle's ``train.json`` (see ``bundle_trainer``: every handler, Adam,
     gradient clipping, micro-batching, both discriminators, adversarial and feature-matching terms from the
     first step) on a temporary data set of ``batch_size`` phantom volumes a quarter larger than the patch.
     The peak-memory mark (CUDA allocator peak, or the peak resident set size on the CPU) is restarted just
@@ -831,20 +666,24 @@ def _vqgan_memory_probe(
     with tempfile.TemporaryDirectory() as tmp:
         shape = _memory_volume_shape(patch_size, network["downsample"])
         write_phantom_dataset(Path(tmp) / "data", n_train=int(batch_size), n_val=0, shape=shape)
-        trainer, _ = _bundle_trainer(
-            s, int(steps), str(Path(tmp) / "run"), {"dataset_dir": str(Path(tmp) / "data")}, "vqgan_3d"
+        trainer, _ = bundle_trainer(
+            s,
+            int(steps),
+            str(Path(tmp) / "run"),
+            {"dataset_dir": str(Path(tmp) / "data"), **_vqgan_overrides(s)},
+            "vqgan_3d",
         )
 
         @trainer.on(Events.STARTED)
         def _start(engine) -> None:
-            _sync(dev)
+            sync(dev)
             marks["resettable"] = _reset_peak_memory(dev)
             marks["start_mem_gib"] = peak_memory_gib(dev)
             ends.append(time.perf_counter())
 
         @trainer.on(Events.ITERATION_COMPLETED)
         def _step(engine) -> None:
-            _sync(dev)
+            sync(dev)
             ends.append(time.perf_counter())
             if engine.state.iteration == int(warmup):
                 marks["warmup_peak_mem_gib"] = peak_memory_gib(dev)
@@ -872,7 +711,7 @@ def _vqgan_memory_probe(
         "start_mem_gib": marks["start_mem_gib"],
         "seconds_per_step": statistics.median(seconds[int(warmup) :]),
         "step_seconds": seconds,
-        "device": _device_name(dev),
+        "device": device_name(dev),
     }
 
 
@@ -921,7 +760,7 @@ def vqgan_memory(
         num_threads: torch CPU threads.
         output: JSON file for the results.
     """
-    config = _train_config("vqgan_3d")
+    config = train_config("vqgan_3d")
     network = _vqgan_network(n_hiddens=n_hiddens, n_codes=n_codes, embedding_dim=embedding_dim)
     disc = {
         "channels": int(config["disc_channels"] if disc_channels is None else disc_channels),
@@ -953,7 +792,7 @@ def vqgan_memory(
     def gib(value) -> str:
         return "-" if value is None else f"{value:.2f}"
 
-    _print_table(
+    print_table(
         [
             "device",
             "patch",
@@ -1040,7 +879,7 @@ def _stage_hooks(modules: dict[str, torch.nn.Module], device: torch.device) -> d
 
     def before(name: str) -> Callable:
         def hook(module, args) -> None:
-            _sync(device)
+            sync(device)
             stats["other"]["peak_gib"] = max(stats["other"]["peak_gib"], peak_memory_gib(device))
             _reset_peak_memory(device)
             started[name] = time.perf_counter()
@@ -1049,7 +888,7 @@ def _stage_hooks(modules: dict[str, torch.nn.Module], device: torch.device) -> d
 
     def after(name: str) -> Callable:
         def hook(module, args, output) -> None:
-            _sync(device)
+            sync(device)
             stats[name]["seconds"] += time.perf_counter() - started[name]
             stats[name]["peak_gib"] = max(stats[name]["peak_gib"], peak_memory_gib(device))
             _reset_peak_memory(device)
@@ -1092,10 +931,10 @@ def _reconstruction_probe(
     times = []
     with torch.no_grad(), autocast(dev, amp):
         for _ in range(int(warmup) + int(repeats)):
-            _sync(dev)
+            sync(dev)
             start = time.perf_counter()
             inferer(volume, net)  # the output is dropped at once, so runs do not overlap in memory
-            _sync(dev)
+            sync(dev)
             times.append(time.perf_counter() - start)
     stages["other"]["peak_gib"] = max(stages["other"]["peak_gib"], peak_memory_gib(dev))
     windows = _n_windows(shape, patch_size, overlap)
@@ -1113,7 +952,7 @@ def _reconstruction_probe(
         "peak_mem_gib": max(s["peak_gib"] for s in stages.values()) if resettable else peak_memory_gib(dev),
         "stage_peak_mem_gib": {n: stages[n]["peak_gib"] if resettable else None for n in (*STAGES, "other")},
         "stage_time_share": {n: stages[n]["seconds"] / sum(times) for n in STAGES},
-        "device": _device_name(dev),
+        "device": device_name(dev),
     }
 
 
@@ -1204,7 +1043,7 @@ def vqgan_reconstruction(
         output: JSON file for the results.
     """
     network = _vqgan_network(n_hiddens=n_hiddens, downsample=downsample, embedding_dim=embedding_dim, n_codes=n_codes)
-    roi = [int(p) for p in (patch_size or _train_config("vqgan_3d")["patch_size"])]
+    roi = [int(p) for p in (patch_size or train_config("vqgan_3d")["patch_size"])]
     rows = [
         _run_probe(
             "_reconstruction_probe",
@@ -1226,7 +1065,7 @@ def vqgan_reconstruction(
         peaks = r["stage_peak_mem_gib"]
         return " / ".join("-" if peaks[n] is None else f"{peaks[n]:.2f}" for n in STAGES)
 
-    _print_table(
+    print_table(
         [
             "device",
             "volume",
@@ -1296,7 +1135,7 @@ def vqgan_reconstruction(
             f"output/count {measured['output_buffers'] / GIB:.2f} GiB; {'x'.join(map(str, target_shape))} input "
             f"{target['input'] / GIB:.2f} + output/count {target['output_buffers'] / GIB:.2f} GiB."
         )
-        _print_table(
+        print_table(
             [
                 "volume",
                 "windows",
@@ -1327,8 +1166,13 @@ def vqgan_reconstruction(
 if __name__ == "__main__":
     import fire
 
+    from scripts.benchmark_diffusion import ddpm_quality, ddpm_sampling, ddpm_throughput
+
     fire.Fire(
         {
+            "ddpm_quality": ddpm_quality,
+            "ddpm_sampling": ddpm_sampling,
+            "ddpm_throughput": ddpm_throughput,
             "throughput": throughput,
             "memory": memory,
             "vqgan_memory": vqgan_memory,

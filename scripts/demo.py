@@ -6,9 +6,13 @@
     python scripts/demo.py --max_epochs 50      # shorter
     python scripts/demo.py --output_dir /tmp/ae # somewhere else
     python scripts/demo.py --bundle vqgan_3d    # the patchwise VQ-GAN (add --no_random_restart True to compare)
+    python scripts/demo.py --bundle fast_ddpm_3d                    # Fast-DDPM: MNI T1 -> grey-matter map
+    python scripts/demo.py --bundle fast_ddpm_3d --preset brats     # 4 -> 1 missing-modality synthesis (phantoms)
+    python scripts/demo.py --bundle fast_ddpm_3d --diffusion_mode baseline   # the 1000-step DDPM, same network
 
 The demo data (the real MNI152 T1 template and its GM/WM maps from the nilearn wheel, split into disjoint
-superior/inferior blocks for training/validation) is built on first use. Each stage is the bundle's own command
+superior/inferior blocks for training/validation; for ``--preset brats``, brain tumour phantoms with four MRI
+contrasts) is built on first use. Each stage is the bundle's own command
 (``python -m monai.bundle run ...``), printed before it runs, so it can be copied and changed.
 """
 
@@ -25,6 +29,8 @@ from pathlib import Path
 from typing import Any
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
+if str(REPO_ROOT) not in sys.path:
+    sys.path.insert(0, str(REPO_ROOT))
 
 # Brief-run settings per device: the CPU profile finishes in a few minutes on 2 cores; the GPU one uses the
 # bundle's full-size network and patches.
@@ -88,31 +94,60 @@ PROFILES = {
     },
 }
 
-# Overrides that evaluation must repeat: everything that shapes the network or the evaluation itself.
-EVAL_KEYS = (
-    "output_dir",
-    "patch_size",
-    "channels",
-    "norm_num_groups",
-    "d_channels",
-    "n_hiddens",
-    "n_codes",
-    "embedding_dim",
-    "downsample",
-    "no_random_restart",
-    "device",
-    "num_threads",
+# Demo presets: extra config files merged after train.json, with their own brief-run settings.
+PRESETS = {
+    ("fast_ddpm_3d", "brats"): {
+        "configs": ["brats.json"],
+        "cpu": {"max_epochs": 100, "val_interval": 25, "patch_size": [32, 32, 32], "spacing": None},
+        "gpu": {"max_epochs": 250, "val_interval": 50, "patch_size": [48, 48, 48], "spacing": None},
+    },
+}
+PROFILES["fast_ddpm_3d"] = {
+    "cpu": {
+        "patch_size": [32, 32, 32],
+        "unet_channels": [16, 32, 64],
+        "attention_levels": [False, False, True],
+        "norm_num_groups": 8,
+        "num_head_channels": 16,
+        "patches_per_volume": 4,
+        "max_epochs": 600,
+        "val_interval": 150,
+        "lr": 2e-4,
+        "log_interval": 50,
+    },
+    "gpu": {
+        "patch_size": [64, 64, 64],
+        "patches_per_volume": 4,
+        "max_epochs": 2000,
+        "val_interval": 500,
+        "log_interval": 100,
+    },
+}
+
+# Overrides that only shape training; evaluation repeats every other one (network, sampler, data settings).
+TRAIN_ONLY_KEYS = (
+    "max_epochs",
+    "epoch_length",
+    "val_interval",
+    "lr",
+    "d_lr",
+    "lr_warmup_iterations",
+    "log_interval",
+    "adv_warmup_iterations",
+    "discriminator_iter_start",
+    "num_samples",
+    "patches_per_volume",
+    "batch_size",
+    "micro_batch_size",
 )
 
 
 def _args(overrides: dict) -> list[str]:
-    args = []
-    for key, value in overrides.items():
-        args += [
-            f"--{key}",
-            str(value) if isinstance(value, bool) else (value if isinstance(value, str) else json.dumps(value)),
-        ]
-    return args
+    """``--key value`` pairs that the bundle's command line (fire) reads back to exactly ``overrides`` (booleans
+    inside lists stay booleans, ``None`` stays ``None``)."""
+    from common.bundle_tools.launch import format_overrides
+
+    return format_overrides(overrides)
 
 
 def _run(cmd: list[str], env: dict[str, str]) -> None:
@@ -124,6 +159,7 @@ def _run(cmd: list[str], env: dict[str, str]) -> None:
 
 def main(
     bundle: str = "autoencoder_3d",
+    preset: str | None = None,
     output_dir: str | None = None,
     max_epochs: int | None = None,
     device: str = "auto",
@@ -134,6 +170,7 @@ def main(
 
     Args:
         bundle: bundle folder name under ``bundles/``.
+        preset: a demo preset of the bundle (``brats`` for ``fast_ddpm_3d``: 4 -> 1 synthesis on phantoms).
         output_dir: where outputs go (default ``bundles/<bundle>/outputs/demo``, replaced on each run; an
             existing ``output_dir`` given here is resumed from its last checkpoint instead).
         max_epochs: override the brief-run epoch count.
@@ -148,12 +185,20 @@ def main(
 
     if bundle not in PROFILES:
         raise SystemExit(f"no demo profile for bundle {bundle!r}; available: {sorted(PROFILES)}")
+    if preset is not None and (bundle, preset) not in PRESETS:
+        raise SystemExit(f"no demo preset {preset!r} for {bundle!r}; available: {sorted(PRESETS)}")
     use_gpu = torch.cuda.is_available() if device == "auto" else device.startswith("cuda")
-    overrides = dict(PROFILES[bundle]["gpu" if use_gpu else "cpu"])
+    profile = "gpu" if use_gpu else "cpu"
+    overrides = dict(PROFILES[bundle][profile])
+    extra_configs: list[str] = []
+    if preset is not None:
+        extra_configs = list(PRESETS[(bundle, preset)]["configs"])
+        overrides.update(PRESETS[(bundle, preset)][profile])
     if max_epochs is not None:
         overrides["max_epochs"] = int(max_epochs)
     overrides.update(extra)
-    out = Path(output_dir or REPO_ROOT / "bundles" / bundle / "outputs" / "demo").resolve()
+    name = "demo" if preset is None else f"demo_{preset}"
+    out = Path(output_dir or REPO_ROOT / "bundles" / bundle / "outputs" / name).resolve()
     if output_dir is None and out.exists():
         # the demo's own folder: start afresh (an explicit --output_dir resumes instead, like the bundle does)
         print(f"removing the previous demo run in {out}")
@@ -169,17 +214,13 @@ def main(
     configs = REPO_ROOT / "bundles" / bundle / "configs"
     base = [sys.executable, "-m", "monai.bundle", "run"]
     start = time.time()
-    _run(base + ["training", "--config_file", str(configs / "train.json"), *_args(overrides)], env)
+    train_files = [str(configs / "train.json"), *(str(configs / c) for c in extra_configs)]
+    config_arg = train_files[0] if len(train_files) == 1 else json.dumps(train_files)
+    _run(base + ["training", "--config_file", config_arg, *_args(overrides)], env)
     trained = time.time() - start
-    evaluation = {k: v for k, v in overrides.items() if k in EVAL_KEYS}
+    evaluation = {k: v for k, v in overrides.items() if k not in TRAIN_ONLY_KEYS}
     _run(
-        base
-        + [
-            "run",
-            "--config_file",
-            json.dumps([str(configs / "train.json"), str(configs / "evaluate.json")]),
-            *_args(evaluation),
-        ],
+        base + ["run", "--config_file", json.dumps([*train_files, str(configs / "evaluate.json")]), *_args(evaluation)],
         env,
     )
     metrics = json.loads((out / "eval" / "metrics.json").read_text())["latest"]

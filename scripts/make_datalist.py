@@ -19,7 +19,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from common.data.datalist import write_datalist  # noqa: E402
+from common.data.datalist import BRATS_MODALITIES, find_brats_cases, write_datalist  # noqa: E402
 
 __all__ = [
     "BRATS_MODALITIES",
@@ -30,8 +30,6 @@ __all__ = [
     "make_datalist",
     "split_items",
 ]
-
-BRATS_MODALITIES = ("t1n", "t1c", "t2w", "t2f")
 
 
 def find_volumes(data_dir: Path, pattern: str) -> list[str]:
@@ -61,42 +59,6 @@ def find_dicom_series(data_dir: Path) -> list[str]:
         if any(name.lower().endswith(".dcm") for name in files):
             series.append(os.path.abspath(root))
     return sorted(series)
-
-
-def find_brats_cases(
-    data_dir: Path, modalities: tuple[str, ...] = BRATS_MODALITIES, label: str = "seg"
-) -> list[dict[str, str]]:
-    """BraTS 2023 cases under ``data_dir``: folders ``<case>/`` holding ``<case>-<modality>.nii.gz`` files.
-
-    Args:
-        data_dir: the folder to search (recursively) for case folders.
-        modalities: modalities every case must have.
-        label: the optional segmentation suffix, added as ``"label"`` when present.
-
-    Returns:
-        One entry per case, sorted by case id: ``{"case_id": ..., "t1n": path, ..., "label": path}``.
-
-    Raises:
-        ValueError: naming every case with missing modalities (and which), all at once.
-    """
-    cases, problems = [], []
-    for folder in sorted({p.parent for p in data_dir.rglob("*.nii.gz") if p.is_file()}):
-        case = folder.name
-        files = {m: folder / f"{case}-{m}.nii.gz" for m in (*modalities, label)}
-        present = [m for m in modalities if files[m].is_file()]
-        if not present:
-            continue  # not a case folder
-        missing = [m for m in modalities if m not in present]
-        if missing:
-            problems.append(f"case {case} ({folder}): missing {', '.join(f'{case}-{m}.nii.gz' for m in missing)}")
-            continue
-        entry = {"case_id": case, **{m: str(files[m].absolute()) for m in modalities}}
-        if files[label].is_file():
-            entry["label"] = str(files[label].absolute())
-        cases.append(entry)
-    if problems:
-        raise ValueError(f"{len(problems)} BraTS case(s) are incomplete:\n  " + "\n  ".join(problems))
-    return cases
 
 
 def split_items(items: list, val_fraction: float, seed: int) -> tuple[list, list]:

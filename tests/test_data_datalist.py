@@ -13,7 +13,14 @@ from pathlib import Path
 
 import pytest
 
-from common.data.datalist import DatalistError, MissingSectionError, load_datalist, write_datalist
+from common.data.datalist import (
+    BRATS_MODALITIES,
+    DatalistError,
+    MissingSectionError,
+    find_brats_cases,
+    load_datalist,
+    write_datalist,
+)
 
 
 def _write_json(path: Path, data: object) -> Path:
@@ -277,3 +284,14 @@ def test_make_datalist_brats_names_incomplete_cases(tmp_path: Path, repo_root: P
         timeout=60,
     )
     assert failed.returncode == 1 and "case-b-t2f.nii.gz" in failed.stderr
+
+
+def test_find_brats_cases_lives_in_common_and_is_reexported(tmp_path: Path, repo_root: Path) -> None:
+    script = _load_script(repo_root)
+    assert script.find_brats_cases is find_brats_cases and script.BRATS_MODALITIES is BRATS_MODALITIES
+    assert BRATS_MODALITIES == ("t1n", "t1c", "t2w", "t2f")
+    _brats_tree(tmp_path, {"b-case": (*BRATS_MODALITIES, "seg"), "a-case": BRATS_MODALITIES, "other": ("x",)})
+    cases = find_brats_cases(tmp_path)
+    assert [c["case_id"] for c in cases] == ["a-case", "b-case"]  # sorted; folders without modalities skipped
+    assert "label" not in cases[0] and cases[1]["label"] == str(tmp_path / "b-case" / "b-case-seg.nii.gz")
+    assert cases[0]["t2f"] == str(tmp_path / "a-case" / "a-case-t2f.nii.gz")

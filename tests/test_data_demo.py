@@ -205,3 +205,232 @@ def test_write_phantom_dataset_ct_dicom(tmp_path: Path) -> None:
     sections = json.loads(datalist.read_text())
     assert [e["image"] for e in sections["training"]] == ["images/phantom_train_000", "images/phantom_train_001"]
     assert len(list((tmp_path / "images" / "phantom_val_000").glob("*.dcm"))) == 8
+
+
+BRATS_KEYS = ("t1n", "t1c", "t2w", "t2f")
+
+
+def test_brain_tumour_phantom_is_seeded_with_all_labels() -> None:
+    a = demo.make_brain_tumour_phantom((40, 48, 36), seed=3)
+    b = demo.make_brain_tumour_phantom((40, 48, 36), seed=3)
+    c = demo.make_brain_tumour_phantom((40, 48, 36), seed=4)
+    assert set(a) == {*BRATS_KEYS, "seg"}  # no "tissue" unless asked for
+    for key in BRATS_KEYS:
+        assert a[key].dtype == np.float32 and a[key].shape == (40, 48, 36)
+        assert a[key].min() >= 0.0 and np.isfinite(a[key]).all()
+        np.testing.assert_array_equal(a[key], b[key])
+        assert not np.allclose(a[key], c[key])
+    assert a["seg"].dtype == np.uint8 and a["seg"].shape == (40, 48, 36)
+    np.testing.assert_array_equal(a["seg"], b["seg"])
+    assert not np.array_equal(a["seg"], c["seg"])
+    for seed in range(6):
+        assert set(np.unique(demo.make_brain_tumour_phantom((32, 32, 32), seed=seed)["seg"])) == {0, 1, 2, 3}, seed
+
+
+@pytest.mark.parametrize("seed", [0, 7])
+def test_brain_tumour_phantom_contrasts(seed: int) -> None:
+    case = demo.make_brain_tumour_phantom((48, 48, 48), seed=seed, return_tissue=True)
+    tissue, seg = case["tissue"], case["seg"]
+    assert set(np.unique(tissue)) == set(range(len(demo.TISSUES)))  # every tissue class is there at 48^3
+    np.testing.assert_array_equal(seg, np.asarray([0, 0, 0, 0, 2, 3, 1])[tissue])  # edema 2, ET 3, NCR 1
+    brain = tissue > 0
+    assert 0.1 < brain.mean() < 0.5 and brain[24, 24, 24]
+    # skull-stripped: exactly 0 outside the brain mask, positive inside it, in every modality
+    for key in BRATS_KEYS:
+        assert np.all(case[key][~brain] == 0.0) and np.all(case[key][brain] > 0.0)
+    assert not seg[~brain].any()
+
+    def mean(key: str, name: str) -> float:
+        return float(case[key][tissue == demo.TISSUES.index(name)].mean())
+
+    assert mean("t2f", "csf") < 0.4 * mean("t2f", "edema")  # FLAIR: dark CSF, bright edema
+    assert mean("t2f", "edema") > 1.3 * mean("t2f", "wm")
+    assert mean("t1c", "enhancing") > 1.2 * mean("t1c", "necrosis")  # enhancing rim around a dark necrotic core
+    assert mean("t1n", "wm") > 1.15 * mean("t1n", "gm")
+    # the rim enhances: t1c / t1n (the per-case gains cancel) is higher in ET than in healthy white matter
+    enhancement = case["t1c"] / np.where(brain, case["t1n"], 1.0)
+    et, wm = tissue == demo.TISSUES.index("enhancing"), tissue == demo.TISSUES.index("wm")
+    assert enhancement[et].mean() > 1.3 * enhancement[wm].mean()
+
+
+def test_brain_tumour_phantom_flair_is_predictable_from_the_other_modalities() -> None:
+    def features(seed: int) -> tuple[np.ndarray, np.ndarray]:
+        case = demo.make_brain_tumour_phantom((40, 40, 40), seed=seed)
+        brain = case["t1n"] > 0
+        # percentile normalisation removes the random per-case gains
+        x = [case[key][brain] / np.percentile(case[key][brain], 99) for key in BRATS_KEYS]
+        t1n, t1c, t2w = x[:3]
+        design = [np.ones_like(t1n), t1n, t1c, t2w, t1n * t1c, t1n * t2w, t1c * t2w, t1n**2, t1c**2, t2w**2]
+        return np.stack(design, axis=1), x[3]
+
+    train = [features(seed) for seed in (1, 2, 3)]
+    weights = np.linalg.lstsq(np.concatenate([a for a, _ in train]), np.concatenate([b for _, b in train]))[0]
+    design, t2f = features(11)
+    r2 = 1.0 - np.mean((design @ weights - t2f) ** 2) / np.var(t2f)
+    assert r2 > 0.7, r2
+
+
+def test_brain_tumour_phantom_rejects_bad_shape() -> None:
+    with pytest.raises(ValueError, match=r"at least 16 voxels per axis, got \(8, 48, 48\)"):
+        demo.make_brain_tumour_phantom((8, 48, 48))
+    with pytest.raises(ValueError, match="shape must be 3 positive"):
+        demo.make_brain_tumour_phantom((48, 48))
+
+
+@pytest.fixture(scope="module")
+def brats_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("brats_phantom")
+    demo.write_brats_phantom_dataset(out, n_train=3, n_val=1, shape=(24, 24, 20), seed=5, spacing=(1.5, 1.5, 2.0))
+    return out
+
+
+def test_write_brats_phantom_dataset_layout(brats_dir: Path) -> None:
+    cases = [f"BraTS-PHANTOM-{i:05d}-000" for i in range(4)]
+    assert sorted(p.name for p in brats_dir.iterdir()) == sorted([*cases, "datalist.json"])
+    for case in cases:
+        names = sorted(p.name for p in (brats_dir / case).iterdir())
+        assert names == sorted(f"{case}-{m}.nii.gz" for m in (*BRATS_KEYS, "seg"))
+    raw = json.loads((brats_dir / "datalist.json").read_text())
+    assert set(raw) == {"training", "validation"}
+    assert [e["case_id"] for e in raw["training"]] == cases[:3] and [e["case_id"] for e in raw["validation"]] == cases[
+        3:
+    ]
+    for entry in raw["training"] + raw["validation"]:
+        case = entry["case_id"]
+        assert set(entry) == {"case_id", *BRATS_KEYS, "label"}
+        for m in BRATS_KEYS:
+            assert entry[m] == f"{case}/{case}-{m}.nii.gz"  # relative to output_dir
+        assert entry["label"] == f"{case}/{case}-seg.nii.gz"
+    loaded = load_datalist(brats_dir / "datalist.json", "validation", keys=(*BRATS_KEYS, "label"))
+    assert loaded[0]["t2f"] == str(brats_dir / cases[3] / f"{cases[3]}-t2f.nii.gz")
+    # every case has its own seed, derived from the base seed as write_phantom_dataset does
+    case_seed = int(np.random.SeedSequence(5).generate_state(4)[2])
+    expected = demo.make_brain_tumour_phantom((24, 24, 20), seed=case_seed)
+    for m in (*BRATS_KEYS, "seg"):
+        img = nib.load(brats_dir / cases[2] / f"{cases[2]}-{m}.nii.gz")
+        assert img.get_data_dtype() == (np.uint8 if m == "seg" else np.float32)
+        np.testing.assert_allclose(img.affine, np.diag([1.5, 1.5, 2.0, 1.0]))
+        np.testing.assert_array_equal(np.asarray(img.dataobj), expected[m])
+    first = np.asarray(nib.load(brats_dir / cases[0] / f"{cases[0]}-t2f.nii.gz").dataobj)
+    assert not np.allclose(first, expected["t2f"])
+
+
+def test_write_brats_phantom_dataset_is_not_rewritten(brats_dir: Path) -> None:
+    files = sorted(p for p in brats_dir.rglob("*") if p.is_file())
+    before = {p: p.stat().st_mtime_ns for p in files}
+    datalist = demo.write_brats_phantom_dataset(
+        brats_dir, n_train=3, n_val=1, shape=(24, 24, 20), seed=5, spacing=(1.5, 1.5, 2.0)
+    )
+    assert datalist == brats_dir / "datalist.json"
+    assert {p: p.stat().st_mtime_ns for p in sorted(p for p in brats_dir.rglob("*") if p.is_file())} == before
+
+
+def test_write_brats_phantom_dataset_without_validation_and_rebuild(tmp_path: Path) -> None:
+    datalist = demo.write_brats_phantom_dataset(tmp_path, n_train=1, n_val=0, shape=16)
+    assert set(json.loads(datalist.read_text())) == {"training"}
+    label = tmp_path / "BraTS-PHANTOM-00000-000" / "BraTS-PHANTOM-00000-000-seg.nii.gz"
+    mtime = label.stat().st_mtime_ns
+    demo.write_brats_phantom_dataset(tmp_path, n_train=1, n_val=0, shape=16)
+    assert label.stat().st_mtime_ns == mtime  # complete: left alone
+    label.unlink()
+    demo.write_brats_phantom_dataset(tmp_path, n_train=1, n_val=0, shape=16)
+    assert label.is_file()  # a listed file is missing: rebuilt
+    demo.write_brats_phantom_dataset(tmp_path, n_train=1, n_val=1, shape=16)
+    assert len(load_datalist(datalist, "validation", keys=BRATS_KEYS)) == 1  # other counts: rebuilt
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"n_train": 0}, "n_train must be at least 1, got 0"),
+        ({"n_val": -1}, "n_val must be 0 or more, got -1"),
+        ({"n_train": 1.5}, "must be integers"),
+        ({"shape": (16, 16, 12)}, r"at least 16 voxels per axis, got \(16, 16, 12\)"),
+        ({"shape": (16, 16)}, "shape must be 3 positive"),
+        ({"spacing": (1, 0, 1)}, r"spacing must be 3 positive numbers, got \(1, 0, 1\)"),
+    ],
+)
+def test_write_brats_phantom_dataset_rejects_bad_arguments(tmp_path: Path, kwargs: dict, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        demo.write_brats_phantom_dataset(tmp_path / "out", **kwargs)
+    assert not (tmp_path / "out").exists()
+
+
+def test_make_datalist_brats_lists_the_phantom_cases(tmp_path: Path, repo_root: Path) -> None:
+    datalist = demo.write_brats_phantom_dataset(tmp_path, n_train=2, n_val=1, shape=16, seed=1)
+    written = json.loads(datalist.read_text())
+    datalist.unlink()
+    cmd = [sys.executable, "scripts/make_datalist.py", "--data_dir", str(tmp_path), "--brats", "--val_fraction", "0.3"]
+    result = subprocess.run(cmd, cwd=repo_root, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    listed = json.loads(datalist.read_text())
+    by_case = lambda sections: {e["case_id"]: e for s in sections.values() for e in s}  # noqa: E731
+    assert by_case(listed) == by_case(written)  # same cases, same relative paths (the split is the script's own)
+    assert len(listed["training"]) == 2 and len(listed["validation"]) == 1
+
+
+@pytest.fixture(scope="module")
+def translation_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    pytest.importorskip("nibabel")
+    try:
+        demo.mni_template_paths()
+    except FileNotFoundError as exc:
+        pytest.skip(str(exc))
+    out = tmp_path_factory.mktemp("translation")
+    demo.make_translation_demo(out, spacing=(2.0, 2.0, 2.0), source="t1", target="gm")
+    return out
+
+
+def test_translation_demo_entries_and_blocks(translation_dir: Path, demo_dir: Path) -> None:
+    datalist = translation_dir / "datalist.json"
+    raw = json.loads(datalist.read_text())
+    assert raw == {
+        "training": [{"case_id": "mni_train", "t1": "images/mni_t1_train.nii.gz", "gm": "images/mni_gm_train.nii.gz"}],
+        "validation": [{"case_id": "mni_val", "t1": "images/mni_t1_val.nii.gz", "gm": "images/mni_gm_val.nii.gz"}],
+    }
+    assert sorted(p.name for p in (translation_dir / "images").iterdir()) == [
+        "mni_gm_train.nii.gz",
+        "mni_gm_val.nii.gz",
+        "mni_t1_train.nii.gz",
+        "mni_t1_val.nii.gz",
+    ]
+    train = load_datalist(datalist, keys=("t1", "gm"))[0]
+    val = load_datalist(datalist, "validation", keys=("t1", "gm"))[0]
+    for entry in (train, val):
+        source, target = nib.load(entry["t1"]), nib.load(entry["gm"])
+        assert source.shape == target.shape and min(source.shape) >= 32
+        np.testing.assert_allclose(source.affine, target.affine)
+        gm = np.asarray(target.dataobj)
+        assert target.get_data_dtype() == np.float32 and gm.min() >= 0.0 and gm.max() > 50.0  # T1-scaled map
+    axis = 2  # superior-inferior in the RAS templates
+    assert _world_range(val["t1"], axis)[1] < _world_range(train["t1"], axis)[0]
+    assert _world_range(val["gm"], axis)[1] < _world_range(train["gm"], axis)[0]
+    # the same volumes as the autoencoder demo set at the same spacing
+    for name in ("mni_t1_train", "mni_gm_train", "mni_t1_val"):
+        ours, theirs = (
+            nib.load(translation_dir / "images" / f"{name}.nii.gz"),
+            nib.load(demo_dir / "images" / f"{name}.nii.gz"),
+        )
+        np.testing.assert_array_equal(np.asarray(ours.dataobj), np.asarray(theirs.dataobj))
+        np.testing.assert_allclose(ours.affine, theirs.affine)
+
+
+def test_translation_demo_is_not_rewritten(translation_dir: Path) -> None:
+    files = [translation_dir / "datalist.json"] + sorted((translation_dir / "images").iterdir())
+    before = {p: p.stat().st_mtime_ns for p in files}
+    assert demo.make_translation_demo(translation_dir) == translation_dir / "datalist.json"
+    assert {p: p.stat().st_mtime_ns for p in files} == before
+
+
+@pytest.mark.parametrize(
+    "source, target, match",
+    [
+        ("pd", "gm", r"source must be one of \('t1', 'gm', 'wm', 'synth'\), got 'pd'"),
+        ("t1", "seg", "target must be one of .* got 'seg'"),
+        ("wm", "wm", "source and target must differ, got 'wm' for both"),
+    ],
+)
+def test_translation_demo_rejects_bad_names(tmp_path: Path, source: str, target: str, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        demo.make_translation_demo(tmp_path / "out", source=source, target=target)
+    assert not (tmp_path / "out").exists()

@@ -300,16 +300,17 @@ def cohort(tmp_path: Path) -> dict:
 
 
 def _spy_reads(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """Record every volume read (``_inspect`` does all reading, for ``check_volume`` and ``preflight`` alike)."""
     import common.data.preflight as module
 
     seen: list[str] = []
-    check = module.check_volume
+    inspect = module._inspect
 
     def spy(path, *args, **kwargs):
         seen.append(str(path))
-        return check(path, *args, **kwargs)
+        return inspect(path, *args, **kwargs)
 
-    monkeypatch.setattr(module, "check_volume", spy)
+    monkeypatch.setattr(module, "_inspect", spy)
     return seen
 
 
@@ -394,3 +395,229 @@ def test_preflight_or_exit_passes_max_cases_on(cohort: dict, capsys) -> None:
         preflight_or_exit(cohort["file"], enabled=False, max_cases=0)
     assert info.value.code == 1
     assert "max_cases must be a positive integer or null, got 0" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------- multi-modality: channels, shapes, case ids
+MODALITIES = ("t1n", "t1c", "t2w", "t2f")
+
+
+def _brats_case(root: Path, case_id: str, shapes: dict[str, tuple[int, ...]] | None = None) -> dict:
+    """Write one BraTS-style case (4 modalities and a label, (6, 6, 5) unless ``shapes`` says otherwise) and
+    return its datalist entry."""
+    folder = root / case_id
+    folder.mkdir(parents=True)
+    entry: dict = {"case_id": case_id}
+    for seed, key in enumerate((*MODALITIES, "label")):
+        shape = (shapes or {}).get(key, (6, 6, 5))
+        entry[key] = str(_good(folder / f"{case_id}-{key}.nii.gz", shape, seed=seed))
+    return entry
+
+
+def _write_json(path: Path, data: dict) -> Path:
+    path.write_text(json.dumps(data))
+    return path
+
+
+@pytest.mark.parametrize(
+    "shape, channels",
+    [((6, 6, 5), 1), ((6, 6, 5, 1), 1), ((6, 6, 5, 2), 2), ((6, 6, 5, 1, 3), 3)],
+)
+def test_check_volume_num_channels_nifti_layouts(tmp_path: Path, shape: tuple[int, ...], channels: int) -> None:
+    path = str(_good(tmp_path / "v.nii.gz", shape))
+    assert check_volume(path) is None  # no channel check by default
+    assert check_volume(path, num_channels=channels) is None
+    other = 2 if channels == 1 else 1
+    plural = "channel" if channels == 1 else "channels"
+    assert check_volume(path, num_channels=other) == f"has {channels} {plural}; {other} expected"
+
+
+def test_check_volume_num_channels_validation_and_precedence(tmp_path: Path) -> None:
+    flat = str(_nifti(tmp_path / "flat.nii.gz", np.ones((8, 8), np.float32)))
+    assert check_volume(flat, num_channels=3) == "is 2D (shape (8, 8)); a 3D volume is required"  # first reason wins
+    assert check_volume(str(tmp_path / "gone.nii.gz"), num_channels=1) == "does not exist"
+    good = str(_good(tmp_path / "v.nii.gz", (6, 6, 5)))
+    assert check_volume(good, num_channels=2.0) == "has 1 channel; 2 expected"  # a whole float (from a config)
+    for bad in (0, -1, True, 1.5, "2"):
+        with pytest.raises(ValueError, match=r"num_channels must be a positive integer or None, got "):
+            check_volume(good, num_channels=bad)
+    with pytest.raises(ValueError, match="per-key counts are given to preflight"):
+        check_volume(good, num_channels={"image": 1})
+
+
+def test_check_volume_num_channels_itk_and_monai(tmp_path: Path) -> None:
+    import itk
+
+    series = str(_write_dicom_series(tmp_path / "series", (6, 7, 8)))
+    assert check_volume(series, num_channels=1) is None
+    assert check_volume(series, num_channels=3) == "has 1 channel; 3 expected"
+    itk.imwrite(itk.image_from_array(np.ones((6, 7, 8), np.float32)), str(tmp_path / "s.mha"))
+    vector = itk.image_from_array(np.ones((6, 7, 8, 2), np.float32), is_vector=True)
+    itk.imwrite(vector, str(tmp_path / "v.mha"))
+    assert check_volume(str(tmp_path / "s.mha"), num_channels=1) is None
+    assert check_volume(str(tmp_path / "v.mha"), num_channels=2) is None
+    assert check_volume(str(tmp_path / "v.mha"), num_channels=1) == "has 2 channels; 1 expected"
+
+
+def test_preflight_clean_four_modality_case_passes(tmp_path: Path) -> None:
+    cases = [_brats_case(tmp_path, f"BraTS-GLI-0000{i}-000") for i in range(2)]
+    file = _write_json(tmp_path / "d.json", {"training": cases[:1], "validation": cases[1:]})
+    loaded = preflight(file, keys=MODALITIES, num_channels=1)
+    assert loaded["training"] == cases[:1] and loaded["validation"] == cases[1:]
+    assert preflight(file, keys=(*MODALITIES, "label"), num_channels={"label": 1}) == loaded
+
+
+def test_preflight_wrong_channel_counts_name_key_and_case(tmp_path: Path) -> None:
+    two = _brats_case(tmp_path, "BraTS-GLI-00000-000", {"t1c": (6, 6, 5, 2)})  # 2 channels where 1 is expected
+    file = _write_json(tmp_path / "d.json", {"training": [two]})
+    assert preflight(file, keys=MODALITIES)  # no channel check without num_channels
+    with pytest.raises(PreflightError) as info:
+        preflight(file, keys=MODALITIES, num_channels=1)
+    assert info.value.problems == [
+        f"training[0] (case BraTS-GLI-00000-000) {two['t1c']}: has 2 channels; 1 expected for key 't1c'"
+    ]
+    with pytest.raises(PreflightError) as info:  # and 1 channel where 2 are expected
+        preflight(file, keys=MODALITIES, num_channels={"t1c": 2, "t1n": 2})
+    assert info.value.problems == [
+        f"training[0] (case BraTS-GLI-00000-000) {two['t1n']}: has 1 channel; 2 expected for key 't1n'"
+    ]
+
+
+def test_preflight_num_channels_per_key_mapping(tmp_path: Path) -> None:
+    image = _good(tmp_path / "image.nii.gz", (6, 6, 5, 4))
+    label = _good(tmp_path / "label.nii.gz", (6, 6, 5))
+    file = _write_json(tmp_path / "d.json", {"training": [{"image": str(image), "label": str(label)}]})
+    keys = ("image", "label")
+    assert preflight(file, keys=keys, num_channels={"image": 4, "label": 1})
+    assert preflight(file, keys=keys, num_channels={"image": 4, "label": None})  # None: key not checked
+    with pytest.raises(PreflightError) as info:
+        preflight(file, keys=keys, num_channels={"image": 1, "label": 1})
+    assert info.value.problems == [f"training[0] {image}: has 4 channels; 1 expected for key 'image'"]
+    with pytest.raises(ValueError, match=r"num_channels names key 'seg', which is not one of the checked keys"):
+        preflight(file, keys=keys, num_channels={"image": 4, "seg": 1})
+    with pytest.raises(ValueError, match=r"num_channels\['label'\] must be a positive integer or None, got 0"):
+        preflight(file, keys=keys, num_channels={"image": 4, "label": 0})
+    with pytest.raises(ValueError, match=r"num_channels must be a positive integer or None, got 'x'"):
+        preflight(file, keys=keys, num_channels="x")
+
+
+def test_preflight_one_file_under_two_keys_is_read_once_and_checked_per_key(tmp_path: Path, monkeypatch) -> None:
+    seen = _spy_reads(monkeypatch)
+    path = str(_good(tmp_path / "v.nii.gz", (6, 6, 5)))
+    file = _write_json(tmp_path / "d.json", {"training": [{"case_id": "c0", "image": path, "label": path}]})
+    with pytest.raises(PreflightError) as info:
+        preflight(file, keys=("image", "label"), num_channels={"image": 1, "label": 2})
+    assert info.value.problems == [f"training[0] (case c0) {path}: has 1 channel; 2 expected for key 'label'"]
+    assert seen == [path]
+
+
+def test_preflight_mismatched_shapes_within_a_case(tmp_path: Path) -> None:
+    good = _brats_case(tmp_path, "BraTS-GLI-00000-000")
+    off = _brats_case(tmp_path, "BraTS-GLI-00003-000", {"t2f": (6, 6, 4)})
+    anonymous = _brats_case(tmp_path, "anonymous", {"t1c": (7, 6, 5)})
+    del anonymous["case_id"]
+    file = _write_json(tmp_path / "d.json", {"training": [good, off], "validation": [anonymous]})
+    with pytest.raises(PreflightError) as info:
+        preflight(file, keys=MODALITIES)
+    assert info.value.problems == [
+        "training[1] (case BraTS-GLI-00003-000): spatial shapes differ between keys: t1n (6, 6, 5), "
+        "t1c (6, 6, 5), t2w (6, 6, 5), t2f (6, 6, 4); modalities of a case must share one grid",
+        "validation[0]: spatial shapes differ between keys: t1n (6, 6, 5), t1c (7, 6, 5), t2w (6, 6, 5), "
+        "t2f (6, 6, 5); modalities of a case must share one grid",
+    ]
+    assert preflight(file, keys=MODALITIES, same_shape=False)
+    assert preflight(file, keys=("t2f",))  # a single key has nothing to compare with
+    # channels do not count as shape: (X, Y, Z, 2) and (X, Y, Z) share one grid
+    two = _brats_case(tmp_path, "two", {"t1n": (6, 6, 5, 2)})
+    assert preflight(_write_json(tmp_path / "two.json", {"training": [two]}), keys=MODALITIES)
+
+
+def test_preflight_skips_shape_comparison_when_a_volume_has_a_problem(tmp_path: Path) -> None:
+    case = _brats_case(tmp_path, "BraTS-GLI-00001-000", {"t2f": (6, 6, 4), "t1c": (6, 6, 5, 2)})
+    file = _write_json(tmp_path / "d.json", {"training": [case]})
+    with pytest.raises(PreflightError) as info:
+        preflight(file, keys=MODALITIES, num_channels=1)
+    assert info.value.problems == [
+        f"training[0] (case BraTS-GLI-00001-000) {case['t1c']}: has 2 channels; 1 expected for key 't1c'"
+    ]
+
+
+def test_preflight_case_ids_in_entry_and_volume_problems(tmp_path: Path) -> None:
+    good = _brats_case(tmp_path, "BraTS-GLI-00000-000")
+    incomplete = {k: v for k, v in _brats_case(tmp_path, "BraTS-GLI-00002-000").items() if k != "t2f"}
+    gone = dict(_brats_case(tmp_path, "BraTS-GLI-00003-000"), t1n=str(tmp_path / "gone.nii.gz"))
+    no_id = {k: v for k, v in _brats_case(tmp_path, "no-id").items() if k not in ("case_id", "t2w")}
+    blank_id = dict(_brats_case(tmp_path, "blank"), case_id="", t1c=str(tmp_path / "gone2.nii.gz"))
+    file = _write_json(tmp_path / "d.json", {"training": [good, incomplete, gone, no_id, blank_id, 7]})
+    with pytest.raises(PreflightError) as info:
+        preflight(file, keys=MODALITIES)
+    present = sorted(incomplete)
+    assert info.value.problems == [
+        f"training[1] (case BraTS-GLI-00002-000): entry is missing required key 't2f' (keys present: {present})",
+        f"training[3]: entry is missing required key 't2w' (keys present: {sorted(no_id)})",
+        "training[5]: entry must be an object or a path string, got int 7",
+        f"training[2] (case BraTS-GLI-00003-000) {tmp_path / 'gone.nii.gz'}: does not exist",
+        f"training[4] {tmp_path / 'gone2.nii.gz'}: does not exist",
+    ]
+    from common.data.preflight import load_sections
+
+    with pytest.raises(PreflightError) as info:  # structure-only loading names the case too
+        load_sections(file, keys=MODALITIES)
+    assert info.value.problems[0].startswith("training[1] (case BraTS-GLI-00002-000): entry is missing")
+    in_memory = {"training": [{"case_id": 12, "image": str(tmp_path / "x.nii.gz")}, {"case_id": 13}]}
+    with pytest.raises(PreflightError) as info:
+        preflight(in_memory)
+    assert info.value.problems == [
+        "training[1] (case 13): entry is missing required key 'image' (keys present: ['case_id'])",
+        f"training[0] (case 12) {tmp_path / 'x.nii.gz'}: does not exist",
+    ]
+
+
+def test_preflight_shards_by_entry_when_comparing_shapes(tmp_path: Path, monkeypatch) -> None:
+    seen = _spy_reads(monkeypatch)
+    cases = [_brats_case(tmp_path, f"c{i}", {"t2f": (6, 6, 4)} if i == 1 else None) for i in range(3)]
+    file = _write_json(tmp_path / "d.json", {"training": cases})
+    problems: list[str] = []
+    reads: list[list[str]] = []
+    for rank in range(2):
+        seen.clear()
+        try:
+            preflight(file, keys=MODALITIES, shard=(rank, 2))
+        except PreflightError as exc:
+            problems += exc.problems
+        reads.append(sorted(seen))
+    assert len(problems) == 1 and problems[0].startswith("training[1] (case c1): spatial shapes differ")
+    everything = sorted(case[k] for case in cases for k in MODALITIES)
+    assert sorted(reads[0] + reads[1]) == everything  # each volume read once, by the rank owning its case
+    for case in cases:  # all volumes of a case are read by one rank, so its shapes can be compared there
+        assert sum({case[k] for k in MODALITIES} <= set(rank_reads) for rank_reads in reads) == 1
+
+
+def test_preflight_or_exit_passes_num_channels_and_same_shape_on(tmp_path: Path, capsys) -> None:
+    from common.data.preflight import preflight_or_exit
+
+    case = _brats_case(tmp_path, "BraTS-GLI-00005-000", {"t2w": (6, 6, 5, 3), "t2f": (5, 6, 5)})
+    file = _write_json(tmp_path / "d.json", {"training": [case]})
+    with pytest.raises(SystemExit) as info:
+        preflight_or_exit(file, keys=MODALITIES, num_channels=1)
+    assert info.value.code == 1
+    err = capsys.readouterr().err
+    assert "preflight found 1 problem(s)" in err
+    assert f"training[0] (case BraTS-GLI-00005-000) {case['t2w']}: has 3 channels; 1 expected for key 't2w'" in err
+    with pytest.raises(SystemExit):
+        preflight_or_exit(file, keys=MODALITIES)
+    assert "spatial shapes differ between keys" in capsys.readouterr().err
+    assert preflight_or_exit(file, keys=MODALITIES, same_shape=False)["training"] == [case]
+
+
+def test_cli_num_channels_and_same_shape(tmp_path: Path, repo_root: Path) -> None:
+    case = _brats_case(tmp_path, "BraTS-GLI-00007-000", {"t2f": (6, 6, 4)})
+    file = str(_write_json(tmp_path / "d.json", {"training": [case]}))
+    keys = "[t1n,t1c,t2w,t2f]"
+    bad = _run_cli(repo_root, file, "--keys", keys, "--num_channels", "{t1n: 2}")
+    assert bad.returncode == 1
+    assert "has 1 channel; 2 expected for key 't1n'" in bad.stderr and "spatial shapes differ" not in bad.stderr
+    shapes = _run_cli(repo_root, file, "--keys", keys, "--num_channels", "1")
+    assert shapes.returncode == 1 and "(case BraTS-GLI-00007-000): spatial shapes differ" in shapes.stderr
+    ok = _run_cli(repo_root, file, "--keys", keys, "--num_channels", "1", "--same_shape", "False")
+    assert ok.returncode == 0, ok.stderr
+    assert "preflight OK: 1 training, 0 validation volumes" in ok.stdout

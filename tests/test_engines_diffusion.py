@@ -53,9 +53,12 @@ def test_antithetic_pairs():
     t = antithetic_timesteps(grid, 8, gen)
     assert t.shape == (8,) and set(t.tolist()) <= set(grid.tolist())
     idx = [grid.tolist().index(v) for v in t.tolist()]
-    half = len(idx) // 2 + 1
+    half = (len(idx) + 1) // 2  # every drawn index is followed by its mirror: 4 pairs in a batch of 8
+    assert len(idx) - half == 4
     for i in range(len(idx) - half):
         assert idx[i] + idx[half + i] == len(grid) - 1
+    pair = antithetic_timesteps(grid, 2, gen)  # even the smallest batch is one antithetic pair
+    assert grid.tolist().index(pair[0]) + grid.tolist().index(pair[1]) == len(grid) - 1
     assert antithetic_timesteps(grid, 1, gen).shape == (1,)
 
 

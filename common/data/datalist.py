@@ -1,6 +1,7 @@
 # Copyright (c) the 3D MONAI bundle collection contributors.
 # Licensed under the Apache License, Version 2.0.
-"""Read and write MSD/Decathlon-style datalists (``{"training": [{"image": "..."}], "validation": [...]}``)."""
+"""Read and write MSD/Decathlon-style datalists (``{"training": [{"image": "..."}], "validation": [...]}``), and list
+BraTS 2023 case folders as multi-modality entries."""
 
 from __future__ import annotations
 
@@ -12,8 +13,12 @@ from pathlib import Path
 from typing import Any
 
 __all__ = [
+    "BRATS_MODALITIES",
     "DatalistError",
     "MissingSectionError",
+    "file_stem",
+    "find_brats_cases",
+    "inference_entries",
     "load_datalist",
     "parse_datalist_section",
     "read_datalist_json",
@@ -22,6 +27,7 @@ __all__ = [
 
 IN_MEMORY_SOURCE = "<in-memory datalist>"
 PathValue = str | list[str]
+BRATS_MODALITIES = ("t1n", "t1c", "t2w", "t2f")
 
 
 class DatalistError(ValueError):
@@ -311,3 +317,91 @@ def write_datalist(
             os.unlink(tmp)
         raise
     return file
+
+
+def find_brats_cases(
+    data_dir: Path, modalities: tuple[str, ...] = BRATS_MODALITIES, label: str = "seg"
+) -> list[dict[str, str]]:
+    """BraTS 2023 cases under ``data_dir``: folders ``<case>/`` holding ``<case>-<modality>.nii.gz`` files.
+
+    Args:
+        data_dir: the folder to search (recursively) for case folders.
+        modalities: modalities every case must have.
+        label: the optional segmentation suffix, added as ``"label"`` when present.
+
+    Returns:
+        One entry per case, sorted by case id: ``{"case_id": ..., "t1n": path, ..., "label": path}``.
+
+    Raises:
+        ValueError: naming every case with missing modalities (and which), all at once.
+    """
+    cases, problems = [], []
+    for folder in sorted({p.parent for p in data_dir.rglob("*.nii.gz") if p.is_file()}):
+        case = folder.name
+        files = {m: folder / f"{case}-{m}.nii.gz" for m in (*modalities, label)}
+        present = [m for m in modalities if files[m].is_file()]
+        if not present:
+            continue  # not a case folder
+        missing = [m for m in modalities if m not in present]
+        if missing:
+            problems.append(f"case {case} ({folder}): missing {', '.join(f'{case}-{m}.nii.gz' for m in missing)}")
+            continue
+        entry = {"case_id": case, **{m: str(files[m].absolute()) for m in modalities}}
+        if files[label].is_file():
+            entry["label"] = str(files[label].absolute())
+        cases.append(entry)
+    if problems:
+        raise ValueError(f"{len(problems)} BraTS case(s) are incomplete:\n  " + "\n  ".join(problems))
+    return cases
+
+
+def file_stem(path: Any) -> str:
+    """The file name of ``path`` without its image suffix (``.nii.gz``, ``.nii``, ``.nrrd``, ``.mha``, ``.mhd``)."""
+    name = os.path.basename(str(path).rstrip("/\\"))
+    for suffix in (".nii.gz", ".nii", ".nrrd", ".mha", ".mhd", ".dcm"):
+        if name.lower().endswith(suffix):
+            return name[: -len(suffix)]
+    return name
+
+
+def inference_entries(
+    dataset_dir: str | os.PathLike,
+    keys: Sequence[str],
+    datalist: str | os.PathLike | dict | None = None,
+    section: str = "testing",
+    pattern: str = "*.nii*",
+) -> list[dict[str, Any]]:
+    """The inputs of an inference run, one entry per case with a ``case_id`` and a path for every key.
+
+    With ``datalist``: its ``section`` (relative paths resolved against ``dataset_dir``). Otherwise, for one key:
+    every file under ``dataset_dir`` (recursively) matching ``pattern``, named by its file name; for several
+    keys: the BraTS 2023 layout, folders ``<case>/<case>-<key>.nii.gz`` (see :func:`find_brats_cases`).
+
+    Raises:
+        DatalistError: for an invalid datalist or section (naming the entry).
+        ValueError: naming every case folder that lacks one of ``keys``.
+        FileNotFoundError: when no input is found.
+    """
+    keys = list(keys)
+    if not keys:
+        raise ValueError("inference needs at least one input key.")
+    base = os.path.expanduser(os.fspath(dataset_dir))
+    if datalist:
+        entries = load_datalist(datalist, section, base_dir=base, keys=keys)
+        for entry in entries:
+            first = entry[keys[0]]
+            entry.setdefault("case_id", file_stem(first if isinstance(first, str) else first[0]))
+    elif len(keys) == 1:
+        files = sorted(str(p.absolute()) for p in Path(base).rglob(pattern) if p.is_file())
+        entries = [{"case_id": file_stem(f), keys[0]: f} for f in files]
+    else:
+        entries = [
+            {"case_id": case["case_id"], **{k: case[k] for k in keys}}
+            for case in find_brats_cases(Path(base), modalities=tuple(keys))
+        ]
+    if not entries:
+        how = f"section {section!r} of {datalist!r}" if datalist else f"{pattern!r} under {base!r}"
+        if not datalist and len(keys) > 1:
+            how = f"case folders <case>/<case>-{{{','.join(keys)}}}.nii.gz under {base!r}"
+        raise FileNotFoundError(f"no inference inputs: found nothing for {how} (set --dataset_dir or --datalist).")
+    return entries

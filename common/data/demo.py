@@ -1,6 +1,8 @@
 # Copyright (c) the 3D MONAI bundle collection contributors.
 # Licensed under the Apache License, Version 2.0.
-"""Small demo data sets: real brain blocks cut from the MNI152 2009 template, and seeded synthetic phantoms.
+"""Small demo data sets: real brain blocks cut from the MNI152 2009 template (single volumes, or paired volumes for
+image-to-image translation), and seeded synthetic phantoms (ellipsoids, chest CT, and multi-modal brain MRI with a
+glioma in the BraTS 2023 layout).
 
 Example::
 
@@ -12,26 +14,45 @@ from __future__ import annotations
 import importlib.util
 import os
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import numpy as np
 
-from common.data.datalist import DatalistError, load_datalist, write_datalist
+from common.data.datalist import (
+    BRATS_MODALITIES,
+    DatalistError,
+    find_brats_cases,
+    load_datalist,
+    read_datalist_json,
+    write_datalist,
+)
 
 __all__ = [
+    "DEMO_VOLUMES",
+    "DIFFUSION_DEMOS",
     "PHANTOM_KINDS",
+    "TISSUES",
+    "TISSUE_CONTRAST",
+    "TRANSLATION_VOLUMES",
+    "make_brain_tumour_phantom",
     "make_ct_phantom",
+    "make_diffusion_demo",
+    "make_translation_demo",
     "write_dicom_series",
     "main",
     "make_demo_dataset",
     "make_phantom",
     "mni_template_paths",
+    "write_brats_phantom_dataset",
     "write_nifti",
     "write_phantom_dataset",
 ]
 
 PHANTOM_KINDS = ("ellipsoids",)
+# the MNI demo volumes, and the ones each block of make_demo_dataset gets (superior: training, inferior: validation)
+DEMO_VOLUMES = ("t1", "gm", "wm", "synth")
+DEMO_SECTIONS = {"training": ("t1", "gm", "wm", "synth"), "validation": ("t1", "synth")}
 MNI_FILES = {
     "t1": "mni_icbm152_t1_tal_nlin_sym_09a_converted.nii.gz",
     "gm": "mni_icbm152_gm_tal_nlin_sym_09a_converted.nii.gz",
@@ -199,20 +220,43 @@ def _brain_box(t1: np.ndarray, margin: int) -> tuple[np.ndarray, np.ndarray]:
     return start, stop
 
 
-def _demo_volumes(spacing: tuple[float, float, float]) -> dict[str, dict[str, tuple[np.ndarray, np.ndarray]]]:
-    """Build the demo blocks: ``{"training": {name: (data, affine)}, "validation": {...}}``."""
+def _demo_volumes(
+    spacing: tuple[float, float, float], names: Mapping[str, Sequence[str]] | None = None
+) -> dict[str, dict[str, tuple[np.ndarray, np.ndarray]]]:
+    """Build the demo blocks: ``{"training": {name: (data, affine)}, "validation": {...}}``.
+
+    Args:
+        spacing: voxel size in mm.
+        names: for each section (``"training"``: the superior block, ``"validation"``: the inferior block), the
+            volumes it gets, in order, among ``DEMO_VOLUMES``; ``DEMO_SECTIONS`` (what :func:`make_demo_dataset`
+            writes) when ``None``.
+
+    Raises:
+        ValueError: for an unknown section or volume name, or a spacing too coarse for two blocks.
+    """
+    names = DEMO_SECTIONS if names is None else names
+    for section, section_names in names.items():
+        if section not in ("training", "validation"):
+            raise ValueError(f"demo sections are 'training' and 'validation', got {section!r}")
+        unknown = [name for name in section_names if name not in DEMO_VOLUMES]
+        if unknown:
+            raise ValueError(f"demo volumes are {DEMO_VOLUMES}, got {unknown[0]!r} for section {section!r}")
+    wanted = {name for section_names in names.values() for name in section_names}
     paths = mni_template_paths()
     t1, affine = _load_resampled(paths["t1"], spacing)
-    gm, _ = _load_resampled(paths["gm"], spacing)
-    wm, _ = _load_resampled(paths["wm"], spacing)
     scale = float(np.percentile(t1[t1 > 0], 99))
-    gm, wm = gm / 255.0, wm / 255.0  # the templates store probabilities as 0..255
-    full = {
-        "t1": t1,
-        "gm": gm * scale,
-        "wm": wm * scale,
-        "synth": (GM_WEIGHT * gm + WM_WEIGHT * wm) * scale,
+    # the templates store probabilities as 0..255; the tissue maps are scaled to the T1's 99th percentile
+    tissue = {
+        key: _load_resampled(paths[key], spacing)[0] / 255.0
+        for key in ("gm", "wm")
+        if key in wanted or "synth" in wanted
     }
+    full = {"t1": t1}
+    for key, prob in tissue.items():
+        if key in wanted:
+            full[key] = prob * scale
+    if "synth" in wanted:
+        full["synth"] = (GM_WEIGHT * tissue["gm"] + WM_WEIGHT * tissue["wm"]) * scale
     start, stop = _brain_box(t1, MARGIN_VOXELS)
     full = {name: _crop(data, affine, start, stop)[0] for name, data in full.items()}
     affine = _crop(t1, affine, start, stop)[1]
@@ -226,28 +270,42 @@ def _demo_volumes(spacing: tuple[float, float, float]) -> dict[str, dict[str, tu
         ranges = {"training": (n_val, n, False), "validation": (0, n_val, True)}
     else:
         ranges = {"training": (0, n - n_val, True), "validation": (n - n_val, n, False)}
-    names = {"training": ("t1", "gm", "wm", "synth"), "validation": ("t1", "synth")}
     blocks: dict[str, dict[str, tuple[np.ndarray, np.ndarray]]] = {}
-    for section, (lo, hi, outer_low) in ranges.items():
+    for section, section_names in names.items():
+        lo, hi, outer_low = ranges[section]
         b_start, b_stop = np.zeros(3, dtype=int), np.asarray(full["t1"].shape)
         b_start[axis], b_stop[axis] = lo, hi
         blocks[section] = {}
-        for name in names[section]:
+        for name in section_names:
             data, block_affine = _crop(full[name], affine, b_start, b_stop)
             data, block_affine = _pad_to(data, block_affine, MIN_SIZE, axis, outer_low=outer_low)
             blocks[section][name] = (data.astype(np.float32), block_affine)
     return blocks
 
 
-def _existing_datalist(datalist: Path) -> bool:
-    """Whether ``datalist`` exists and every image it lists exists."""
+def _existing_datalist(
+    datalist: Path, keys: Sequence[str] = ("image",), counts: Mapping[str, int] | None = None
+) -> bool:
+    """Whether ``datalist`` exists and every file it lists under ``keys`` exists.
+
+    Args:
+        datalist: the JSON file.
+        keys: the entry keys holding paths; every entry must have them all.
+        counts: when given, the datalist must hold exactly these sections with these numbers of entries;
+            otherwise its ``"training"`` and ``"validation"`` sections are checked.
+    """
     if not datalist.is_file():
         return False
+    sections = ("training", "validation") if counts is None else tuple(counts)
     try:
-        entries = load_datalist(datalist, "training") + load_datalist(datalist, "validation")
+        if counts is not None and set(read_datalist_json(datalist)) != set(counts):
+            return False
+        loaded = {section: load_datalist(datalist, section, keys=keys) for section in sections}
     except DatalistError:
         return False
-    return all(os.path.isfile(entry["image"]) for entry in entries)
+    if counts is not None and any(len(loaded[section]) != n for section, n in counts.items()):
+        return False
+    return all(os.path.isfile(entry[key]) for entries in loaded.values() for entry in entries for key in keys)
 
 
 def make_demo_dataset(
@@ -529,6 +587,316 @@ def write_phantom_dataset(
             path = write_nifti(out / "images" / f"{name}.nii.gz", data, affine)
         sections[section].append({"image": str(path)})
     return write_datalist(out / "datalist.json", sections, base_dir=out)
+
+
+def _radial_perturbation(
+    rng: np.random.Generator, directions: np.ndarray, amplitude: float, max_order: int
+) -> np.ndarray:
+    """A smooth random function of direction with values in ``[-amplitude, amplitude]``.
+
+    It is a mean of 4 cosines of the angle to random axes with orders 1 to ``max_order``, so it changes slowly
+    over the sphere; multiplying an ellipsoid's radius by ``1 + perturbation`` gives an irregular blob.
+
+    Args:
+        rng: the random generator.
+        directions: unit vectors, shape ``(..., 3)``.
+        amplitude: the largest relative change of the radius.
+        max_order: the highest angular frequency.
+    """
+    out = np.zeros(directions.shape[:-1], dtype=np.float32)
+    n_terms = 4
+    for _ in range(n_terms):
+        axis = rng.normal(size=3)
+        axis /= np.linalg.norm(axis)
+        order = int(rng.integers(1, max_order + 1))
+        weight, phase = rng.uniform(-1.0, 1.0), rng.uniform(0.0, 2.0 * np.pi)
+        out += np.float32(weight) * np.cos(order * np.pi * (directions @ axis.astype(np.float32)) + phase)
+    return out * np.float32(amplitude / n_terms)
+
+
+def _blob_distance(
+    rng: np.random.Generator,
+    grid: np.ndarray,
+    center: Sequence[float],
+    radii: Sequence[float],
+    amplitude: float = 0.0,
+    max_order: int = 2,
+) -> np.ndarray:
+    """Normalised distance to ``center`` of an ellipsoid with radii ``radii`` whose radius is perturbed by a smooth
+    random function of direction (``< 1`` inside)."""
+    local = (grid - np.asarray(center, dtype=np.float32)) / np.asarray(radii, dtype=np.float32)
+    dist = np.sqrt((local**2).sum(axis=-1))
+    if amplitude <= 0:
+        return dist
+    directions = local / np.maximum(dist, 1e-6)[..., None]
+    return dist / (1.0 + _radial_perturbation(rng, directions, amplitude, max_order))
+
+
+def _smooth_field(rng: np.random.Generator, grid: np.ndarray, n_terms: int = 4) -> np.ndarray:
+    """A low-frequency random field over ``grid`` (coordinates in about ``[-1, 1]``) scaled to ``[-1, 1]``."""
+    field = np.zeros(grid.shape[:-1], dtype=np.float32)
+    for _ in range(n_terms):
+        wave = rng.uniform(-0.8, 0.8, size=3).astype(np.float32)
+        field += np.float32(rng.uniform(0.5, 1.0)) * np.cos(np.pi * (grid @ wave) + rng.uniform(0.0, 2.0 * np.pi))
+    return field / max(float(np.abs(field).max()), 1e-6)
+
+
+# tissue classes of the brain tumour phantom and their relative intensity in each BraTS 2023 modality
+TISSUES = ("background", "csf", "gm", "wm", "edema", "enhancing", "necrosis")
+TISSUE_CONTRAST = {
+    "t1n": (0.0, 0.25, 0.55, 0.75, 0.45, 0.5, 0.3),
+    "t1c": (0.0, 0.25, 0.55, 0.75, 0.45, 0.95, 0.3),
+    "t2w": (0.0, 1.0, 0.6, 0.45, 0.8, 0.7, 0.9),
+    "t2f": (0.0, 0.1, 0.6, 0.45, 0.9, 0.75, 0.5),
+}
+# BraTS 2023 label of each tissue class: 1 necrotic core (NCR), 2 peritumoral edema (SNFH), 3 enhancing tumour (ET)
+TISSUE_LABEL = (0, 0, 0, 0, 2, 3, 1)
+PHANTOM_MIN_SIZE = 16
+
+
+def make_brain_tumour_phantom(
+    shape: Sequence[int] = (48, 48, 48), seed: int = 0, return_tissue: bool = False
+) -> dict[str, np.ndarray]:
+    """A seeded, skull-stripped multi-modal brain MRI phantom with a glioma, as BraTS 2023 provides it.
+
+    Axes are ``(X, Y, Z)`` = (left-right, posterior-anterior, inferior-superior). The brain is a slightly
+    irregular ellipsoid (exactly 0 outside); inside it a smoothly deformed white matter core, a grey matter
+    cortex around it split by a midline fissure, cerebrospinal fluid in two curved lateral ventricles and a thin
+    outer rim. A tumour in a random hemisphere is an irregular peritumoral edema blob around a tumour core: an
+    enhancing rim around a necrotic centre. Every case has all three tumour labels.
+
+    Each modality maps the tissue classes to the relative intensities of ``TISSUE_CONTRAST`` (FLAIR ``t2f`` has
+    dark CSF and bright edema, post-contrast ``t1c`` a bright enhancing rim), then edges are blurred (Gaussian,
+    sigma 0.7 voxel), a smooth multiplicative bias field (up to +-10%) and Gaussian noise (1.5%) are applied,
+    and the modality is scaled by a random gain in ``[200, 1200]``, as scanners scale differently. Brain voxels
+    stay strictly positive, so the non-zero mask of any modality is the brain mask. Since every modality is a
+    function of the tissue class, ``t2f`` can be predicted from ``t1n``, ``t1c`` and ``t2w``.
+
+    Args:
+        shape: spatial size ``(X, Y, Z)``, at least 16 per axis.
+        seed: random seed; the same seed gives the same case.
+        return_tissue: also return ``"tissue"``, the uint8 tissue class map before blurring (indices into
+            ``TISSUES``: 0 background, 1 CSF, 2 grey matter, 3 white matter, 4 edema, 5 enhancing, 6 necrosis).
+
+    Returns:
+        ``{"t1n", "t1c", "t2w", "t2f"}``: float32 arrays of ``shape`` (non-negative, MR-like units), and
+        ``"seg"``: a uint8 array of BraTS 2023 labels (0 background/healthy tissue, 1 NCR, 2 edema, 3 ET);
+        with ``return_tissue``, ``"tissue"`` as well.
+
+    Raises:
+        ValueError: when ``shape`` is not 3 integers of at least 16.
+    """
+    from scipy.ndimage import gaussian_filter
+
+    shape = _validate_triple("shape", shape, positive_int=True)
+    if min(shape) < PHANTOM_MIN_SIZE:
+        raise ValueError(f"shape must be at least {PHANTOM_MIN_SIZE} voxels per axis, got {shape!r}")
+    rng = np.random.default_rng(seed)
+    axes = [np.linspace(-1.0, 1.0, s, dtype=np.float32) for s in shape]
+    grid = np.stack(np.meshgrid(*axes, indexing="ij"), axis=-1)  # (X, Y, Z, 3) in [-1, 1]
+    voxel = 2.0 / (np.asarray(shape, dtype=np.float32) - 1.0)  # voxel size in grid units, per axis
+
+    # brain: an ellipsoid with a slightly irregular surface, in "brain units" (1 at the surface)
+    center = rng.uniform(-0.04, 0.04, 3)
+    radii = np.array([0.74, 0.86, 0.76]) * rng.uniform(0.94, 1.04, 3)
+    brain_dist = _blob_distance(rng, grid, center, radii, amplitude=0.03, max_order=3)
+    brain = brain_dist < 1.0
+    local = (grid - center.astype(np.float32)) / radii.astype(np.float32)  # brain coordinates, about [-1, 1]
+    brain_voxel = float(np.mean(voxel / radii))  # one voxel in brain units
+
+    tissue = np.zeros(shape, dtype=np.uint8)
+    tissue[brain] = TISSUES.index("gm")
+    # white matter: a smoothly deformed ellipsoid inside the cortex (gyri-like bumps of higher angular order)
+    wm_radii = rng.uniform(0.68, 0.76) * rng.uniform(0.95, 1.05, 3)
+    wm = _blob_distance(rng, local, (0.0, 0.0, 0.0), wm_radii, amplitude=0.08, max_order=5) < 1.0
+    tissue[wm & brain] = TISSUES.index("wm")
+    # CSF: a thin outer rim, the interhemispheric fissure in the cortex and two lateral ventricles
+    csf = brain & (brain_dist > 1.0 - 1.2 * brain_voxel)
+    csf |= brain & ~wm & (np.abs(local[..., 0]) < 0.7 * float(voxel[0] / radii[0])) & (local[..., 2] > -0.3)
+    v_y, v_z = rng.uniform(-0.1, 0.05), rng.uniform(0.0, 0.1)
+    for side in (-1.0, 1.0):
+        v_x = side * rng.uniform(0.11, 0.15)
+        v_radii = (rng.uniform(0.08, 0.11), rng.uniform(0.3, 0.38), rng.uniform(0.11, 0.15))
+        curved = local.copy()
+        curved[..., 2] += 0.5 * (local[..., 1] - v_y) ** 2  # the ventricle bends down at both ends
+        csf |= _blob_distance(rng, curved, (v_x, v_y, v_z), v_radii) < 1.0
+    tissue[csf & brain] = TISSUES.index("csf")
+
+    # tumour in one hemisphere: edema blob > enhancing rim > necrotic centre, each at least ~1.5 voxels thick
+    side = rng.choice([-1.0, 1.0])
+    t_center = np.array([side * rng.uniform(0.3, 0.42), rng.uniform(-0.35, 0.35), rng.uniform(-0.25, 0.35)])
+    r_ncr = max(rng.uniform(0.12, 0.17), 1.5 * brain_voxel)
+    r_core = max(r_ncr * rng.uniform(1.6, 2.0), r_ncr + 2.0 * brain_voxel)
+    r_edema = max(r_core * rng.uniform(1.5, 1.9), r_core + 2.0 * brain_voxel)
+    edema = _blob_distance(rng, local, t_center, r_edema * rng.uniform(0.85, 1.15, 3), 0.25, 3) < 1.0
+    core = _blob_distance(rng, local, t_center, r_core * rng.uniform(0.9, 1.1, 3), 0.15, 2) < 1.0
+    necrosis = _blob_distance(rng, local, t_center, r_ncr * rng.uniform(0.9, 1.1, 3), 0.15, 2) < 1.0
+    necrosis[np.unravel_index(int(((local - t_center.astype(np.float32)) ** 2).sum(axis=-1).argmin()), shape)] = True
+    tissue[edema & brain] = TISSUES.index("edema")
+    tissue[core & brain] = TISSUES.index("enhancing")
+    tissue[necrosis & brain] = TISSUES.index("necrosis")
+
+    seg = np.asarray(TISSUE_LABEL, dtype=np.uint8)[tissue]
+    bias_amplitude = rng.uniform(0.05, 0.1)
+    out: dict[str, np.ndarray] = {}
+    for modality, contrast in TISSUE_CONTRAST.items():
+        image = gaussian_filter(np.asarray(contrast, dtype=np.float32)[tissue], sigma=0.7)
+        image *= 1.0 + np.float32(bias_amplitude) * _smooth_field(rng, grid)
+        image += rng.normal(0.0, 0.015, size=shape).astype(np.float32)
+        image = np.where(brain, np.maximum(image, 0.01), 0.0)
+        out[modality] = (image * rng.uniform(200.0, 1200.0)).astype(np.float32)
+    out["seg"] = seg
+    if return_tissue:
+        out["tissue"] = tissue
+    return out
+
+
+def write_brats_phantom_dataset(
+    output_dir: str | os.PathLike,
+    n_train: int = 6,
+    n_val: int = 2,
+    shape: Sequence[int] = (48, 48, 48),
+    seed: int = 0,
+    spacing: float | Sequence[float] = (1.0, 1.0, 1.0),
+    overwrite: bool = False,
+) -> Path:
+    """Write brain tumour phantoms (:func:`make_brain_tumour_phantom`) in the BraTS 2023 layout, with a datalist.
+
+    Case ``i`` is ``output_dir/BraTS-PHANTOM-<i:05d>-000/`` holding ``<case>-t1n.nii.gz``, ``-t1c``, ``-t2w``,
+    ``-t2f`` (float32) and ``-seg.nii.gz`` (uint8 labels), with the RAS affine ``diag(spacing)``; every case
+    gets its own seed derived from ``seed``. ``output_dir/datalist.json`` lists the first ``n_train`` cases as
+    training and the rest as validation (left out when ``n_val`` is 0), with entries
+    ``{"case_id", "t1n", "t1c", "t2w", "t2f", "label"}`` relative to ``output_dir``, as
+    ``scripts/make_datalist.py --brats`` writes them.
+
+    Args:
+        output_dir: folder to write into (created when missing).
+        n_train: number of training cases (at least 1).
+        n_val: number of validation cases (0 leaves the section out).
+        shape: spatial size of each volume, at least 16 per axis.
+        seed: base random seed.
+        spacing: voxel size in mm, 3 numbers or one for all axes.
+        overwrite: rebuild even when a complete data set is already there.
+
+    Returns:
+        The path of ``datalist.json``. When it already exists with ``n_train``/``n_val`` entries whose files all
+        exist and ``overwrite`` is False, it is returned without writing anything (shape, seed and spacing are
+        not checked; pass ``overwrite=True`` after changing them).
+
+    Raises:
+        ValueError: for fewer than 1 training or negative validation cases, or an invalid shape/spacing.
+    """
+    if isinstance(n_train, bool) or isinstance(n_val, bool) or int(n_train) != n_train or int(n_val) != n_val:
+        raise ValueError(f"n_train and n_val must be integers, got n_train={n_train!r}, n_val={n_val!r}")
+    if n_train < 1:
+        raise ValueError(f"n_train must be at least 1, got {n_train!r}")
+    if n_val < 0:
+        raise ValueError(f"n_val must be 0 or more, got {n_val!r}")
+    n_train, n_val = int(n_train), int(n_val)
+    shape = _validate_triple("shape", shape, positive_int=True)
+    if min(shape) < PHANTOM_MIN_SIZE:
+        raise ValueError(f"shape must be at least {PHANTOM_MIN_SIZE} voxels per axis, got {shape!r}")
+    spacing = _validate_triple("spacing", spacing)
+    out = Path(os.path.expanduser(os.fspath(output_dir))).absolute()
+    datalist = out / "datalist.json"
+    keys = (*BRATS_MODALITIES, "label")
+    counts = {"training": n_train, **({"validation": n_val} if n_val else {})}
+    if not overwrite and _existing_datalist(datalist, keys=keys, counts=counts):
+        return datalist
+    affine = np.diag([*spacing, 1.0])
+    case_ids = []
+    for i, case_seed in enumerate(np.random.SeedSequence(int(seed)).generate_state(n_train + n_val)):
+        case = f"BraTS-PHANTOM-{i:05d}-000"
+        for name, data in make_brain_tumour_phantom(shape, seed=int(case_seed)).items():
+            write_nifti(out / case / f"{case}-{name}.nii.gz", data, affine)
+        case_ids.append(case)
+    found = {entry["case_id"]: entry for entry in find_brats_cases(out)}
+    entries = [found[case] for case in case_ids]
+    sections = {"training": entries[:n_train]}
+    if n_val:
+        sections["validation"] = entries[n_train:]
+    return write_datalist(datalist, sections, base_dir=out, keys=keys)
+
+
+TRANSLATION_VOLUMES = DEMO_VOLUMES
+
+
+def make_translation_demo(
+    output_dir: str | os.PathLike,
+    spacing: float | Sequence[float] = (2.0, 2.0, 2.0),
+    source: str = "t1",
+    target: str = "gm",
+    overwrite: bool = False,
+) -> Path:
+    """Build a paired image-to-image translation demo set from the MNI152 2009 template and its tissue maps.
+
+    The volumes are those of :func:`make_demo_dataset` (same resampling, brain box and disjoint superior
+    training / inferior validation blocks): ``"t1"`` the T1 template, ``"gm"`` and ``"wm"`` the grey/white
+    matter probabilities times the T1's 99th percentile, ``"synth"`` the synthetic contrast
+    ``0.6 * gm + 1.0 * wm`` on the same scale. Both blocks get ``source`` and ``target``, written to
+    ``output_dir/images/mni_<name>_<train|val>.nii.gz``; ``output_dir/datalist.json`` is
+    ``{"training": [{"case_id": "mni_train", source: ..., target: ...}], "validation": [{"case_id": "mni_val",
+    ...}]}`` with paths relative to ``output_dir``. The file names are those of :func:`make_demo_dataset`, so
+    give each its own folder (both write ``datalist.json``).
+
+    Args:
+        output_dir: folder to write into (created when missing).
+        spacing: voxel size in mm, 3 numbers or one for all axes.
+        source: the input volume, one of ``TRANSLATION_VOLUMES``.
+        target: the output volume, another one of ``TRANSLATION_VOLUMES``.
+        overwrite: rebuild even when a complete demo set is already there.
+
+    Returns:
+        The path of ``datalist.json``. When it already lists ``source`` and ``target`` for one training and one
+        validation entry whose files all exist and ``overwrite`` is False, it is returned without writing
+        anything (the spacing is not checked).
+
+    Raises:
+        FileNotFoundError: when nilearn (which ships the templates) is not installed.
+        ValueError: when ``source``/``target`` are not two different names of ``TRANSLATION_VOLUMES``, or
+            ``spacing`` is not 3 positive numbers or is too coarse for two blocks.
+    """
+    for role, name in (("source", source), ("target", target)):
+        if name not in TRANSLATION_VOLUMES:
+            raise ValueError(f"{role} must be one of {TRANSLATION_VOLUMES}, got {name!r}")
+    if source == target:
+        raise ValueError(f"source and target must differ, got {source!r} for both")
+    spacing = _validate_triple("spacing", spacing)
+    out = Path(os.path.expanduser(os.fspath(output_dir))).absolute()
+    datalist = out / "datalist.json"
+    if not overwrite and _existing_datalist(datalist, keys=(source, target), counts={"training": 1, "validation": 1}):
+        return datalist
+    names = {"training": (source, target), "validation": (source, target)}
+    sections: dict[str, list[dict]] = {}
+    for section, volumes in _demo_volumes(spacing, names).items():
+        suffix = "train" if section == "training" else "val"
+        entry: dict[str, str] = {"case_id": f"mni_{suffix}"}
+        for name, (data, affine) in volumes.items():
+            entry[name] = str(write_nifti(out / "images" / f"mni_{name}_{suffix}.nii.gz", data, affine))
+        sections[section] = [entry]
+    return write_datalist(datalist, sections, base_dir=out, keys=(source, target))
+
+
+DIFFUSION_DEMOS = ("translation", "brats_phantom")
+
+
+def make_diffusion_demo(
+    output_dir: str | os.PathLike, kind: str = "translation", spacing: float = 3.0, overwrite: bool = False
+) -> Path:
+    """The demo data of the diffusion bundle, built on first use.
+
+    ``translation``: T1 -> grey-matter map pairs cut from the real MNI152 template (:func:`make_translation_demo`,
+    at ``spacing`` mm); ``brats_phantom``: six training and two validation brain tumour phantoms with the four
+    BraTS 2023 modalities (:func:`write_brats_phantom_dataset`, 48^3 at 1 mm).
+
+    Raises:
+        ValueError: for another ``kind``.
+    """
+    if kind == "translation":
+        return make_translation_demo(output_dir, spacing=spacing, source="t1", target="gm", overwrite=overwrite)
+    if kind == "brats_phantom":
+        return write_brats_phantom_dataset(output_dir, n_train=6, n_val=2, shape=(48, 48, 48), overwrite=overwrite)
+    raise ValueError(f"'demo' must be one of {DIFFUSION_DEMOS}, got {kind!r}.")
 
 
 def main(

@@ -16,7 +16,7 @@ import sys
 import threading
 from collections.abc import Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -40,7 +40,8 @@ class PreflightError(ValueError):
     """Every problem found by :func:`preflight`, one per line after a header naming the datalist.
 
     Args:
-        problems: one line per problem, ``"<section>[<index>] <path>: <reason>"``.
+        problems: one line per problem, ``"<section>[<index>] <path>: <reason>"`` (with ``" (case <case_id>)"``
+            after the index when the entry has a ``case_id``).
         source: the datalist the problems were found in.
     """
 
@@ -66,6 +67,62 @@ def _validate_patch_size(patch_size: Sequence[int] | None) -> tuple[int, ...] | 
     return tuple(int(p) for p in patch_size)
 
 
+class _Inspection(NamedTuple):
+    """What reading one volume found.
+
+    Attributes:
+        reason: why the volume is unusable, or ``None``.
+        spatial: its spatial shape after channel-first handling, where the layout could be determined.
+        channels: its number of channels after channel-first handling (1 for a volume without channel axis).
+    """
+
+    reason: str | None
+    spatial: tuple[int, ...] | None = None
+    channels: int | None = None
+
+
+def _validate_channel_count(value: Any, name: str) -> int | None:
+    """Return ``value`` as a positive int, or ``None`` for ``None``.
+
+    Raises:
+        ValueError: naming ``name`` when ``value`` is not a positive whole number.
+    """
+    if value is None:
+        return None
+    if not _positive_integer(value) or isinstance(value, str):
+        raise ValueError(f"{name} must be a positive integer or None, got {value!r}")
+    return int(value)
+
+
+def _validate_num_channels(num_channels: int | Mapping[str, int] | None, keys: Sequence[str]) -> dict[str, int]:
+    """Expected channel count per key: one count for every key, or a mapping over some of ``keys``.
+
+    Raises:
+        ValueError: when a count is not a positive integer or the mapping names a key that is not in ``keys``.
+    """
+    if num_channels is None:
+        return {}
+    if not isinstance(num_channels, Mapping):
+        count = _validate_channel_count(num_channels, "num_channels")
+        return {k: count for k in keys}
+    expected: dict[str, int] = {}
+    for key, value in num_channels.items():
+        if key not in keys:
+            raise ValueError(f"num_channels names key {key!r}, which is not one of the checked keys {list(keys)}")
+        count = _validate_channel_count(value, f"num_channels[{key!r}]")
+        if count is not None:
+            expected[key] = count
+    return expected
+
+
+def _channel_reason(channels: int | None, expected: int | None, key: str | None = None) -> str | None:
+    """Reason why a volume has the wrong number of channels, or ``None`` (also when either count is unknown)."""
+    if channels is None or expected is None or channels == expected:
+        return None
+    where = f" for key {key!r}" if key is not None else ""
+    return f"has {channels} channel{'s' if channels != 1 else ''}; {expected} expected{where}"
+
+
 def _spatial_from_array_shape(shape: tuple[int, ...]) -> tuple[int, ...] | None:
     """Spatial shape of a NIfTI-style array, channels last as ``EnsureChannelFirst`` reads them.
 
@@ -77,6 +134,11 @@ def _spatial_from_array_shape(shape: tuple[int, ...]) -> tuple[int, ...] | None:
     if len(shape) == 4 or (len(shape) == 5 and shape[3] == 1):
         return shape[:3]
     return None
+
+
+def _channels_from_array_shape(shape: tuple[int, ...]) -> int:
+    """Channel count of a NIfTI-style array whose layout :func:`_spatial_from_array_shape` accepts."""
+    return int(shape[-1]) if len(shape) > 3 else 1
 
 
 def _shape_reason(
@@ -129,7 +191,7 @@ def _non_finite_reason(count: int) -> str | None:
     return f"contains {count} non-finite voxels (NaN/Inf)" if count else None
 
 
-def _check_nifti(path: str, patch: tuple[int, ...] | None, allow_pad: bool, check_values: bool) -> str | None:
+def _check_nifti(path: str, patch: tuple[int, ...] | None, allow_pad: bool, check_values: bool) -> _Inspection:
     """Check a NIfTI file, reading the data slab by slab so memory stays bounded."""
     import nibabel as nib
 
@@ -138,10 +200,11 @@ def _check_nifti(path: str, patch: tuple[int, ...] | None, allow_pad: bool, chec
         full = tuple(int(s) for s in img.shape)
         spatial = _spatial_from_array_shape(full)
     except Exception as exc:  # noqa: BLE001 - any reader failure is a reason, not a crash
-        return _error_reason(exc)
+        return _Inspection(_error_reason(exc))
     reason = _shape_reason(spatial, full, patch, allow_pad)
     if reason:
-        return reason
+        return _Inspection(reason, spatial)
+    channels = _channels_from_array_shape(full)
     non_finite = 0
     try:
         itemsize = max(1, img.get_data_dtype().itemsize)
@@ -150,21 +213,25 @@ def _check_nifti(path: str, patch: tuple[int, ...] | None, allow_pad: bool, chec
             if check_values:
                 non_finite += _count_non_finite(block)
     except Exception as exc:  # noqa: BLE001
-        return _error_reason(exc)
+        return _Inspection(_error_reason(exc), spatial, channels)
     finally:
         img.uncache()
         opener = getattr(img.dataobj, "_opener", None)  # the handle kept open by keep_file_open=True
         if opener is not None and hasattr(opener, "close_if_mine"):
             opener.close_if_mine()
-    return _non_finite_reason(non_finite)
+    return _Inspection(_non_finite_reason(non_finite), spatial, channels)
 
 
-def _check_itk(path: str | list[str], patch: tuple[int, ...] | None, allow_pad: bool, check_values: bool) -> str | None:
-    """Check a DICOM series (a folder or a list of files) with ITK."""
+def _check_itk(
+    path: str | list[str], patch: tuple[int, ...] | None, allow_pad: bool, check_values: bool
+) -> _Inspection:
+    """Check a DICOM series (a folder or a list of files) with ITK; its channels are ITK's pixel components."""
     if isinstance(path, str):
         files = [name for name in os.listdir(path) if os.path.isfile(os.path.join(path, name))]
         if not files:
-            return "is a folder without files; a DICOM series folder is required"
+            return _Inspection("is a folder without files; a DICOM series folder is required")
+    spatial: tuple[int, ...] | None = None
+    components: int | None = None
     try:
         import itk
 
@@ -175,16 +242,19 @@ def _check_itk(path: str | list[str], patch: tuple[int, ...] | None, allow_pad: 
         full = spatial + ((components,) if components > 1 else ())
         reason = _shape_reason(spatial, full, patch, allow_pad)
         if reason or not check_values:
-            return reason
+            return _Inspection(reason, spatial, components)
         array = itk.array_view_from_image(img)
         non_finite = sum(_count_non_finite(array[z : z + 1]) for z in range(array.shape[0]))
     except Exception as exc:  # noqa: BLE001
-        return _error_reason(exc)
-    return _non_finite_reason(non_finite)
+        return _Inspection(_error_reason(exc), spatial, components)
+    return _Inspection(_non_finite_reason(non_finite), spatial, components)
 
 
-def _check_monai(path: str, patch: tuple[int, ...] | None, allow_pad: bool, check_values: bool) -> str | None:
-    """Check any other format with ``monai.transforms.LoadImage`` (its channel metadata decides the layout)."""
+def _check_monai(path: str, patch: tuple[int, ...] | None, allow_pad: bool, check_values: bool) -> _Inspection:
+    """Check any other format with ``monai.transforms.LoadImage`` (its ``original_channel_dim`` metadata decides
+    the layout and the channel count; without a channel axis the volume has 1 channel)."""
+    spatial: tuple[int, ...] | None = None
+    channels: int | None = None
     try:
         from monai.transforms import LoadImage
 
@@ -192,18 +262,44 @@ def _check_monai(path: str, patch: tuple[int, ...] | None, allow_pad: bool, chec
             img = LoadImage(image_only=True)(path)
         full = tuple(int(s) for s in img.shape)
         channel_dim = img.meta.get("original_channel_dim")
-        if isinstance(channel_dim, (int, np.integer)) and not isinstance(channel_dim, bool):
+        if isinstance(channel_dim, (int, np.integer)) and not isinstance(channel_dim, bool) and full:
             spatial = tuple(s for axis, s in enumerate(full) if axis != int(channel_dim) % len(full))
+            channels = full[int(channel_dim) % len(full)]
         else:
-            spatial = full
+            spatial, channels = full, 1
         reason = _shape_reason(spatial, full, patch, allow_pad)
         if reason or not check_values:
-            return reason
+            return _Inspection(reason, spatial, channels)
         array = img.numpy() if hasattr(img, "numpy") else np.asarray(img)
         non_finite = sum(_count_non_finite(array[i : i + 1]) for i in range(array.shape[0]))
     except Exception as exc:  # noqa: BLE001
-        return _error_reason(exc)
-    return _non_finite_reason(non_finite)
+        return _Inspection(_error_reason(exc), spatial, channels)
+    return _Inspection(_non_finite_reason(non_finite), spatial, channels)
+
+
+def _inspect(
+    path: str | os.PathLike | Sequence[str], patch: tuple[int, ...] | None, allow_pad: bool, check_values: bool
+) -> _Inspection:
+    """Read one volume (see :func:`check_volume`); never raises for problems with the file."""
+    try:
+        if not isinstance(path, (str, os.PathLike)):
+            files = [os.fspath(p) for p in path]
+            missing = [f for f in files if not os.path.isfile(f)]
+            if missing:
+                return _Inspection(f"{len(missing)} of {len(files)} series files do not exist (first: {missing[0]})")
+            return _check_itk(files, patch, allow_pad, check_values)
+        path = os.fspath(path)
+        if not os.path.exists(path):
+            return _Inspection("does not exist")
+        if os.path.isdir(path):
+            return _check_itk(path, patch, allow_pad, check_values)
+        if not os.path.isfile(path):
+            return _Inspection("is not a regular file or a folder")
+        if path.lower().endswith(NIFTI_SUFFIXES):
+            return _check_nifti(path, patch, allow_pad, check_values)
+        return _check_monai(path, patch, allow_pad, check_values)
+    except Exception as exc:  # noqa: BLE001 - a bad file must never stop the whole check
+        return _Inspection(_error_reason(exc, "cannot be checked"))
 
 
 def check_volume(
@@ -211,6 +307,7 @@ def check_volume(
     patch_size: Sequence[int] | None = None,
     allow_pad: bool = True,
     check_values: bool = True,
+    num_channels: int | None = None,
 ) -> str | None:
     """Check that one image can be used for 3D training.
 
@@ -220,40 +317,36 @@ def check_volume(
     ``monai.transforms.LoadImage``); it is spatially 3D after channel handling (``(X, Y, Z)``,
     ``(X, Y, Z, C)`` channels last or ``(X, Y, Z, 1, C)``) with every spatial size above 1; all values are finite;
     and, when ``patch_size`` is given with ``allow_pad=False``, every spatial size is at least the patch size
-    (with padding allowed, smaller volumes are accepted as they will be padded).
+    (with padding allowed, smaller volumes are accepted as they will be padded); and, when ``num_channels`` is
+    given, it has that many channels after channel-first handling (a 3D ``(X, Y, Z)`` file has 1, ``(X, Y, Z, C)``
+    and ``(X, Y, Z, 1, C)`` NIfTI have ``C``, a DICOM series has ITK's number of pixel components, other formats
+    have what ``LoadImage``'s ``original_channel_dim`` says). A volume that fails an earlier check is reported
+    with that reason only.
 
     Args:
         path: an image file, a DICOM series folder, or a list of DICOM files.
         patch_size: the training patch size ``(X, Y, Z)``, or ``None`` to skip the size check.
         allow_pad: whether volumes smaller than ``patch_size`` will be padded (then they are accepted).
         check_values: whether to count NaN/Inf voxels (the data is read either way).
+        num_channels: the number of channels the volume must have, or ``None`` to skip the channel check
+            (per-key counts are a :func:`preflight` option).
 
     Returns:
         ``None`` when the volume is usable, else a one-line reason that does not repeat the path.
 
     Raises:
-        ValueError: only when ``patch_size`` itself is invalid; problems with the file never raise.
+        ValueError: only when ``patch_size`` or ``num_channels`` itself is invalid; problems with the file never
+            raise.
     """
     patch = _validate_patch_size(patch_size)
-    try:
-        if not isinstance(path, (str, os.PathLike)):
-            files = [os.fspath(p) for p in path]
-            missing = [f for f in files if not os.path.isfile(f)]
-            if missing:
-                return f"{len(missing)} of {len(files)} series files do not exist (first: {missing[0]})"
-            return _check_itk(files, patch, allow_pad, check_values)
-        path = os.fspath(path)
-        if not os.path.exists(path):
-            return "does not exist"
-        if os.path.isdir(path):
-            return _check_itk(path, patch, allow_pad, check_values)
-        if not os.path.isfile(path):
-            return "is not a regular file or a folder"
-        if path.lower().endswith(NIFTI_SUFFIXES):
-            return _check_nifti(path, patch, allow_pad, check_values)
-        return _check_monai(path, patch, allow_pad, check_values)
-    except Exception as exc:  # noqa: BLE001 - a bad file must never stop the whole check
-        return _error_reason(exc, "cannot be checked")
+    if isinstance(num_channels, Mapping):
+        raise ValueError(
+            f"check_volume checks one volume, so num_channels must be a positive integer or None, got the mapping "
+            f"{dict(num_channels)!r}; per-key counts are given to preflight"
+        )
+    expected = _validate_channel_count(num_channels, "num_channels")
+    found = _inspect(path, patch, allow_pad, check_values)
+    return found.reason or _channel_reason(found.channels, expected)
 
 
 def _path_key(value: str | list[str]) -> str | tuple[str, ...]:
@@ -266,6 +359,21 @@ def _display(value: str | tuple[str, ...] | list[str]) -> str:
     if len(value) == 1:
         return value[0]
     return f"[{value[0]}, ... ({len(value)} files)]"
+
+
+def _where(section: str, index: int, entry: Any) -> str:
+    """``"<section>[<index>]"`` for problem lines, with ``" (case <case_id>)"`` when the entry has a ``case_id``."""
+    case_id = entry.get("case_id") if isinstance(entry, Mapping) else None
+    if case_id is None or not str(case_id).strip():
+        return f"{section}[{index}]"
+    return f"{section}[{index}] (case {case_id})"
+
+
+def _raw_section(datalist: str | os.PathLike | Mapping[str, Any], section: str) -> list:
+    """The raw entries of a section that :func:`parse_datalist_section` has already read successfully."""
+    top = datalist if isinstance(datalist, Mapping) else read_datalist_json(os.path.expanduser(os.fspath(datalist)))
+    items = top.get(section)
+    return items if isinstance(items, list) else []
 
 
 def _positive_integer(value: Any) -> bool:
@@ -287,7 +395,8 @@ def _load_sections(
     """Parse every requested section; return the valid entries with their index, and the problem lines.
 
     ``max_cases`` keeps only the first entries of each section (a quick run on part of a cohort); the entries
-    left out are neither checked nor returned.
+    left out are neither checked nor returned. Problem lines of invalid entries name the entry's ``case_id``
+    when it has one.
     """
     if max_cases is not None and not _positive_integer(max_cases):
         raise PreflightError([f"max_cases must be a positive integer or null, got {max_cases!r}"], "config")
@@ -306,9 +415,69 @@ def _load_sections(
         if max_cases is not None:
             entries = entries[: int(max_cases)]
             entry_problems = [(index, reason) for index, reason in entry_problems if index < int(max_cases)]
-        problems += [f"{section}[{index}]: {reason}" for index, reason in entry_problems]
+        raw = _raw_section(datalist, section) if entry_problems else []
+        problems += [
+            f"{_where(section, index, raw[index] if index < len(raw) else None)}: {reason}"
+            for index, reason in entry_problems
+        ]
         loaded[section] = [(index, entry) for index, entry in enumerate(entries) if entry is not None]
     return loaded, problems
+
+
+def _sort_key(path: str | tuple[str, ...]) -> tuple[bool, str | tuple[str, ...]]:
+    return isinstance(path, tuple), path
+
+
+def _paths_to_read(
+    loaded: Mapping[str, list[tuple[int, dict]]],
+    keys: Sequence[str],
+    shard: tuple[int, int] | None,
+    by_entry: bool,
+) -> list[str | tuple[str, ...]]:
+    """The distinct paths this process reads, in a stable order.
+
+    Without ``shard`` every path; with ``shard=(index, count)`` every ``count``-th distinct path, or, when
+    ``by_entry`` (shapes are compared within entries), every path of every ``count``-th distinct entry.
+    """
+    groups = {tuple(_path_key(entry[k]) for k in keys) for items in loaded.values() for _, entry in items}
+    unique = {path for group in groups for path in group}
+    ordered = sorted(unique, key=_sort_key)
+    if shard is None:
+        return ordered
+    index, count = int(shard[0]), int(shard[1])
+    if not by_entry:
+        return ordered[index::count]
+    mine = sorted(groups, key=lambda group: tuple(_sort_key(p) for p in group))[index::count]
+    wanted = {path for group in mine for path in group}
+    return [path for path in ordered if path in wanted]
+
+
+def _entry_problems(
+    where: str,
+    entry: Mapping[str, Any],
+    keys: Sequence[str],
+    found: Mapping[str | tuple[str, ...], _Inspection],
+    expected: Mapping[str, int],
+    compare: bool,
+) -> list[str]:
+    """Problem lines of one entry from what reading its volumes found (volumes not read here are skipped)."""
+    problems: list[str] = []
+    shapes: dict[str, tuple[int, ...]] = {}
+    for k in keys:
+        inspection = found.get(_path_key(entry[k]))
+        if inspection is None:
+            continue
+        reason = inspection.reason or _channel_reason(inspection.channels, expected.get(k), k)
+        if reason:
+            problems.append(f"{where} {_display(entry[k])}: {reason}")
+        elif inspection.spatial is not None:
+            shapes[k] = inspection.spatial
+    if compare and not problems and len(shapes) == len(set(keys)) and len(set(shapes.values())) > 1:
+        listing = ", ".join(f"{k} {shape}" for k, shape in shapes.items())
+        problems.append(
+            f"{where}: spatial shapes differ between keys: {listing}; modalities of a case must share one grid"
+        )
+    return problems
 
 
 def preflight(
@@ -323,12 +492,17 @@ def preflight(
     required: Sequence[str] = ("training",),
     shard: tuple[int, int] | None = None,
     max_cases: int | None = None,
+    num_channels: int | Mapping[str, int] | None = None,
+    same_shape: bool = True,
 ) -> dict[str, list[dict]]:
     """Check a whole datalist and every volume it names, reporting all problems in one error.
 
     Sections in ``required`` must be present; other sections may be absent (then they are skipped), but a
-    present section must be a non-empty list. Each distinct path is checked once with :func:`check_volume`,
-    using a thread pool. Nothing is written anywhere.
+    present section must be a non-empty list. Each distinct path is read once with the checks of
+    :func:`check_volume`, using a thread pool. With several ``keys`` whose volumes are concatenated as channels
+    (multi-modality cases), ``same_shape`` also requires all volumes of an entry to share one spatial shape;
+    entries where a volume already has a problem are not compared. Problem lines name an entry's ``case_id``
+    when it has one. Nothing is written anywhere.
 
     Args:
         datalist: a datalist JSON file or an already decoded dict.
@@ -341,22 +515,32 @@ def preflight(
         num_workers: threads used to read volumes.
         required: sections that must be present.
         shard: ``(index, count)``: read only every ``count``-th distinct volume starting at ``index`` (ranks of
-            a distributed job split the reading; see :func:`preflight_or_exit`).
+            a distributed job split the reading; see :func:`preflight_or_exit`). When shapes are compared
+            between keys, the ranks split the distinct entries instead and each reads all volumes of its
+            entries, so every entry is compared on one rank.
         max_cases: keep only the first ``max_cases`` entries of each section (``None``: all).
+        num_channels: the number of channels every volume must have after channel-first handling (see
+            :func:`check_volume`), or a mapping from key to count for per-key counts (keys left out, or
+            mapped to ``None``, are not checked); ``None`` skips the channel check.
+        same_shape: with several ``keys``, whether the volumes of one entry must have the same spatial shape
+            (they are concatenated as channels); ignored with a single key.
 
     Returns:
         Section name -> the loaded entries (absolute paths), for every section that is present.
 
     Raises:
-        PreflightError: listing every problem, one line each (``"<section>[<index>] <path>: <reason>"`` for
-            volumes).
-        ValueError: when ``patch_size`` or ``num_workers`` is invalid.
+        PreflightError: listing every problem, one line each: ``"<where> <path>: <reason>"`` for volumes,
+            ``"<where>: <reason>"`` for entries, where ``<where>`` is ``"<section>[<index>]"`` followed by
+            ``" (case <case_id>)"`` when the entry has a ``case_id``.
+        ValueError: when ``patch_size``, ``num_workers`` or ``num_channels`` is invalid.
     """
     patch = _validate_patch_size(patch_size)
     if isinstance(num_workers, bool) or int(num_workers) < 1:
         raise ValueError(f"num_workers must be a positive integer, got {num_workers!r}")
     sections = (sections,) if isinstance(sections, str) else tuple(sections)
     keys = (keys,) if isinstance(keys, str) else tuple(keys)
+    expected = _validate_num_channels(num_channels, keys)
+    compare = bool(same_shape) and len(set(keys)) > 1
     source = IN_MEMORY_SOURCE
     if not isinstance(datalist, Mapping):
         source = os.path.expanduser(os.fspath(datalist))
@@ -365,18 +549,12 @@ def preflight(
         except DatalistError as exc:
             raise PreflightError([str(exc)], source) from exc
     loaded, problems = _load_sections(datalist, base_dir, sections, required, keys, max_cases)
-    unique = {_path_key(entry[k]) for items in loaded.values() for _, entry in items for k in keys}
-    ordered = sorted(unique, key=lambda p: (isinstance(p, tuple), p))
-    if shard is not None:
-        ordered = ordered[int(shard[0]) :: int(shard[1])]
+    ordered = _paths_to_read(loaded, keys, shard, by_entry=compare)
     with ThreadPoolExecutor(max_workers=int(num_workers)) as pool:
-        reasons = dict(zip(ordered, pool.map(lambda p: check_volume(p, patch, allow_pad, check_values), ordered)))
+        found = dict(zip(ordered, pool.map(lambda p: _inspect(p, patch, allow_pad, check_values), ordered)))
     for section, items in loaded.items():
         for index, entry in items:
-            for k in keys:
-                reason = reasons.get(_path_key(entry[k]))
-                if reason:
-                    problems.append(f"{section}[{index}] {_display(entry[k])}: {reason}")
+            problems += _entry_problems(_where(section, index, entry), entry, keys, found, expected, compare)
     if problems:
         raise PreflightError(problems, source)
     return {section: [entry for _, entry in items] for section, items in loaded.items()}
@@ -465,8 +643,15 @@ def main(
     num_workers: int = 2,
     sections: Sequence[str] = ("training", "validation"),
     keys: Sequence[str] = ("image",),
+    num_channels: int | Mapping[str, int] | None = None,
+    same_shape: bool = True,
 ) -> None:
     """Command-line entry: check a datalist, print a one-line summary, exit with status 1 on problems.
+
+    Example::
+
+        python -m common.data.preflight datalist.json --keys "[t1n,t1c,t2w,t2f]" --num_channels 1
+        python -m common.data.preflight datalist.json --keys "[image,label]" --num_channels "{image: 4, label: 1}"
 
     Args:
         datalist: the datalist JSON file.
@@ -477,6 +662,8 @@ def main(
         num_workers: threads used to read volumes.
         sections: sections to check.
         keys: entry keys holding image paths.
+        num_channels: channels every volume must have, or a mapping from key to count; see :func:`preflight`.
+        same_shape: whether the volumes of an entry must share one spatial shape (with several keys).
     """
     sections = (sections,) if isinstance(sections, str) else tuple(sections)
     try:
@@ -489,6 +676,8 @@ def main(
             allow_pad=allow_pad,
             check_values=check_values,
             num_workers=num_workers,
+            num_channels=num_channels,
+            same_shape=same_shape,
         )
     except ValueError as exc:
         print(str(exc), file=sys.stderr)

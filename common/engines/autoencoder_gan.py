@@ -9,17 +9,16 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
-from monai.engines import Trainer
 from monai.engines.utils import IterationEvents, default_metric_cmp_fn
-from monai.engines.workflow import Workflow
 from monai.utils import CommonKeys as Keys
 from torch import nn
 from torch.optim import Optimizer
 
+from common.engines.trainer import StepTrainer
 from common.losses.adversarial import feature_matching_loss
 from common.losses.autoencoder import kl_divergence
 from common.networks.wrappers import split_autoencoder_output, unwrap
-from common.utils import amp_dtype, autocast, make_grad_scaler
+from common.utils import autocast
 
 __all__ = ["AutoencoderGANTrainer", "prepare_image_batch"]
 
@@ -52,7 +51,7 @@ def _frozen(module: nn.Module):
             p.requires_grad_(flag)
 
 
-class AutoencoderGANTrainer(Trainer):
+class AutoencoderGANTrainer(StepTrainer):
     """Trains an autoencoder with reconstruction, latent regularisation and optional adversaries.
 
     Each iteration runs a generator step (``recon_weight`` x reconstruction loss + ``kl_weight`` x KL for
@@ -153,24 +152,21 @@ class AutoencoderGANTrainer(Trainer):
             raise ValueError("a discriminator was given without d_optimizer.")
         if micro_batch_size is not None and int(micro_batch_size) < 1:
             raise ValueError(f"micro_batch_size must be >= 1 or None, got {micro_batch_size!r}.")
-        if int(accumulation_steps) < 1:
-            raise ValueError(f"accumulation_steps must be >= 1, got {accumulation_steps!r}.")
-        self.amp_mode = str(amp).lower()
-        self.amp_dtype = amp_dtype(self.amp_mode)  # validates the value
         super().__init__(
             device=device,
             max_epochs=max_epochs,
-            data_loader=train_data_loader,
+            train_data_loader=train_data_loader,
+            prepare_batch=prepare_batch,
+            amp=amp,
+            accumulation_steps=accumulation_steps,
+            grad_clip=grad_clip,
             epoch_length=epoch_length,
             non_blocking=non_blocking,
-            prepare_batch=prepare_batch,
-            iteration_update=None,
             postprocessing=postprocessing,
-            key_metric=key_train_metric,
+            key_train_metric=key_train_metric,
             additional_metrics=additional_metrics,
             metric_cmp_fn=metric_cmp_fn,
-            handlers=train_handlers,
-            amp=False,
+            train_handlers=train_handlers,
             event_names=event_names,
             event_to_attr=event_to_attr,
             decollate=decollate,
@@ -197,52 +193,8 @@ class AutoencoderGANTrainer(Trainer):
         self.quantization_weight = float(quantization_weight)
         self.perceptual_loss = perceptual_loss
         self.perceptual_weight = float(perceptual_weight)
-        self.accumulation_steps = int(accumulation_steps)
-        self.grad_clip = float(grad_clip) if grad_clip else None
-        self.scaler = make_grad_scaler(self.state.device, self.amp_mode)
-
-    def run(self) -> None:  # type: ignore[override]
-        """Run training, keeping this trainer's GradScaler.
-
-        ``monai.engines.Trainer.run`` replaces ``self.scaler`` according to MONAI's own ``amp`` flag (off here),
-        which would silently drop the fp16 GradScaler; ``Workflow.run`` is what remains of it.
-        """
-        Workflow.run(self)
 
     # ------------------------------------------------------------------ helpers
-    def _accumulation_flags(self, engine: AutoencoderGANTrainer) -> tuple[bool, bool]:
-        acc = self.accumulation_steps
-        if acc == 1:
-            return True, True
-        epoch_length = engine.state.epoch_length
-        local_iter = (engine.state.iteration - 1) % epoch_length if epoch_length else engine.state.iteration - 1
-        last = epoch_length is not None and local_iter + 1 == epoch_length
-        return local_iter % acc == 0, (local_iter + 1) % acc == 0 or last
-
-    @staticmethod
-    def _sync_context(network: nn.Module, sync: bool):
-        """DDP's ``no_sync`` when gradients must stay local; it must cover the forward pass as well."""
-        no_sync = getattr(network, "no_sync", None)
-        return contextlib.nullcontext() if sync or no_sync is None else no_sync()
-
-    def _backward(self, loss: torch.Tensor, fraction: float = 1.0) -> None:
-        scaled = loss * (fraction / self.accumulation_steps)
-        if self.scaler is not None:
-            scaled = self.scaler.scale(scaled)
-        scaled.backward()
-
-    def _step(self, optimizer: Optimizer, network: nn.Module) -> torch.Tensor | None:
-        grad_norm = None
-        if self.grad_clip:
-            if self.scaler is not None:
-                self.scaler.unscale_(optimizer)
-            grad_norm = nn.utils.clip_grad_norm_(network.parameters(), self.grad_clip)
-        if self.scaler is not None:
-            self.scaler.step(optimizer)
-        else:
-            optimizer.step()
-        return grad_norm
-
     def _chunks(self, *tensors: torch.Tensor) -> list[tuple[torch.Tensor, ...]]:
         size = self.micro_batch_size or tensors[0].shape[0]
         return list(zip(*(t.split(size) for t in tensors)))
@@ -319,6 +271,7 @@ class AutoencoderGANTrainer(Trainer):
         if batchdata is None:
             raise ValueError("Must provide batch data for current iteration.")
         inputs, targets = engine.prepare_batch(batchdata, engine.state.device, engine.non_blocking, **engine.to_kwargs)
+        self.log_effective_batch(inputs.shape[0])
         zero_grad, do_step = self._accumulation_flags(engine)
         adversarial = self.adversarial_active(engine.state.iteration)
         output: dict[str, Any] = {Keys.IMAGE: inputs, Keys.LABEL: targets}

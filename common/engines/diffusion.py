@@ -50,6 +50,10 @@ def fast_ddpm_grid(kind: str = "uniform", num_grid_steps: int = 10, num_train_ti
         return torch.tensor([0, 199, 399, 599, 699, 799, 849, 899, 949, 999])
     knee, last = round(0.7 * total) - 1, total - 1  # 699 and 999 for T = 1000
     n1, n2 = int(steps * 0.4), int(steps * 0.6)
+    if n1 < 1 or n2 < 2:  # no point below the knee, or a grid that does not reach the last step
+        raise ValueError(
+            f"a non_uniform grid needs num_grid_steps >= 4 (40% below and 60% above t={knee}), got {steps}."
+        )
     stage_1 = torch.ceil(torch.linspace(0, knee, n1 + 1)[:-1]).long()
     stage_2 = torch.ceil(torch.linspace(knee, last, n2)).long()
     grid = torch.cat([stage_1, stage_2])
@@ -59,8 +63,9 @@ def fast_ddpm_grid(kind: str = "uniform", num_grid_steps: int = 10, num_train_ti
 
 
 def antithetic_timesteps(grid: torch.Tensor, n: int, generator: torch.Generator | None = None) -> torch.Tensor:
-    """``n`` training time steps drawn from ``grid`` in antithetic pairs (index ``i`` and ``len - 1 - i``)."""
-    first = torch.randint(0, len(grid), (n // 2 + 1,), generator=generator)
+    """``n`` training time steps drawn from ``grid`` in antithetic pairs: the first ``ceil(n / 2)`` indices ``i`` at
+    random, then their mirrors ``len - 1 - i`` (every step is paired when ``n`` is even)."""
+    first = torch.randint(0, len(grid), ((n + 1) // 2,), generator=generator)
     idx = torch.cat([first, len(grid) - first - 1])[:n]
     return grid[idx]
 
@@ -138,6 +143,7 @@ def grid_ddim_sample(
     eta: float = 0.0,
     prediction_type: str = "epsilon",
     generator: torch.Generator | None = None,
+    clip_sample: bool = False,
 ) -> torch.Tensor:
     """DDIM sampling over exactly the points of ``grid``, from its last point down to "time -1".
 
@@ -158,6 +164,8 @@ def grid_ddim_sample(
         eta: 0 for deterministic DDIM, 1 for DDPM-like ancestral noise.
         prediction_type: ``epsilon`` or ``v_prediction``.
         generator: RNG of the ancestral noise (``eta > 0``).
+        clip_sample: clip each x0 estimate to ``[-1, 1]`` (data in that range) and take the noise consistent with
+            the clipped x0, as DDPM/DDIM implementations do for images; off for latents.
     """
     grid = torch.as_tensor(grid, dtype=torch.long).cpu()
     previous = torch.cat([torch.tensor([-1]), grid[:-1]])
@@ -167,6 +175,9 @@ def grid_ddim_sample(
         t_batch = torch.full((batch,), t, dtype=torch.long, device=x.device)
         x0, eps = schedule.split(x, model_fn(x, t_batch), t_batch, prediction_type)
         a_t = schedule.alpha_bar(torch.tensor([t]), x)
+        if clip_sample:
+            x0 = x0.clamp(-1.0, 1.0)
+            eps = (x.double() - a_t.sqrt() * x0) / (1 - a_t).sqrt()
         a_s = schedule.alpha_bar(torch.tensor([s]), x)
         c1 = float(eta) * ((1 - a_t / a_s) * (1 - a_s) / (1 - a_t)).sqrt()
         c2 = (1 - a_s - c1**2).clamp_min(0).sqrt()

@@ -81,10 +81,11 @@ def load_checkpoint(path: str | os.PathLike, map_location: Any = "cpu") -> dict:
         return torch.load(path, map_location=map_location, weights_only=True)
     except Exception as e:
         text = str(e)
-        if "Weights only load failed" in text or "Unsupported global" in text:
+        if "Unsupported global" in text:  # a real pickle of Python objects (not a corrupt file: "Unsupported operand")
+            detail = next((line.strip() for line in text.splitlines() if "Unsupported global" in line), text)
             raise CheckpointError(
                 f"checkpoint {str(path)!r} contains pickled Python objects, which are refused (weights_only=True); "
-                f"only tensors and plain containers are loaded. Detail: {text.splitlines()[-1] if text else e!r}"
+                f"only tensors and plain containers are loaded. Detail: {detail}"
             ) from e
         raise CheckpointError(f"checkpoint {str(path)!r} is unreadable (truncated or corrupt): {e}") from e
 

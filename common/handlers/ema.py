@@ -4,22 +4,36 @@
 
 from __future__ import annotations
 
+import torch
 from ignite.engine import Engine, Events
 from torch import nn
 from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 
-from common.networks.wrappers import unwrap
+from common.networks.wrappers import clean_state_dict, unwrap
 
-__all__ = ["WeightEMA"]
+__all__ = ["WeightEMA", "warmup_ema_multi_avg_fn"]
+
+
+def warmup_ema_multi_avg_fn(decay: float):
+    """``AveragedModel`` update with the EMA warm-up of Tensorflow's ``ExponentialMovingAverage`` (``num_updates``)
+    and of guided/latent diffusion: the decay of update ``n`` (the number of earlier updates) is
+    ``min(decay, (1 + n) / (10 + n))``, so a short run is not dominated by its random initial weights."""
+
+    @torch.no_grad()
+    def update(ema_params, current_params, num_averaged) -> None:
+        n = int(num_averaged)  # one host read per update
+        get_ema_multi_avg_fn(min(float(decay), (1.0 + n) / (10.0 + n)))(ema_params, current_params, num_averaged)
+
+    return update
 
 
 class WeightEMA:
     """EMA of ``network``'s weights (``torch.optim.swa_utils.AveragedModel``), updated after training iterations.
 
     The first update copies the weights; later ones compute ``ema = decay * ema + (1 - decay) * weights``
-    (buffers too with ``use_buffers``, e.g. normalisation statistics). ``averaged`` is an ``nn.Module``: put it in
-    the checkpoint's ``save_dict`` so a resumed run continues the same average, and use ``module`` (the averaged
-    copy of the network) for validation, inference and export.
+    (buffers too with ``use_buffers``, e.g. normalisation statistics). Put the handler itself in the checkpoint's
+    ``save_dict`` (:meth:`state_dict`: the averaged weights and the update count) so a resumed run continues the
+    same average, and use ``module`` (the averaged copy of the network) for validation, inference and export.
 
     Args:
         network: the trained network (DDP/compile wrappers are removed).
@@ -28,6 +42,8 @@ class WeightEMA:
             every update follows an optimizer step.
         start_iteration: first iteration that updates (earlier ones only track the weights by copying them).
         use_buffers: average buffers as well as parameters.
+        warmup: use the decay ``min(decay, (1 + n) / (10 + n))`` at update ``n`` (see
+            :func:`warmup_ema_multi_avg_fn`) instead of ``decay`` from the start.
     """
 
     def __init__(
@@ -37,6 +53,7 @@ class WeightEMA:
         update_every: int = 1,
         start_iteration: int = 0,
         use_buffers: bool = True,
+        warmup: bool = False,
     ) -> None:
         if not 0.0 < float(decay) < 1.0:
             raise ValueError(f"EMA decay must be in (0, 1), got {decay!r}.")
@@ -46,9 +63,26 @@ class WeightEMA:
         self.decay = float(decay)
         self.update_every = int(update_every)
         self.start_iteration = int(start_iteration)
-        self.averaged = AveragedModel(
-            unwrap(network), multi_avg_fn=get_ema_multi_avg_fn(self.decay), use_buffers=bool(use_buffers)
-        )
+        self.warmup = bool(warmup)
+        avg_fn = warmup_ema_multi_avg_fn(self.decay) if self.warmup else get_ema_multi_avg_fn(self.decay)
+        self.averaged = AveragedModel(unwrap(network), multi_avg_fn=avg_fn, use_buffers=bool(use_buffers))
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """The averaged weights (the network's own keys) and ``n_averaged``: what a checkpoint keeps to continue the
+        same average."""
+        return {"n_averaged": self.averaged.n_averaged.detach().clone(), **self.module.state_dict()}
+
+    def load_state_dict(self, state_dict: dict[str, torch.Tensor]) -> None:
+        """Restore :meth:`state_dict` (DDP/compile prefixes of the network keys are ignored).
+
+        Raises:
+            KeyError: when ``n_averaged`` is missing.
+        """
+        state = clean_state_dict(dict(state_dict))
+        if "n_averaged" not in state:
+            raise KeyError(f"an EMA state needs 'n_averaged'; got keys {sorted(state)[:5]}...")
+        self.averaged.n_averaged.copy_(torch.as_tensor(state.pop("n_averaged")))
+        self.module.load_state_dict(state)
 
     @property
     def module(self) -> nn.Module:

@@ -1,19 +1,22 @@
 # Copyright (c) the 3D MONAI bundle collection contributors.
 # Licensed under the Apache License, Version 2.0.
-"""Wrapping networks for training (SyncBatchNorm, DDP, torch.compile) and for inference (reconstruction only)."""
+"""Wrapping networks for training (SyncBatchNorm, DDP, torch.compile) and for inference (reconstruction only), and
+applying them to whole volumes by blended windows."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
+from monai.inferers import sliding_window_inference
 from torch import nn
 
 __all__ = [
     "LatentDecoder",
     "LatentEncoder",
     "ReconstructionNetwork",
+    "blended_windows",
     "clean_state_dict",
     "prepare_network",
     "split_autoencoder_output",
@@ -197,3 +200,17 @@ class LatentDecoder(_InferenceView):
 
     def forward(self, latent: torch.Tensor) -> torch.Tensor:
         return unwrap(self.network).decode(latent)
+
+
+def blended_windows(
+    x: torch.Tensor,
+    fn: Callable[[torch.Tensor], torch.Tensor],
+    roi_size: Sequence[int] | None,
+    sw_batch_size: int = 1,
+    overlap: float = 0.25,
+) -> torch.Tensor:
+    """``fn`` applied to ``x`` directly when it fits ``roi_size`` (or ``roi_size`` is ``None``), else to overlapping
+    ``roi_size`` windows whose outputs are blended with Gaussian weights (MONAI ``sliding_window_inference``)."""
+    if roi_size is None or all(s <= r for s, r in zip(x.shape[2:], roi_size)):
+        return fn(x)
+    return sliding_window_inference(x, list(roi_size), int(sw_batch_size), fn, overlap=overlap, mode="gaussian")

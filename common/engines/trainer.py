@@ -1,0 +1,148 @@
+# Copyright (c) the 3D MONAI bundle collection contributors.
+# Licensed under the Apache License, Version 2.0.
+"""The step mechanics every trainer of the collection shares, on top of ``monai.engines.Trainer``: mixed precision
+with a kept GradScaler, gradient accumulation over iterations with DDP ``no_sync``, and gradient-norm clipping."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Callable, Iterable, Sequence
+
+import torch
+from monai.engines import Trainer
+from monai.engines.utils import default_metric_cmp_fn
+from monai.engines.workflow import Workflow
+from torch import nn
+from torch.optim import Optimizer
+
+from common.utils import amp_dtype, get_world_size, make_grad_scaler
+
+__all__ = ["StepTrainer"]
+
+logger = logging.getLogger(__name__)
+
+
+class StepTrainer(Trainer):
+    """Base of the collection's trainers: subclasses implement ``_iteration`` with the helpers below.
+
+    ``_accumulation_flags`` says whether an iteration zeroes gradients and whether it steps the optimizers
+    (every ``accumulation_steps`` iterations and at the end of an epoch); ``_sync_context`` wraps forward and
+    backward passes that must not all-reduce; ``_backward`` scales a loss by its micro-batch fraction, the
+    accumulation steps and the fp16 GradScaler; ``_step`` unscales, clips and steps one optimizer.
+
+    Args:
+        device: the device of this rank.
+        max_epochs: number of epochs.
+        train_data_loader: the training loader.
+        amp: ``bf16``, ``fp16`` (with a GradScaler) or ``none``.
+        accumulation_steps: iterations accumulated before each optimizer step.
+        grad_clip: max gradient norm (``None``/0 disables clipping).
+        epoch_length, non_blocking, prepare_batch, postprocessing, key_train_metric, additional_metrics,
+        metric_cmp_fn, train_handlers, event_names, event_to_attr, decollate, to_kwargs: as in
+        ``monai.engines.SupervisedTrainer``.
+    """
+
+    def __init__(
+        self,
+        device: torch.device | str,
+        max_epochs: int,
+        train_data_loader: Iterable,
+        prepare_batch: Callable,
+        amp: str = "none",
+        accumulation_steps: int = 1,
+        grad_clip: float | None = None,
+        epoch_length: int | None = None,
+        non_blocking: bool = False,
+        postprocessing: Callable | None = None,
+        key_train_metric: dict | None = None,
+        additional_metrics: dict | None = None,
+        metric_cmp_fn: Callable = default_metric_cmp_fn,
+        train_handlers: Sequence | None = None,
+        event_names: list | None = None,
+        event_to_attr: dict | None = None,
+        decollate: bool = True,
+        to_kwargs: dict | None = None,
+    ) -> None:
+        if int(accumulation_steps) < 1:
+            raise ValueError(f"accumulation_steps must be >= 1, got {accumulation_steps!r}.")
+        self.amp_mode = str(amp).lower()
+        self.amp_dtype = amp_dtype(self.amp_mode)  # validates the value
+        super().__init__(
+            device=device,
+            max_epochs=max_epochs,
+            data_loader=train_data_loader,
+            epoch_length=epoch_length,
+            non_blocking=non_blocking,
+            prepare_batch=prepare_batch,
+            iteration_update=None,
+            postprocessing=postprocessing,
+            key_metric=key_train_metric,
+            additional_metrics=additional_metrics,
+            metric_cmp_fn=metric_cmp_fn,
+            handlers=train_handlers,
+            amp=False,
+            event_names=event_names,
+            event_to_attr=event_to_attr,
+            decollate=decollate,
+            to_kwargs=to_kwargs,
+        )
+        self.accumulation_steps = int(accumulation_steps)
+        self.grad_clip = float(grad_clip) if grad_clip else None
+        self.scaler = make_grad_scaler(self.state.device, self.amp_mode)
+        self._batch_logged = False
+
+    def log_effective_batch(self, batch_size: int) -> None:
+        """Log, once per run, the effective batch of an optimizer step: samples per rank and iteration x ranks x
+        accumulation steps."""
+        if self._batch_logged:
+            return
+        self._batch_logged = True
+        world, acc = get_world_size(), self.accumulation_steps
+        logger.info(
+            f"effective batch: {batch_size} sample(s) per rank and iteration x {world} rank(s) x {acc} accumulation "
+            f"step(s) = {batch_size * world * acc} per optimizer step"
+        )
+
+    def run(self) -> None:  # type: ignore[override]
+        """Run training, keeping this trainer's GradScaler.
+
+        ``monai.engines.Trainer.run`` replaces ``self.scaler`` according to MONAI's own ``amp`` flag (off here),
+        which would silently drop the fp16 GradScaler; ``Workflow.run`` is what remains of it.
+        """
+        Workflow.run(self)
+
+    def _accumulation_flags(self, engine: Trainer) -> tuple[bool, bool]:
+        """``(zero_grad, do_step)`` of the current iteration."""
+        acc = self.accumulation_steps
+        if acc == 1:
+            return True, True
+        epoch_length = engine.state.epoch_length
+        local_iter = (engine.state.iteration - 1) % epoch_length if epoch_length else engine.state.iteration - 1
+        last = epoch_length is not None and local_iter + 1 == epoch_length
+        return local_iter % acc == 0, (local_iter + 1) % acc == 0 or last
+
+    @staticmethod
+    def _sync_context(network: nn.Module, sync: bool):
+        """DDP's ``no_sync`` when gradients must stay local; it must cover the forward pass as well."""
+        no_sync = getattr(network, "no_sync", None)
+        return contextlib.nullcontext() if sync or no_sync is None else no_sync()
+
+    def _backward(self, loss: torch.Tensor, fraction: float = 1.0) -> None:
+        scaled = loss * (fraction / self.accumulation_steps)
+        if self.scaler is not None:
+            scaled = self.scaler.scale(scaled)
+        scaled.backward()
+
+    def _step(self, optimizer: Optimizer, network: nn.Module) -> torch.Tensor | None:
+        """Unscale (fp16), clip and step ``optimizer``; returns the gradient norm before clipping, if clipped."""
+        grad_norm = None
+        if self.grad_clip:
+            if self.scaler is not None:
+                self.scaler.unscale_(optimizer)
+            grad_norm = nn.utils.clip_grad_norm_(network.parameters(), self.grad_clip)
+        if self.scaler is not None:
+            self.scaler.step(optimizer)
+        else:
+            optimizer.step()
+        return grad_norm

@@ -1,0 +1,482 @@
+# Copyright (c) the 3D MONAI bundle collection contributors.
+# Licensed under the Apache License, Version 2.0.
+"""Benchmarks of ``fast_ddpm_3d`` (commands of ``scripts/benchmark.py``):
+
+    python scripts/benchmark.py ddpm_sampling                      # grid (10 steps) vs baseline (1000), one volume
+    python scripts/benchmark.py ddpm_sampling --shape "[96,96,96]" --roi_size "[64,64,64]" --device cuda
+    python scripts/benchmark.py ddpm_quality --iterations 1500     # equal training budgets, fast vs baseline
+    python scripts/benchmark.py ddpm_throughput                    # bundle trainer vs a plain PyTorch loop
+
+``ddpm_sampling`` samples one whole volume with the same network twice, once over Fast-DDPM's grid and once over
+all ``num_train_timesteps`` steps (the baseline DDPM), counting network evaluations with a forward hook: passes
+over the whole volume (one per time step) and window forwards (the denoiser is applied to overlapping windows when
+the volume is larger than ``roi_size``). ``ddpm_quality`` trains the bundle twice with the same seed, data, network
+and number of iterations, once in each ``diffusion_mode``, then evaluates each best checkpoint on the whole
+validation volumes with its own sampler (PSNR/SSIM/MS-SSIM against the real target, and sampling time).
+``ddpm_throughput`` compares the bundle's trainer (all handlers on, EMA, clipping) with a plain loop written as
+MONAI's and Fast-DDPM's scripts do (CPU ``CacheDataset`` + ``DataLoader``, fp32, grid time steps, EMA, clipping).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import shlex
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+from common.data.demo import make_diffusion_demo
+from scripts.benchmark_tools import (
+    BUNDLES,
+    REPO_ROOT,
+    alternate,
+    device_name,
+    print_table,
+    print_throughput,
+    setup,
+    sync,
+    timed_loop,
+    train_config,
+)
+
+__all__ = ["ddpm_quality", "ddpm_sampling", "ddpm_throughput"]
+
+BUNDLE = "fast_ddpm_3d"
+
+
+def _unet_settings(**overrides) -> dict:
+    """U-Net hyperparameters: ``train.json``'s, replaced by the overrides that are not None."""
+    config = train_config(BUNDLE)
+    keys = ("unet_channels", "attention_levels", "num_res_blocks", "norm_num_groups", "num_head_channels")
+    return {k: config[k] if overrides.get(k) is None else overrides[k] for k in keys}
+
+
+def _unet(
+    settings: dict, in_channels: int, out_channels: int, device: torch.device, flash_attention: bool | None = None
+) -> torch.nn.Module:
+    """The bundle's U-Net; ``flash_attention`` defaults to the bundle's choice (on for CUDA)."""
+    from monai.networks.nets import DiffusionModelUNet
+
+    return DiffusionModelUNet(
+        spatial_dims=3,
+        in_channels=in_channels,
+        out_channels=out_channels,
+        channels=settings["unet_channels"],
+        attention_levels=[bool(a) for a in settings["attention_levels"]],
+        num_res_blocks=settings["num_res_blocks"],
+        norm_num_groups=settings["norm_num_groups"],
+        num_head_channels=settings["num_head_channels"],
+        use_flash_attention=device.type == "cuda" if flash_attention is None else flash_attention,
+    ).to(device)
+
+
+class _CallCounter:
+    """Counts forward calls and batch elements (windows) of a module."""
+
+    def __init__(self, module: torch.nn.Module) -> None:
+        self.calls = self.items = 0
+        self.handle = module.register_forward_pre_hook(self)
+
+    def __call__(self, module, args) -> None:
+        self.calls += 1
+        self.items += int(args[0].shape[0])
+
+
+def ddpm_sampling(
+    shape=(32, 32, 32),
+    roi_size=None,
+    sw_batch_size: int = 1,
+    overlap: float = 0.25,
+    in_channels: int = 2,
+    unet_channels=None,
+    attention_levels=None,
+    norm_num_groups: int | None = None,
+    num_head_channels: int | None = None,
+    grid: str = "uniform",
+    num_grid_steps: int = 10,
+    num_train_timesteps: int = 1000,
+    amp: str | None = None,
+    modes=("fast", "baseline"),
+    device: str = "auto",
+    num_threads: int | None = None,
+    output: str | None = None,
+) -> dict:
+    """Time and network evaluations of sampling one whole volume: Fast-DDPM's grid vs every step (the baseline).
+
+    Both runs use the same (untrained) network and start noise; sampling cost does not depend on the weights.
+
+    Args:
+        shape: volume shape (divisible by the U-Net's downsampling).
+        roi_size: denoiser window (``None``: the whole volume at once).
+        sw_batch_size: windows per network call.
+        overlap: window overlap.
+        in_channels: denoiser input channels (conditions + 1 target).
+        unet_channels, attention_levels, norm_num_groups, num_head_channels: U-Net widths (``train.json``'s by
+            default).
+        grid, num_grid_steps, num_train_timesteps: the time-step grid of the fast sampler.
+        amp: ``bf16``/``fp16``/``none`` autocast (default: bf16 on GPUs, none on CPUs).
+        modes: the samplers to time, ``fast`` and/or ``baseline`` (``["fast"]`` for volumes where 1000 steps take
+            too long; the ratios need both).
+        device: ``auto``, ``cpu`` or ``cuda``.
+        num_threads: torch CPU threads.
+        output: JSON file for the results.
+    """
+    from common.engines.diffusion_workflow import DIFFUSION_MODES, sampling_grid
+    from common.networks.diffusion import DiffusionSampler
+    from common.utils import autocast, default_amp
+
+    dev, _ = setup(device, num_threads, 0)
+    amp = amp or default_amp(dev)
+    modes = [modes] if isinstance(modes, str) else list(modes)
+    if not modes or any(m not in DIFFUSION_MODES for m in modes):
+        raise ValueError(f"modes must be a non-empty list of {DIFFUSION_MODES}, got {modes!r}.")
+    settings = _unet_settings(
+        unet_channels=unet_channels,
+        attention_levels=attention_levels,
+        norm_num_groups=norm_num_groups,
+        num_head_channels=num_head_channels,
+    )
+    torch.manual_seed(0)
+    network = _unet(settings, int(in_channels), 1, dev).eval()
+    counter = _CallCounter(network)
+    image = torch.randn(1, int(in_channels), *[int(s) for s in shape], device=dev)
+    rows, results = [], {}
+    for mode in modes:
+        steps = sampling_grid(mode, grid, num_grid_steps, num_train_timesteps)
+        sampler = DiffusionSampler(
+            network,
+            target_channels=[int(in_channels) - 1],
+            in_channels=int(in_channels),
+            timesteps=steps,
+            num_train_timesteps=num_train_timesteps,
+            roi_size=roi_size,
+            sw_batch_size=sw_batch_size,
+            overlap=overlap,
+        )
+        with torch.no_grad(), autocast(dev, amp):  # warm-up (CUDA kernels, cuDNN plans), untimed
+            sampler._denoise(image, int(steps[-1]))
+        counter.calls = counter.items = 0
+        sync(dev)
+        start = time.perf_counter()
+        with torch.no_grad(), autocast(dev, amp):
+            sample = sampler(image)
+        sync(dev)
+        seconds = time.perf_counter() - start
+        assert torch.isfinite(sample).all()
+        results[mode] = {
+            "time_steps": len(steps),
+            "seconds": seconds,
+            "network_calls": counter.calls,
+            "window_forwards": counter.items,
+        }
+        rows.append([mode, len(steps), counter.calls, counter.items, f"{seconds:.1f}"])
+    counter.handle.remove()
+    summary = {
+        "device": device_name(dev),
+        "shape": list(shape),
+        "roi_size": None if roi_size is None else list(roi_size),
+        "sw_batch_size": int(sw_batch_size),
+        "unet": settings,
+        "amp": amp,
+        "grid": grid,
+        **results,
+    }
+    if dev.type == "cuda":
+        summary["peak_mem_gib"] = torch.cuda.max_memory_allocated(dev) / 2**30
+    print_table(["sampler", "time steps", "network calls", "window forwards", "seconds / volume"], rows)
+    if "fast" in results and "baseline" in results:
+        fast, base = results["fast"], results["baseline"]
+        summary["time_ratio_fast_over_baseline"] = fast["seconds"] / base["seconds"]
+        summary["evaluation_ratio_fast_over_baseline"] = fast["window_forwards"] / base["window_forwards"]
+        print(
+            f"\nfast / baseline: time {summary['time_ratio_fast_over_baseline']:.4f}, network evaluations "
+            f"{summary['evaluation_ratio_fast_over_baseline']:.4f} ({device_name(dev)}, {'x'.join(map(str, shape))})"
+        )
+    if output:
+        Path(output).write_text(json.dumps(summary, indent=2))
+    return summary
+
+
+def _bundle_cmd(run_id: str, configs: Sequence[str], overrides: dict) -> list[str]:
+    files = [str(BUNDLES / BUNDLE / "configs" / c) for c in configs]
+    from scripts.demo import _args
+
+    return [sys.executable, "-m", "monai.bundle", "run", run_id, "--config_file", json.dumps(files), *_args(overrides)]
+
+
+def _run(cmd: list[str]) -> float:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    print("$ " + " ".join(shlex.quote(c) for c in cmd), flush=True)
+    start = time.perf_counter()
+    result = subprocess.run(cmd, cwd=REPO_ROOT, env=env, capture_output=True, text=True)
+    if result.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd[:6])} failed:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}")
+    return time.perf_counter() - start
+
+
+def ddpm_quality(
+    task: str = "synthesis",
+    iterations: int = 1500,
+    shape=(32, 32, 32),
+    patch_size=(32, 32, 32),
+    unet_channels=(16, 32, 64),
+    attention_levels=(False, False, True),
+    norm_num_groups: int = 8,
+    num_head_channels: int = 16,
+    patches_per_volume: int = 2,
+    lr: float = 2e-4,
+    val_sw_batch_size: int = 1,
+    device: str = "auto",
+    num_threads: int | None = None,
+    output_dir: str | None = None,
+    output: str | None = None,
+) -> dict:
+    """Equal training budgets: the bundle trained for ``iterations`` in ``fast`` and in ``baseline`` mode (same seed,
+    data, network, batch), each best checkpoint evaluated on the whole validation volumes with its own sampler.
+
+    Args:
+        task: ``synthesis`` (brain tumour phantoms, t1n + t1c + t2w -> t2f) or ``translation`` (MNI T1 -> grey
+            matter map at 3 mm).
+        iterations: training iterations of each run.
+        shape: phantom volume shape (``synthesis``).
+        patch_size: training patch and denoiser window.
+        unet_channels, attention_levels, norm_num_groups, num_head_channels: the U-Net.
+        patches_per_volume: patches per step (batch 1 volume).
+        lr: learning rate.
+        val_sw_batch_size: windows per network call when sampling.
+        device: ``auto`` (the bundle's choice), ``cpu`` or ``cuda``.
+        num_threads: CPU threads of the runs.
+        output_dir: where the runs are kept (default: a temporary folder).
+        output: JSON file for the results.
+    """
+    from common.data.demo import write_brats_phantom_dataset
+    from common.handlers.checkpoint import load_checkpoint, save_checkpoint
+
+    work = Path(output_dir) if output_dir else Path(tempfile.mkdtemp(prefix="ddpm_quality_"))
+    data = work / "data"
+    if task == "synthesis":
+        write_brats_phantom_dataset(data, n_train=6, n_val=2, shape=shape)
+        configs = ["train.json", "brats.json"]
+    elif task == "translation":
+        make_diffusion_demo(data, "translation")
+        configs = ["train.json"]
+    else:
+        raise ValueError(f"task must be 'synthesis' or 'translation', got {task!r}.")
+    common = {
+        "dataset_dir": str(data),
+        "patch_size": list(patch_size),
+        "unet_channels": list(unet_channels),
+        "attention_levels": [bool(a) for a in attention_levels],
+        "norm_num_groups": norm_num_groups,
+        "num_head_channels": num_head_channels,
+        "patches_per_volume": patches_per_volume,
+        "lr": lr,
+        "val_sw_batch_size": val_sw_batch_size,
+        "spacing": None,
+    }
+    if device != "auto":
+        common["device"] = device
+    if num_threads:
+        common["num_threads"] = int(num_threads)
+    summary: dict = {"task": task, "iterations": iterations, "settings": common, "modes": {}}
+    rows = []
+    for mode in ("fast", "baseline"):
+        run = {**common, "diffusion_mode": mode, "output_dir": str(work / mode)}
+        train = {**run, "max_epochs": 1, "epoch_length": iterations, "val_interval": 10**6, "ckpt_interval": 10**6}
+        train_seconds = _run(_bundle_cmd("training", configs, train))
+        # no validation during training: the final EMA weights (what model.pt holds) are evaluated once
+        models = work / mode / "models"
+        ema = load_checkpoint(models / "last.pt")["ema"]
+        save_checkpoint({k: v for k, v in ema.items() if k != "n_averaged"}, models / "model.pt")
+        eval_seconds = _run(_bundle_cmd("run", [*configs, "evaluate.json"], run))
+        metrics = json.loads((work / mode / "eval" / "metrics.json").read_text())["latest"]
+        summary["modes"][mode] = {"train_seconds": train_seconds, "eval_seconds": eval_seconds, **metrics}
+        rows.append(
+            [
+                mode,
+                iterations,
+                f"{train_seconds / 60:.1f}",
+                f"{eval_seconds:.0f}",
+                f"{metrics['val_psnr']:.2f}",
+                f"{metrics['val_ssim']:.4f}",
+                f"{metrics['val_ms_ssim']:.4f}",
+                f"{metrics['val_denoise_loss']:.4f}",
+            ]
+        )
+    print_table(
+        ["mode", "iterations", "training (min)", "evaluation (s)", "PSNR (dB)", "SSIM", "MS-SSIM", "denoise loss"],
+        rows,
+    )
+    if output:
+        Path(output).write_text(json.dumps(summary, indent=2))
+    return summary
+
+
+def _ddpm_plain_loop(s: dict, data: list[dict], iterations: int, warmup: int, workers: int) -> float:
+    """A plain Fast-DDPM training loop: CPU ``CacheDataset`` + ``DataLoader`` of (T1, GM) pairs, grid time steps,
+    epsilon MSE, Adam, clipping and an EMA of the weights, fp32."""
+    from monai.data import CacheDataset, DataLoader
+    from monai.transforms import (
+        Compose,
+        ConcatItemsd,
+        EnsureChannelFirstd,
+        EnsureTyped,
+        LoadImaged,
+        Orientationd,
+        RandSpatialCropSamplesd,
+        ScaleIntensityRangePercentilesd,
+        SpatialPadd,
+    )
+
+    from common.engines.diffusion import DiffusionSchedule, fast_ddpm_grid
+
+    keys = ["t1", "gm"]
+    transforms = Compose(
+        [
+            LoadImaged(keys),
+            EnsureChannelFirstd(keys),
+            ConcatItemsd(keys, "image"),
+            Orientationd("image", axcodes="RAS", labels=(("L", "R"), ("P", "A"), ("I", "S"))),
+            ScaleIntensityRangePercentilesd(
+                "image", lower=0.5, upper=99.5, b_min=-1.0, b_max=1.0, clip=True, channel_wise=True
+            ),
+            SpatialPadd("image", spatial_size=s["patch_size"], value=-1.0),
+            EnsureTyped("image", dtype=torch.float32),
+            RandSpatialCropSamplesd("image", roi_size=s["patch_size"], num_samples=s["num_samples"], random_size=False),
+        ]
+    )
+    dataset = CacheDataset(data, transform=transforms, cache_rate=1.0, progress=False)
+    loader = DataLoader(
+        dataset, batch_size=s["batch_size"], shuffle=True, num_workers=workers, persistent_workers=workers > 0
+    )
+    device = s["device"]
+    net = _unet(s["unet"], 2, 1, device, flash_attention=False)
+    ema = [p.detach().clone() for p in net.parameters()]
+    optimizer = torch.optim.AdamW(net.parameters(), lr=1e-4)
+    alphas = DiffusionSchedule().alphas_cumprod.float().to(device)
+    grid = fast_ddpm_grid("uniform", 10, 1000).to(device)
+
+    def step(images: torch.Tensor) -> None:
+        optimizer.zero_grad(set_to_none=True)
+        t = grid[torch.randint(0, len(grid), (images.shape[0],), device=device)]
+        a = alphas[t].view(-1, 1, 1, 1, 1)
+        noise = torch.randn_like(images[:, 1:])
+        x_t = a.sqrt() * images[:, 1:] + (1 - a).sqrt() * noise
+        loss = torch.nn.functional.mse_loss(net(torch.cat([images[:, :1], x_t], 1), t), noise)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(net.parameters(), 1.0)
+        optimizer.step()
+        with torch.no_grad():
+            torch._foreach_lerp_(ema, [p.detach() for p in net.parameters()], 1 - 0.999)
+
+    return timed_loop(s, loader, step, iterations, warmup)
+
+
+def ddpm_throughput(
+    patch_size=(32, 32, 32),
+    unet_channels=(16, 32, 64),
+    attention_levels=(False, False, True),
+    norm_num_groups: int = 8,
+    num_head_channels: int = 16,
+    batch_size: int = 1,
+    patches_per_volume: int = 4,
+    iterations: int = 30,
+    warmup: int = 5,
+    repeats: int = 2,
+    amp: str | None = None,
+    compile: bool = False,
+    device: str = "auto",
+    baseline_workers: int | None = None,
+    num_threads: int | None = None,
+    output: str | None = None,
+) -> dict:
+    """``fast_ddpm_3d`` trainer vs a plain Fast-DDPM loop, same network/batch/patch, alternating in one process, on
+    the MNI T1 -> grey-matter translation demo (3 mm).
+
+    Args:
+        patch_size: training patch.
+        unet_channels, attention_levels, norm_num_groups, num_head_channels: the U-Net (``train.json`` uses
+            ``[32, 64, 128, 256]``).
+        batch_size: volumes per step; each gives ``patches_per_volume`` patches.
+        patches_per_volume: random patches per volume.
+        iterations: timed steps per run (after ``warmup``).
+        warmup: untimed steps at the start of each run.
+        repeats: runs of each side; the median is reported.
+        amp: the bundle's autocast, ``bf16``/``fp16``/``none`` (default: bf16 on GPUs, none on CPUs); the plain
+            loop always runs in fp32, as the public scripts do.
+        compile: ``torch.compile`` the bundle's U-Net (its ``compile`` id); compilation happens in the warm-up.
+        device: ``auto``, ``cpu`` or ``cuda``.
+        baseline_workers: DataLoader workers of the plain loop (default: 4 on GPU machines, 0 on 2-core CPUs).
+        num_threads: torch CPU threads.
+        output: JSON file for the results.
+    """
+    from common.utils import default_amp
+
+    dev, workers = setup(device, num_threads, baseline_workers)
+    unet = {
+        "unet_channels": [int(c) for c in unet_channels],
+        "attention_levels": [bool(a) for a in attention_levels],
+        "num_res_blocks": train_config(BUNDLE)["num_res_blocks"],
+        "norm_num_groups": int(norm_num_groups),
+        "num_head_channels": int(num_head_channels),
+    }
+    s = {
+        "patch_size": [int(p) for p in patch_size],
+        "batch_size": int(batch_size),
+        "num_samples": int(patches_per_volume),
+        "unet": unet,
+        "device": dev,
+        "amp": amp or default_amp(dev),
+    }
+    extra = {
+        **unet,
+        "compile": bool(compile),
+        "patch_size": s["patch_size"],
+        "batch_size": s["batch_size"],
+        "patches_per_volume": s["num_samples"],
+        "lr": 1e-4,
+        "lr_scaling": "none",
+    }
+    summary = {
+        "device": device_name(dev),
+        "patch_size": s["patch_size"],
+        "unet": unet,
+        "batch": f"{batch_size}x{patches_per_volume}",
+        "amp": s["amp"],
+        "compile": bool(compile),
+        "timed_iterations": iterations,
+        **alternate(
+            s,
+            BUNDLE,
+            _ddpm_plain_loop,
+            iterations,
+            warmup,
+            repeats,
+            workers,
+            functools.partial(make_diffusion_demo, kind="translation"),
+            ("t1", "gm"),
+            extra,
+        ),
+    }
+    print_throughput(
+        summary,
+        {
+            "device": summary["device"],
+            "patch": "x".join(map(str, patch_size)),
+            "U-Net channels": unet["unet_channels"],
+            "batch": summary["batch"],
+            "amp": s["amp"],
+            "compile": bool(compile),
+        },
+    )
+    if output:
+        Path(output).write_text(json.dumps(summary, indent=2))
+    return summary

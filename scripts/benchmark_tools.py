@@ -1,0 +1,212 @@
+# Copyright (c) the 3D MONAI bundle collection contributors.
+# Licensed under the Apache License, Version 2.0.
+"""What every benchmark of ``scripts/benchmark.py`` shares: device names and synchronisation, Markdown tables, the
+bundle's own trainer built from its ``train.json``, timed plain loops, and the alternating bundle-vs-plain-loop
+throughput comparison."""
+
+from __future__ import annotations
+
+import json
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+if str(REPO_ROOT) not in sys.path:
+    sys.path.insert(0, str(REPO_ROOT))
+
+import torch  # noqa: E402
+
+__all__ = [
+    "BUNDLES",
+    "GIB",
+    "REPO_ROOT",
+    "alternate",
+    "bundle_trainer",
+    "device_name",
+    "print_table",
+    "print_throughput",
+    "setup",
+    "sync",
+    "time_engine",
+    "timed_loop",
+    "train_config",
+]
+
+BUNDLES = REPO_ROOT / "bundles"
+GIB = 2**30
+
+
+def train_config(bundle: str) -> dict:
+    """The raw ``configs/train.json`` of ``bundle`` (its literal defaults: widths, loss weights, optimizer)."""
+    return json.loads((BUNDLES / bundle / "configs" / "train.json").read_text())
+
+
+def device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return f"CPU ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)"
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def print_table(header: Sequence[str], rows: Sequence[Sequence]) -> None:
+    """Print a Markdown table."""
+    print("\n| " + " | ".join(header) + " |")
+    print("|" + "---|" * len(header))
+    for row in rows:
+        print("| " + " | ".join(str(cell) for cell in row) + " |")
+
+
+def print_throughput(summary: dict, leading: dict[str, Any]) -> None:
+    """Print a throughput comparison as a Markdown table: the ``leading`` columns describing the run, then the
+    plain loop's and the bundle's samples/s, their ratio, the bundle's data-wait fraction and peak memory."""
+    results = {
+        "plain loop (samples/s)": f"{summary['plain_samples_per_s']:.2f}",
+        "bundle (samples/s)": f"{summary['bundle_samples_per_s']:.2f}",
+        "bundle / plain": f"{summary['speedup']:.3f}",
+        "data wait": f"{summary['bundle_data_wait']:.1%}",
+        "peak mem (GiB)": f"{summary['bundle_peak_mem_gib']:.2f}",
+    }
+    print_table([*leading, *results], [[*leading.values(), *results.values()]])
+
+
+def bundle_trainer(
+    s: dict, iterations: int, output_dir: str, extra: dict | None = None, bundle: str = "autoencoder_3d"
+):
+    """``train#trainer`` of ``bundle`` built from its ``train.json`` with every handler on, for ``iterations``
+    steps at the run's settings, and its ``TrainingMonitor`` (validation and checkpoint intervals pushed out of
+    reach). ``extra`` holds the bundle's own overrides (network widths, batch, ...), applied last."""
+    from monai.bundle import ConfigWorkflow
+
+    overrides = {
+        "output_dir": output_dir,
+        "max_epochs": 1,
+        "epoch_length": iterations,
+        "val_interval": 10**6,
+        "ckpt_interval": 10**6,
+        "log_interval": 10**6,
+        "resume": False,
+        "device": str(s["device"]),
+        "amp": s["amp"],
+        "num_threads": torch.get_num_threads(),
+        "cache_device": str(s["device"]),
+        **(extra or {}),
+    }
+    config_file = BUNDLES / bundle / "configs" / "train.json"
+    workflow = ConfigWorkflow(config_file=str(config_file), workflow_type="train", **overrides)
+    workflow.initialize()
+    trainer = workflow.parser.get_parsed_content("train#trainer")
+    monitor = next(
+        h for h in workflow.parser.get_parsed_content("train#handlers") if type(h).__name__ == "TrainingMonitor"
+    )
+    return trainer, monitor
+
+
+def time_engine(trainer, warmup: int) -> tuple[float, int]:
+    from ignite.engine import Events
+
+    marks = {}
+
+    @trainer.on(Events.ITERATION_COMPLETED(once=warmup))
+    def _start(engine):
+        sync(trainer.state.device)
+        marks["start"] = time.perf_counter()
+
+    @trainer.on(Events.COMPLETED)
+    def _end(engine):
+        sync(trainer.state.device)
+        marks["end"] = time.perf_counter()
+
+    trainer.run()
+    return marks["end"] - marks["start"], trainer.state.iteration - warmup
+
+
+def timed_loop(s: dict, loader, step: Callable[[torch.Tensor], None], iterations: int, warmup: int) -> float:
+    """Samples (patches) per second of ``step`` over the batches of ``loader`` after ``warmup`` untimed steps."""
+    device = s["device"]
+    done, start = 0, None
+    while done < iterations:
+        for batch in loader:
+            step(batch["image"].to(device))
+            done += 1
+            if done == warmup:
+                sync(device)
+                start = time.perf_counter()
+            if done >= iterations:
+                break
+    sync(device)
+    samples = (iterations - warmup) * s["batch_size"] * s["num_samples"]
+    return samples / (time.perf_counter() - start)
+
+
+def alternate(
+    s: dict,
+    bundle: str,
+    plain: Callable,
+    iterations: int,
+    warmup: int,
+    repeats: int,
+    workers: int,
+    make_data: Callable[[Path], Path] | None = None,
+    keys: Sequence[str] = ("image",),
+    extra: dict | None = None,
+) -> dict:
+    """Run ``plain`` and the bundle's trainer alternately ``repeats`` times on a demo data set.
+
+    Args:
+        make_data: builds the data set in a folder and returns its datalist (default: the MNI demo set of
+            :func:`common.data.demo.make_demo_dataset`).
+        keys: the datalist keys holding volumes.
+        extra: further bundle overrides.
+
+    Returns:
+        Medians of samples/s of each side and of the bundle's data-wait fraction, their ratio (bundle / plain),
+        the largest peak memory and every run under ``runs``.
+    """
+    from common.data.datalist import load_datalist
+    from common.data.demo import make_demo_dataset
+
+    with tempfile.TemporaryDirectory() as tmp:
+        datalist = (make_data or make_demo_dataset)(Path(tmp) / "demo")
+        data = load_datalist(datalist, "training", keys=keys)
+        runs = {"plain": [], "bundle": [], "data_wait": [], "peak_mem_gib": []}
+        for r in range(int(repeats)):
+            runs["plain"].append(plain(s, data, iterations + warmup, warmup, workers))
+            if s["device"].type == "cuda":  # the bundle's peak memory, not the plain loop's
+                torch.cuda.empty_cache()
+                torch.cuda.reset_peak_memory_stats(s["device"])
+            overrides = {"dataset_dir": str(datalist.parent), **(extra or {})}
+            trainer, monitor = bundle_trainer(s, iterations + warmup, str(Path(tmp) / f"run{r}"), overrides, bundle)
+            elapsed, steps = time_engine(trainer, warmup)
+            runs["bundle"].append(steps * s["batch_size"] * s["num_samples"] / elapsed)
+            runs["data_wait"].append(monitor.history[-1]["data_wait"] if monitor.history else float("nan"))
+            runs["peak_mem_gib"].append(monitor.history[-1]["peak_mem_gib"] if monitor.history else float("nan"))
+    plain_rate, bundle_rate = statistics.median(runs["plain"]), statistics.median(runs["bundle"])
+    return {
+        "plain_samples_per_s": plain_rate,
+        "bundle_samples_per_s": bundle_rate,
+        "speedup": bundle_rate / plain_rate,
+        "bundle_data_wait": statistics.median(runs["data_wait"]),
+        "bundle_peak_mem_gib": max(runs["peak_mem_gib"]),
+        "runs": runs,
+    }
+
+
+def setup(device: str, num_threads: int | None, baseline_workers: int | None) -> tuple[torch.device, int]:
+    """Resolve the device, set torch CPU threads, and pick the plain loop's DataLoader workers."""
+    from common.utils import resolve_device
+
+    if num_threads:
+        torch.set_num_threads(int(num_threads))
+    dev = resolve_device(device)
+    workers = baseline_workers if baseline_workers is not None else (4 if dev.type == "cuda" else 0)
+    return dev, workers

@@ -1,0 +1,397 @@
+# Copyright (c) the 3D MONAI bundle collection contributors.
+# Licensed under the Apache License, Version 2.0.
+"""Workflow tests of ``bundles/fast_ddpm_3d``, run as users run it, on brain tumour phantoms in the BraTS 2023
+layout: datalist builder -> train (4 -> 1 missing-modality synthesis) -> evaluate -> inference on cases without
+the target modality, the baseline (full DDPM) mode, configuration and data checks, resume, latent diffusion on a
+frozen autoencoder_3d checkpoint, unconditional generation and a 2-process torchrun job."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import nibabel as nib
+import numpy as np
+import pytest
+import torch
+
+from tests.helpers import BUNDLES, REPO_ROOT, SCHEMA, bundle_env, config_arg, overrides, run_bundle, torchrun_cmd
+
+BUNDLE = "fast_ddpm_3d"
+TASK = ["train.json", "brats.json", "tiny.json"]
+SHAPE = (24, 24, 20)
+MODALITIES = ("t1n", "t1c", "t2w", "t2f")
+AE = str(BUNDLES / "autoencoder_3d" / "configs")
+
+
+@pytest.fixture(scope="module")
+def brats_tree(tmp_path_factory) -> Path:
+    """Six phantom cases in the BraTS 2023 layout, listed by ``scripts/make_datalist.py --brats``."""
+    from common.data.demo import write_brats_phantom_dataset
+
+    root = tmp_path_factory.mktemp("brats")
+    write_brats_phantom_dataset(root, n_train=4, n_val=2, shape=SHAPE, spacing=(1.5, 1.5, 2.0))
+    (root / "datalist.json").unlink()
+    cmd = [sys.executable, "scripts/make_datalist.py", "--data_dir", str(root), "--brats", "--val_fraction", "0.34"]
+    result = subprocess.run(cmd, cwd=REPO_ROOT, env=bundle_env(), capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    datalist = json.loads((root / "datalist.json").read_text())
+    assert len(datalist["training"]) == 4 and len(datalist["validation"]) == 2
+    assert set(datalist["training"][0]) == {"case_id", *MODALITIES, "label"}
+    return root
+
+
+@pytest.fixture(scope="module")
+def trained(brats_tree, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("ddpm_run")
+    run_bundle(BUNDLE, TASK, args=overrides(dataset_dir=str(brats_tree), output_dir=str(out)))
+    return out
+
+
+def test_training_outputs(trained):
+    models = trained / "models"
+    assert (models / "last.pt").is_file() and (models / "model.pt").is_file()
+    last = torch.load(models / "last.pt", weights_only=True)
+    assert last["trainer"]["iteration"] == 8  # 4 cases x 2 epochs, batch 1
+    assert {"unet", "ema", "optimizer", "lr_scheduler", "rng"} <= set(last)
+    assert int(last["ema"]["n_averaged"]) == 8
+    # the best checkpoint is the EMA of the weights (validation and export use it), not the raw network
+    best = torch.load(models / "model.pt", weights_only=True)
+    ema = {k: v for k, v in last["ema"].items() if k != "n_averaged"}  # checkpoints keep clean keys
+    assert set(best) == set(ema) == set(last["unet"])
+    assert best["conv_in.conv.weight"].shape[1] == 4  # three conditions + the noised target
+    assert not torch.equal(best["out.2.conv.weight"], last["unet"]["out.2.conv.weight"])
+    # the ranked checkpoint of the last validation (step 8) holds exactly the EMA weights that last.pt kept then
+    (ranked_last,) = models.glob("model_val_psnr=*_step=8.pt")
+    ranked = torch.load(ranked_last, weights_only=True)
+    assert set(ranked) == set(ema)
+    for key, value in ema.items():
+        assert torch.equal(ranked[key], value), key
+
+    summary = json.loads((trained / "metrics.json").read_text())
+    assert [h["step"] for h in summary["history"]] == [4, 8]
+    for h in summary["history"]:
+        assert np.isfinite(h["val_psnr"]) and 0 < h["val_denoise_loss"] < 5
+        assert -1 <= h["val_ssim"] <= 1 and -1 <= h["val_ms_ssim"] <= 1
+    log = (trained / "train.log").read_text()
+    assert "effective batch: 2 sample(s) per rank and iteration x 1 rank(s) x 1 accumulation step(s)" in log
+    csv = (trained / "metrics.csv").read_text()
+    assert "timestep_mean" in csv and "val_psnr" in csv
+
+
+def test_evaluate_matches_best_validation(trained, brats_tree):
+    run_bundle(
+        BUNDLE,
+        [*TASK, "evaluate.json"],
+        run_id="run",
+        args=overrides(dataset_dir=str(brats_tree), output_dir=str(trained)),
+    )
+    evaluation = json.loads((trained / "eval" / "metrics.json").read_text())["latest"]
+    best = json.loads((trained / "metrics.json").read_text())["best"]
+    for key in ("val_psnr", "val_ssim", "val_ms_ssim", "val_denoise_loss"):
+        assert evaluation[key] == pytest.approx(best[key], rel=1e-5), key
+    rows = (trained / "eval" / "metrics_per_volume.csv").read_text().splitlines()
+    assert len(rows) == 3 and "t1n" in rows[1]
+
+
+def test_inference_synthesises_the_missing_modality(trained, brats_tree, tmp_path):
+    """Cases without t2f (the BraTS missing-modality setting): the synthesis lands on each case's grid."""
+    cases = tmp_path / "missing"
+    datalist = json.loads((brats_tree / "datalist.json").read_text())
+    for entry in datalist["validation"]:
+        folder = brats_tree / entry["t1n"]
+        shutil.copytree(folder.parent, cases / folder.parent.name, ignore=shutil.ignore_patterns("*-t2f.*"))
+    pred = tmp_path / "pred"
+    run_bundle(
+        BUNDLE,
+        ["inference.json", "brats.json", "tiny.json"],
+        run_id="run",
+        args=overrides(output_dir=str(trained), dataset_dir=str(cases), prediction_dir=str(pred)),
+    )
+    written = sorted(p.name for p in pred.iterdir())
+    expected = sorted(f"{Path(entry['t1n']).parent.name}_t2f.nii.gz" for entry in datalist["validation"])
+    assert written == expected
+    source = nib.load(next(cases.glob("*/*-t1n.nii.gz")))
+    out = nib.load(pred / f"{source.get_filename().split('/')[-2]}_t2f.nii.gz")
+    assert out.shape == SHAPE
+    np.testing.assert_allclose(out.affine, source.affine, atol=1e-5)
+    values = out.get_fdata()
+    assert values.min() >= 0 and values.max() <= 1 and values.std() > 0
+
+
+def test_bad_settings_are_refused_before_anything_is_written(brats_tree, tmp_path):
+    out = tmp_path / "out"
+    result = run_bundle(
+        BUNDLE,
+        TASK,
+        check=False,
+        args=[
+            *overrides(dataset_dir=str(brats_tree), output_dir=str(out), num_grid_steps=0, target_key="seg"),
+            "--attention_levels",
+            "[false,true]",
+            "--ema_warmup",
+            "false",
+        ],
+    )
+    assert result.returncode == 1
+    text = result.stderr
+    assert "configuration error" in text and "Traceback" not in text
+    for key in (
+        "'num_grid_steps' must be in [1, num_train_timesteps=1000]",
+        "'target_key' 'seg'",
+        "'attention_levels'",
+    ):
+        assert key in text, key
+    assert not out.exists()
+
+
+def test_bad_data_is_reported_per_case_before_training(brats_tree, tmp_path):
+    data = tmp_path / "data"
+    shutil.copytree(brats_tree, data)
+    datalist = json.loads((data / "datalist.json").read_text())
+    train = datalist["training"]
+    (data / train[0]["t2w"]).unlink()  # a missing modality
+    two_channels = nib.load(data / train[1]["t1c"])
+    stacked = np.stack([two_channels.get_fdata()] * 2, axis=-1).astype(np.float32)
+    nib.save(nib.Nifti1Image(stacked, two_channels.affine), data / train[1]["t1c"])  # 2 channels for one modality
+    cropped = nib.load(data / train[2]["t2f"])
+    nib.save(nib.Nifti1Image(cropped.get_fdata()[:, :, :16].astype(np.float32), cropped.affine), data / train[2]["t2f"])
+    del train[3]["t1n"]  # the datalist entry lacks a key
+    (data / "datalist.json").write_text(json.dumps(datalist))
+    out = tmp_path / "out"
+    result = run_bundle(BUNDLE, TASK, check=False, args=overrides(dataset_dir=str(data), output_dir=str(out)))
+    assert result.returncode == 1, result.stdout[-2000:]
+    text = result.stderr
+    assert "preflight found 4 problem(s)" in text, text[-3000:]
+    case = [entry["case_id"] for entry in train]
+    assert f"training[0] (case {case[0]})" in text and "does not exist" in text
+    assert f"training[1] (case {case[1]})" in text and "2 channels" in text
+    assert f"training[2] (case {case[2]})" in text and "spatial shapes differ" in text
+    assert f"training[3] (case {case[3]})" in text and "'t1n'" in text
+    assert not out.exists()
+
+
+def test_metadata_valid_against_schema():
+    jsonschema = pytest.importorskip("jsonschema")
+    meta = json.loads((BUNDLES / BUNDLE / "configs" / "metadata.json").read_text())
+    jsonschema.validate(meta, json.loads(SCHEMA.read_text()))
+    assert meta["version"] in meta["changelog"]
+    assert set(meta["network_data_format"]["inputs"]) == {"image"}
+    assert set(meta["network_data_format"]["outputs"]) == {"pred"}
+
+
+def test_resume_continues_to_the_same_result(brats_tree, tmp_path):
+    """A run stopped after 1 epoch and re-run with more epochs ends bit-identical to one uninterrupted run
+    (weights, EMA, optimizer; the time steps and noise of the resumed iterations are the same)."""
+    base = dict(dataset_dir=str(brats_tree), max_cases=2, deterministic=True, ckpt_interval=1, val_interval=2)
+    reference = tmp_path / "reference"
+    run_bundle(BUNDLE, TASK, args=overrides(output_dir=str(reference), max_epochs=2, **base))
+    resumed = tmp_path / "resumed"
+    run_bundle(BUNDLE, TASK, args=overrides(output_dir=str(resumed), max_epochs=1, **base))
+    assert torch.load(resumed / "models" / "last.pt", weights_only=True)["trainer"]["iteration"] == 2
+    second = run_bundle(BUNDLE, TASK, args=overrides(output_dir=str(resumed), max_epochs=2, **base))
+    assert "resumed from" in second.stdout + second.stderr
+    final = torch.load(resumed / "models" / "last.pt", weights_only=True)
+    expected = torch.load(reference / "models" / "last.pt", weights_only=True)
+    assert final["trainer"]["iteration"] == expected["trainer"]["iteration"] == 4
+    for part in ("unet", "ema"):
+        for key, value in expected[part].items():
+            assert torch.equal(final[part][key], value), f"{part}.{key}"
+    assert final["optimizer"]["state"][0]["step"] == expected["optimizer"]["state"][0]["step"]
+
+
+def test_baseline_mode_trains_and_samples_every_step(brats_tree, tmp_path):
+    """``diffusion_mode baseline``: a standard DDPM on the same network, trained on and sampled over all steps."""
+    out = tmp_path / "baseline"
+    probe = tmp_path / "probe.json"
+    probe.write_text(
+        json.dumps(
+            {
+                "finalize": [
+                    "$torch.save({'timesteps': @timesteps, 'sampler': @sampler.timesteps, 'loss': @sampler.loss_timesteps}, "
+                    "@output_dir + '/grids.pt')"
+                ]
+            }
+        )
+    )
+    run_bundle(
+        BUNDLE,
+        [*TASK, str(probe)],
+        args=overrides(
+            dataset_dir=str(brats_tree),
+            output_dir=str(out),
+            diffusion_mode="baseline",
+            num_train_timesteps=40,
+            num_grid_steps=4,
+            max_epochs=1,
+            max_cases=2,
+        ),
+    )
+    grids = torch.load(out / "grids.pt", weights_only=True)
+    assert grids["timesteps"].tolist() == grids["sampler"].tolist() == list(range(40))
+    assert grids["loss"].tolist() == [0, 9, 19, 29, 39]  # the held-out loss is taken on the fast grid in both modes
+    summary = json.loads((out / "metrics.json").read_text())
+    assert np.isfinite(summary["latest"]["val_psnr"])
+
+
+@pytest.fixture(scope="module")
+def autoencoder_ckpt(tmp_path_factory) -> Path:
+    """Weights of the tiny autoencoder_3d network (untrained: the latent pipeline, not its quality, is tested)."""
+    from monai.bundle import ConfigParser
+
+    parser = ConfigParser()
+    parser.read_config([f"{AE}/train.json", f"{AE}/tiny.json"])
+    torch.manual_seed(0)
+    network = parser.get_parsed_content("network_def")
+    path = tmp_path_factory.mktemp("ae") / "model.pt"
+    torch.save(network.state_dict(), path)
+    return path
+
+
+def _latent_args(ckpt: Path, **extra) -> dict:
+    return dict(
+        latent=True,
+        latent_config=[f"{AE}/train.json", f"{AE}/tiny.json"],
+        latent_ckpt=str(ckpt),
+        latent_channels=3,
+        latent_downsample=[4, 4, 4],
+        **extra,
+    )
+
+
+def test_latent_mode_trains_on_autoencoder_latents(brats_tree, autoencoder_ckpt, tmp_path):
+    out = tmp_path / "latent"
+    args = _latent_args(autoencoder_ckpt, dataset_dir=str(brats_tree), output_dir=str(out), max_epochs=1, max_cases=2)
+    run_bundle(BUNDLE, TASK, args=overrides(**args))
+    last = torch.load(out / "models" / "last.pt", weights_only=True)
+    scale = float(last["codec"]["scale"])
+    assert np.isfinite(scale) and scale > 0  # calibrated on the training latents, saved for resume
+    best = torch.load(out / "models" / "model.pt", weights_only=True)
+    assert float(best["latent_scale"]) == scale
+    assert best["conv_in.conv.weight"].shape[1] == 4 * 3  # four modalities x 3 latent channels
+    assert best["out.2.conv.weight"].shape[0] == 3  # the target's latent channels
+    summary = json.loads((out / "metrics.json").read_text())
+    assert np.isfinite(summary["latest"]["val_psnr"])  # decoded samples compared in image space
+
+    pred = tmp_path / "pred"
+    cases = brats_tree  # all modalities present: only t1n, t1c, t2w are read
+    run_bundle(
+        BUNDLE,
+        ["inference.json", "brats.json", "tiny.json"],
+        run_id="run",
+        args=overrides(
+            **_latent_args(autoencoder_ckpt),
+            output_dir=str(out),
+            dataset_dir=str(cases),
+            prediction_dir=str(pred),
+        ),
+    )
+    outputs = sorted(pred.glob("*_t2f.nii.gz"))
+    assert len(outputs) == 6
+    source = nib.load(next(brats_tree.glob(f"{outputs[0].name[: -len('_t2f.nii.gz')]}/*-t1n.nii.gz")))
+    image = nib.load(outputs[0])
+    assert image.shape == SHAPE
+    np.testing.assert_allclose(image.affine, source.affine, atol=1e-5)
+
+
+def test_latent_checkpoint_that_does_not_fit_is_refused(brats_tree, autoencoder_ckpt, tmp_path):
+    out = tmp_path / "latent"
+    args = _latent_args(autoencoder_ckpt, dataset_dir=str(brats_tree), output_dir=str(out))
+    args["latent_channels"] = 4
+    result = run_bundle(BUNDLE, TASK, check=False, args=overrides(**args))
+    assert result.returncode == 1
+    assert "'latent_channels' is 4 but the autoencoder of 'latent_ckpt'" in result.stderr
+    assert "encodes to 3 channel(s)" in result.stderr and "Traceback" not in result.stderr
+    assert not (out / "models").exists()
+
+
+def test_unconditional_generation(brats_tree, tmp_path):
+    out = tmp_path / "uncond"
+    args = dict(task="unconditional", image_keys=["t2f"], target_key="t2f", max_epochs=2, max_cases=1)
+    run_bundle(BUNDLE, TASK, args=overrides(dataset_dir=str(brats_tree), output_dir=str(out), **args))
+    summary = json.loads((out / "metrics.json").read_text())
+    latest = summary["latest"]
+    assert set(latest) == {"step", "val_sample_ms_ssim", "val_denoise_loss"}
+    assert -1 <= latest["val_sample_ms_ssim"] < 1  # two samples from different noise differ
+    losses = {h["step"]: h["val_denoise_loss"] for h in summary["history"]}
+    assert len(losses) == 2 and summary["best"]["step"] == min(losses, key=losses.get)  # lower loss is better
+    pred = tmp_path / "pred"
+    run_bundle(
+        BUNDLE,
+        ["inference.json", "brats.json", "tiny.json"],
+        run_id="run",
+        args=overrides(
+            output_dir=str(out),
+            prediction_dir=str(pred),
+            num_samples=3,
+            sample_shape=[16, 24, 16],
+            spacing=[2, 2, 2],
+            **args,
+        ),
+    )
+    written = sorted(p.name for p in pred.iterdir())
+    assert written == ["sample_000_t2f.nii.gz", "sample_001_t2f.nii.gz", "sample_002_t2f.nii.gz"]
+    volumes = [nib.load(pred / name) for name in written]
+    assert all(v.shape == (16, 24, 16) for v in volumes)
+    np.testing.assert_allclose(np.diag(volumes[0].affine), [2, 2, 2, 1])
+    assert not np.allclose(volumes[0].get_fdata(), volumes[1].get_fdata())
+
+
+def test_torchrun_two_processes_keep_identical_replicas(brats_tree, tmp_path):
+    out = tmp_path / "ddp"
+    probe = tmp_path / "probe.json"
+    probe.write_text(
+        json.dumps(
+            {
+                "finalize": [
+                    "$torch.save({'unet': @unet.state_dict(), 'ema': @ema.module.state_dict(), 'train': "
+                    "[str(d['case_id']) for d in @train#dataset.data], 'iteration': @train#trainer.state.iteration}, "
+                    "@output_dir + '/rank' + str(torch.distributed.get_rank()) + '.pt')",
+                    "$common.utils.assert_replicas_equal({'unet': @unet, 'ema': @ema.module})",
+                    "$common.utils.destroy_distributed()",
+                ]
+            }
+        )
+    )
+    cmd = torchrun_cmd(
+        2,
+        "-m",
+        "monai.bundle",
+        "run",
+        "training",
+        "--config_file",
+        config_arg(BUNDLE, *TASK, "multi_gpu_train.json", str(probe)),
+        *overrides(dataset_dir=str(brats_tree), output_dir=str(out), max_epochs=1, val_interval=1),
+    )
+    result = subprocess.run(cmd, cwd=REPO_ROOT, env=bundle_env(), capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
+    r0 = torch.load(out / "rank0.pt", weights_only=True)
+    r1 = torch.load(out / "rank1.pt", weights_only=True)
+    assert r0["iteration"] == r1["iteration"] == 2  # 4 cases / 2 ranks, batch 1
+    assert not set(r0["train"]) & set(r1["train"]), "ranks must cache different cases"
+    for part in ("unet", "ema"):
+        for key in r0[part]:
+            assert torch.equal(r0[part][key], r1[part][key]), f"{part}.{key}"
+    assert "identical on all 2 ranks" in (out / "train.log").read_text()
+    assert "x 2 rank(s)" in (out / "train.log").read_text()
+    summary = json.loads((out / "metrics.json").read_text())
+    assert np.isfinite(summary["latest"]["val_psnr"])
+
+
+def test_inference_with_weights_of_another_task_is_refused(trained, brats_tree, tmp_path):
+    """The 4 -> 1 synthesis weights under the default translation config (T1 -> GM, 2 input channels)."""
+    pred = tmp_path / "pred"
+    result = run_bundle(
+        BUNDLE,
+        ["inference.json", "tiny.json"],
+        run_id="run",
+        check=False,
+        args=overrides(output_dir=str(trained), dataset_dir=str(brats_tree), prediction_dir=str(pred)),
+    )
+    assert result.returncode == 1
+    assert "configuration error" in result.stderr and "Traceback" not in result.stderr
+    assert "takes 4 input channel(s) but this sampler is configured for 2" in result.stderr
+    assert not pred.exists()
