@@ -299,6 +299,8 @@ def ddpm_quality(
         eval_seconds = _run(_bundle_cmd("run", [*configs, "evaluate.json"], run))
         metrics = json.loads((work / mode / "eval" / "metrics.json").read_text())["latest"]
         summary["modes"][mode] = {"train_seconds": train_seconds, "eval_seconds": eval_seconds, **metrics}
+        if output:  # after each mode: a run cut short keeps what it measured
+            Path(output).write_text(json.dumps(summary, indent=2))
         rows.append(
             [
                 mode,
@@ -315,8 +317,6 @@ def ddpm_quality(
         ["mode", "iterations", "training (min)", "evaluation (s)", "PSNR (dB)", "SSIM", "MS-SSIM", "denoise loss"],
         rows,
     )
-    if output:
-        Path(output).write_text(json.dumps(summary, indent=2))
     return summary
 
 
