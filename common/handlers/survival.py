@@ -1,0 +1,361 @@
+# Copyright (c) the 3D MONAI bundle collection contributors.
+# Licensed under the Apache License, Version 2.0.
+"""Handlers of survival evaluations: calibrate the predictor on the training cohort, compute the metrics on the
+predictions of all ranks, and write the per-case CSV, the report and its plots."""
+
+from __future__ import annotations
+
+import csv
+import json
+import logging
+import math
+import os
+from collections.abc import Callable, Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from ignite.engine import Engine, Events
+
+from common.engines.survival import prepare_survival_batch
+from common.metrics.survival import SurvivalPredictionCollector, survival_metrics
+from common.utils import autocast, get_rank
+
+__all__ = ["SurvivalCalibration", "SurvivalMetricsHandler", "SurvivalReport", "usable_horizons", "usable_window"]
+
+logger = logging.getLogger(__name__)
+
+
+def _case_ids(batch: Any, n: int) -> list[str]:
+    ids = batch.get("case_id") if isinstance(batch, dict) else None
+    if ids is None:
+        names = getattr(batch.get("image"), "meta", {}).get("filename_or_obj") if isinstance(batch, dict) else None
+        ids = names if names is not None else [str(i) for i in range(n)]
+    return [str(c) for c in (ids if isinstance(ids, (list, tuple)) else [ids])]
+
+
+class SurvivalCalibration:
+    """Before each evaluation, set what the predictor derives from the training cohort: the Breslow baseline
+    hazard (Cox), the distribution of training risk scores (risk percentiles) and the risk-group thresholds.
+
+    The predictor's network runs in eval mode over ``data_loader`` (the training cases with the evaluation
+    transforms, partitioned across ranks); the predictions of all ranks are gathered (each case once) so every rank
+    sets the same values.
+
+    Args:
+        predictor: a :class:`common.networks.survival.SurvivalPredictor`.
+        data_loader: the training cases (deterministic transforms).
+        amp: autocast of the forward pass on CUDA.
+        prepare_batch: batch preparation (see :func:`common.engines.survival.prepare_survival_batch`).
+    """
+
+    def __init__(
+        self,
+        predictor: torch.nn.Module,
+        data_loader: Iterable,
+        amp: str = "none",
+        prepare_batch: Callable = prepare_survival_batch,
+    ) -> None:
+        self.predictor = predictor
+        self.data_loader = data_loader
+        self.amp = str(amp).lower()
+        self.prepare_batch = prepare_batch
+
+    def attach(self, engine: Engine) -> None:
+        engine.add_event_handler(Events.EPOCH_STARTED, self)
+
+    @torch.no_grad()
+    def __call__(self, engine: Engine) -> None:
+        device = engine.state.device
+        amp = self.amp if torch.device(device).type == "cuda" else "none"
+        collector = SurvivalPredictionCollector()
+        network = self.predictor.network
+        training = network.training
+        network.eval()
+        try:
+            for batch in self.data_loader:
+                image, targets = self.prepare_batch(batch, device, True)
+                covariates = self.predictor.standardize_covariates(targets["covariates"])
+                with autocast(device, amp):
+                    out = network(image, covariates if covariates.shape[1] else None)
+                risk = self.predictor.risk_score(out.float())
+                collector.add(_case_ids(batch, image.shape[0]), risk, targets["time"], targets["event"])
+        finally:
+            network.train(training)
+        gathered = collector.gather()
+        risk = torch.as_tensor(gathered["risk"], dtype=torch.float32)
+        self.predictor.calibrate(
+            risk, torch.as_tensor(gathered["time"]), torch.as_tensor(gathered["event"]), log_hz=risk
+        )
+        logger.info(f"calibrated on {len(risk)} training case(s)")
+
+
+def usable_window(time: np.ndarray, train_time: np.ndarray | None = None) -> tuple[float, float]:
+    """``(first, last)``: IPCW metrics are defined at times ``first <= t < last`` (the follow-up window of the
+    evaluated cohort, cut at the training cohort's last follow-up when it weights the metrics)."""
+    last = float(np.max(time))
+    if train_time is not None and len(train_time):
+        last = min(last, float(np.max(train_time)))
+    return float(np.min(time)), last
+
+
+def usable_horizons(horizons: Sequence[float], time: np.ndarray, train_time: np.ndarray | None = None) -> list[float]:
+    """The horizons at which IPCW metrics are defined (see :func:`usable_window`)."""
+    first, last = usable_window(time, train_time)
+    return [float(h) for h in horizons if first <= float(h) < last]
+
+
+class SurvivalMetricsHandler:
+    """Collect the evaluator's per-case predictions, gather them from all ranks (each case once) and, when the cases
+    have outcomes, compute the survival metrics into ``engine.state.metrics``.
+
+    Attach it before the handlers that read the metrics (recorder, best checkpoint). After each run
+    ``engine.state.survival`` holds ``predictions`` (``case_id``, ``risk_score``, ``risk_percentile``,
+    ``risk_group`` labels, ``p_event`` per horizon, ``time``, ``event``) and, with outcomes, ``metrics`` (every
+    value of :func:`common.metrics.survival.survival_metrics`, tables included) and ``horizons`` (those used).
+
+    Float metrics: ``harrell_c`` and ``uno_c`` with ``_lo``/``_hi`` (95% CI), ``auc_<h>``, ``auc_mean``,
+    ``brier_<h>``, ``ibs``, ``calibration_ici``, ``logrank_p`` (risk groups by the training thresholds).
+
+    Args:
+        predictor: the predictor (its horizons, labels and thresholds).
+        train_time, train_event: the training cohort (years, 0/1), whose censoring distribution weights the IPCW
+            metrics (Uno's C, td-AUC, Brier).
+        grid: the times of the evaluator's ``survival_grid`` (integrated Brier score).
+        calibration_horizon: horizon of the calibration table (default: the middle horizon).
+        n_bins: calibration bins (risk deciles).
+        compute: compute metrics (off: only gather the predictions, e.g. inference without outcomes).
+    """
+
+    def __init__(
+        self,
+        predictor: torch.nn.Module,
+        train_time: Sequence[float] | None = None,
+        train_event: Sequence[float] | None = None,
+        grid: Sequence[float] | None = None,
+        calibration_horizon: float | None = None,
+        n_bins: int = 10,
+        compute: bool = True,
+    ) -> None:
+        self.predictor = predictor
+        self.train_time = None if train_time is None else np.asarray(train_time, dtype=float)
+        self.train_event = None if train_event is None else np.asarray(train_event, dtype=float)
+        self.grid = None if grid is None else np.asarray(grid, dtype=float)
+        self.calibration_horizon = calibration_horizon
+        self.n_bins = int(n_bins)
+        self.compute = bool(compute)
+        self.collector = SurvivalPredictionCollector()
+
+    def attach(self, engine: Engine) -> None:
+        engine.add_event_handler(Events.EPOCH_STARTED, lambda e: self.collector.reset())
+        engine.add_event_handler(Events.ITERATION_COMPLETED, self._add)
+        engine.add_event_handler(Events.EPOCH_COMPLETED, self)
+
+    def _add(self, engine: Engine) -> None:
+        out = engine.state.output
+        self.collector.add(
+            out["case_id"],
+            out["risk_score"],
+            out["time"],
+            out["event"],
+            surv_at_horizons=out["survival"],
+            surv_grid=out.get("survival_grid"),
+        )
+
+    def __call__(self, engine: Engine) -> None:
+        g = self.collector.gather()
+        risk = torch.as_tensor(g["risk"], dtype=torch.float32)
+        horizons = [float(h) for h in self.predictor.horizons.tolist()]
+        labels = list(self.predictor.group_labels)
+        groups = self.predictor.risk_group(risk).tolist()
+        predictions = {
+            "case_id": list(g["case_id"]),
+            "risk_score": g["risk"].tolist(),
+            "risk_percentile": self.predictor.risk_percentile(risk).tolist(),
+            "risk_group": [labels[i] for i in groups],
+            "p_event": {h: (1.0 - g["surv_at_horizons"][:, j]).tolist() for j, h in enumerate(horizons)},
+            "time": g["time"].tolist(),
+            "event": g["event"].tolist(),
+        }
+        engine.state.survival = {"predictions": predictions}
+        has_outcomes = len(g["time"]) > 0 and np.isfinite(g["time"]).all() and np.isfinite(g["event"]).all()
+        if not (self.compute and has_outcomes):
+            return
+        usable = usable_horizons(horizons, g["time"], self.train_time)
+        if len(usable) < len(horizons):
+            first, last = usable_window(g["time"], self.train_time)
+            logger.warning(
+                f"horizons {[h for h in horizons if h not in usable]} are outside the follow-up window "
+                f"[{first:.3g}, {last:.3g}) years of these {len(g['time'])} case(s): not evaluated there."
+            )
+        if not usable or not np.any(g["event"] > 0):
+            logger.warning("no usable horizon or no event among these cases: no survival metrics.")
+            return
+        columns = [horizons.index(h) for h in usable]
+        kwargs: dict[str, Any] = {}
+        if self.grid is not None and g.get("surv_grid") is not None:
+            first, last = usable_window(g["time"], self.train_time)
+            inside = (self.grid >= first) & (self.grid < last)
+            if inside.sum() >= 2:
+                kwargs = {"surv_grid": g["surv_grid"][:, inside], "grid": self.grid[inside]}
+        middle = usable[len(usable) // 2]
+        calibration_horizon = self.calibration_horizon if self.calibration_horizon in usable else middle
+        metrics = survival_metrics(
+            g["risk"],
+            g["time"],
+            g["event"],
+            horizons=usable,
+            surv_at_horizons=g["surv_at_horizons"][:, columns],
+            train_time=self.train_time,
+            train_event=self.train_event,
+            group_thresholds=self.predictor.group_thresholds.tolist(),
+            calibration_horizon=calibration_horizon,
+            n_bins=self.n_bins,
+            **kwargs,
+        )
+        engine.state.survival.update({"metrics": metrics, "horizons": usable})
+        engine.state.metrics.update(
+            {k: float(v) for k, v in metrics.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+        )
+
+
+def _json_safe(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {str(k): _json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_json_safe(v) for v in value]
+    if isinstance(value, (np.generic, torch.Tensor)):
+        value = value.item() if getattr(value, "ndim", 0) == 0 else value.tolist()
+        return _json_safe(value)
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    return value
+
+
+def _write_atomic(path: Path, write: Callable[[Any], None], mode: str = "w") -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, mode, **({"newline": ""} if "b" not in mode else {})) as handle:
+        write(handle)
+    os.replace(tmp, path)
+
+
+class SurvivalReport:
+    """Write what an evaluation or inference run produced (rank 0, after :class:`SurvivalMetricsHandler`).
+
+    ``<output_dir>/<csv_name>``: one row per case, ``case_id, risk_score, risk_percentile, p_mace_<h>`` for each
+    horizon, ``risk_group`` (and ``time, event`` when known). With outcomes also ``report.json`` (every metric with
+    its 95% CI, the calibration table, the Kaplan-Meier curves by risk group and the log-rank test) and the plots
+    ``km_by_risk_group.png`` and ``calibration.png``.
+
+    Args:
+        output_dir: destination folder (created).
+        csv_name: file name of the per-case CSV.
+        event_name: name of the event in column names (``p_<event_name>_<h>``).
+        plots: write the PNG plots.
+    """
+
+    def __init__(
+        self,
+        output_dir: str | os.PathLike,
+        csv_name: str = "predictions.csv",
+        event_name: str = "mace",
+        plots: bool = True,
+    ) -> None:
+        self.output_dir = Path(output_dir)
+        self.csv_name = csv_name
+        self.event_name = event_name
+        self.plots = bool(plots)
+
+    def attach(self, engine: Engine) -> None:
+        engine.add_event_handler(Events.EPOCH_COMPLETED, self)
+
+    def __call__(self, engine: Engine) -> None:
+        result = getattr(engine.state, "survival", None)
+        if get_rank() != 0 or not result:
+            return
+        self.output_dir.mkdir(parents=True, exist_ok=True)
+        self._write_csv(result["predictions"])
+        if "metrics" in result:
+            report = {
+                "horizons_years": result["horizons"],
+                "n_cases": len(result["predictions"]["case_id"]),
+                "n_events": int(sum(result["predictions"]["event"])),
+                **result["metrics"],
+            }
+            _write_atomic(self.output_dir / "report.json", lambda f: json.dump(_json_safe(report), f, indent=2))
+            if self.plots:
+                self._plot(result["metrics"])
+        logger.info(f"survival predictions of {len(result['predictions']['case_id'])} case(s) in {self.output_dir}")
+
+    def _write_csv(self, predictions: dict) -> None:
+        horizons = list(predictions["p_event"])
+        outcomes = all(math.isfinite(t) for t in predictions["time"]) and len(predictions["time"]) > 0
+        header = [
+            "case_id",
+            "risk_score",
+            "risk_percentile",
+            *[f"p_{self.event_name}_{h:g}" for h in horizons],
+            "risk_group",
+        ]
+        if outcomes:
+            header += ["time", "event"]
+
+        def write(handle) -> None:
+            writer = csv.writer(handle)
+            writer.writerow(header)
+            for i, case in enumerate(predictions["case_id"]):
+                row = [
+                    case,
+                    f"{predictions['risk_score'][i]:.6g}",
+                    f"{predictions['risk_percentile'][i]:.2f}",
+                    *[f"{predictions['p_event'][h][i]:.6f}" for h in horizons],
+                    predictions["risk_group"][i],
+                ]
+                if outcomes:
+                    row += [f"{predictions['time'][i]:.6g}", int(predictions["event"][i])]
+                writer.writerow(row)
+
+        _write_atomic(self.output_dir / self.csv_name, write)
+
+    def _plot(self, metrics: dict) -> None:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        km = metrics.get("km") or {}
+        fig, ax = plt.subplots(figsize=(5.5, 4))
+        for label, curve in km.items():
+            if not isinstance(curve, dict) or "times" not in curve:
+                continue
+            ax.step(
+                [0.0, *curve["times"]],
+                [1.0, *curve["survival"]],
+                where="post",
+                label=f"{label} (n={curve['n']}, {curve['events']} events)",
+            )
+        p = metrics.get("logrank_p")
+        ax.set(xlabel="years", ylabel="event-free survival", ylim=(0, 1.02))
+        ax.set_title("Kaplan-Meier by risk group" + (f" (log-rank p = {p:.3g})" if p is not None else ""))
+        ax.legend(loc="lower left", fontsize=8)
+        fig.tight_layout()
+        fig.savefig(self.output_dir / "km_by_risk_group.png", dpi=120)
+        plt.close(fig)
+
+        table = metrics.get("calibration") or {}
+        bins = table.get("bins") or []
+        if bins:
+            fig, ax = plt.subplots(figsize=(4.5, 4.5))
+            predicted = [b["predicted"] for b in bins]
+            observed = [b["observed"] for b in bins]
+            top = max([*predicted, *observed, 0.05]) * 1.05
+            ax.plot([0, top], [0, top], color="grey", lw=1, ls="--", label="ideal")
+            ax.plot(predicted, observed, "o-", label="risk deciles")
+            ax.set(xlabel="predicted probability", ylabel="observed (Kaplan-Meier)", xlim=(0, top), ylim=(0, top))
+            horizon = table.get("horizon")
+            ax.set_title(f"calibration at {horizon:g} years" if horizon is not None else "calibration")
+            ax.legend(loc="upper left", fontsize=8)
+            fig.tight_layout()
+            fig.savefig(self.output_dir / "calibration.png", dpi=120)
+            plt.close(fig)
