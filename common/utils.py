@@ -132,7 +132,7 @@ def assert_replicas_equal(modules: dict[str, torch.nn.Module]) -> int:
     local = {}
     for name, module in modules.items():
         for key, tensor in module.state_dict().items():
-            data = tensor.detach().cpu().contiguous()
+            data = tensor.detach().cpu().contiguous().reshape(-1)  # 0-d tensors (counters) cannot be viewed as bytes
             local[f"{name}.{key}"] = hashlib.sha256(data.view(torch.uint8).numpy().tobytes()).hexdigest()
     gathered: list = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, local)

@@ -483,6 +483,7 @@ def build_plan(
         notes.append(f"SLURM job {job.job_id}: node {node_rank} of {nnodes}, {nproc} process(es) per node{where}")
 
     configs = _bundle_configs(bundle_dir, multi_process=nnodes * nproc > 1) + extras
+    _check_total_batch(configs, dict(overrides or {}), nnodes * nproc)
     bundle_args = ["-m", "monai.bundle", "run", run_id, "--config_file", _config_arg(configs), *override_words]
     torchrun = nnodes * nproc > 1 or max_restarts > 0 or log_dir is not None
     argv = [python or sys.executable]
@@ -502,6 +503,32 @@ def build_plan(
         # attempt avoids it.
         extra_env[SHARED_STORE_SWITCH] = "1"
     return LaunchPlan(argv, extra_env, REPO_ROOT, nnodes, nproc, node_rank, torchrun, notes)
+
+
+def _check_total_batch(configs: Sequence[Path], overrides: Mapping[str, Any], world: int) -> None:
+    """For bundles whose ``batch_size`` is the total batch across all processes (their configs derive a
+    ``per_gpu_batch_size``), check that it divides by the number of processes before anything starts.
+
+    Raises:
+        LaunchError: when it does not.
+    """
+    merged: dict[str, Any] = {}
+    for path in configs:
+        try:
+            content = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue  # the bundle itself reports unreadable configs
+        if isinstance(content, dict):
+            merged.update(content)
+    merged.update(overrides)
+    batch = merged.get("batch_size")
+    if "per_gpu_batch_size" not in merged or isinstance(batch, bool) or not isinstance(batch, int):
+        return
+    if batch < 1 or batch % world:
+        raise LaunchError(
+            f"batch_size {batch} is the total batch across all processes and must be a positive multiple of the "
+            f"{world} process(es) launched; use e.g. --batch_size {world * max(1, -(-batch // world))}."
+        )
 
 
 def _node_position(nnodes: Any, node_rank: Any, job: SlurmTopology | None) -> tuple[int, int]:

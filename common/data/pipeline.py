@@ -29,6 +29,7 @@ from monai.transforms import (
     ResizeWithPadOrCropd,
     SaveImaged,
     ScaleIntensityRanged,
+    SelectItemsd,
     ScaleIntensityRangePercentilesd,
     Spacingd,
     SpatialPadd,
@@ -348,7 +349,8 @@ def survival_transforms(
 ) -> Compose:
     """Transforms of a survival bundle: one whole volume per case at a fixed size, with its outcome as tensors.
 
-    Load -> channel first -> orientation -> spacing -> intensity to ``[0, 1]`` (see :func:`intensity_transform`;
+    Keep ``image``, ``case_id``, ``time``, ``event``, ``covariates`` (other entry keys, e.g. the CSV row or split,
+    are dropped) -> load -> channel first -> orientation -> spacing -> intensity to ``[0, 1]`` (see :func:`intensity_transform`;
     e.g. a CT window) -> [crop to the body: voxels above ``foreground_threshold``] -> centred zero-pad or crop to
     ``image_size`` -> ``time``/``event``/``covariates`` as float tensors -> ``cache_device`` -> [training with
     ``augment``: a random affine (rotation up to 0.1 rad, scaling 10%, translation 5% of the size) and Gaussian
@@ -368,7 +370,8 @@ def survival_transforms(
     """
     image = Keys.IMAGE
     size = tuple(int(s) for s in image_size)
-    transforms = [*_spatial_steps([image], orientation, spacing), CaseMetad(image)]
+    keep = SelectItemsd([image, "case_id", "time", "event", "covariates"], allow_missing_keys=True)
+    transforms = [keep, *_spatial_steps([image], orientation, spacing), CaseMetad(image)]
     norm = intensity_transform([image], intensity or {"mode": "mri"})
     if norm is not None:
         transforms.append(norm)

@@ -31,6 +31,7 @@ __all__ = [
     "SurvivalEvaluator",
     "SurvivalTrainer",
     "check_survival_settings",
+    "check_training_size",
     "key_metric_mode",
     "per_rank_batch_size",
     "prepare_survival_batch",
@@ -53,9 +54,23 @@ def per_rank_batch_size(batch_size: int, world_size: int | None = None) -> int:
     if int(batch_size) % world:
         raise ValueError(
             f"'batch_size' {batch_size} is the total batch across all GPUs and must be divisible by the number of "
-            f"processes ({world}): use a multiple of {world}, e.g. {world * max(1, int(batch_size) // world)}."
+            f"processes ({world}): use a multiple of {world}, e.g. {world * -(-int(batch_size) // world)}."
         )
     return int(batch_size) // world
+
+
+def check_training_size(num_cases: int, batch_size: int) -> None:
+    """The training loader drops an incomplete last batch (a batch of one case breaks BatchNorm in training mode and
+    gives the Cox partial likelihood no risk set), so the training split must fill at least one total batch.
+
+    Raises:
+        ValueError: naming ``batch_size`` when the training split is smaller than it.
+    """
+    if int(num_cases) < int(batch_size):
+        raise ValueError(
+            f"the training split has {num_cases} case(s), fewer than 'batch_size' {batch_size} (the total batch "
+            "across all GPUs; an incomplete last batch is dropped): lower --batch_size."
+        )
 
 
 def _plain(x: Any) -> Any:

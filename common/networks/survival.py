@@ -307,7 +307,9 @@ def survival_at(
         [logits.new_zeros((logits.shape[0], 1), dtype=torch.float32), -torch.cumsum(F.softplus(logits.float()), dim=1)],
         dim=1,
     )  # (B, K + 1): log S(c_0 .. c_K)
-    k = (torch.searchsorted(cuts, times, right=False) - 1).clamp(min=0)  # t in (c_k, c_{k+1}]; t = 0 -> k = 0
+    # t in (c_k, c_{k+1}] (t = 0 -> k = 0): k = #{j >= 1 : c_j < t}, written with comparisons (no searchsorted)
+    # so that the survival curve exports to ONNX
+    k = (cuts[1:-1].unsqueeze(0) < times.unsqueeze(1)).sum(dim=1)
     frac = ((times - cuts[k]) / (cuts[k + 1] - cuts[k])).clamp(0.0, 1.0)
     values = log_surv[:, k] + frac.unsqueeze(0) * (log_surv[:, k + 1] - log_surv[:, k])
     return torch.exp(values)
@@ -383,7 +385,7 @@ def cox_survival_at(
         raise ValueError(
             f"time {float(times[beyond][0]):g} is beyond the baseline hazard grid (last time {float(grid[-1]):g})."
         )
-    idx = torch.searchsorted(grid, times, right=True) - 1
+    idx = (grid.unsqueeze(0) <= times.unsqueeze(1)).sum(dim=1) - 1  # last grid point <= t (ONNX-friendly)
     h0 = torch.where(idx >= 0, baseline_cumhaz.to(lp.device, torch.float32)[idx.clamp(min=0)], torch.zeros_like(times))
     return torch.exp(-h0.unsqueeze(0) * torch.exp(lp.float()))
 
@@ -398,14 +400,20 @@ def _interpolated_percentile(risk: torch.Tensor, quantiles: torch.Tensor) -> tor
     n = q.numel()
     p = torch.linspace(0.0, 100.0, n, device=risk.device)
     r = risk.float()
-    left = torch.searchsorted(q, r, right=False)  # quantiles < r
-    right = torch.searchsorted(q, r, right=True)  # quantiles <= r
+    left = (q.unsqueeze(0) < r.unsqueeze(1)).sum(dim=1)  # quantiles < r (comparisons export to ONNX)
+    right = (q.unsqueeze(0) <= r.unsqueeze(1)).sum(dim=1)  # quantiles <= r
     i = left.clamp(1, n - 1)
     q0, q1 = q[i - 1], q[i]
     frac = ((r - q0) / (q1 - q0).clamp_min(1e-12)).clamp(0.0, 1.0)
     between = p[i - 1] + frac * (p[i] - p[i - 1])
     tied = 0.5 * (p[left.clamp(max=n - 1)] + p[(right - 1).clamp(min=0)])
     return torch.where(right > left, tied, between)
+
+
+def _group_index(risk: torch.Tensor, thresholds: torch.Tensor) -> torch.Tensor:
+    """Index of each risk's group: the number of thresholds at or below it (``bucketize(right=True)``, written
+    with comparisons so it exports to ONNX)."""
+    return (thresholds.to(risk.device, torch.float32).unsqueeze(0) <= risk.float().unsqueeze(1)).sum(dim=1)
 
 
 # ------------------------------------------------------------------------------------------------ inference
@@ -695,12 +703,16 @@ class SurvivalPredictor(nn.Module):
     def survival(self, out: torch.Tensor, times: Sequence[float] | torch.Tensor | None = None) -> torch.Tensor:
         """``(B, T)`` survival at ``times`` (default: the horizons); Cox needs the calibration, logistic hazard the
         cut points."""
-        times = self.horizons if times is None else times
         if self.head == "logistic_hazard":
             if _unset(self.cut_points):
                 self._require_calibration("survival (the cut points come with the calibrated model)")
+        else:
+            self._require_calibration("Cox survival")
+        return self._survival(out, self.horizons if times is None else times)
+
+    def _survival(self, out: torch.Tensor, times: Sequence[float] | torch.Tensor) -> torch.Tensor:
+        if self.head == "logistic_hazard":
             return survival_at(out, self.cut_points, times)
-        self._require_calibration("Cox survival")
         return cox_survival_at(out, self.baseline_grid, self.baseline_cumhaz, times)
 
     def risk_percentile(self, risk: torch.Tensor) -> torch.Tensor:
@@ -711,35 +723,44 @@ class SurvivalPredictor(nn.Module):
     def risk_group(self, risk: torch.Tensor) -> torch.Tensor:
         """``(B,)`` long index into ``group_labels``."""
         self._require_calibration("risk_group")
-        return torch.bucketize(risk.float(), self.group_thresholds.to(risk.device), right=True)
+        return _group_index(risk, self.group_thresholds)
 
     def predict(
         self,
         image: torch.Tensor,
         covariates: torch.Tensor | None = None,
         times: Sequence[float] | torch.Tensor | None = None,
+        check: bool = True,
     ) -> dict[str, torch.Tensor]:
         """All predictions for ``image`` and raw ``covariates`` (see the class docstring); with ``times`` also the
         survival curve ``survival_grid`` at those times.
 
+        Args:
+            image: ``(B, C, *spatial)``.
+            covariates: ``(B, num_covariates)`` raw covariates, or ``None``.
+            times: extra times of the survival curve.
+            check: refuse an uncalibrated model. :class:`SurvivalExportView` turns it off so that an export graph
+                has no data-dependent branch (export a calibrated ``model.pt``; random weights are only for tests).
+
         Raises:
-            RuntimeError: when the model is not calibrated.
+            RuntimeError: when ``check`` and the model is not calibrated.
         """
-        self._require_calibration("prediction")
+        if check:
+            self._require_calibration("prediction")
         covariates = self.standardize_covariates(covariates)
         out = self.network(image) if covariates is None else self.network(image, covariates)
         risk = self.risk_score(out)
-        survival = self.survival(out)
+        survival = self._survival(out, self.horizons)
         result = {
             "pred": out,
             "risk_score": risk,
             "survival": survival,
             "p_event": 1.0 - survival,
-            "risk_percentile": self.risk_percentile(risk),
-            "risk_group": self.risk_group(risk),
+            "risk_percentile": _interpolated_percentile(risk, self.train_risk_quantiles),
+            "risk_group": _group_index(risk, self.group_thresholds),
         }
         if times is not None:
-            result["survival_grid"] = self.survival(out, times)
+            result["survival_grid"] = self._survival(out, times)
         return result
 
     def forward(self, image: torch.Tensor, covariates: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
@@ -777,7 +798,9 @@ class SurvivalExportView(nn.Module):
 
     ``forward(image, covariates=None)`` returns ``pred`` of shape ``(B, 3 + H)``: ``risk_score``,
     ``risk_percentile``, ``risk_group`` (as a float index), then ``P(event by horizon)`` for each horizon. Its
-    state dict is the predictor's, so it loads ``model.pt`` directly.
+    state dict is the predictor's, so it loads ``model.pt`` directly. It does not check the calibration (an export
+    graph has no data-dependent branch): export the ``model.pt`` that training wrote, which is calibrated;
+    loading an uncalibrated state logs a warning.
 
     Args:
         predictor: the predictor to export.
@@ -792,9 +815,15 @@ class SurvivalExportView(nn.Module):
         return self.predictor.state_dict(destination=destination, prefix=prefix, keep_vars=keep_vars)
 
     def load_state_dict(self, state_dict: Mapping[str, torch.Tensor], strict: bool = True, assign: bool = False):
-        return self.predictor.load_state_dict(state_dict, strict=strict, assign=assign)
+        result = self.predictor.load_state_dict(state_dict, strict=strict, assign=assign)
+        if not bool(self.predictor.calibrated):
+            logger.warning(
+                "the loaded survival model is not calibrated: its risk percentiles, risk groups (and Cox survival) "
+                "are meaningless; export the model.pt written after a validation."
+            )
+        return result
 
     def forward(self, image: torch.Tensor, covariates: torch.Tensor | None = None) -> torch.Tensor:
-        out = self.predictor.predict(image, covariates)
+        out = self.predictor.predict(image, covariates, check=False)
         columns = [out["risk_score"], out["risk_percentile"], out["risk_group"].float()]
         return torch.cat([torch.stack(columns, dim=1), out["p_event"].float()], dim=1)
