@@ -29,8 +29,8 @@ from monai.transforms import (
     ResizeWithPadOrCropd,
     SaveImaged,
     ScaleIntensityRanged,
-    SelectItemsd,
     ScaleIntensityRangePercentilesd,
+    SelectItemsd,
     Spacingd,
     SpatialPadd,
 )
