@@ -15,6 +15,8 @@ whole-volume reconstruction cost.
     python scripts/benchmark.py ddpm_sampling                      # fast_ddpm_3d: 10-step grid vs 1000 steps
     python scripts/benchmark.py ddpm_quality                       # equal training budgets, fast vs baseline
     python scripts/benchmark.py ddpm_throughput                    # fast_ddpm_3d trainer vs a plain loop
+    python scripts/benchmark.py mace_throughput                    # mace_survival trainer vs a plain loop
+    python scripts/benchmark.py mace_smartcache                    # SmartCache replacement vs epoch time
 
 ``throughput`` runs, in one process and alternating, (a) the plain loop of MONAI's 3D latent-diffusion tutorial
 (CPU ``CacheDataset`` + ``DataLoader``, fp32, the same AutoencoderKL + PatchDiscriminator, L1 + KL + least-squares
@@ -28,7 +30,8 @@ from the first iteration. ``vqgan_memory`` measures peak memory and time of full
 bundle's trainer, both discriminators, adversarial terms on) per patch and micro-batch size, each in a fresh
 subprocess. ``vqgan_reconstruction`` times whole-volume sliding-window reconstruction (the bundle's
 inference path) and fits a peak-memory model ``a + b x sw_batch_size``, each measurement in a fresh subprocess.
-The ``ddpm_*`` benchmarks of ``fast_ddpm_3d`` live in ``scripts/benchmark_diffusion.py``.
+The ``ddpm_*`` benchmarks of ``fast_ddpm_3d`` live in ``scripts/benchmark_diffusion.py``, the ``mace_*`` ones of
+``mace_survival`` in ``scripts/benchmark_survival.py``.
 Results are printed as a Markdown table and written as JSON.
 """
 
@@ -1167,12 +1170,15 @@ if __name__ == "__main__":
     import fire
 
     from scripts.benchmark_diffusion import ddpm_quality, ddpm_sampling, ddpm_throughput
+    from scripts.benchmark_survival import mace_smartcache, mace_throughput
 
     fire.Fire(
         {
             "ddpm_quality": ddpm_quality,
             "ddpm_sampling": ddpm_sampling,
             "ddpm_throughput": ddpm_throughput,
+            "mace_smartcache": mace_smartcache,
+            "mace_throughput": mace_throughput,
             "throughput": throughput,
             "memory": memory,
             "vqgan_memory": vqgan_memory,

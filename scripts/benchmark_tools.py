@@ -130,13 +130,17 @@ def time_engine(trainer, warmup: int) -> tuple[float, int]:
     return marks["end"] - marks["start"], trainer.state.iteration - warmup
 
 
-def timed_loop(s: dict, loader, step: Callable[[torch.Tensor], None], iterations: int, warmup: int) -> float:
-    """Samples (patches) per second of ``step`` over the batches of ``loader`` after ``warmup`` untimed steps."""
+def timed_loop(
+    s: dict, loader, step: Callable[[Any], None], iterations: int, warmup: int, whole_batch: bool = False
+) -> float:
+    """Samples (patches) per second of ``step`` over the batches of ``loader`` after ``warmup`` untimed steps.
+
+    ``step`` gets the batch's ``image`` on the device, or with ``whole_batch`` the batch dict itself."""
     device = s["device"]
     done, start = 0, None
     while done < iterations:
         for batch in loader:
-            step(batch["image"].to(device))
+            step(batch if whole_batch else batch["image"].to(device))
             done += 1
             if done == warmup:
                 sync(device)
@@ -159,6 +163,7 @@ def alternate(
     make_data: Callable[[Path], Path] | None = None,
     keys: Sequence[str] = ("image",),
     extra: dict | None = None,
+    load_data: Callable[[Path], tuple[list[dict], dict]] | None = None,
 ) -> dict:
     """Run ``plain`` and the bundle's trainer alternately ``repeats`` times on a demo data set.
 
@@ -167,6 +172,9 @@ def alternate(
             :func:`common.data.demo.make_demo_dataset`).
         keys: the datalist keys holding volumes.
         extra: further bundle overrides.
+        load_data: maps what ``make_data`` returned to ``(training entries of the plain loop, bundle overrides
+            locating the data)``; default: the ``training`` section of the datalist and its folder as
+            ``dataset_dir``.
 
     Returns:
         Medians of samples/s of each side and of the bundle's data-wait fraction, their ratio (bundle / plain),
@@ -176,15 +184,18 @@ def alternate(
     from common.data.demo import make_demo_dataset
 
     with tempfile.TemporaryDirectory() as tmp:
-        datalist = (make_data or make_demo_dataset)(Path(tmp) / "demo")
-        data = load_datalist(datalist, "training", keys=keys)
+        built = (make_data or make_demo_dataset)(Path(tmp) / "demo")
+        if load_data is None:
+            data, located = load_datalist(built, "training", keys=keys), {"dataset_dir": str(built.parent)}
+        else:
+            data, located = load_data(built)
         runs = {"plain": [], "bundle": [], "data_wait": [], "peak_mem_gib": []}
         for r in range(int(repeats)):
             runs["plain"].append(plain(s, data, iterations + warmup, warmup, workers))
             if s["device"].type == "cuda":  # the bundle's peak memory, not the plain loop's
                 torch.cuda.empty_cache()
                 torch.cuda.reset_peak_memory_stats(s["device"])
-            overrides = {"dataset_dir": str(datalist.parent), **(extra or {})}
+            overrides = {**located, **(extra or {})}
             trainer, monitor = bundle_trainer(s, iterations + warmup, str(Path(tmp) / f"run{r}"), overrides, bundle)
             elapsed, steps = time_engine(trainer, warmup)
             runs["bundle"].append(steps * s["batch_size"] * s["num_samples"] / elapsed)

@@ -456,6 +456,18 @@ def test_cohort_or_exit_returns_sections_cut_points_and_stats(good_cohort: Path,
     assert capsys.readouterr().err == ""
 
 
+def test_cohort_or_exit_refuses_fewer_quantile_intervals_than_configured(good_cohort: Path, capsys) -> None:
+    """Tied training event times give fewer distinct quantile intervals than the network's outputs."""
+    text = good_cohort.read_text().replace(",900,1,", ",400,1,").replace(",300,1,", ",400,1,")
+    good_cohort.write_text(text)  # the three training events all at 400 days: quantiles [0, 400 d, 2500 d]
+    with pytest.raises(SystemExit) as info:
+        cohort_or_exit(good_cohort, horizons=(1,), num_intervals=5, preflight=False)
+    assert info.value.code == 1
+    err = capsys.readouterr().err
+    assert "'num_intervals' 5: the training event times give only 2 distinct intervals" in err
+    assert "--num_intervals 2" in err
+
+
 def test_cohort_or_exit_reports_rows_and_images_and_writes_nothing(good_cohort: Path, capsys) -> None:
     lines = good_cohort.read_text().splitlines()
     lines[2] = "p1,images/p1.nii.gz,abc,0,51,val"  # bad time

@@ -34,6 +34,7 @@ from common.metrics.survival import (
     calibration_table,
     check_horizons,
     harrell_c,
+    kaplan_meier_at,
     km_by_group,
     risk_groups,
     survival_metrics,
@@ -301,6 +302,32 @@ def test_brier_scores_and_ibs_equal_sksurv(seed):
     assert our_ibs(surv_grid, grid, time, event, train_time, train_event) == pytest.approx(
         integrated_brier_score(y_train, y, surv_grid, grid), rel=RTOL
     )
+
+
+@pytest.mark.parametrize("seed", SEEDS[:1])
+def test_kaplan_meier_reference_ibs_equals_sksurv(seed):
+    """``ibs_km``: the training cohort's Kaplan-Meier curve predicted for everyone, scored like the model."""
+    risk, time, event = _cohort(seed)
+    train_time, train_event = _train_cohort(seed, time)
+    grid = np.linspace(time.min(), 6.0, 25)
+    at = np.concatenate([[0.0], grid, [train_time.max() + 1]])
+    km_times, km_surv = kaplan_meier_estimator(train_event.astype(bool), train_time)
+    reference = np.array([1.0 if t < km_times[0] else km_surv[np.searchsorted(km_times, t, "right") - 1] for t in at])
+    np.testing.assert_allclose(kaplan_meier_at(train_time, train_event, at), reference, rtol=1e-6)
+    metrics = survival_metrics(
+        risk,
+        time,
+        event,
+        horizons=(1, 3),
+        surv_grid=_model_surv(risk, grid),
+        grid=grid,
+        train_time=train_time,
+        train_event=train_event,
+    )
+    null = np.tile(reference[1:-1], (time.size, 1))
+    y, y_train = _surv(time, event), _surv(train_time, train_event)
+    assert metrics["ibs_km"] == pytest.approx(integrated_brier_score(y_train, y, null, grid), rel=RTOL)
+    assert metrics["ibs"] < metrics["ibs_km"]  # the generated risk carries information
 
 
 def test_brier_of_a_perfect_prediction_without_censoring_is_zero():

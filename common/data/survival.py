@@ -810,6 +810,13 @@ def _cohort_problems(
             )
         except ValueError as exc:
             problems.append(str(exc))
+        else:
+            found = len(result["cut_points"]) - 1
+            if found < int(num_intervals):  # tied event times merged boundaries; the network has num_intervals
+                problems.append(
+                    f"'num_intervals' {num_intervals}: the training event times give only {found} distinct "
+                    f"intervals (tied quantiles); use --num_intervals {found} or explicit --cut_points."
+                )
     else:
         result["cut_points"] = None
     result["covariate_mean"], result["covariate_std"] = covariate_stats(training)

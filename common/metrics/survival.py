@@ -59,6 +59,7 @@ __all__ = [
     "check_horizons",
     "harrell_c",
     "integrated_brier_score",
+    "kaplan_meier_at",
     "km_by_group",
     "risk_groups",
     "survival_metrics",
@@ -554,6 +555,22 @@ def _km_curve(time: np.ndarray, event: np.ndarray) -> tuple[np.ndarray, np.ndarr
     return km.time.numpy().astype(np.float64), km.km_est.double().numpy(), km
 
 
+def kaplan_meier_at(time: ArrayLike, event: ArrayLike, at: ArrayLike) -> np.ndarray:
+    """The Kaplan-Meier survival of a cohort at the times ``at`` (a right-continuous step function: 1 before the
+    first time, the last value after the last).
+
+    Args:
+        time: follow-up time per case.
+        event: 1 for an event, 0 for censored.
+        at: the times to evaluate.
+    """
+    time_a, event_a = _survival_data(time, event, cohort="Kaplan-Meier")
+    times, survival, _ = _km_curve(time_a, event_a.astype(bool))
+    at_a = np.asarray(at, dtype=np.float64).reshape(-1)
+    index = np.searchsorted(times, at_a, side="right") - 1
+    return np.where(index >= 0, survival[np.clip(index, 0, None)], 1.0)
+
+
 def risk_groups(risk: ArrayLike, thresholds: ArrayLike, labels: Sequence[str] = DEFAULT_GROUP_LABELS) -> list[str]:
     """Risk group of each case: a case with ``risk > thresholds[i]`` is in group ``i + 1`` or above.
 
@@ -734,7 +751,9 @@ def survival_metrics(
         ``auc_<h>`` per horizon (``f"{h:g}"``), ``auc_mean`` (scikit-survival's ``mean_auc``: the AUCs weighted
         by the Kaplan-Meier probability mass of each horizon; torchsurv leaves out horizons without mass, where
         scikit-survival gives ``nan``), ``logrank_p``; ``brier_<h>`` and ``calibration_ici`` when
-        ``surv_at_horizons`` is given; ``ibs`` when ``surv_grid`` and ``grid`` are. Non-float entries: ``km``
+        ``surv_at_horizons`` is given; ``ibs`` when ``surv_grid`` and ``grid`` are, with ``ibs_km``, the integrated
+        Brier score of predicting the Kaplan-Meier curve of the training cohort (of this cohort without one) for
+        every case: the reference a model must beat. Non-float entries: ``km``
         (:func:`km_by_group` of the risk groups) and ``calibration`` (:func:`calibration_table`, with
         ``surv_at_horizons``). Uno's C is untruncated unless the censoring survival reaches 0 at an event time;
         then ``tau`` is that time (``uno_c_tau`` reports it).
@@ -775,6 +794,9 @@ def survival_metrics(
         raise ValueError("give both surv_grid and grid for the integrated Brier score, or neither.")
     if surv_grid is not None:
         out["ibs"] = integrated_brier_score(surv_grid, grid, time_a, event_a, **train_kw)
+        # the reference of a model without images or covariates: the (training) Kaplan-Meier curve for every case
+        null = kaplan_meier_at(train_t, train_e, grid)
+        out["ibs_km"] = integrated_brier_score(np.tile(null, (time_a.size, 1)), grid, time_a, event_a, **train_kw)
     thresholds = np.quantile(risk_a, [1 / 3, 2 / 3]) if group_thresholds is None else group_thresholds
     out["km"] = km_by_group(risk_groups(risk_a, thresholds), time_a, event_a, labels=DEFAULT_GROUP_LABELS)
     out["logrank_p"] = out["km"]["logrank_p"]

@@ -35,6 +35,7 @@ __all__ = [
     "hazards_to_survival",
     "load_backbone_weights",
     "load_predictor",
+    "log_survival_at",
     "survival_at",
 ]
 
@@ -272,10 +273,12 @@ def _times(times: Sequence[float] | torch.Tensor, device: torch.device) -> torch
     return times
 
 
-def survival_at(
+def log_survival_at(
     logits: torch.Tensor, cut_points: Sequence[float] | torch.Tensor, times: Sequence[float] | torch.Tensor
 ) -> torch.Tensor:
-    """Survival of a logistic-hazard model at arbitrary times, with a constant hazard within each interval.
+    """Log-survival of a logistic-hazard model at arbitrary times, with a constant hazard within each interval
+    (``-log_survival_at`` is the cumulative hazard; computed without ``exp``, so it stays finite where ``S``
+    underflows).
 
     For ``c_k < t <= c_{k+1}``: ``S(t) = S(c_k) (1 - h_k)^((t - c_k) / (c_{k+1} - c_k))``, i.e. ``log S`` is
     linear within each interval; ``S(0) = 1``. Non-increasing in ``t`` for every case.
@@ -286,7 +289,7 @@ def survival_at(
         times: ``(T,)`` non-negative times, at most ``c_K``.
 
     Returns:
-        ``(B, T)`` survival probabilities.
+        ``(B, T)`` log survival probabilities.
 
     Raises:
         ValueError: for a logit/cut-point mismatch, or a time beyond ``c_K`` (the model says nothing there).
@@ -311,8 +314,15 @@ def survival_at(
     # so that the survival curve exports to ONNX
     k = (cuts[1:-1].unsqueeze(0) < times.unsqueeze(1)).sum(dim=1)
     frac = ((times - cuts[k]) / (cuts[k + 1] - cuts[k])).clamp(0.0, 1.0)
-    values = log_surv[:, k] + frac.unsqueeze(0) * (log_surv[:, k + 1] - log_surv[:, k])
-    return torch.exp(values)
+    return log_surv[:, k] + frac.unsqueeze(0) * (log_surv[:, k + 1] - log_surv[:, k])
+
+
+def survival_at(
+    logits: torch.Tensor, cut_points: Sequence[float] | torch.Tensor, times: Sequence[float] | torch.Tensor
+) -> torch.Tensor:
+    """Survival of a logistic-hazard model at arbitrary times, ``exp`` of :func:`log_survival_at` (see there):
+    ``(B, T)`` probabilities, non-increasing in ``t``, ``S(0) = 1``."""
+    return torch.exp(log_survival_at(logits, cut_points, times))
 
 
 def breslow_cumulative_hazard(
@@ -428,8 +438,8 @@ class SurvivalPredictor(nn.Module):
     :meth:`predict` (and ``forward``) return a dict:
 
     * ``pred``: the raw network output (``(B, K)`` logits or ``(B, 1)`` log-hazard);
-    * ``risk_score`` ``(B,)``: logistic hazard: the cumulative hazard at ``c_K``, ``-log S(c_K)``; Cox: the
-      log relative hazard (higher = more risk);
+    * ``risk_score`` ``(B,)``: logistic hazard: the cumulative hazard at the longest horizon,
+      ``-log S(max(horizons))``; Cox: the log relative hazard (higher = more risk);
     * ``survival`` ``(B, H)``: ``S(h | x)`` at each horizon; ``p_event = 1 - survival``;
     * ``risk_percentile`` ``(B,)`` in ``[0, 100]``: interpolated in the percentiles of the training risk scores;
     * ``risk_group`` ``(B,)`` long: index into ``group_labels``; group ``g`` holds risks in
@@ -695,9 +705,11 @@ class SurvivalPredictor(nn.Module):
         return (covariates.float() - mean) / std
 
     def risk_score(self, out: torch.Tensor) -> torch.Tensor:
-        """``(B,)`` risk from the network output: ``-log S(c_K)`` (logistic hazard) or the log-hazard (Cox)."""
+        """``(B,)`` risk from the network output: logistic hazard: the cumulative hazard at the longest horizon,
+        ``-log S(max(horizons))`` (a monotone function of ``P(event by that horizon)``; the hazards of the last,
+        sparsely populated intervals beyond it do not reorder the cases); Cox: the log-hazard."""
         if self.head == "logistic_hazard":
-            return F.softplus(out.float()).sum(dim=1)
+            return -log_survival_at(out, self.cut_points, self.horizons.max().reshape(1))[:, 0]
         return out.reshape(out.shape[0], -1)[:, 0].float()
 
     def survival(self, out: torch.Tensor, times: Sequence[float] | torch.Tensor | None = None) -> torch.Tensor:

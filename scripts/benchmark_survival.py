@@ -1,0 +1,367 @@
+# Copyright (c) the 3D MONAI bundle collection contributors.
+# Licensed under the Apache License, Version 2.0.
+"""Benchmarks of ``mace_survival`` (commands of ``scripts/benchmark.py``):
+
+    python scripts/benchmark.py mace_throughput                    # bundle trainer vs a plain PyTorch loop
+    python scripts/benchmark.py mace_throughput --device cuda --image_size "[128,128,96]" --batch_size 16
+    python scripts/benchmark.py mace_smartcache                    # SmartCache replacement vs epoch time
+
+``mace_throughput`` alternates, in one process, a plain loop written as the MONAI survival scripts are (CPU
+``CacheDataset`` + ``DataLoader``, fp32, the same ResNet, augmentation and logistic-hazard loss, AdamW) and the
+bundle's ``train#trainer`` with all its handlers, on the synthetic MACE cohort; it reports cases/s of each, their
+ratio, the bundle's data-wait fraction and peak memory. ``mace_smartcache`` trains the bundle for a few epochs with a
+``SmartCacheDataset`` holding ``cache_rate`` of the cohort and replacing ``replace_rate`` of its cache every epoch,
+and reports how long the end of each epoch waits for the replacement thread (``update_cache``) against the epoch
+time: the stall fraction; a ``CacheDataset`` of the whole cohort is the reference.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import statistics
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+from scripts.benchmark_tools import (
+    alternate,
+    bundle_trainer,
+    device_name,
+    print_table,
+    print_throughput,
+    setup,
+    sync,
+    timed_loop,
+)
+
+__all__ = ["mace_smartcache", "mace_throughput"]
+
+BUNDLE = "mace_survival"
+WINDOW = {"mode": "ct", "a_min": -1000, "a_max": 1500}
+
+
+DEMO_SPACING = (7.0, 7.0, 8.0)
+
+
+def _make_cohort(folder: Path, n_cases: int, shape: Sequence[int], spacing: Sequence[float] = DEMO_SPACING) -> Path:
+    from common.data.survival_demo import make_mace_cohort
+
+    return make_mace_cohort(
+        folder, n_cases=int(n_cases), shape=tuple(int(s) for s in shape), spacing=tuple(float(v) for v in spacing)
+    )
+
+
+def _load_cohort(csv: Path, num_intervals: int) -> tuple[list[dict], dict]:
+    """The training entries (with the cut points the bundle derives) and the bundle override locating them."""
+    from common.data.survival import cut_points_from_quantiles, read_cohort_csv, split_cohort
+
+    training = split_cohort(read_cohort_csv(csv, time_unit="days"))["training"]
+    cuts = cut_points_from_quantiles([e["time"] for e in training], [e["event"] for e in training], num_intervals)
+    for entry in training:
+        entry["cut_points"] = cuts
+    return training, {"csv_path": str(csv)}
+
+
+def _mace_plain_loop(s: dict, data: list[dict], iterations: int, warmup: int, workers: int) -> float:
+    """The plain loop: CPU ``CacheDataset`` + ``DataLoader`` of whole CT volumes, fp32, AdamW, logistic hazard."""
+    from monai.data import CacheDataset, DataLoader
+    from monai.transforms import (
+        Compose,
+        CropForegroundd,
+        EnsureChannelFirstd,
+        EnsureTyped,
+        LoadImaged,
+        Orientationd,
+        RandAffined,
+        RandGaussianNoised,
+        ResizeWithPadOrCropd,
+        ScaleIntensityRanged,
+    )
+
+    from common.losses.survival import logistic_hazard_loss
+    from common.networks.survival import SurvivalNet
+
+    size = tuple(s["image_size"])
+    transforms = Compose(
+        [
+            LoadImaged("image"),
+            EnsureChannelFirstd("image"),
+            Orientationd("image", axcodes="RAS", labels=(("L", "R"), ("P", "A"), ("I", "S"))),
+            ScaleIntensityRanged("image", a_min=-1000, a_max=1500, b_min=0.0, b_max=1.0, clip=True),
+            CropForegroundd("image", source_key="image", select_fn=lambda x: x > 0.05, allow_smaller=True),
+            ResizeWithPadOrCropd("image", spatial_size=size),
+            EnsureTyped(["image", "time", "event"], dtype=torch.float32),
+            RandAffined(
+                "image",
+                prob=0.5,
+                rotate_range=(0.1, 0.1, 0.1),
+                scale_range=(0.1, 0.1, 0.1),
+                translate_range=tuple(0.05 * v for v in size),
+                padding_mode="zeros",
+            ),
+            RandGaussianNoised("image", prob=0.2, std=0.01),
+        ]
+    )
+    cuts = torch.tensor(data[0]["cut_points"])
+    items = [{k: e[k] for k in ("image", "time", "event")} for e in data]
+    dataset = CacheDataset(items, transform=transforms, cache_rate=1.0, progress=False)
+    loader = DataLoader(
+        dataset,
+        batch_size=s["batch_size"],
+        shuffle=True,
+        drop_last=True,
+        num_workers=workers,
+        persistent_workers=workers > 0,
+    )
+    device = s["device"]
+    net = SurvivalNet(s["backbone"], num_intervals=len(cuts) - 1, hidden_channels=128, dropout=0.2).to(device)
+    optimizer = torch.optim.AdamW(net.parameters(), lr=3e-4, weight_decay=1e-4)
+    cuts = cuts.to(device)
+
+    def step(batch: dict) -> None:
+        optimizer.zero_grad(set_to_none=True)
+        logits = net(batch["image"].to(device))
+        loss = logistic_hazard_loss(logits, batch["time"].to(device), batch["event"].to(device), cuts)
+        loss.backward()
+        optimizer.step()
+
+    return timed_loop(s, loader, step, iterations, warmup, whole_batch=True)
+
+
+def mace_throughput(
+    image_size=(48, 48, 40),
+    backbone: str = "resnet18",
+    batch_size: int = 8,
+    n_cases: int = 64,
+    num_intervals: int = 10,
+    iterations: int = 20,
+    warmup: int = 3,
+    repeats: int = 2,
+    amp: str | None = None,
+    compile: bool = False,
+    cache_device: str | None = None,
+    device: str = "auto",
+    baseline_workers: int | None = None,
+    num_threads: int | None = None,
+    output: str | None = None,
+) -> dict:
+    """``mace_survival`` trainer vs a plain loop, same network, batch, image size and augmentation, alternating in
+    one process, on the synthetic MACE cohort (phantoms of ``image_size``).
+
+    Args:
+        image_size: volume and network input size.
+        backbone: MONAI ResNet depth.
+        batch_size: cases per step (one process).
+        n_cases: cohort size (75% training).
+        num_intervals: logistic-hazard intervals.
+        iterations: timed steps per run (after ``warmup``).
+        warmup: untimed steps at the start of each run.
+        repeats: runs of each side; the median is reported.
+        amp: the bundle's autocast (default: bf16 on GPUs, none on CPUs); the plain loop runs in fp32.
+        compile: ``torch.compile`` the bundle's network.
+        cache_device: where the bundle caches the volumes (default: the GPU on CUDA, else the CPU).
+        device: ``auto``, ``cpu`` or ``cuda``.
+        baseline_workers: DataLoader workers of the plain loop (default: 4 on GPU machines, 0 on CPUs).
+        num_threads: torch CPU threads.
+        output: JSON file for the results.
+    """
+    from common.utils import default_amp
+
+    dev, workers = setup(device, num_threads, baseline_workers)
+    size = [int(v) for v in image_size]
+    s = {
+        "image_size": size,
+        "backbone": backbone,
+        "batch_size": int(batch_size),
+        "num_samples": 1,
+        "device": dev,
+        "amp": amp or default_amp(dev),
+    }
+    extra = {
+        "image_size": size,
+        "backbone": backbone,
+        "batch_size": int(batch_size),
+        "num_intervals": int(num_intervals),
+        "compile": bool(compile),
+        "lr_schedule": False,
+        "cache_device": cache_device or str(dev),
+    }
+    summary = {
+        "device": device_name(dev),
+        "image_size": size,
+        "backbone": backbone,
+        "batch": int(batch_size),
+        "amp": s["amp"],
+        "compile": bool(compile),
+        "timed_iterations": iterations,
+        **alternate(
+            s,
+            BUNDLE,
+            _mace_plain_loop,
+            iterations,
+            warmup,
+            repeats,
+            workers,
+            functools.partial(_make_cohort, n_cases=n_cases, shape=size),
+            extra=extra,
+            load_data=functools.partial(_load_cohort, num_intervals=int(num_intervals)),
+        ),
+    }
+    print_throughput(
+        summary,
+        {
+            "device": summary["device"],
+            "image": "x".join(map(str, size)),
+            "backbone": backbone,
+            "batch": batch_size,
+            "amp": s["amp"],
+            "compile": bool(compile),
+        },
+    )
+    if output:
+        Path(output).write_text(json.dumps(summary, indent=2))
+    return summary
+
+
+def _smartcache_run(csv: Path, work: Path, s: dict, overrides: dict, epochs: int) -> dict:
+    """Train the bundle for ``epochs`` epochs; time each epoch and each wait for the cache replacement."""
+    from ignite.engine import Events
+    from monai.data import SmartCacheDataset
+
+    located = {"csv_path": str(csv), "max_epochs": int(epochs), "epoch_length": None, **overrides}
+    trainer, monitor = bundle_trainer(s, 1, str(work), located, BUNDLE)
+    dataset = trainer.data_loader.dataset
+    waits: list[float] = []
+    if isinstance(dataset, SmartCacheDataset):
+        update = dataset.update_cache
+
+        def timed_update() -> None:
+            start = time.perf_counter()
+            update()
+            waits.append(time.perf_counter() - start)
+
+        dataset.update_cache = timed_update
+    epochs_s: list[float] = []
+    marks: dict[str, float] = {}
+
+    @trainer.on(Events.EPOCH_STARTED)
+    def _start(engine) -> None:
+        sync(s["device"])
+        marks["start"] = time.perf_counter()
+
+    @trainer.on(Events.EPOCH_COMPLETED)
+    def _end(engine) -> None:  # registered after the SmartCacheHandler: the epoch includes its wait
+        sync(s["device"])
+        epochs_s.append(time.perf_counter() - marks["start"])
+
+    trainer.run()
+    steady = epochs_s[1:] or epochs_s  # the first epoch includes start-up
+    wait = statistics.median(waits[1:] or waits) if waits else 0.0
+    return {
+        "cached_cases": len(dataset),
+        "iterations_per_epoch": len(trainer.data_loader),
+        "epoch_s": statistics.median(steady),
+        "replacement_wait_s": wait,
+        "stall_fraction": wait / statistics.median(steady),
+        "data_wait": monitor.history[-1]["data_wait"] if monitor.history else float("nan"),
+    }
+
+
+def mace_smartcache(
+    n_cases: int = 96,
+    image_size=(48, 48, 40),
+    file_shape=None,
+    backbone: str = "resnet10",
+    batch_size: int = 8,
+    cache_rate: float = 0.5,
+    replace_rates=(0.25, 0.5, 1.0),
+    epochs: int = 4,
+    device: str = "auto",
+    num_threads: int | None = None,
+    output: str | None = None,
+) -> dict:
+    """SmartCache replacement time against epoch time on the synthetic cohort: for each ``replace_rate``, the
+    median wait at the end of an epoch for the replacement thread, the epoch time and their ratio (the stall
+    fraction), after the first epoch; a ``CacheDataset`` of every case is the reference.
+
+    Args:
+        n_cases: cohort size (75% training).
+        image_size: network input size (the demo's voxel size, 7 x 7 x 8 mm).
+        file_shape: voxels of the image files (default ``image_size``); a larger shape writes the same anatomy at a
+            finer voxel size, which the bundle resamples to the demo's (``spacing``), so each volume the
+            replacement thread loads costs what a real CT costs to decode and resample.
+        backbone: MONAI ResNet depth.
+        batch_size: cases per step.
+        cache_rate: fraction of the training cases in the SmartCache.
+        replace_rates: fractions of the cache replaced per epoch.
+        epochs: epochs per run.
+        device: ``auto``, ``cpu`` or ``cuda``.
+        num_threads: torch CPU threads.
+        output: JSON file for the results.
+    """
+    from common.utils import default_amp
+
+    dev, _ = setup(device, num_threads, 0)
+    size = [int(v) for v in image_size]
+    s = {"device": dev, "amp": default_amp(dev), "batch_size": int(batch_size), "num_samples": 1}
+    base = {"image_size": size, "backbone": backbone, "batch_size": int(batch_size), "lr_schedule": False}
+    files = size if file_shape is None else [int(v) for v in file_shape]
+    file_spacing = [sp * s_ / f for sp, s_, f in zip(DEMO_SPACING, size, files)]
+    if files != size:
+        base["spacing"] = list(DEMO_SPACING)
+    rows, runs = [], []
+    with tempfile.TemporaryDirectory() as tmp:
+        start = time.perf_counter()
+        csv = _make_cohort(Path(tmp) / "cohort", n_cases, files, file_spacing)
+        print(
+            f"cohort of {n_cases} volumes of {'x'.join(map(str, files))} written in {time.perf_counter() - start:.0f} s"
+        )
+        settings = [(1.0, 0.0)] + [(float(cache_rate), float(r)) for r in replace_rates]
+        for i, (cache, replace) in enumerate(settings):
+            overrides = {**base, "cache_rate": cache, "replace_rate": replace}
+            run = _smartcache_run(csv, Path(tmp) / f"run{i}", s, overrides, epochs)
+            run.update({"cache_rate": cache, "replace_rate": replace})
+            runs.append(run)
+            kind = "CacheDataset" if replace == 0 else "SmartCacheDataset"
+            rows.append(
+                [
+                    kind,
+                    f"{cache:g}",
+                    f"{replace:g}",
+                    run["cached_cases"],
+                    f"{run['epoch_s']:.2f}",
+                    f"{run['epoch_s'] / max(run['iterations_per_epoch'], 1):.3f}",
+                    f"{run['replacement_wait_s']:.3f}",
+                    f"{run['stall_fraction']:.1%}",
+                    f"{run['data_wait']:.1%}",
+                ]
+            )
+    summary = {
+        "device": device_name(dev),
+        "image_size": size,
+        "file_shape": files,
+        "backbone": backbone,
+        "batch": batch_size,
+        "runs": runs,
+    }
+    print_table(
+        [
+            "dataset",
+            "cache_rate",
+            "replace_rate",
+            "cached cases",
+            "epoch (s)",
+            "s / iteration",
+            "replacement wait (s)",
+            "stall",
+            "data wait",
+        ],
+        rows,
+    )
+    if output:
+        Path(output).write_text(json.dumps(summary, indent=2))
+    return summary
