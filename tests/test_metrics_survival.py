@@ -496,7 +496,17 @@ def test_survival_metrics_keys_and_values():
         train_event=train_event,
     )
     floats = {k for k, v in out.items() if isinstance(v, float)}
-    expected = {"harrell_c", "harrell_c_lo", "harrell_c_hi", "uno_c", "uno_c_lo", "uno_c_hi", "auc_mean", "ibs"}
+    expected = {
+        "harrell_c",
+        "harrell_c_lo",
+        "harrell_c_hi",
+        "uno_c",
+        "uno_c_lo",
+        "uno_c_hi",
+        "auc_mean",
+        "ibs",
+        "ibs_km",
+    }
     expected |= {f"{m}_{h:g}" for m in ("auc", "brier") for h in HORIZONS} | {"calibration_ici", "logrank_p"}
     assert floats == expected
     assert set(out) == expected | {"calibration", "km"}
