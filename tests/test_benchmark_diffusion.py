@@ -16,8 +16,8 @@ TINY = {
     "attention_levels": [False, False],
     "norm_num_groups": 4,
     "num_head_channels": 8,
-    "num_grid_steps": 5,
-    "num_train_timesteps": 100,
+    "num_grid_steps": 4,
+    "num_train_timesteps": 40,
     "device": "cpu",
 }
 
@@ -28,11 +28,11 @@ def test_sampling_counts_network_evaluations_per_step_and_window(tmp_path):
     summary = benchmark.ddpm_sampling(
         shape=(24, 24, 24), roi_size=(16, 16, 16), sw_batch_size=4, output=str(out), **TINY
     )
-    # Fast-DDPM's uniform grid for S=5 of T=100 is [0, 19, 39, 59, 79, 99]: 6 steps; the baseline takes all 100
-    assert summary["fast"]["time_steps"] == 6 and summary["baseline"]["time_steps"] == 100
-    assert summary["fast"]["window_forwards"] == 6 * 8 and summary["fast"]["network_calls"] == 6 * 2
-    assert summary["baseline"]["window_forwards"] == 100 * 8 and summary["baseline"]["network_calls"] == 100 * 2
-    assert summary["evaluation_ratio_fast_over_baseline"] == pytest.approx(0.06)
+    # Fast-DDPM's uniform grid for S=4 of T=40 is [0, 9, 19, 29, 39]: 5 steps; the baseline takes all 40
+    assert summary["fast"]["time_steps"] == 5 and summary["baseline"]["time_steps"] == 40
+    assert summary["fast"]["window_forwards"] == 5 * 8 and summary["fast"]["network_calls"] == 5 * 2
+    assert summary["baseline"]["window_forwards"] == 40 * 8 and summary["baseline"]["network_calls"] == 40 * 2
+    assert summary["evaluation_ratio_fast_over_baseline"] == pytest.approx(0.125)
     assert 0 < summary["time_ratio_fast_over_baseline"] < 1
     assert json.loads(out.read_text())["sw_batch_size"] == 4
 
@@ -41,7 +41,7 @@ def test_sampling_of_the_fast_grid_alone(capsys):
     summary = benchmark.ddpm_sampling(shape=(16, 16, 16), modes=["fast"], **TINY)
     assert set(summary) >= {"fast"} and "baseline" not in summary
     assert "time_ratio_fast_over_baseline" not in summary
-    assert summary["fast"]["window_forwards"] == 6  # the whole volume in one window per step
+    assert summary["fast"]["window_forwards"] == 5  # the whole volume in one window per step
     assert "fast / baseline" not in capsys.readouterr().out
 
 

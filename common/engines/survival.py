@@ -21,13 +21,13 @@ from monai.utils import CommonKeys as Keys
 from torch import nn
 from torch.optim import Optimizer
 
+from common.data.survival import TIME_UNITS
 from common.engines.trainer import StepTrainer
 from common.losses.survival import cox_loss, logistic_hazard_loss
+from common.networks.survival import BACKBONES, HEADS
 from common.utils import autocast, get_world_size
 
 __all__ = [
-    "BACKBONES",
-    "HEADS",
     "SurvivalEvaluator",
     "SurvivalTrainer",
     "check_survival_settings",
@@ -36,10 +36,6 @@ __all__ = [
     "per_rank_batch_size",
     "prepare_survival_batch",
 ]
-
-HEADS = ("logistic_hazard", "cox")
-BACKBONES = ("resnet10", "resnet18", "resnet34", "resnet50")
-TIME_UNITS = ("days", "months", "years")
 
 
 def per_rank_batch_size(batch_size: int, world_size: int | None = None) -> int:
@@ -350,7 +346,7 @@ def check_survival_settings(
     if isinstance(val_fraction, bool) or not isinstance(val_fraction, (int, float)) or not 0 <= val_fraction < 1:
         problems.append(f"'val_fraction' must be in [0, 1), got {val_fraction!r}.")
     if time_unit not in TIME_UNITS:
-        problems.append(f"'time_unit' must be one of {TIME_UNITS}, got {time_unit!r}.")
+        problems.append(f"'time_unit' must be one of {tuple(TIME_UNITS)}, got {time_unit!r}.")
     names = list(covariates) if isinstance(covariates, (list, tuple)) else None
     if names is None or not all(isinstance(c, str) and c for c in names) or len(set(names)) != len(names):
         problems.append(f"'covariates' must be a list of distinct CSV column names, got {covariates!r}.")
