@@ -10,6 +10,7 @@ import math
 import os
 import random
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +34,7 @@ __all__ = [
     "scale_lr",
     "setup_logging",
     "setup_runtime",
+    "write_text_atomic",
 ]
 
 AMP_MODES = ("bf16", "fp16", "none")
@@ -294,3 +296,26 @@ def _to_plain(value: Any) -> Any:
     if isinstance(value, np.generic):
         return value.item()
     return value
+
+
+def write_text_atomic(path: str | os.PathLike, text: str) -> Path:
+    """Write ``text`` to ``path`` through a temporary file in the same folder and ``os.replace``: a reader (or a run
+    interrupted while writing) sees the old file or the new one, never a partial one.
+
+    Returns:
+        The path written.
+    """
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8", newline="") as handle:
+            handle.write(text)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+    return path

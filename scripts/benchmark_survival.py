@@ -55,15 +55,11 @@ def _make_cohort(folder: Path, n_cases: int, shape: Sequence[int], spacing: Sequ
     )
 
 
-def _load_cohort(csv: Path, num_intervals: int) -> tuple[list[dict], dict]:
-    """The training entries (with the cut points the bundle derives) and the bundle override locating them."""
-    from common.data.survival import cut_points_from_quantiles, read_cohort_csv, split_cohort
+def _load_cohort(csv: Path) -> tuple[list[dict], dict]:
+    """The training entries and the bundle override locating them."""
+    from common.data.survival import read_cohort_csv, split_cohort
 
-    training = split_cohort(read_cohort_csv(csv, time_unit="days"))["training"]
-    cuts = cut_points_from_quantiles([e["time"] for e in training], [e["event"] for e in training], num_intervals)
-    for entry in training:
-        entry["cut_points"] = cuts
-    return training, {"csv_path": str(csv)}
+    return split_cohort(read_cohort_csv(csv, time_unit="days"))["training"], {"csv_path": str(csv)}
 
 
 def _mace_plain_loop(s: dict, data: list[dict], iterations: int, warmup: int, workers: int) -> float:
@@ -82,6 +78,7 @@ def _mace_plain_loop(s: dict, data: list[dict], iterations: int, warmup: int, wo
         ScaleIntensityRanged,
     )
 
+    from common.data.survival import cut_points_from_quantiles
     from common.losses.survival import logistic_hazard_loss
     from common.networks.survival import SurvivalNet
 
@@ -106,7 +103,8 @@ def _mace_plain_loop(s: dict, data: list[dict], iterations: int, warmup: int, wo
             RandGaussianNoised("image", prob=0.2, std=0.01),
         ]
     )
-    cuts = torch.tensor(data[0]["cut_points"])
+    times, events = [e["time"] for e in data], [e["event"] for e in data]
+    cuts = torch.tensor(cut_points_from_quantiles(times, events, s["num_intervals"]))  # as the bundle derives them
     items = [{k: e[k] for k in ("image", "time", "event")} for e in data]
     dataset = CacheDataset(items, transform=transforms, cache_rate=1.0, progress=False)
     loader = DataLoader(
@@ -177,6 +175,7 @@ def mace_throughput(
         "image_size": size,
         "backbone": backbone,
         "batch_size": int(batch_size),
+        "num_intervals": int(num_intervals),
         "num_samples": 1,
         "device": dev,
         "amp": amp or default_amp(dev),
@@ -208,7 +207,7 @@ def mace_throughput(
             workers,
             functools.partial(_make_cohort, n_cases=n_cases, shape=size),
             extra=extra,
-            load_data=functools.partial(_load_cohort, num_intervals=int(num_intervals)),
+            load_data=_load_cohort,
         ),
     }
     print_throughput(

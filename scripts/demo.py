@@ -170,22 +170,17 @@ def _run(cmd: list[str], env: dict[str, str]) -> None:
 def _survival_oracle(csv_path: Path) -> dict[str, float]:
     """Harrell's and Uno's C of the demo cohort's true log-hazard on its validation cases (the ceiling a model can
     reach), with the training cases' censoring weighting Uno's C as in the bundle's evaluation."""
-    import csv
-
+    from common.data.survival import read_cohort_csv, split_cohort
     from common.metrics.survival import harrell_c, uno_c
 
-    with open(csv_path, newline="") as f:
-        rows = list(csv.DictReader(f))
-    val = [r for r in rows if r["split"] == "validation"]
-    train = [r for r in rows if r["split"] == "training"]
-
-    def column(items: list[dict], key: str, scale: float = 1.0) -> list[float]:
-        return [float(r[key]) / scale for r in items]
-
-    risk, time, event = column(val, "true_risk"), column(val, "time", 365.25), column(val, "event")
+    sections = split_cohort(read_cohort_csv(csv_path, covariates=("true_risk",), time_unit="days"))
+    val, train = sections["validation"], sections["training"]
+    risk = [e["covariates"][0] for e in val]
+    time, event = [e["time"] for e in val], [e["event"] for e in val]
+    train_time, train_event = [e["time"] for e in train], [e["event"] for e in train]
     return {
         "harrell_c": harrell_c(risk, time, event)["c"],
-        "uno_c": uno_c(risk, time, event, column(train, "time", 365.25), column(train, "event"))["c"],
+        "uno_c": uno_c(risk, time, event, train_time, train_event)["c"],
     }
 
 

@@ -20,7 +20,6 @@ import io
 import json
 import math
 import os
-import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -29,6 +28,7 @@ import numpy as np
 
 from common.data.demo import _validate_triple, write_nifti
 from common.data.survival import SPLIT_NAMES, read_cohort_csv, split_cohort
+from common.utils import write_text_atomic
 
 __all__ = [
     "AGE_RANGE",
@@ -317,22 +317,6 @@ def _finished(out: Path, params: dict[str, Any]) -> bool:
     return len(rows) == params["n_cases"] and all((out / row.get("image", "")).is_file() for row in rows)
 
 
-def _write_text_atomic(path: Path, text: str) -> None:
-    """Write ``text`` to ``path`` via a temporary file in the same folder and ``os.replace``."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8", newline="") as handle:
-            handle.write(text)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-
-
 def _validate_cohort_args(
     n_cases: int, censoring: str, median_followup_years: float, event_fraction: float, dropout_rate: float
 ) -> None:
@@ -465,12 +449,12 @@ def make_mace_cohort(
     for section, items in sections.items():
         for item in items:
             rows[item["index"]]["split"] = section
-    _write_text_atomic(out / "cohort.json", json.dumps(params, indent=2) + "\n")
+    write_text_atomic(out / "cohort.json", json.dumps(params, indent=2) + "\n")
     buffer = io.StringIO()
     writer = csv.DictWriter(buffer, fieldnames=CSV_COLUMNS, lineterminator="\n")
     writer.writeheader()
     writer.writerows(rows)
-    _write_text_atomic(csv_path, buffer.getvalue())
+    write_text_atomic(csv_path, buffer.getvalue())
     return csv_path
 
 

@@ -29,6 +29,7 @@ from common.utils import autocast, get_world_size
 
 __all__ = [
     "SurvivalEvaluator",
+    "batch_case_ids",
     "SurvivalTrainer",
     "check_survival_settings",
     "check_training_size",
@@ -67,6 +68,17 @@ def check_training_size(num_cases: int, batch_size: int) -> None:
             f"the training split has {num_cases} case(s), fewer than 'batch_size' {batch_size} (the total batch "
             "across all GPUs; an incomplete last batch is dropped): lower --batch_size."
         )
+
+
+def batch_case_ids(batchdata: Mapping[str, Any], n: int) -> list[str]:
+    """The ``case_id`` of each of the ``n`` cases of a batch; without it the image file names (from the metadata),
+    else the positions in the batch."""
+    ids = batchdata.get("case_id")
+    if ids is None:
+        ids = getattr(batchdata.get(Keys.IMAGE), "meta", {}).get("filename_or_obj")
+    if ids is None:
+        ids = [str(i) for i in range(n)]
+    return [str(c) for c in (ids if isinstance(ids, (list, tuple)) else [ids])]
 
 
 def _plain(x: Any) -> Any:
@@ -177,7 +189,8 @@ class SurvivalTrainer(StepTrainer):
         output = output.float()
         if self.head == "cox":
             return cox_loss(output.reshape(-1), time, event, global_risk_set=self.global_risk_set)
-        return logistic_hazard_loss(output, time, event, self.cut_points.to(output.device))
+        # the cut points stay on the CPU: their checks then need no device synchronisation; the loss moves them
+        return logistic_hazard_loss(output, time, event, self.cut_points)
 
     def _iteration(self, engine: SurvivalTrainer, batchdata: dict[str, Any]) -> dict[str, Any]:
         if batchdata is None:
@@ -271,11 +284,8 @@ class SurvivalEvaluator(SupervisedEvaluator):
         amp = self.amp_mode if self.state.device.type == "cuda" else "none"
         with engine.mode(predictor), autocast(self.state.device, amp):
             predicted = predictor.predict(image, covariates if covariates.shape[1] else None, times=self.grid)
-        case_ids = batchdata.get("case_id")
-        if case_ids is None:
-            case_ids = [str(n) for n in getattr(batchdata[Keys.IMAGE], "meta", {}).get("filename_or_obj", [])]
         output: dict[str, Any] = {
-            "case_id": [str(c) for c in (case_ids if isinstance(case_ids, (list, tuple)) else [case_ids])],
+            "case_id": batch_case_ids(batchdata, image.shape[0]),
             "time": targets["time"],
             "event": targets["event"],
             **{k: v.float() if v.is_floating_point() else v for k, v in predicted.items()},

@@ -27,7 +27,7 @@ import torch.distributed as dist
 from ignite.engine import Engine, Events
 from monai.handlers import ValidationHandler
 
-from common.utils import get_rank, get_world_size, rng_state, set_rng_state
+from common.utils import get_rank, get_world_size, rng_state, set_rng_state, write_text_atomic
 
 __all__ = [
     "MetricsRecorder",
@@ -311,10 +311,7 @@ class MetricsRecorder:
                 self.summary["best"] = {"step": step, **metrics}
         if self.per_volume:
             self._write_per_volume(engine)
-        path = self.output_dir / self.json_name
-        tmp = path.with_suffix(".json.tmp")
-        tmp.write_text(json.dumps(self.summary, indent=2, allow_nan=True))
-        os.replace(tmp, path)
+        write_text_atomic(self.output_dir / self.json_name, json.dumps(self.summary, indent=2, allow_nan=True))
 
 
 class TorchProfilerHandler:

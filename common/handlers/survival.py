@@ -6,6 +6,7 @@ predictions of all ranks, and write the per-case CSV, the report and its plots."
 from __future__ import annotations
 
 import csv
+import io
 import json
 import logging
 import math
@@ -18,21 +19,13 @@ import numpy as np
 import torch
 from ignite.engine import Engine, Events
 
-from common.engines.survival import prepare_survival_batch
-from common.metrics.survival import SurvivalPredictionCollector, survival_metrics
-from common.utils import autocast, get_rank
+from common.engines.survival import batch_case_ids, prepare_survival_batch
+from common.metrics.survival import SurvivalPredictionCollector, followup_window, survival_metrics
+from common.utils import autocast, get_rank, write_text_atomic
 
-__all__ = ["SurvivalCalibration", "SurvivalMetricsHandler", "SurvivalReport", "usable_horizons", "usable_window"]
+__all__ = ["SurvivalCalibration", "SurvivalMetricsHandler", "SurvivalReport", "usable_horizons"]
 
 logger = logging.getLogger(__name__)
-
-
-def _case_ids(batch: Any, n: int) -> list[str]:
-    ids = batch.get("case_id") if isinstance(batch, dict) else None
-    if ids is None:
-        names = getattr(batch.get("image"), "meta", {}).get("filename_or_obj") if isinstance(batch, dict) else None
-        ids = names if names is not None else [str(i) for i in range(n)]
-    return [str(c) for c in (ids if isinstance(ids, (list, tuple)) else [ids])]
 
 
 class SurvivalCalibration:
@@ -80,29 +73,18 @@ class SurvivalCalibration:
                 with autocast(device, amp):
                     out = network(image, covariates if covariates.shape[1] else None)
                 risk = self.predictor.risk_score(out.float())
-                collector.add(_case_ids(batch, image.shape[0]), risk, targets["time"], targets["event"])
+                collector.add(batch_case_ids(batch, image.shape[0]), risk, targets["time"], targets["event"])
         finally:
             network.train(training)
         gathered = collector.gather()
         risk = torch.as_tensor(gathered["risk"], dtype=torch.float32)
-        self.predictor.calibrate(
-            risk, torch.as_tensor(gathered["time"]), torch.as_tensor(gathered["event"]), log_hz=risk
-        )
+        self.predictor.calibrate(risk, torch.as_tensor(gathered["time"]), torch.as_tensor(gathered["event"]))
         logger.info(f"calibrated on {len(risk)} training case(s)")
 
 
-def usable_window(time: np.ndarray, train_time: np.ndarray | None = None) -> tuple[float, float]:
-    """``(first, last)``: IPCW metrics are defined at times ``first <= t < last`` (the follow-up window of the
-    evaluated cohort, cut at the training cohort's last follow-up when it weights the metrics)."""
-    last = float(np.max(time))
-    if train_time is not None and len(train_time):
-        last = min(last, float(np.max(train_time)))
-    return float(np.min(time)), last
-
-
 def usable_horizons(horizons: Sequence[float], time: np.ndarray, train_time: np.ndarray | None = None) -> list[float]:
-    """The horizons at which IPCW metrics are defined (see :func:`usable_window`)."""
-    first, last = usable_window(time, train_time)
+    """The horizons at which IPCW metrics are defined (see :func:`common.metrics.survival.followup_window`)."""
+    first, last, _ = followup_window(time, train_time)
     return [float(h) for h in horizons if first <= float(h) < last]
 
 
@@ -184,7 +166,7 @@ class SurvivalMetricsHandler:
             return
         usable = usable_horizons(horizons, g["time"], self.train_time)
         if len(usable) < len(horizons):
-            first, last = usable_window(g["time"], self.train_time)
+            first, last, _ = followup_window(g["time"], self.train_time)
             logger.warning(
                 f"horizons {[h for h in horizons if h not in usable]} are outside the follow-up window "
                 f"[{first:.3g}, {last:.3g}) years of these {len(g['time'])} case(s): not evaluated there."
@@ -195,7 +177,7 @@ class SurvivalMetricsHandler:
         columns = [horizons.index(h) for h in usable]
         kwargs: dict[str, Any] = {}
         if self.grid is not None and g.get("surv_grid") is not None:
-            first, last = usable_window(g["time"], self.train_time)
+            first, last, _ = followup_window(g["time"], self.train_time)
             inside = (self.grid >= first) & (self.grid < last)
             if inside.sum() >= 2:
                 kwargs = {"surv_grid": g["surv_grid"][:, inside], "grid": self.grid[inside]}
@@ -231,13 +213,6 @@ def _json_safe(value: Any) -> Any:
     if isinstance(value, float) and not math.isfinite(value):
         return None
     return value
-
-
-def _write_atomic(path: Path, write: Callable[[Any], None], mode: str = "w") -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, mode, **({"newline": ""} if "b" not in mode else {})) as handle:
-        write(handle)
-    os.replace(tmp, path)
 
 
 class SurvivalReport:
@@ -283,7 +258,7 @@ class SurvivalReport:
                 "n_events": int(sum(result["predictions"]["event"])),
                 **result["metrics"],
             }
-            _write_atomic(self.output_dir / "report.json", lambda f: json.dump(_json_safe(report), f, indent=2))
+            write_text_atomic(self.output_dir / "report.json", json.dumps(_json_safe(report), indent=2))
             if self.plots:
                 self._plot(result["metrics"])
         logger.info(f"survival predictions of {len(result['predictions']['case_id'])} case(s) in {self.output_dir}")
@@ -301,22 +276,21 @@ class SurvivalReport:
         if outcomes:
             header += ["time", "event"]
 
-        def write(handle) -> None:
-            writer = csv.writer(handle)
-            writer.writerow(header)
-            for i, case in enumerate(predictions["case_id"]):
-                row = [
-                    case,
-                    f"{predictions['risk_score'][i]:.6g}",
-                    f"{predictions['risk_percentile'][i]:.2f}",
-                    *[f"{predictions['p_event'][h][i]:.6f}" for h in horizons],
-                    predictions["risk_group"][i],
-                ]
-                if outcomes:
-                    row += [f"{predictions['time'][i]:.6g}", int(predictions["event"][i])]
-                writer.writerow(row)
-
-        _write_atomic(self.output_dir / self.csv_name, write)
+        buffer = io.StringIO()
+        writer = csv.writer(buffer)
+        writer.writerow(header)
+        for i, case in enumerate(predictions["case_id"]):
+            row = [
+                case,
+                f"{predictions['risk_score'][i]:.6g}",
+                f"{predictions['risk_percentile'][i]:.2f}",
+                *[f"{predictions['p_event'][h][i]:.6f}" for h in horizons],
+                predictions["risk_group"][i],
+            ]
+            if outcomes:
+                row += [f"{predictions['time'][i]:.6g}", int(predictions["event"][i])]
+            writer.writerow(row)
+        write_text_atomic(self.output_dir / self.csv_name, buffer.getvalue())
 
     def _plot(self, metrics: dict) -> None:
         import matplotlib

@@ -57,6 +57,7 @@ __all__ = [
     "brier_scores",
     "calibration_table",
     "check_horizons",
+    "followup_window",
     "harrell_c",
     "integrated_brier_score",
     "kaplan_meier_at",
@@ -140,6 +141,19 @@ def _horizon_array(horizons: ArrayLike | float, name: str = "horizons") -> np.nd
     return array
 
 
+def followup_window(time: ArrayLike, train_time: ArrayLike | None = None) -> tuple[float, float, str]:
+    """``(first, last, cohort)``: IPCW metrics are defined at times ``first <= t < last``, the follow-up window of
+    the evaluated cohort cut at the last follow-up of the training cohort when that cohort weights the metrics
+    (``cohort`` names which cohort sets ``last``)."""
+    time_a = _as_array(time, "time")
+    first, last, cohort = float(time_a.min()), float(time_a.max()), "evaluated"
+    if train_time is not None:
+        train_last = float(_as_array(train_time, "train_time").max())
+        if train_last < last:
+            last, cohort = train_last, "training"
+    return first, last, cohort
+
+
 def check_horizons(
     horizons: ArrayLike | float,
     time: ArrayLike,
@@ -165,12 +179,7 @@ def check_horizons(
         ValueError: naming the offending horizon and the usable range.
     """
     values = _horizon_array(horizons, f"{name}s")
-    time_a = _as_array(time, "time")
-    first, last, cohort = float(time_a.min()), float(time_a.max()), "evaluated"
-    if train_time is not None:
-        train_last = float(_as_array(train_time, "train_time").max())
-        if train_last < last:
-            last, cohort = train_last, "training"
+    first, last, cohort = followup_window(time, train_time)
     for h in values:
         if h >= last:
             raise ValueError(
