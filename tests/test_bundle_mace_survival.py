@@ -202,7 +202,7 @@ def test_resume_continues_to_the_same_result(cohort, tmp_path):
     """A run stopped after 1 epoch and re-run with more epochs ends bit-identical to one uninterrupted run. (The
     cosine schedule is off: it spans ``max_epochs``, which this way of stopping changes; a run killed and restarted
     with the same command keeps it.)"""
-    base = dict(deterministic=True, ckpt_interval=1, val_interval=2, max_cases=16, lr_schedule=False)
+    base = dict(deterministic=True, ckpt_interval=1, val_interval=2, max_cases=12, lr_schedule=False)
     reference = tmp_path / "reference"
     run_bundle(BUNDLE, TINY, args=_args(cohort, reference, max_epochs=2, **base))
     resumed = tmp_path / "resumed"
