@@ -14,7 +14,7 @@ import math
 import os
 import sys
 import threading
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, NamedTuple
 
@@ -142,7 +142,11 @@ def _channels_from_array_shape(shape: tuple[int, ...]) -> int:
 
 
 def _shape_reason(
-    spatial: tuple[int, ...] | None, full: tuple[int, ...], patch: tuple[int, ...] | None, allow_pad: bool
+    spatial: tuple[int, ...] | None,
+    full: tuple[int, ...],
+    patch: tuple[int, ...] | None,
+    allow_pad: bool,
+    size_name: str = "patch_size",
 ) -> str | None:
     """Reason why a spatial shape is unusable, or ``None``."""
     if spatial is None:
@@ -151,7 +155,7 @@ def _shape_reason(
     if len(spatial) != 3 or non_singleton < 3:
         return f"is {non_singleton}D (shape {full}); a 3D volume is required"
     if patch is not None and not allow_pad and any(s < p for s, p in zip(spatial, patch)):
-        return f"shape {spatial} is smaller than patch_size {patch} and padding is disabled"
+        return f"shape {spatial} is smaller than {size_name} {patch} and padding is disabled"
     return None
 
 
@@ -191,7 +195,9 @@ def _non_finite_reason(count: int) -> str | None:
     return f"contains {count} non-finite voxels (NaN/Inf)" if count else None
 
 
-def _check_nifti(path: str, patch: tuple[int, ...] | None, allow_pad: bool, check_values: bool) -> _Inspection:
+def _check_nifti(
+    path: str, patch: tuple[int, ...] | None, allow_pad: bool, check_values: bool, size_name: str = "patch_size"
+) -> _Inspection:
     """Check a NIfTI file, reading the data slab by slab so memory stays bounded."""
     import nibabel as nib
 
@@ -201,7 +207,7 @@ def _check_nifti(path: str, patch: tuple[int, ...] | None, allow_pad: bool, chec
         spatial = _spatial_from_array_shape(full)
     except Exception as exc:  # noqa: BLE001 - any reader failure is a reason, not a crash
         return _Inspection(_error_reason(exc))
-    reason = _shape_reason(spatial, full, patch, allow_pad)
+    reason = _shape_reason(spatial, full, patch, allow_pad, size_name)
     if reason:
         return _Inspection(reason, spatial)
     channels = _channels_from_array_shape(full)
@@ -223,7 +229,11 @@ def _check_nifti(path: str, patch: tuple[int, ...] | None, allow_pad: bool, chec
 
 
 def _check_itk(
-    path: str | list[str], patch: tuple[int, ...] | None, allow_pad: bool, check_values: bool
+    path: str | list[str],
+    patch: tuple[int, ...] | None,
+    allow_pad: bool,
+    check_values: bool,
+    size_name: str = "patch_size",
 ) -> _Inspection:
     """Check a DICOM series (a folder or a list of files) with ITK; its channels are ITK's pixel components."""
     if isinstance(path, str):
@@ -240,7 +250,7 @@ def _check_itk(
         spatial = tuple(int(s) for s in img.GetLargestPossibleRegion().GetSize())
         components = int(img.GetNumberOfComponentsPerPixel())
         full = spatial + ((components,) if components > 1 else ())
-        reason = _shape_reason(spatial, full, patch, allow_pad)
+        reason = _shape_reason(spatial, full, patch, allow_pad, size_name)
         if reason or not check_values:
             return _Inspection(reason, spatial, components)
         array = itk.array_view_from_image(img)
@@ -250,7 +260,9 @@ def _check_itk(
     return _Inspection(_non_finite_reason(non_finite), spatial, components)
 
 
-def _check_monai(path: str, patch: tuple[int, ...] | None, allow_pad: bool, check_values: bool) -> _Inspection:
+def _check_monai(
+    path: str, patch: tuple[int, ...] | None, allow_pad: bool, check_values: bool, size_name: str = "patch_size"
+) -> _Inspection:
     """Check any other format with ``monai.transforms.LoadImage`` (its ``original_channel_dim`` metadata decides
     the layout and the channel count; without a channel axis the volume has 1 channel)."""
     spatial: tuple[int, ...] | None = None
@@ -267,7 +279,7 @@ def _check_monai(path: str, patch: tuple[int, ...] | None, allow_pad: bool, chec
             channels = full[int(channel_dim) % len(full)]
         else:
             spatial, channels = full, 1
-        reason = _shape_reason(spatial, full, patch, allow_pad)
+        reason = _shape_reason(spatial, full, patch, allow_pad, size_name)
         if reason or not check_values:
             return _Inspection(reason, spatial, channels)
         array = img.numpy() if hasattr(img, "numpy") else np.asarray(img)
@@ -278,7 +290,11 @@ def _check_monai(path: str, patch: tuple[int, ...] | None, allow_pad: bool, chec
 
 
 def _inspect(
-    path: str | os.PathLike | Sequence[str], patch: tuple[int, ...] | None, allow_pad: bool, check_values: bool
+    path: str | os.PathLike | Sequence[str],
+    patch: tuple[int, ...] | None,
+    allow_pad: bool,
+    check_values: bool,
+    size_name: str = "patch_size",
 ) -> _Inspection:
     """Read one volume (see :func:`check_volume`); never raises for problems with the file."""
     try:
@@ -287,17 +303,17 @@ def _inspect(
             missing = [f for f in files if not os.path.isfile(f)]
             if missing:
                 return _Inspection(f"{len(missing)} of {len(files)} series files do not exist (first: {missing[0]})")
-            return _check_itk(files, patch, allow_pad, check_values)
+            return _check_itk(files, patch, allow_pad, check_values, size_name)
         path = os.fspath(path)
         if not os.path.exists(path):
             return _Inspection("does not exist")
         if os.path.isdir(path):
-            return _check_itk(path, patch, allow_pad, check_values)
+            return _check_itk(path, patch, allow_pad, check_values, size_name)
         if not os.path.isfile(path):
             return _Inspection("is not a regular file or a folder")
         if path.lower().endswith(NIFTI_SUFFIXES):
-            return _check_nifti(path, patch, allow_pad, check_values)
-        return _check_monai(path, patch, allow_pad, check_values)
+            return _check_nifti(path, patch, allow_pad, check_values, size_name)
+        return _check_monai(path, patch, allow_pad, check_values, size_name)
     except Exception as exc:  # noqa: BLE001 - a bad file must never stop the whole check
         return _Inspection(_error_reason(exc, "cannot be checked"))
 
@@ -494,6 +510,7 @@ def preflight(
     max_cases: int | None = None,
     num_channels: int | Mapping[str, int] | None = None,
     same_shape: bool = True,
+    size_name: str = "patch_size",
 ) -> dict[str, list[dict]]:
     """Check a whole datalist and every volume it names, reporting all problems in one error.
 
@@ -511,6 +528,7 @@ def preflight(
         keys: entry keys holding image paths to check.
         patch_size: training patch size; see :func:`check_volume`.
         allow_pad: whether volumes smaller than ``patch_size`` will be padded.
+        size_name: how problems name ``patch_size`` (e.g. ``volume_size`` for whole-volume models).
         check_values: whether to count NaN/Inf voxels.
         num_workers: threads used to read volumes.
         required: sections that must be present.
@@ -551,7 +569,7 @@ def preflight(
     loaded, problems = _load_sections(datalist, base_dir, sections, required, keys, max_cases)
     ordered = _paths_to_read(loaded, keys, shard, by_entry=compare)
     with ThreadPoolExecutor(max_workers=int(num_workers)) as pool:
-        found = dict(zip(ordered, pool.map(lambda p: _inspect(p, patch, allow_pad, check_values), ordered)))
+        found = dict(zip(ordered, pool.map(lambda p: _inspect(p, patch, allow_pad, check_values, size_name), ordered)))
     for section, items in loaded.items():
         for index, entry in items:
             problems += _entry_problems(_where(section, index, entry), entry, keys, found, expected, compare)
@@ -585,11 +603,37 @@ def load_sections(
     return {section: [entry for _, entry in items] for section, items in loaded.items()}
 
 
+def _run_extra_check(
+    check: Callable[[dict[str, list[dict]]], dict[str, list[dict]] | None],
+    datalist: str | os.PathLike | Mapping[str, Any],
+    base_dir: str | None,
+    kwargs: Mapping[str, Any],
+    error: PreflightError | None,
+    loaded: dict[str, list[dict]],
+) -> tuple[PreflightError | None, dict[str, list[dict]]]:
+    """``check`` on the loaded sections (loaded again when the volume checks failed), its problems merged into
+    ``error``; a datalist that cannot be loaded at all is already in ``error``."""
+    sections = loaded
+    if error is not None:
+        keep = ("sections", "keys", "required", "max_cases")
+        try:
+            sections = load_sections(datalist, base_dir, **{k: v for k, v in kwargs.items() if k in keep})
+        except (PreflightError, ValueError, OSError):
+            return error, loaded
+    try:
+        result = check(sections)
+    except PreflightError as exc:
+        problems = [*(error.problems if error else []), *exc.problems]
+        return PreflightError(problems, error.source if error else exc.source), loaded
+    return error, (result if result is not None and error is None else loaded)
+
+
 def preflight_or_exit(
     datalist: str | os.PathLike | Mapping[str, Any],
     base_dir: str | None = None,
     patch_size: Sequence[int] | None = None,
     enabled: bool = True,
+    extra_check: Callable[[dict[str, list[dict]]], dict[str, list[dict]] | None] | None = None,
     **kwargs: Any,
 ) -> dict[str, list[dict]]:
     """Preflight for bundle configs: on problems, print them all and exit with status 1 before any work.
@@ -603,6 +647,9 @@ def preflight_or_exit(
         base_dir: folder for relative paths.
         patch_size: training patch size (volumes must fit or will be padded).
         enabled: ``False`` only loads the datalist (still validating its structure).
+        extra_check: a bundle's own check of the loaded sections (e.g. files under other keys), run even when the
+            volumes have problems; it raises :class:`PreflightError` with its problems, which are reported together
+            with the volumes', or returns the sections to use (e.g. with further paths resolved).
         kwargs: further arguments of :func:`preflight`.
     """
     import torch.distributed as dist
@@ -622,6 +669,8 @@ def preflight_or_exit(
             loaded = preflight(datalist, base_dir=base_dir, patch_size=patch_size, shard=shard, **kwargs)
     except PreflightError as exc:
         error = exc
+    if extra_check is not None:
+        error, loaded = _run_extra_check(extra_check, datalist, base_dir, kwargs, error, loaded)
     if distributed:
         gathered: list = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, None if error is None else (error.problems, error.source))

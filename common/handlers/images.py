@@ -24,7 +24,14 @@ else:
     )
     SummaryWriter, _ = optional_import("torch.utils.tensorboard", name="SummaryWriter")
 
-__all__ = ["OrthoSliceImageHandler", "comparison_panel", "orthogonal_slices", "save_panel_png"]
+__all__ = [
+    "OrthoSliceImageHandler",
+    "XrayCTWriter",
+    "comparison_panel",
+    "orthogonal_slices",
+    "projection_panel",
+    "save_panel_png",
+]
 
 ORIENTATIONS: tuple[str, ...] = ("sagittal", "coronal", "axial")
 """Row order of the panels: slices normal to the first, second and third spatial axis."""
@@ -338,3 +345,59 @@ class OrthoSliceImageHandler:
         if key not in data:
             raise KeyError(f"key {key!r} not in engine output, available keys: {sorted(map(str, data))}.")
         return data[key]
+
+
+def projection_panel(xray: torch.Tensor | np.ndarray, predicted: torch.Tensor | np.ndarray) -> np.ndarray:
+    """A 2D panel in ``[0, 1]``: one row per view of ``input | predicted projection | |difference|`` radiographs.
+
+    Args:
+        xray: input X-rays ``(V, H, W)`` as normalised line integrals (see :mod:`common.data.drr`).
+        predicted: the projections of the predicted CT, same shape.
+
+    Each radiograph is shown as the intensity ``1 - exp(-p)`` with its second axis (superior) pointing up.
+    """
+    xray, predicted = _to_float_numpy(xray), _to_float_numpy(predicted)
+    if xray.shape != predicted.shape or xray.ndim != 3:
+        raise ValueError(f"xray and predicted must both be (V, H, W), got {xray.shape} and {predicted.shape}.")
+
+    def display(views: np.ndarray) -> list[np.ndarray]:
+        return [(1.0 - np.exp(-v)).T[::-1] for v in views]
+
+    return _assemble_panel(display(xray), display(predicted), 1.0)
+
+
+class XrayCTWriter:
+    """Writes, for every case an X-ray -> CT evaluator processes, ``<case>_views.png`` (see
+    :func:`projection_panel`) and, with ``save_volume``, ``<case>_ct.nii.gz``: the predicted CT in Hounsfield units
+    on the projector's field of view (RAS, isotropic voxels of ``fov_mm / size``).
+
+    Args:
+        output_dir: folder of the files (created when missing).
+        projector: the :class:`common.data.drr.DRRProjector` of the data (HU window, field of view).
+        save_volume: also write the CT volumes.
+    """
+
+    def __init__(self, output_dir: str | Path, projector: Any, save_volume: bool = True) -> None:
+        self.output_dir = Path(output_dir)
+        self.projector = projector
+        self.save_volume = bool(save_volume)
+
+    def attach(self, engine: Engine) -> None:
+        engine.add_event_handler(Events.ITERATION_COMPLETED, self)
+
+    def __call__(self, engine: Engine) -> None:
+        from common.data.demo import write_nifti
+        from common.engines.survival import batch_case_ids
+
+        output = engine.state.output
+        pred = _to_float_numpy(output["pred"])
+        names = batch_case_ids(engine.state.batch, pred.shape[0])
+        for i, name in enumerate(names):
+            stem = Path(str(name)).name.split(".")[0] or f"case{i}"
+            save_panel_png(
+                projection_panel(output["xray"][i], output["pred_xray"][i]), self.output_dir / f"{stem}_views.png"
+            )
+            if self.save_volume:
+                hu = self.projector.hu_min + pred[i, 0] * (self.projector.hu_max - self.projector.hu_min)
+                spacing = [f / s for f, s in zip(self.projector.fov_mm, hu.shape)]
+                write_nifti(self.output_dir / f"{stem}_ct.nii.gz", hu.astype(np.float32), np.diag([*spacing, 1.0]))

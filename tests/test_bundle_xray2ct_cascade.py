@@ -1,0 +1,289 @@
+# Copyright (c) the 3D MONAI bundle collection contributors.
+# Licensed under the Apache License, Version 2.0.
+"""Workflow tests of ``bundles/xray2ct_cascade``, run as users run it, on chest CT phantoms: stage 1 -> stage 2
+(initialised from and validated on stage 1) -> evaluate -> the back-projection baseline -> pack the cascade ->
+inference from PNG radiographs; checks of settings, data and the stage order before anything is written; resume;
+a 2-process torchrun job."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+from pathlib import Path
+
+import nibabel as nib
+import numpy as np
+import pytest
+import torch
+
+from tests.helpers import BUNDLES, REPO_ROOT, SCHEMA, bundle_env, config_arg, overrides, run_bundle, torchrun_cmd
+
+BUNDLE = "xray2ct_cascade"
+TASK = ["train.json", "tiny.json"]
+FOV = 350.0
+
+
+@pytest.fixture(scope="module")
+def phantoms(tmp_path_factory) -> Path:
+    """Four training and two validation chest CT phantoms at 24^3 (resampled to the tiny 16^3 source grid)."""
+    from common.data.xray import make_xray2ct_demo
+
+    root = tmp_path_factory.mktemp("chest")
+    make_xray2ct_demo(root, n_train=4, n_val=2, shape=(24, 24, 24), fov_mm=FOV)
+    return root
+
+
+@pytest.fixture(scope="module")
+def cascade(phantoms, tmp_path_factory) -> Path:
+    """``outputs`` of a trained tiny cascade: stage 1 (8^3) then stage 2 (16^3)."""
+    out = tmp_path_factory.mktemp("cascade")
+    for stage in (1, 2):
+        run_bundle(BUNDLE, TASK, args=overrides(dataset_dir=str(phantoms), outputs_root=str(out), stage=stage))
+    return out
+
+
+def test_stages_train_in_order(cascade):
+    for stage, channels in ((1, 3), (2, 4)):  # noisy CT + 2 back-projected views (+ the previous stage)
+        models = cascade / f"stage{stage}" / "models"
+        last = torch.load(models / "last.pt", weights_only=True)
+        assert last["trainer"]["iteration"] == 4  # 4 cases x 2 epochs, batch 2
+        best = torch.load(models / "model.pt", weights_only=True)
+        ema = {k: v for k, v in last["ema"].items() if k != "n_averaged"}
+        assert set(best) == set(ema) == set(last["network"])
+        assert best["unet.conv_in.conv.weight"].shape[1] == channels
+        summary = json.loads((cascade / f"stage{stage}" / "metrics.json").read_text())
+        assert [h["step"] for h in summary["history"]] == [2, 4]
+        for h in summary["history"]:
+            assert np.isfinite(h["val_psnr"]) and -1 <= h["val_ssim"] <= 1 and h["val_proj_error"] > 0
+        csv = (cascade / f"stage{stage}" / "metrics.csv").read_text()
+        assert "physics_loss" in csv and "recon_loss" in csv and "val_proj_error" in csv
+    log = (cascade / "stage2" / "train.log").read_text()
+    assert "initialised from the previous stage: " in log and "1 partially" in log
+
+
+def test_evaluate_reproduces_validation_and_writes_outputs(cascade, phantoms):
+    run_bundle(
+        BUNDLE,
+        [*TASK, "evaluate.json"],
+        run_id="run",
+        args=overrides(dataset_dir=str(phantoms), outputs_root=str(cascade), stage=2, save_volumes=True),
+    )
+    folder = cascade / "stage2" / "eval_diffusion"
+    evaluation = json.loads((folder / "metrics.json").read_text())["latest"]
+    best = json.loads((cascade / "stage2" / "metrics.json").read_text())["best"]
+    for key in ("val_psnr", "val_ssim", "val_ms_ssim", "val_proj_error"):
+        assert evaluation[key] == pytest.approx(best[key], rel=1e-5), key
+    rows = (folder / "metrics_per_volume.csv").read_text().splitlines()
+    assert len(rows) == 3 and "phantom_val_000" in rows[1]
+    ct = nib.load(folder / "predictions" / "phantom_val_000_ct.nii.gz")
+    assert ct.shape == (16, 16, 16)
+    np.testing.assert_allclose(np.diag(ct.affine)[:3], [FOV / 16] * 3)
+    hu = ct.get_fdata()
+    assert -1000 - 1e-3 <= hu.min() and hu.max() <= 1000 + 1e-3
+    assert (folder / "predictions" / "phantom_val_001_views.png").is_file()
+
+
+def test_backprojection_baseline_needs_no_weights(phantoms, tmp_path):
+    run_bundle(
+        BUNDLE,
+        [*TASK, "evaluate.json"],
+        run_id="run",
+        args=overrides(dataset_dir=str(phantoms), outputs_root=str(tmp_path), stage=1, mode="backprojection"),
+    )
+    summary = json.loads((tmp_path / "stage1" / "eval_backprojection" / "metrics.json").read_text())["latest"]
+    assert 0 < summary["val_psnr"] < 40 and summary["val_proj_error"] > 0
+
+
+def test_packed_cascade_runs_on_png_radiographs(cascade, phantoms, tmp_path):
+    """``run pack`` writes the combined checkpoint a packaged bundle ships; inference from PNG X-ray pairs (made
+    here with the projector from the validation CTs) gives the CTs that evaluation made from the same CTs."""
+    from monai.bundle import ConfigParser
+
+    from common.data.xray import save_view_png
+
+    packaged = tmp_path / "bundle"
+    shutil.copytree(BUNDLES / BUNDLE / "configs", packaged / "configs")
+    run_bundle(
+        BUNDLE,
+        ["inference.json", "tiny.json"],
+        run_id="pack",
+        args=overrides(bundle_root=str(packaged), outputs_root=str(cascade)),
+    )
+    combined = torch.load(packaged / "models" / "model.pt", weights_only=True)
+    assert set(combined) == {"stage1", "stage2"}
+
+    parser = ConfigParser()
+    parser.read_config([config_arg(BUNDLE, "train.json"), config_arg(BUNDLE, "tiny.json")])
+    parser["device"] = "cpu"
+    projector = parser.get_parsed_content("projector")
+    transform = parser.get_parsed_content("preprocessing")
+    xrays = tmp_path / "xrays"
+    datalist = json.loads((phantoms / "datalist.json").read_text())
+    for entry in datalist["validation"]:
+        case = Path(entry["image"]).name.split(".")[0]
+        views = transform({"image": str(phantoms / entry["image"])})["xray"]
+        for view, image in zip(projector.views, views):
+            save_view_png(xrays / f"{case}_{view}.png", image)
+    pred = tmp_path / "pred"
+    run_bundle(
+        BUNDLE,
+        ["inference.json", "tiny.json"],
+        run_id="run",
+        args=overrides(
+            bundle_root=str(packaged),
+            outputs_root=str(tmp_path / "none"),
+            dataset_dir=str(xrays),
+            prediction_dir=str(pred),
+        ),
+    )
+    written = sorted(p.name for p in pred.iterdir())
+    assert written == sorted(f"phantom_val_00{i}_{k}" for i in (0, 1) for k in ("ct.nii.gz", "views.png"))
+    evaluated = cascade / "stage2" / "eval_diffusion" / "predictions" / "phantom_val_000_ct.nii.gz"
+    if evaluated.is_file():  # written by test_evaluate_reproduces_validation_and_writes_outputs
+        a = nib.load(pred / "phantom_val_000_ct.nii.gz").get_fdata()
+        b = nib.load(evaluated).get_fdata()
+        assert np.abs(a - b).mean() < 5.0  # HU; the PNGs are 16-bit
+
+
+def test_stage_2_without_stage_1_is_refused(phantoms, tmp_path):
+    result = run_bundle(
+        BUNDLE, TASK, check=False, args=overrides(dataset_dir=str(phantoms), outputs_root=str(tmp_path), stage=2)
+    )
+    assert result.returncode == 1
+    assert "configuration error" in result.stderr and "Traceback" not in result.stderr
+    assert "stage 2 needs the trained weights of stage(s) 1..1" in result.stderr
+    assert str(tmp_path / "stage1" / "models" / "model.pt") in result.stderr
+    assert not (tmp_path / "stage2").exists()
+
+
+def test_bad_settings_are_refused_before_anything_is_written(phantoms, tmp_path):
+    result = run_bundle(
+        BUNDLE,
+        TASK,
+        check=False,
+        args=[
+            *overrides(dataset_dir=str(phantoms), outputs_root=str(tmp_path), mode="gan", vit_patch_size=5),
+            "--stage_sizes",
+            "[[8,8,8],[12,12,12],[8,8,8]]",
+            "--source_size",
+            "[4,4,4]",
+        ],
+    )
+    assert result.returncode == 1
+    text = result.stderr
+    assert "configuration error" in text and "Traceback" not in text
+    for key in (
+        "'mode' must be one of",
+        "'vit_patch_size' 5 must divide",
+        "'stage_sizes' must not shrink",
+        "larger than 'source_size'",
+    ):
+        assert key in text, key
+    assert not any(tmp_path.iterdir())
+
+
+def test_bad_data_is_reported_per_case_before_training(phantoms, tmp_path):
+    """X-ray files per case (``view_files``): a missing view, a transposed and a wrongly sized one, and a CT smaller
+    than the stage's volume size are all reported at once, before anything is written."""
+    from common.data.demo import write_nifti
+    from common.data.xray import save_view_nifti, save_view_png
+
+    data = tmp_path / "data"
+    shutil.copytree(phantoms, data)
+    datalist = json.loads((data / "datalist.json").read_text())
+    for i, entry in enumerate(datalist["training"] + datalist["validation"]):
+        entry["case_id"] = f"case{i}"
+        entry["xray_ap"] = f"xr/case{i}_ap.png"
+        entry["xray_lateral"] = f"xr/case{i}_lateral.nii.gz"
+        save_view_png(data / entry["xray_ap"], np.ones((16, 8), np.float32))
+        save_view_nifti(data / entry["xray_lateral"], np.ones((16, 8), np.float32))
+    train = datalist["training"]
+    (data / train[0]["xray_lateral"]).unlink()
+    save_view_png(data / train[1]["xray_ap"], np.ones((8, 16), np.float32))  # transposed
+    save_view_nifti(data / train[2]["xray_lateral"], np.ones((20, 20), np.float32))
+    write_nifti(data / train[3]["image"], np.zeros((6, 6, 6), np.float32), np.diag([20.0, 20.0, 20.0, 1.0]))
+    (data / "datalist.json").write_text(json.dumps(datalist))
+    out = tmp_path / "out"
+    result = run_bundle(
+        BUNDLE,
+        TASK,
+        check=False,
+        args=overrides(dataset_dir=str(data), outputs_root=str(out), view_files=True, view_size=[16, 8]),
+    )
+    assert result.returncode == 1, result.stdout[-2000:]
+    text = result.stderr
+    assert "Traceback" not in text
+    assert "preflight found 4 problem(s)" in text, text[-3000:]
+    assert "training[3] (case case3)" in text and "smaller than the volume_size of stage 1 (8, 8, 8)" in text
+    assert "training[0] (case case0): xray_lateral" in text and "does not exist" in text
+    assert "training[1] (case case1): xray_ap" in text and "transpose" in text
+    assert "training[2] (case case2): xray_lateral" in text and "expected view_size (16, 8)" in text
+    assert not (out / "stage1").exists()
+
+
+def test_metadata_valid_against_schema():
+    jsonschema = pytest.importorskip("jsonschema")
+    meta = json.loads((BUNDLES / BUNDLE / "configs" / "metadata.json").read_text())
+    jsonschema.validate(meta, json.loads(SCHEMA.read_text()))
+    assert meta["version"] in meta["changelog"]
+    assert set(meta["network_data_format"]["inputs"]) == {"image"}
+    assert set(meta["network_data_format"]["outputs"]) == {"pred"}
+
+
+def test_resume_continues_to_the_same_result(phantoms, tmp_path):
+    """A stage-1 run stopped after 1 epoch and re-run with 2 ends bit-identical to one uninterrupted run."""
+    base = dict(dataset_dir=str(phantoms), deterministic=True, ckpt_interval=1, val_interval=2)
+    reference = tmp_path / "reference"
+    run_bundle(BUNDLE, TASK, args=overrides(outputs_root=str(reference), max_epochs=2, **base))
+    resumed = tmp_path / "resumed"
+    run_bundle(BUNDLE, TASK, args=overrides(outputs_root=str(resumed), max_epochs=1, **base))
+    second = run_bundle(BUNDLE, TASK, args=overrides(outputs_root=str(resumed), max_epochs=2, **base))
+    assert "resumed from" in second.stdout + second.stderr
+    final = torch.load(resumed / "stage1" / "models" / "last.pt", weights_only=True)
+    expected = torch.load(reference / "stage1" / "models" / "last.pt", weights_only=True)
+    assert final["trainer"]["iteration"] == expected["trainer"]["iteration"] == 4
+    for part in ("network", "ema"):
+        for key, value in expected[part].items():
+            assert torch.equal(final[part][key], value), f"{part}.{key}"
+
+
+def test_torchrun_two_processes_keep_identical_replicas(phantoms, tmp_path):
+    out = tmp_path / "ddp"
+    probe = tmp_path / "probe.json"
+    probe.write_text(
+        json.dumps(
+            {
+                "finalize": [
+                    "$torch.save({'network': @network.state_dict(), 'train': [str(d['image']) for d in "
+                    "@train#dataset.data], 'iteration': @train#trainer.state.iteration}, "
+                    "@output_dir + '/rank' + str(torch.distributed.get_rank()) + '.pt')",
+                    "$common.utils.assert_replicas_equal({'network': @network, 'ema': @ema.module})",
+                    "$common.utils.destroy_distributed()",
+                ]
+            }
+        )
+    )
+    cmd = torchrun_cmd(
+        2,
+        "-m",
+        "monai.bundle",
+        "run",
+        "training",
+        "--config_file",
+        config_arg(BUNDLE, *TASK, "multi_gpu_train.json", str(probe)),
+        *overrides(
+            dataset_dir=str(phantoms), outputs_root=str(out), max_epochs=1, val_interval=1, stage_batch_size=[1, 1]
+        ),
+    )
+    result = subprocess.run(cmd, cwd=REPO_ROOT, env=bundle_env(), capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
+    r0 = torch.load(out / "stage1" / "rank0.pt", weights_only=True)
+    r1 = torch.load(out / "stage1" / "rank1.pt", weights_only=True)
+    assert r0["iteration"] == r1["iteration"] == 2  # 4 cases / 2 ranks, batch 1 per rank
+    assert not set(r0["train"]) & set(r1["train"]), "ranks must cache different cases"
+    for key in r0["network"]:
+        assert torch.equal(r0["network"][key], r1["network"][key]), key
+    log = (out / "stage1" / "train.log").read_text()
+    assert "identical on all 2 ranks" in log and "x 2 rank(s)" in log
+    assert np.isfinite(json.loads((out / "stage1" / "metrics.json").read_text())["latest"]["val_psnr"])
