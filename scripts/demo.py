@@ -10,6 +10,8 @@
     python scripts/demo.py --bundle fast_ddpm_3d --preset brats     # 4 -> 1 missing-modality synthesis (phantoms)
     python scripts/demo.py --bundle fast_ddpm_3d --diffusion_mode baseline   # the 1000-step DDPM, same network
     python scripts/demo.py --bundle mace_survival               # MACE survival on synthetic chest CT phantoms
+    python scripts/demo.py --bundle xray2ct_cascade             # biplanar X-ray -> CT, stage 1 then stage 2
+    python scripts/demo.py --bundle xray2ct_cascade --mode direct   # the same network as a regressor (baseline)
 
 The demo data (the real MNI152 T1 template and its GM/WM maps from the nilearn wheel, split into disjoint
 superior/inferior blocks for training/validation; for ``--preset brats``, brain tumour phantoms with four MRI
@@ -130,9 +132,44 @@ PROFILES["mace_survival"] = {
     "gpu": {"max_epochs": 60, "val_interval": 5, "log_interval": 12},
 }
 
+PROFILES["xray2ct_cascade"] = {
+    "cpu": {
+        "stage_sizes": [[24, 24, 24], [48, 48, 48]],
+        "demo_shape": [48, 48, 48],
+        "view_size": [48, 48],
+        "vit_patch_size": 8,
+        "unet_channels": [16, 32, 64],
+        "attention_levels": [False, False, True],
+        "norm_num_groups": 8,
+        "num_head_channels": 16,
+        "vit_hidden_size": 64,
+        "vit_mlp_dim": 128,
+        "vit_layers": 2,
+        "vit_heads": 4,
+        "stage_batch_size": [4, 2],
+        "stage_lr": [5e-4, 3e-4],
+        "stage_iterations": [300, 150],
+        "val_interval": 1,
+        "log_interval": 25,
+    },
+    "gpu": {
+        "stage_sizes": [[64, 64, 64], [128, 128, 128]],
+        "demo_shape": [128, 128, 128],
+        "stage_batch_size": [8, 2],
+        "stage_iterations": [2000, 1000],
+        "val_interval": 1,
+        "log_interval": 100,
+    },
+}
+
+# Bundles trained stage by stage into ``<outputs_root>/stage<k>``: each stage runs ``stage_iterations[k - 1]``
+# iterations (one validated epoch), the evaluation runs the whole cascade.
+STAGED = ("xray2ct_cascade",)
+
 # The metrics a demo prints per bundle (default: whole-volume image quality).
 REPORTED = {"mace_survival": ("uno_c", "harrell_c", "auc_mean", "ibs", "logrank_p")}
 IMAGE_METRICS = ("val_psnr", "val_ssim", "val_ms_ssim")
+REPORTED["xray2ct_cascade"] = (*IMAGE_METRICS, "val_proj_error")
 
 # Overrides that only shape training; evaluation repeats every other one (network, sampler, data settings).
 TRAIN_ONLY_KEYS = (
@@ -149,6 +186,9 @@ TRAIN_ONLY_KEYS = (
     "patches_per_volume",
     "batch_size",
     "micro_batch_size",
+    "stage_batch_size",
+    "stage_lr",
+    "stage_iterations",
 )
 
 
@@ -230,7 +270,8 @@ def main(
         # the demo's own folder: start afresh (an explicit --output_dir resumes instead, like the bundle does)
         print(f"removing the previous demo run in {out}")
         shutil.rmtree(out)
-    overrides["output_dir"] = str(out)
+    staged = bundle in STAGED
+    overrides["outputs_root" if staged else "output_dir"] = str(out)
     if device != "auto":
         overrides["device"] = device
     if num_threads or not use_gpu:
@@ -243,15 +284,25 @@ def main(
     start = time.time()
     train_files = [str(configs / "train.json"), *(str(configs / c) for c in extra_configs)]
     config_arg = train_files[0] if len(train_files) == 1 else json.dumps(train_files)
-    _run(base + ["training", "--config_file", config_arg, *_args(overrides)], env)
-    trained = time.time() - start
     evaluation = {k: v for k, v in overrides.items() if k not in TRAIN_ONLY_KEYS}
+    run_dir, eval_dir = out, out / "eval"
+    if staged:
+        iterations = overrides.pop("stage_iterations")
+        for stage, n in enumerate(iterations, start=1):
+            stage_args = {**overrides, "stage": stage, "max_epochs": 1, "epoch_length": int(n)}
+            _run(base + ["training", "--config_file", config_arg, *_args(stage_args)], env)
+        evaluation["stage"] = len(iterations)
+        run_dir = out / f"stage{len(iterations)}"
+        eval_dir = run_dir / f"eval_{overrides.get('mode', 'diffusion')}"
+    else:
+        _run(base + ["training", "--config_file", config_arg, *_args(overrides)], env)
+    trained = time.time() - start
     _run(
         base + ["run", "--config_file", json.dumps([*train_files, str(configs / "evaluate.json")]), *_args(evaluation)],
         env,
     )
-    metrics = json.loads((out / "eval" / "metrics.json").read_text())["latest"]
-    training = json.loads((out / "metrics.json").read_text())
+    metrics = json.loads((eval_dir / "metrics.json").read_text())["latest"]
+    training = json.loads((run_dir / "metrics.json").read_text())
     keys = list(REPORTED.get(bundle, IMAGE_METRICS))
     if "val_codebook_usage" in metrics:
         keys.append("val_codebook_usage")
@@ -269,11 +320,13 @@ def main(
         )
         print(f"  report:         {out / 'eval' / 'report.json'} (plots: km_by_risk_group.png, calibration.png)")
     print(f"  outputs:        {out}")
-    print(f"  best model:     {out / 'models' / 'model.pt'}  (resumable state: {out / 'models' / 'last.pt'})")
+    print(f"  best model:     {run_dir / 'models' / 'model.pt'}  (resumable state: {run_dir / 'models' / 'last.pt'})")
     per_case = "predictions.csv" if bundle == "mace_survival" else "metrics_per_volume.csv"
-    print(f"  metrics:        {out / 'metrics.json'}, {out / 'metrics.csv'}, {out / 'eval' / per_case}")
-    print(f"  TensorBoard:    tensorboard --logdir {out / 'tensorboard'}")
-    print(f"  training log:   {out / 'train.log'}")
+    print(f"  metrics:        {run_dir / 'metrics.json'}, {run_dir / 'metrics.csv'}, {eval_dir / per_case}")
+    if staged:
+        print(f"  predictions:    {eval_dir / 'predictions'} (input vs predicted X-rays as PNG per case)")
+    print(f"  TensorBoard:    tensorboard --logdir {run_dir / 'tensorboard'}")
+    print(f"  training log:   {run_dir / 'train.log'}")
     return metrics
 
 

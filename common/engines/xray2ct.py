@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from monai.data import MetaTensor
 from monai.engines import SupervisedEvaluator
 from monai.engines.utils import IterationEvents
+from monai.inferers import Inferer
 from monai.utils import CommonKeys as Keys
 from torch import nn
 from torch.optim import Optimizer
@@ -250,6 +251,7 @@ class XrayCTEvaluator(SupervisedEvaluator):
         previous: the earlier stages (an :class:`common.networks.xray2ct.XrayCTCascade`) for stage >= 2.
         seed: base seed of the start noise.
         amp: ``bf16``/``fp16`` autocast on CUDA, or ``none``.
+        inferer: calls the sampler on each case's X-rays (default ``SimpleInferer``).
         others: as in ``monai.engines.SupervisedEvaluator``.
     """
 
@@ -261,6 +263,7 @@ class XrayCTEvaluator(SupervisedEvaluator):
         previous: nn.Module | None = None,
         seed: int = 0,
         amp: str = "none",
+        inferer: Inferer | None = None,
         epoch_length: int | None = None,
         non_blocking: bool = False,
         postprocessing: Callable | None = None,
@@ -277,6 +280,7 @@ class XrayCTEvaluator(SupervisedEvaluator):
             epoch_length=epoch_length,
             non_blocking=non_blocking,
             prepare_batch=prepare_xray_batch,
+            inferer=inferer,
             postprocessing=postprocessing,
             key_val_metric=key_val_metric,
             additional_metrics=additional_metrics,
@@ -305,7 +309,7 @@ class XrayCTEvaluator(SupervisedEvaluator):
                 generator = torch.Generator().manual_seed(volume_seed(batchdata, i, self.seed))
                 case = xray[i : i + 1]
                 previous = self.previous(case, generator=generator) if self.previous is not None else None
-                predictions.append(sampler(case, previous, generator=generator).float())
+                predictions.append(engine.inferer(case, sampler, previous, generator=generator).float())
         volume = torch.cat(predictions)
         projector = unwrap(sampler.network).projector
         output: dict[str, Any] = {
@@ -401,8 +405,8 @@ def check_xray2ct_settings(
                     "loaded at: raise source_size."
                 )
     view = triple("view_size", view_size, dims=2)
-    bad_views = [v for v in views] if not isinstance(views, (list, tuple)) else [v for v in views if v not in VIEW_AXES]
-    if bad_views or not views or len(set(views)) != len(views):
+    listed = list(views) if isinstance(views, (list, tuple)) else None
+    if not listed or any(v not in VIEW_AXES for v in listed) or len(set(listed)) != len(listed):
         problems.append(f"'views' must be distinct names out of {sorted(VIEW_AXES)}, got {views!r}.")
     if view and isinstance(vit_patch_size, int) and vit_patch_size > 0 and any(v % vit_patch_size for v in view):
         problems.append(f"'vit_patch_size' {vit_patch_size} must divide 'view_size' {view}.")
@@ -424,6 +428,11 @@ def check_xray2ct_settings(
         except (TypeError, ValueError) as exc:
             problems.append(f"'num_grid_steps'/'num_train_timesteps': {exc}")
     channels = [int(c) for c in unet_channels]
+    for name, value in (("num_head_channels", num_head_channels), ("norm_num_groups", norm_num_groups)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            problems.append(f"{name!r} must be an integer >= 1, got {value!r}.")
+    heads = num_head_channels if isinstance(num_head_channels, int) and num_head_channels > 0 else 1
+    groups = norm_num_groups if isinstance(norm_num_groups, int) and norm_num_groups > 0 else 1
     levels = list(attention_levels) if isinstance(attention_levels, (list, tuple)) else None
     if levels is None or len(levels) != len(channels) or not all(isinstance(a, bool) for a in levels):
         problems.append(
@@ -431,16 +440,12 @@ def check_xray2ct_settings(
             f"True/False on the command line), got {attention_levels!r}."
         )
     else:
-        bad = [
-            c
-            for i, (c, a) in enumerate(zip(channels, levels))
-            if (a or i == len(channels) - 1) and c % num_head_channels
-        ]
+        bad = [c for i, (c, a) in enumerate(zip(channels, levels)) if (a or i == len(channels) - 1) and c % heads]
         if bad:
             problems.append(
                 f"'num_head_channels' {num_head_channels} must divide the channels {bad} of the levels with attention."
             )
-    if any(c % int(norm_num_groups) for c in channels):
+    if any(c % groups for c in channels):
         problems.append(
             f"every entry of 'unet_channels' {channels} must be divisible by 'norm_num_groups' {norm_num_groups}."
         )

@@ -370,6 +370,7 @@ class XrayCTSampler(_InferenceView):
     def with_previous(self) -> bool:
         return bool(unwrap(self.network).with_previous)
 
+    @torch.no_grad()
     def forward(
         self, xray: torch.Tensor, previous: torch.Tensor | None = None, generator: torch.Generator | None = None
     ) -> torch.Tensor:
@@ -410,7 +411,7 @@ class XrayCTCascade(nn.Module):
     """The stages in order: stage 1 from the X-rays alone, every later stage also from the upsampled output of
     the one before. ``forward(xray)`` returns the last stage's volume; :meth:`run` returns every stage's.
 
-    The checkpoint is ``{"stage1": ..., "stage2": ...}``, each the state dict of that stage's denoiser.
+    The checkpoint is one flat state dict: each stage's denoiser weights under ``stage<k>.``.
 
     Args:
         samplers: one :class:`XrayCTSampler` per stage, in order; stage ``k >= 2`` must take a previous stage.
@@ -431,15 +432,26 @@ class XrayCTCascade(nn.Module):
                 )
         self.stages = nn.ModuleList(samplers)
 
-    def state_dict(self, *args, **kwargs):
-        return {f"stage{i + 1}": s.state_dict() for i, s in enumerate(self.stages)}
+    def state_dict(self, *args, keep_vars: bool = False, **kwargs):
+        return {
+            f"stage{i + 1}.{k}": v
+            for i, stage in enumerate(self.stages)
+            for k, v in stage.state_dict(keep_vars=keep_vars).items()
+        }
 
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
-        missing = [f"stage{i + 1}" for i in range(len(self.stages)) if f"stage{i + 1}" not in state_dict]
+        parts: dict[str, dict[str, torch.Tensor]] = {}
+        for key, value in state_dict.items():
+            stage, _, name = key.partition(".")
+            parts.setdefault(stage, {})[name] = value
+        expected = [f"stage{i + 1}" for i in range(len(self.stages))]
+        missing = [k for k in expected if k not in parts]
         if missing:
-            raise RuntimeError(f"the cascade checkpoint has no weights for {missing}; it holds {sorted(state_dict)}.")
-        for i, stage in enumerate(self.stages):
-            stage.load_state_dict(state_dict[f"stage{i + 1}"], strict=strict, assign=assign)
+            raise RuntimeError(f"the cascade checkpoint has no weights for {missing}; it holds {sorted(parts)}.")
+        if strict and set(parts) != set(expected):
+            raise RuntimeError(f"the cascade checkpoint holds {sorted(parts)}, but this cascade has {expected}.")
+        for name, stage in zip(expected, self.stages):
+            stage.load_state_dict(parts[name], strict=strict, assign=assign)
         return None
 
     def run(self, xray: torch.Tensor, generator: torch.Generator | None = None) -> list[torch.Tensor]:
@@ -498,7 +510,7 @@ def cascade_checkpoints(
 
 
 def load_cascade(cascade: XrayCTCascade, checkpoints: str | os.PathLike | Sequence[str]) -> XrayCTCascade:
-    """Load a combined cascade file (``{"stage1": ..., ...}``) or one file per stage, in order.
+    """Load a combined cascade file (keys ``stage<k>.<name>``) or one file per stage, in order.
 
     Raises:
         CheckpointError: naming the file that is missing, unreadable or belongs to another stage/architecture.
@@ -518,8 +530,9 @@ def load_cascade(cascade: XrayCTCascade, checkpoints: str | os.PathLike | Sequen
             f"the cascade has {len(cascade.stages)} stage(s) but {len(paths)} checkpoint(s): {paths}."
         )
     for k, (stage, path) in enumerate(zip(cascade.stages, paths), start=1):
+        state = load_checkpoint(path)  # names a missing or unreadable file
         try:
-            stage.load_state_dict(load_checkpoint(path))
+            stage.load_state_dict(state)
         except RuntimeError as exc:
             raise CheckpointError(f"stage {k}'s checkpoint {os.fspath(path)!r} does not fit stage {k}: {exc}") from exc
     return cascade
