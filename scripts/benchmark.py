@@ -17,6 +17,9 @@ whole-volume reconstruction cost.
     python scripts/benchmark.py ddpm_throughput                    # fast_ddpm_3d trainer vs a plain loop
     python scripts/benchmark.py mace_throughput                    # mace_survival trainer vs a plain loop
     python scripts/benchmark.py mace_smartcache                    # SmartCache replacement vs epoch time
+    python scripts/benchmark.py xray_throughput                    # xray2ct_cascade trainer vs a plain loop
+    python scripts/benchmark.py xray_quality                       # equal budgets: diffusion vs direct vs baseline
+    python scripts/benchmark.py xray_memory                        # peak memory of one training step per stage
 
 ``throughput`` runs, in one process and alternating, (a) the plain loop of MONAI's 3D latent-diffusion tutorial
 (CPU ``CacheDataset`` + ``DataLoader``, fp32, the same AutoencoderKL + PatchDiscriminator, L1 + KL + least-squares
@@ -31,7 +34,8 @@ bundle's trainer, both discriminators, adversarial terms on) per patch and micro
 subprocess. ``vqgan_reconstruction`` times whole-volume sliding-window reconstruction (the bundle's
 inference path) and fits a peak-memory model ``a + b x sw_batch_size``, each measurement in a fresh subprocess.
 The ``ddpm_*`` benchmarks of ``fast_ddpm_3d`` live in ``scripts/benchmark_diffusion.py``, the ``mace_*`` ones of
-``mace_survival`` in ``scripts/benchmark_survival.py``.
+``mace_survival`` in ``scripts/benchmark_survival.py``, the ``xray_*`` ones of ``xray2ct_cascade`` in
+``scripts/benchmark_xray.py``.
 Results are printed as a Markdown table and written as JSON.
 """
 
@@ -1171,6 +1175,7 @@ if __name__ == "__main__":
 
     from scripts.benchmark_diffusion import ddpm_quality, ddpm_sampling, ddpm_throughput
     from scripts.benchmark_survival import mace_smartcache, mace_throughput
+    from scripts.benchmark_xray import xray_memory, xray_quality, xray_throughput
 
     fire.Fire(
         {
@@ -1184,6 +1189,9 @@ if __name__ == "__main__":
             "vqgan_memory": vqgan_memory,
             "vqgan_throughput": vqgan_throughput,
             "vqgan_reconstruction": vqgan_reconstruction,
+            "xray_memory": xray_memory,
+            "xray_quality": xray_quality,
+            "xray_throughput": xray_throughput,
         },
         serialize=lambda _: None,
     )

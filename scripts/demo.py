@@ -155,6 +155,7 @@ PROFILES["xray2ct_cascade"] = {
     "gpu": {
         "stage_sizes": [[64, 64, 64], [128, 128, 128]],
         "demo_shape": [128, 128, 128],
+        "view_size": [128, 128],
         "stage_batch_size": [8, 2],
         "stage_iterations": [2000, 1000],
         "val_interval": 1,

@@ -110,7 +110,7 @@ def test_packed_cascade_runs_on_png_radiographs(cascade, phantoms, tmp_path):
         BUNDLE,
         ["inference.json", "tiny.json"],
         run_id="pack",
-        args=overrides(bundle_root=str(packaged), outputs_root=str(cascade)),
+        args=overrides(bundle_root=str(packaged), outputs_root=str(cascade), stage=2),
     )
     combined = torch.load(packaged / "models" / "model.pt", weights_only=True)
     assert {key.split(".")[0] for key in combined} == {"stage1", "stage2"}
@@ -137,6 +137,7 @@ def test_packed_cascade_runs_on_png_radiographs(cascade, phantoms, tmp_path):
             outputs_root=str(tmp_path / "none"),
             dataset_dir=str(xrays),
             prediction_dir=str(pred),
+            stage=2,
         ),
     )
     written = sorted(p.name for p in pred.iterdir())

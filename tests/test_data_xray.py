@@ -261,3 +261,19 @@ def test_view_files_replace_the_projector_xrays(tmp_path, case):
         np.testing.assert_array_equal(out["xray"][i].numpy(), line_integrals((SIDE, SIDE), seed=i))
     drr = proj.xrays(out["image"].as_tensor()[None])[0]
     assert not torch.allclose(out["xray"].as_tensor(), drr)
+
+
+def test_dicom_series_and_nifti_of_one_ct_give_the_same_stage_data(tmp_path):
+    """A CT stored as a DICOM series folder (e.g. LIDC-IDRI) loads like the same CT as NIfTI: same volume and
+    X-rays after resampling to the projector's field of view (DICOM stores HU as integers)."""
+    from common.data.demo import make_ct_phantom, write_dicom_series, write_nifti
+
+    hu = np.round(make_ct_phantom((24, 24, 20), seed=3))
+    spacing = (FOV / 24, FOV / 24, FOV / 20)
+    nifti = write_nifti(tmp_path / "ct.nii.gz", hu.astype(np.float32), np.diag([*spacing, 1.0]))
+    dicom = write_dicom_series(tmp_path / "ct_dicom", hu, spacing)
+    transform = xray2ct_transforms(projector(), (SIDE, SIDE, SIDE))
+    a, b = transform({"image": str(nifti)}), transform({"image": str(dicom)})
+    assert a["image"].shape == b["image"].shape == (1, SIDE, SIDE, SIDE)
+    torch.testing.assert_close(b["image"].as_tensor(), a["image"].as_tensor(), atol=2e-3, rtol=0)
+    torch.testing.assert_close(b["xray"].as_tensor(), a["xray"].as_tensor(), atol=2e-3, rtol=0)

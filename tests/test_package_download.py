@@ -212,9 +212,10 @@ def test_package_layout(name, packages):
     }
 
 
-@pytest.mark.parametrize("name", BUNDLE_NAMES)
-def test_package_cli_is_deterministic(name, packages, tmp_path):
-    """The CLI, another checkpoint path with a different mtime and another folder give the same zip bytes."""
+def test_package_cli_is_deterministic(packages, tmp_path):
+    """The CLI, another checkpoint path with a different mtime and another folder give the same zip bytes (a
+    property of the packer, checked on one bundle; every bundle's zip content is checked by test_package_layout)."""
+    name = BUNDLE_NAMES[0]
     zip_path, ckpt = packages[name]
     copy = tmp_path / "elsewhere.pt"
     copy.write_bytes(ckpt.read_bytes())

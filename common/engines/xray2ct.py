@@ -331,6 +331,40 @@ class XrayCTEvaluator(SupervisedEvaluator):
         return engine.state.output
 
 
+def _plane(size: Sequence[int], view: str) -> tuple[int, int]:
+    from common.data.drr import VIEW_AXES
+
+    rest = [int(s) for i, s in enumerate(size) if i != VIEW_AXES[view]]
+    return rest[0], rest[1]
+
+
+def _view_geometry_problems(
+    views: Sequence[str],
+    view_size: Sequence[int],
+    source: Sequence[int] | None,
+    stage_size: Sequence[int] | None,
+    view_files: bool,
+) -> list[str]:
+    """The X-rays must not be interpolated up anywhere, or the ground truth would not satisfy the projection loss:
+    made by the projector, they come from the CT at ``source_size`` (each view's plane at least ``view_size``); the
+    loss compares them at the stage's plane (at most ``view_size``)."""
+    problems = []
+    view = tuple(int(v) for v in view_size)
+    for name in views:
+        if source is not None and not view_files and any(p < v for p, v in zip(_plane(source, name), view)):
+            problems.append(
+                f"'view_size' {list(view)} is finer than the {name} projection {list(_plane(source, name))} of the CT "
+                f"the X-rays are made from ('source_size' {list(source)}): they would be interpolated and the ground "
+                "truth would not satisfy the projection loss; raise source_size or lower view_size."
+            )
+        if stage_size is not None and any(p > v for p, v in zip(_plane(stage_size, name), view)):
+            problems.append(
+                f"the stage's {name} projection {list(_plane(stage_size, name))} is finer than 'view_size' {list(view)}: "
+                "the projection loss would compare with interpolated X-rays; raise view_size."
+            )
+    return problems
+
+
 def check_xray2ct_settings(
     stage: int,
     stage_sizes: Sequence[Sequence[int]],
@@ -386,6 +420,7 @@ def check_xray2ct_settings(
     if not stage_ok:  # the stage sizes are still checked below, all but against source_size (which stages run?)
         problems.append(f"'stage' must be an integer in [1, {len(sizes) if sizes else '?'}], got {stage!r}.")
     source = triple("source_size", source_size)
+    current = None
     if sizes:
         checked = [triple(f"stage_sizes[{i}]", s) for i, s in enumerate(sizes)]
         factor = 2 ** (len(list(unet_channels)) - 1)
@@ -397,6 +432,8 @@ def check_xray2ct_settings(
                     f"'stage_sizes[{i}]' {size} must be divisible by {factor} on every axis (the U-Net halves it "
                     f"{len(list(unet_channels)) - 1} times)."
                 )
+            if stage_ok and i == stage - 1:
+                current = size
             if i and checked[i - 1] and any(a < b for a, b in zip(size, checked[i - 1])):
                 problems.append(f"'stage_sizes' must not shrink from stage {i} to {i + 1}, got {sizes!r}.")
             if source and stage_ok and i < stage and any(s > m for s, m in zip(size, source)):
@@ -408,6 +445,8 @@ def check_xray2ct_settings(
     listed = list(views) if isinstance(views, (list, tuple)) else None
     if not listed or any(v not in VIEW_AXES for v in listed) or len(set(listed)) != len(listed):
         problems.append(f"'views' must be distinct names out of {sorted(VIEW_AXES)}, got {views!r}.")
+    elif view:
+        problems += _view_geometry_problems(listed, view, source, current, bool((flags or {}).get("view_files")))
     if view and isinstance(vit_patch_size, int) and vit_patch_size > 0 and any(v % vit_patch_size for v in view):
         problems.append(f"'vit_patch_size' {vit_patch_size} must divide 'view_size' {view}.")
     if isinstance(vit_heads, int) and vit_heads > 0 and int(vit_hidden_size) % vit_heads:

@@ -1,0 +1,637 @@
+# Copyright (c) the 3D MONAI bundle collection contributors.
+# Licensed under the Apache License, Version 2.0.
+"""Benchmarks of ``xray2ct_cascade`` (commands of ``scripts/benchmark.py``):
+
+    python scripts/benchmark.py xray_throughput                    # stage 1: bundle trainer vs a plain PyTorch loop
+    python scripts/benchmark.py xray_throughput --stage 2          # stage 2 (conditioned on a degraded stage 1)
+    python scripts/benchmark.py xray_throughput --device cuda --stage 3 --amp bf16 --compile True
+    python scripts/benchmark.py xray_quality --iterations 300      # equal budgets: diffusion vs direct vs baseline
+    python scripts/benchmark.py xray_quality --num_threads 2 --output /tmp/xray_quality.json
+    python scripts/benchmark.py xray_memory --stages "[1,2]"      # peak memory of one training step per stage
+
+``xray_throughput`` alternates, in one process, (a) a plain loop written as public X-ray -> CT scripts are (CPU
+``CacheDataset`` of the same transforms + ``DataLoader``, fp32, the same :class:`common.networks.xray2ct.XrayCTDenoiser`
+built from the same settings, the same v-prediction MSE + projection loss, AdamW with gradient clipping, no EMA and
+no handlers; from stage 2 on the same degraded stand-in for the previous stage) and (b) the bundle's
+``train#trainer`` with all its handlers, for one stage. It reports samples/s of each, their ratio, the bundle's
+data-wait fraction and peak memory. From stage 2 on the bundle's config needs the earlier stages' weights (it
+validates on their real output): the benchmark saves randomly initialised ones, turns validation off and does not
+initialise from them (``init_from_previous`` false), which changes nothing in a training step.
+
+``xray_quality`` trains the bundle through its command line (a subprocess per command) in each mode, stage 1 then
+stage 2 with the same number of iterations (``max_epochs`` 1 x ``epoch_length``), sets each stage's ``model.pt`` to
+its final EMA weights (no validation during training), evaluates every stage with ``evaluate.json`` (stage ``k``
+runs the cascade of stages ``1..k``) and also evaluates the untrained back-projection baseline; it records PSNR,
+SSIM, MS-SSIM, projection error and training time per mode and stage.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import math
+import os
+import shlex
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+from scripts.benchmark_tools import (
+    BUNDLES,
+    REPO_ROOT,
+    alternate,
+    device_name,
+    print_table,
+    print_throughput,
+    setup,
+    timed_loop,
+    train_config,
+)
+
+__all__ = ["xray_memory", "xray_quality", "xray_throughput"]
+
+BUNDLE = "xray2ct_cascade"
+
+#: the network keys of ``train.json``'s ``network_settings`` that the benchmarks set
+NETWORK_KEYS = (
+    "unet_channels",
+    "attention_levels",
+    "num_res_blocks",
+    "norm_num_groups",
+    "num_head_channels",
+    "transformer_num_layers",
+    "vit_patch_size",
+    "vit_hidden_size",
+    "vit_mlp_dim",
+    "vit_layers",
+    "vit_heads",
+)
+#: the small network of CPU runs (``train.json``'s is used on GPUs)
+CPU_NETWORK = {
+    "unet_channels": [16, 32, 64],
+    "attention_levels": [False, False, True],
+    "norm_num_groups": 8,
+    "num_head_channels": 16,
+    "vit_patch_size": 8,
+    "vit_hidden_size": 64,
+    "vit_mlp_dim": 128,
+    "vit_layers": 2,
+    "vit_heads": 4,
+}
+CPU_STAGE_SIZES = [[32, 32, 32], [64, 64, 64]]
+CPU_VIEW_SIZE = [64, 64]
+#: (iterations, warmup, repeats) of ``xray_throughput`` on CPUs per stage (about 2-3 minutes on 2 cores), and on GPUs
+CPU_THROUGHPUT_RUNS = {1: (8, 2, 2), 2: (3, 1, 1)}
+GPU_THROUGHPUT_RUNS = (30, 5, 2)
+#: the training iterations per stage of ``xray_quality``
+CPU_QUALITY_ITERATIONS, GPU_QUALITY_ITERATIONS = 100, 1000
+#: the overrides that ``xray_quality`` sets itself
+QUALITY_RESERVED = ("stage", "mode", "outputs_root", "output_dir", "max_epochs", "epoch_length", "resume")
+
+
+def _defaults(device: torch.device, **given) -> dict:
+    """Stage sizes, view size and network of a run on ``device``: ``train.json``'s on GPUs, the small CPU ones
+    otherwise, each replaced by the values in ``given`` that are not None."""
+    config = train_config(BUNDLE)
+    network = {k: config[k] for k in NETWORK_KEYS}
+    if device.type == "cuda":
+        settings = {"stage_sizes": config["stage_sizes"], "view_size": config["view_size"], **network}
+    else:
+        settings = {"stage_sizes": CPU_STAGE_SIZES, "view_size": CPU_VIEW_SIZE, **network, **CPU_NETWORK}
+    settings.update({k: v for k, v in given.items() if v is not None})
+    settings["attention_levels"] = [bool(a) for a in settings["attention_levels"]]
+    settings["stage_sizes"] = [[int(v) for v in size] for size in settings["stage_sizes"]]
+    return settings
+
+
+def _with_stage_size(sizes: list[list[int]], stage: int, size: Sequence[int]) -> list[list[int]]:
+    """``sizes`` with ``size`` as stage ``stage``'s, earlier stages capped at it and later ones raised to it (stage
+    sizes must not shrink)."""
+    size = [int(v) for v in size]
+    out = []
+    for k, current in enumerate(sizes, start=1):
+        if k == stage:
+            out.append(size)
+        else:
+            pick = min if k < stage else max
+            out.append([pick(a, b) for a, b in zip(current, size)])
+    return out
+
+
+def _projector(view_size: Sequence[int]):
+    """The bundle's projector (``train.json``'s geometry and window) at ``view_size``."""
+    from common.data.drr import DRRProjector
+
+    config = train_config(BUNDLE)
+    return DRRProjector(
+        hu_window=config["hu_window"],
+        fov_mm=config["fov_mm"],
+        views=config["views"],
+        view_size=[int(v) for v in view_size],
+        mu_water=config["mu_water"],
+    )
+
+
+def _plain(x: torch.Tensor) -> torch.Tensor:
+    from monai.data import MetaTensor
+
+    return x.as_tensor() if isinstance(x, MetaTensor) else x
+
+
+def _xray_plain_loop(s: dict, data: list[dict], iterations: int, warmup: int, workers: int) -> float:
+    """The plain loop: CPU ``CacheDataset`` of the stage's transforms + ``DataLoader``, fp32, v-prediction MSE plus
+    the alpha-bar weighted projection loss, AdamW with gradient clipping; no EMA, no handlers."""
+    from monai.data import CacheDataset, DataLoader
+
+    from common.data.xray import xray2ct_transforms
+    from common.engines.diffusion import DiffusionSchedule, fast_ddpm_grid
+    from common.losses.projection import ProjectionLoss
+    from common.networks.xray2ct import XrayCTDenoiser, degrade_to_previous
+
+    config = train_config(BUNDLE)
+    projector = _projector(s["view_size"])
+    transforms = xray2ct_transforms(projector, s["volume_size"], s["source_size"], orientation=config["orientation"])
+    dataset = CacheDataset(data, transform=transforms, cache_rate=1.0, progress=False)
+    loader = DataLoader(
+        dataset, batch_size=s["batch_size"], shuffle=True, num_workers=workers, persistent_workers=workers > 0
+    )
+    device = s["device"]
+    net = XrayCTDenoiser(projector, with_previous=s["previous_size"] is not None, **s["network"]).to(device)
+    optimizer = torch.optim.AdamW(net.parameters(), lr=s["lr"], weight_decay=config["weight_decay"])
+    schedule = DiffusionSchedule(config["num_train_timesteps"], config["beta_schedule"])
+    grid = fast_ddpm_grid(config["grid"], config["num_grid_steps"], config["num_train_timesteps"])
+    projection_loss = ProjectionLoss(projector)
+    physics_weight, grad_clip = float(config["physics_weight"]), float(config["grad_clip"])
+
+    def step(batch: dict) -> None:
+        x0 = _plain(batch["image"]).to(device, non_blocking=True).float()
+        xray = _plain(batch["xray"]).to(device, non_blocking=True).float()
+        previous = None
+        if s["previous_size"] is not None:
+            previous = degrade_to_previous(x0, s["previous_size"], config["previous_noise"])
+        t = grid[torch.randint(0, len(grid), (x0.shape[0],))].to(device)
+        noise = torch.randn_like(x0)
+        x_t = schedule.add_noise(x0, noise, t)
+        target = schedule.velocity(x0, noise, t)
+        optimizer.zero_grad(set_to_none=True)
+        prediction = net(x_t, t, xray, previous)
+        x0_hat = schedule.split(x_t, prediction, t, "v_prediction")[0].float()
+        weights = schedule.alpha_bar(t, x0).reshape(-1).float()
+        loss = torch.nn.functional.mse_loss(prediction, target)
+        loss = loss + physics_weight * (weights * projection_loss(x0_hat, xray)).mean()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(net.parameters(), grad_clip)
+        optimizer.step()
+
+    return timed_loop(s, loader, step, iterations, warmup, whole_batch=True)
+
+
+def _random_previous_stages(folder: Path, stage: int, view_size: Sequence[int], network: dict) -> list[str]:
+    """Randomly initialised denoisers of stages ``1 .. stage - 1`` saved as state dicts (the bundle's config loads
+    the earlier stages for validation, which the throughput runs never reach)."""
+    from common.networks.xray2ct import XrayCTDenoiser
+
+    projector = _projector(view_size)
+    paths = []
+    for k in range(1, int(stage)):
+        path = folder / f"stage{k}_random.pt"
+        torch.save(XrayCTDenoiser(projector, with_previous=k > 1, **network).state_dict(), path)
+        paths.append(str(path))
+    return paths
+
+
+def xray_throughput(
+    stage: int = 1,
+    device: str = "auto",
+    iterations: int | None = None,
+    warmup: int | None = None,
+    repeats: int | None = None,
+    batch_size: int | None = None,
+    volume_size=None,
+    view_size=None,
+    stage_sizes=None,
+    n_cases: int = 8,
+    unet_channels=None,
+    attention_levels=None,
+    norm_num_groups: int | None = None,
+    num_head_channels: int | None = None,
+    vit_patch_size: int | None = None,
+    vit_hidden_size: int | None = None,
+    vit_mlp_dim: int | None = None,
+    vit_layers: int | None = None,
+    vit_heads: int | None = None,
+    amp: str | None = None,
+    compile: bool = False,
+    num_threads: int | None = None,
+    baseline_workers: int | None = None,
+    output: str | None = None,
+) -> dict:
+    """``xray2ct_cascade`` trainer of one stage vs a plain loop, same network, batch, data and loss, alternating in
+    one process, on chest CT phantoms.
+
+    Defaults: on GPUs ``train.json``'s network, stage sizes (64^3, 128^3, 256^3) and view size (256^2); on CPUs a
+    small network (U-Net ``[16, 32, 64]``, ViT 64 wide, 2 layers), stages of 32^3 and 64^3 and 64^2 views, with
+    few enough iterations to finish in about 2-3 minutes on 2 cores.
+
+    Args:
+        stage: the stage to train (from 2 on, conditioned on the previous stage's degraded stand-in).
+        device: ``auto``, ``cpu`` or ``cuda``.
+        iterations: timed steps per run (after ``warmup``); default 30 on GPUs, 8 (stage 1) or 3 on CPUs.
+        warmup: untimed steps at the start of each run (``torch.compile`` compiles here); default 5 on GPUs, 2
+            (stage 1) or 1 on CPUs.
+        repeats: runs of each side, the median is reported; default 2, 1 on CPUs from stage 2 on.
+        batch_size: volumes per step (default ``train.json``'s ``stage_batch_size`` of the stage).
+        volume_size: the stage's volume size (default: its entry of the stage sizes; earlier stages are capped at
+            it, later ones raised to it).
+        view_size: ``(H, W)`` of the X-rays.
+        stage_sizes: the volume size of every stage (replaces the device's default list).
+        n_cases: training phantoms (one more for the validation set the bundle builds).
+        unet_channels, attention_levels, norm_num_groups, num_head_channels, vit_patch_size, vit_hidden_size,
+            vit_mlp_dim, vit_layers, vit_heads: the network (the device's default by default).
+        amp: the bundle's autocast, ``bf16``/``fp16``/``none`` (default: bf16 on GPUs, none on CPUs); the plain
+            loop always runs in fp32, as the public scripts do.
+        compile: ``torch.compile`` the bundle's denoiser (its ``compile`` id).
+        num_threads: torch CPU threads.
+        baseline_workers: DataLoader workers of the plain loop (default: 4 on GPU machines, 0 on CPUs).
+        output: JSON file for the results.
+
+    The phantoms are written at the stage's volume size; both sides resample them to the last stage's size
+    (``source_size``), make the X-rays there and average the CT down to the stage's size, as the bundle does.
+    """
+    from common.data.xray import make_xray2ct_demo
+    from common.engines.xray2ct import stage_value
+    from common.utils import default_amp
+
+    dev, workers = setup(device, num_threads, baseline_workers)
+    stage = int(stage)
+    settings = _defaults(
+        dev,
+        stage_sizes=stage_sizes,
+        view_size=view_size,
+        unet_channels=unet_channels,
+        attention_levels=attention_levels,
+        norm_num_groups=norm_num_groups,
+        num_head_channels=num_head_channels,
+        vit_patch_size=vit_patch_size,
+        vit_hidden_size=vit_hidden_size,
+        vit_mlp_dim=vit_mlp_dim,
+        vit_layers=vit_layers,
+        vit_heads=vit_heads,
+    )
+    sizes = [list(size) for size in settings["stage_sizes"]]
+    stage_value(sizes, stage, "stage_sizes")  # raises for a stage without a size
+    if volume_size is not None:
+        sizes = _with_stage_size(sizes, stage, volume_size)
+    config = train_config(BUNDLE)
+    runs = GPU_THROUGHPUT_RUNS if dev.type == "cuda" else CPU_THROUGHPUT_RUNS.get(stage, CPU_THROUGHPUT_RUNS[2])
+    iterations = runs[0] if iterations is None else int(iterations)
+    warmup = runs[1] if warmup is None else int(warmup)
+    repeats = runs[2] if repeats is None else int(repeats)
+    per_stage = config["stage_batch_size"]
+    batch = int(batch_size or stage_value(per_stage, min(stage, len(per_stage)), "stage_batch_size"))
+    lr = float(stage_value(config["stage_lr"], min(stage, len(config["stage_lr"])), "stage_lr"))
+    view = [int(v) for v in settings["view_size"]]
+    network = {k: settings[k] for k in NETWORK_KEYS}
+    network_settings = {**network, "use_flash_attention": dev.type == "cuda"}  # train.json's choice
+    s = {
+        "device": dev,
+        "amp": amp or default_amp(dev),
+        "batch_size": batch,
+        "num_samples": 1,
+        "volume_size": sizes[stage - 1],
+        "source_size": sizes[-1],  # train.json's: the X-rays of every stage are made from the CT at the last size
+        "previous_size": sizes[stage - 2] if stage > 1 else None,
+        "view_size": view,
+        "network": network_settings,
+        "lr": lr,
+    }
+    with tempfile.TemporaryDirectory() as tmp:
+        extra = {
+            **network,
+            "stage": stage,
+            "stage_sizes": sizes,
+            "view_size": view,
+            "mode": "diffusion",
+            "batch_size": batch,
+            "lr": lr,
+            "lr_scaling": "none",
+            "compile": bool(compile),
+            "outputs_root": tmp,
+            "init_from_previous": False,
+            "previous_ckpts": _random_previous_stages(Path(tmp), stage, view, network_settings) or None,
+        }
+        make_data = functools.partial(
+            make_xray2ct_demo, n_train=int(n_cases), n_val=1, shape=s["volume_size"], fov_mm=config["fov_mm"]
+        )
+        result = alternate(
+            s, BUNDLE, _xray_plain_loop, iterations, warmup, repeats, workers, make_data, ("image",), extra
+        )
+    summary = {
+        "device": device_name(dev),
+        "stage": stage,
+        "volume_size": s["volume_size"],
+        "previous_size": s["previous_size"],
+        "source_size": s["source_size"],
+        "view_size": view,
+        "network": network,
+        "batch": batch,
+        "amp": s["amp"],
+        "compile": bool(compile),
+        "timed_iterations": iterations,
+        "warmup": warmup,
+        "repeats": repeats,
+        **result,
+    }
+    print_throughput(
+        summary,
+        {
+            "device": summary["device"],
+            "stage": stage,
+            "volume": "x".join(map(str, s["volume_size"])),
+            "views": f"{len(config['views'])}x" + "x".join(map(str, view)),
+            "U-Net channels": network["unet_channels"],
+            "batch": batch,
+            "amp": s["amp"],
+            "compile": bool(compile),
+        },
+    )
+    if output:
+        Path(output).write_text(json.dumps(summary, indent=2))
+    return summary
+
+
+def _bundle_cmd(run_id: str, configs: Sequence[str], overrides: dict) -> list[str]:
+    """``python -m monai.bundle run <run_id>`` of the bundle's ``configs`` (merged in order) with ``overrides``."""
+    from common.bundle_tools.launch import format_overrides
+
+    files = [str(BUNDLES / BUNDLE / "configs" / c) for c in configs]
+    config_file = files[0] if len(files) == 1 else json.dumps(files)
+    return [
+        sys.executable,
+        "-m",
+        "monai.bundle",
+        "run",
+        run_id,
+        "--config_file",
+        config_file,
+        *format_overrides(overrides),
+    ]
+
+
+def _run(cmd: list[str]) -> float:
+    """Run one bundle command from the repository root; returns its wall-clock seconds.
+
+    Raises:
+        RuntimeError: with the end of its output when it fails.
+    """
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    print("$ " + " ".join(shlex.quote(c) for c in cmd), flush=True)
+    start = time.perf_counter()
+    result = subprocess.run(cmd, cwd=REPO_ROOT, env=env, capture_output=True, text=True)
+    if result.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd[:6])} failed:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}")
+    return time.perf_counter() - start
+
+
+def _final_ema_as_model(models: Path) -> int:
+    """Write the final EMA weights of ``last.pt`` as the stage's ``model.pt`` (what the next stage and evaluation
+    load); returns the iteration ``last.pt`` was saved at."""
+    from common.handlers.checkpoint import load_checkpoint, save_checkpoint
+
+    last = load_checkpoint(models / "last.pt")
+    save_checkpoint({k: v for k, v in last["ema"].items() if k != "n_averaged"}, models / "model.pt")
+    return int(last["trainer"]["iteration"])
+
+
+def _fmt(value, spec: str) -> str:
+    return "-" if value is None or (isinstance(value, float) and math.isnan(value)) else format(value, spec)
+
+
+def xray_quality(
+    device: str = "auto",
+    iterations: int | None = None,
+    stages: int = 2,
+    modes=("diffusion", "direct"),
+    output: str | None = "xray_quality.json",
+    work_dir: str | None = None,
+    **overrides,
+) -> dict:
+    """Equal training budgets: for each mode, stage 1 then stage 2 (...) trained through the bundle's command line
+    with ``iterations`` iterations each (same seed, data, network, batch), every stage evaluated with
+    ``evaluate.json`` on the validation phantoms, plus the untrained ``backprojection`` baseline.
+
+    Data: the bundle's own demo (24 training + 6 validation chest phantoms at 64^3, built under
+    ``bundles/xray2ct_cascade/demo_data`` on first use) unless ``--dataset_dir`` is given. Defaults: on CPUs the
+    small network and sizes of ``xray_throughput`` (stages of 32^3 and 64^3, 64^2 views); on GPUs ``train.json``'s
+    network, views (256^2) and the first ``stages`` of its stage sizes (64^3, 128^3, 256^3), with the X-rays of every
+    stage made from the CT at the last default size (``source_size``: 64^3 on CPUs, 256^3 on GPUs) unless
+    ``stage_sizes`` or ``source_size`` is given.
+
+    Args:
+        device: ``auto`` (the bundle's choice), ``cpu`` or ``cuda``.
+        iterations: training iterations per stage and mode (default 1000 on GPUs, 100 on CPUs).
+        stages: the stages to train and evaluate (1 .. stages).
+        modes: the trained modes, ``diffusion`` and/or ``direct``; ``backprojection`` is always evaluated.
+        output: JSON file for the results, rewritten after each mode.
+        work_dir: where the runs are kept, ``<work_dir>/<mode>`` being each mode's ``outputs_root`` (default: a new
+            temporary folder, printed).
+        overrides: bundle overrides given to every training and evaluation command (``--num_threads 2``,
+            ``--dataset_dir ...``, ``--unet_channels "[32,64,128]"``, ...), applied over the defaults.
+
+    Raises:
+        ValueError: for an unknown mode, ``stages``/``iterations`` below 1, or an override the benchmark sets itself.
+    """
+    from common.networks.xray2ct import MODES
+    from common.utils import resolve_device
+
+    modes = [modes] if isinstance(modes, str) else list(modes)
+    if not modes or any(m not in MODES for m in modes) or len(set(modes)) != len(modes):
+        raise ValueError(
+            f"modes must be a non-empty list of distinct modes out of {MODES} (the 'backprojection' baseline, which "
+            f"has nothing to train, is always evaluated), got {modes!r}."
+        )
+    reserved = sorted(set(overrides) & set(QUALITY_RESERVED))
+    if reserved:
+        raise ValueError(f"xray_quality sets {reserved} itself for every run; leave them out of the overrides.")
+    stages = int(stages)
+    dev = resolve_device(device)
+    if iterations is None:
+        iterations = GPU_QUALITY_ITERATIONS if dev.type == "cuda" else CPU_QUALITY_ITERATIONS
+    iterations = int(iterations)
+    if stages < 1 or iterations < 1:
+        raise ValueError(f"stages and iterations must be >= 1, got stages={stages}, iterations={iterations}.")
+    defaults = _defaults(dev)
+    settings = {**defaults, **overrides}
+    if not isinstance(settings["stage_sizes"], (list, tuple)) or len(settings["stage_sizes"]) < stages:
+        raise ValueError(f"{stages} stages need {stages} stage sizes, got {settings['stage_sizes']!r}.")
+    settings["stage_sizes"] = [list(size) for size in settings["stage_sizes"][:stages]]
+    if "stage_sizes" not in overrides and "source_size" not in overrides:
+        # as in train.json, the X-rays of every stage are made from the CT at the last default stage's size
+        settings["source_size"] = defaults["stage_sizes"][-1]
+    if device != "auto":
+        settings["device"] = device
+    work = Path(work_dir) if work_dir else Path(tempfile.mkdtemp(prefix="xray_quality_"))
+    print(f"runs under {work}", flush=True)
+    summary: dict = {
+        "device": device_name(dev),
+        "iterations": iterations,
+        "stages": stages,
+        "work_dir": str(work),
+        "settings": settings,
+        "modes": {},
+    }
+    rows = []
+    for mode in [*modes, "backprojection"]:
+        root = work / mode
+        results = summary["modes"][mode] = {}
+        for k in range(1, stages + 1):
+            run = {**settings, "stage": k, "mode": mode, "outputs_root": str(root)}
+            train_seconds, trained = None, 0
+            if mode != "backprojection":
+                train = {
+                    **run,
+                    "max_epochs": 1,
+                    "epoch_length": iterations,
+                    "resume": False,
+                    "val_interval": 10**6,
+                    "ckpt_interval": 10**6,
+                }
+                train_seconds = _run(_bundle_cmd("training", ["train.json"], train))
+                # no validation during training: the final EMA weights are the stage's model, evaluated once
+                trained = _final_ema_as_model(root / f"stage{k}" / "models")
+            eval_seconds = _run(_bundle_cmd("run", ["train.json", "evaluate.json"], run))
+            metrics = json.loads((root / f"stage{k}" / f"eval_{mode}" / "metrics.json").read_text())["latest"]
+            results[f"stage{k}"] = {
+                "volume_size": settings["stage_sizes"][k - 1],
+                "iterations": trained,
+                "train_seconds": train_seconds,
+                "eval_seconds": eval_seconds,
+                **{key: metrics.get(key) for key in ("val_psnr", "val_ssim", "val_ms_ssim", "val_proj_error")},
+            }
+            r = results[f"stage{k}"]
+            rows.append(
+                [
+                    mode,
+                    k,
+                    "x".join(map(str, r["volume_size"])),
+                    trained,
+                    _fmt(None if train_seconds is None else train_seconds / 60, ".1f"),
+                    f"{eval_seconds:.0f}",
+                    _fmt(r["val_psnr"], ".2f"),
+                    _fmt(r["val_ssim"], ".4f"),
+                    _fmt(r["val_ms_ssim"], ".4f"),
+                    _fmt(r["val_proj_error"], ".4f"),
+                ]
+            )
+        if output:  # after each mode: a run cut short keeps what it measured
+            Path(output).write_text(json.dumps(summary, indent=2))
+    print_table(
+        [
+            "mode",
+            "stage",
+            "volume",
+            "iterations",
+            "training (min)",
+            "evaluation (s)",
+            "PSNR (dB)",
+            "SSIM",
+            "MS-SSIM",
+            "projection error",
+        ],
+        rows,
+    )
+    return summary
+
+
+_MEMORY_STEP = r"""
+import json, resource, sys, time
+import torch
+import torch.nn.functional as F
+from common.data.drr import DRRProjector
+from common.engines.diffusion import DiffusionSchedule
+from common.losses.projection import ProjectionLoss
+from common.networks.xray2ct import XrayCTDenoiser, degrade_to_previous
+
+cfg = json.loads(sys.argv[1])
+torch.set_num_threads(int(cfg["num_threads"]))
+torch.manual_seed(0)
+size, previous = cfg["volume_size"], cfg["previous_size"]
+projector = DRRProjector(fov_mm=350.0, view_size=cfg["view_size"])
+network = XrayCTDenoiser(projector, with_previous=previous is not None, gradient_checkpointing=cfg["checkpointing"],
+                         **cfg["network"])
+optimizer = torch.optim.AdamW(network.parameters(), lr=1e-4)
+schedule = DiffusionSchedule(1000, "cosine")
+before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+x0 = torch.rand(cfg["batch_size"], 1, *size) * 2 - 1
+xray = projector.xrays(x0)
+start = time.perf_counter()
+t = torch.full((x0.shape[0],), 500, dtype=torch.long)
+noise = torch.randn_like(x0)
+x_t = schedule.add_noise(x0, noise, t)
+prev = degrade_to_previous(x0, previous, 0.1) if previous is not None else None
+out = network(x_t, t, xray, prev)
+x0_hat = schedule.split(x_t, out, t, "v_prediction")[0].float()
+loss = F.mse_loss(out, schedule.velocity(x0, noise, t)) + 0.1 * ProjectionLoss(projector)(x0_hat, xray).mean()
+loss.backward()
+optimizer.step()
+seconds = time.perf_counter() - start
+peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+params = sum(p.numel() for p in network.parameters())
+print(json.dumps({"peak_gib": peak / 2**20, "step_gib": (peak - before) / 2**20, "seconds": seconds, "parameters": params}))
+"""
+
+
+def xray_memory(
+    stages: Sequence[int] = (1, 2),
+    stage_sizes: Sequence[Sequence[int]] = ((64, 64, 64), (128, 128, 128), (256, 256, 256)),
+    view_size: Sequence[int] = (256, 256),
+    batch_size: int = 1,
+    checkpointing: Sequence[bool] = (False, True),
+    num_threads: int | None = None,
+    output: str | None = None,
+    **network,
+) -> list[dict]:
+    """Peak host memory of one fp32 training step (forward, v-loss + projection loss, backward, AdamW step) of each
+    stage's denoiser at the bundle's default network and sizes, with and without gradient checkpointing, each in a
+    fresh process (the peak resident set size, so the figure includes PyTorch's own memory).
+
+    This is a CPU measurement: the tensors of the step are those a GPU holds in fp32, so it gives the order of the
+    GPU memory a stage needs (bf16 autocast roughly halves the activations); no GPU was used.
+    """
+    config = train_config(BUNDLE)
+    settings = {**{k: config[k] for k in NETWORK_KEYS}, **network}
+    rows = []
+    for stage in stages:
+        for ckpt in checkpointing:
+            cfg = {
+                "volume_size": [int(s) for s in stage_sizes[stage - 1]],
+                "previous_size": [int(s) for s in stage_sizes[stage - 2]] if stage > 1 else None,
+                "view_size": [int(v) for v in view_size],
+                "batch_size": int(batch_size),
+                "checkpointing": bool(ckpt),
+                "network": settings,
+                "num_threads": int(num_threads or os.cpu_count() or 1),
+            }
+            env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+            result = subprocess.run(
+                [sys.executable, "-c", _MEMORY_STEP, json.dumps(cfg)], capture_output=True, text=True, env=env
+            )
+            if result.returncode != 0:
+                raise RuntimeError(f"stage {stage} (checkpointing={ckpt}) failed: {result.stderr[-2000:]}")
+            row = {"stage": stage, "volume_size": cfg["volume_size"], "checkpointing": bool(ckpt)}
+            row.update(json.loads(result.stdout.strip().splitlines()[-1]))
+            rows.append(row)
+            print(
+                f"stage {stage} {cfg['volume_size']} checkpointing={ckpt}: peak {row['peak_gib']:.2f} GiB, "
+                f"step {row['seconds']:.1f} s, {row['parameters']:,} parameters",
+                flush=True,
+            )
+            if output:
+                Path(output).write_text(json.dumps(rows, indent=2))
+    return rows
