@@ -1,15 +1,16 @@
 # Copyright (c) the 3D MONAI bundle collection contributors.
 # Licensed under the Apache License, Version 2.0.
-"""Locating a bundle's folder from its configs, in the repository and in a packaged (standalone) bundle."""
+"""Locating a bundle's folder from its configs, in the repository and in a packaged (standalone) bundle, and the
+checks every bundle's settings share."""
 
 from __future__ import annotations
 
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-__all__ = ["bundle_root", "check_settings_or_exit", "find_checkpoint"]
+__all__ = ["bundle_root", "check_settings_or_exit", "find_checkpoint", "flag_problems"]
 
 
 def bundle_root(name: str) -> str:
@@ -69,3 +70,13 @@ def check_settings_or_exit(check: Callable[..., Any], **settings: Any) -> Any:
     except (ValueError, TypeError, CheckpointError) as exc:
         print(f"configuration error: {exc}", file=sys.stderr, flush=True)
         raise SystemExit(1) from None
+
+
+def flag_problems(flags: Mapping[str, Any] | None) -> list[str]:
+    """A problem line for every on/off config id in ``flags`` (id -> value) whose value is not a boolean: the
+    command line reads ``true``/``false`` as strings, and the string ``"false"`` is true."""
+    return [
+        f"{name!r} must be True or False (write True/False on the command line), got {value!r}."
+        for name, value in (flags or {}).items()
+        if not isinstance(value, bool)
+    ]

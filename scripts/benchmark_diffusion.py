@@ -21,10 +21,6 @@ from __future__ import annotations
 
 import functools
 import json
-import os
-import shlex
-import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Sequence
@@ -34,12 +30,12 @@ import torch
 
 from common.data.demo import make_diffusion_demo
 from scripts.benchmark_tools import (
-    BUNDLES,
-    REPO_ROOT,
     alternate,
+    bundle_command,
     device_name,
     print_table,
     print_throughput,
+    run_command,
     setup,
     sync,
     timed_loop,
@@ -205,21 +201,10 @@ def ddpm_sampling(
 
 
 def _bundle_cmd(run_id: str, configs: Sequence[str], overrides: dict) -> list[str]:
-    files = [str(BUNDLES / BUNDLE / "configs" / c) for c in configs]
-    from scripts.demo import _args
-
-    return [sys.executable, "-m", "monai.bundle", "run", run_id, "--config_file", json.dumps(files), *_args(overrides)]
+    return bundle_command(BUNDLE, run_id, configs, overrides)
 
 
-def _run(cmd: list[str]) -> float:
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
-    print("$ " + " ".join(shlex.quote(c) for c in cmd), flush=True)
-    start = time.perf_counter()
-    result = subprocess.run(cmd, cwd=REPO_ROOT, env=env, capture_output=True, text=True)
-    if result.returncode != 0:
-        raise RuntimeError(f"{' '.join(cmd[:6])} failed:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}")
-    return time.perf_counter() - start
+_run = run_command
 
 
 def ddpm_quality(

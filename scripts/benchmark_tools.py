@@ -7,8 +7,11 @@ throughput comparison."""
 from __future__ import annotations
 
 import json
+import os
 import platform
+import shlex
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -27,10 +30,12 @@ __all__ = [
     "GIB",
     "REPO_ROOT",
     "alternate",
+    "bundle_command",
     "bundle_trainer",
     "device_name",
     "print_table",
     "print_throughput",
+    "run_command",
     "setup",
     "sync",
     "time_engine",
@@ -221,3 +226,38 @@ def setup(device: str, num_threads: int | None, baseline_workers: int | None) ->
     dev = resolve_device(device)
     workers = baseline_workers if baseline_workers is not None else (4 if dev.type == "cuda" else 0)
     return dev, workers
+
+
+def bundle_command(bundle: str, run_id: str, configs: Sequence[str], overrides: dict) -> list[str]:
+    """``python -m monai.bundle run <run_id>`` of ``bundle``'s ``configs`` (merged in order) with ``overrides``
+    written so that the command line reads them back exactly."""
+    from common.bundle_tools.launch import format_overrides
+
+    files = [str(BUNDLES / bundle / "configs" / c) for c in configs]
+    config_file = files[0] if len(files) == 1 else json.dumps(files)
+    return [
+        sys.executable,
+        "-m",
+        "monai.bundle",
+        "run",
+        run_id,
+        "--config_file",
+        config_file,
+        *format_overrides(overrides),
+    ]
+
+
+def run_command(cmd: list[str]) -> float:
+    """Run one bundle command from the repository root (printed first); returns its wall-clock seconds.
+
+    Raises:
+        RuntimeError: with the end of its output when it fails.
+    """
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    print("$ " + " ".join(shlex.quote(c) for c in cmd), flush=True)
+    start = time.perf_counter()
+    result = subprocess.run(cmd, cwd=REPO_ROOT, env=env, capture_output=True, text=True)
+    if result.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd[:6])} failed:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}")
+    return time.perf_counter() - start

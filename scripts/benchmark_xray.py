@@ -31,27 +31,26 @@ import functools
 import json
 import math
 import os
-import shlex
 import subprocess
 import sys
 import tempfile
-import time
 from collections.abc import Sequence
 from pathlib import Path
 
 import torch
 
 from scripts.benchmark_tools import (
-    BUNDLES,
-    REPO_ROOT,
     alternate,
+    bundle_command,
     device_name,
     print_table,
     print_throughput,
+    run_command,
     setup,
     timed_loop,
     train_config,
 )
+from scripts.demo import PROFILES as DEMO_PROFILES
 
 __all__ = ["xray_memory", "xray_quality", "xray_throughput"]
 
@@ -71,18 +70,8 @@ NETWORK_KEYS = (
     "vit_layers",
     "vit_heads",
 )
-#: the small network of CPU runs (``train.json``'s is used on GPUs)
-CPU_NETWORK = {
-    "unet_channels": [16, 32, 64],
-    "attention_levels": [False, False, True],
-    "norm_num_groups": 8,
-    "num_head_channels": 16,
-    "vit_patch_size": 8,
-    "vit_hidden_size": 64,
-    "vit_mlp_dim": 128,
-    "vit_layers": 2,
-    "vit_heads": 4,
-}
+#: the small network of CPU runs: the CPU demo's (``scripts/demo.py``; ``train.json``'s is used on GPUs)
+CPU_NETWORK = {k: v for k, v in DEMO_PROFILES[BUNDLE]["cpu"].items() if k in NETWORK_KEYS}
 CPU_STAGE_SIZES = [[32, 32, 32], [64, 64, 64]]
 CPU_VIEW_SIZE = [64, 64]
 #: (iterations, warmup, repeats) of ``xray_throughput`` on CPUs per stage (about 2-3 minutes on 2 cores), and on GPUs
@@ -366,37 +355,10 @@ def xray_throughput(
 
 
 def _bundle_cmd(run_id: str, configs: Sequence[str], overrides: dict) -> list[str]:
-    """``python -m monai.bundle run <run_id>`` of the bundle's ``configs`` (merged in order) with ``overrides``."""
-    from common.bundle_tools.launch import format_overrides
-
-    files = [str(BUNDLES / BUNDLE / "configs" / c) for c in configs]
-    config_file = files[0] if len(files) == 1 else json.dumps(files)
-    return [
-        sys.executable,
-        "-m",
-        "monai.bundle",
-        "run",
-        run_id,
-        "--config_file",
-        config_file,
-        *format_overrides(overrides),
-    ]
+    return bundle_command(BUNDLE, run_id, configs, overrides)
 
 
-def _run(cmd: list[str]) -> float:
-    """Run one bundle command from the repository root; returns its wall-clock seconds.
-
-    Raises:
-        RuntimeError: with the end of its output when it fails.
-    """
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
-    print("$ " + " ".join(shlex.quote(c) for c in cmd), flush=True)
-    start = time.perf_counter()
-    result = subprocess.run(cmd, cwd=REPO_ROOT, env=env, capture_output=True, text=True)
-    if result.returncode != 0:
-        raise RuntimeError(f"{' '.join(cmd[:6])} failed:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}")
-    return time.perf_counter() - start
+_run = run_command  # a module attribute, so tests can run the commands in-process
 
 
 def _final_ema_as_model(models: Path) -> int:

@@ -25,6 +25,7 @@ from monai.utils import CommonKeys as Keys
 from torch import nn
 from torch.optim import Optimizer
 
+from common.bundle import flag_problems
 from common.engines.diffusion import (
     GRIDS,
     PREDICTIONS,
@@ -280,11 +281,7 @@ class DiffusionTrainer(StepTrainer):
             self._backward(loss)
         engine.fire_event(IterationEvents.BACKWARD_COMPLETED)
         if do_step:
-            grad_norm = self._step(engine.optimizer, engine.network)
-            if grad_norm is not None:
-                output["grad_norm"] = grad_norm.detach()
-            if self.scaler is not None:
-                self.scaler.update()
+            self._step_and_update(engine, output)
         output[Keys.LOSS] = loss.detach()
         output[Keys.PRED] = prediction.detach()
         output["timestep_mean"] = t.float().mean()
@@ -492,9 +489,7 @@ def check_diffusion_settings(
         problems.append(
             f"'val_num_samples' must be >= 2 for task 'unconditional' (diversity between samples), got {val_num_samples!r}."
         )
-    for name, value in (flags or {}).items():
-        if not isinstance(value, bool):
-            problems.append(f"{name!r} must be True or False (write True/False on the command line), got {value!r}.")
+    problems += flag_problems(flags)
     channels = [int(c) for c in unet_channels]
     if attention_levels is not None:
         levels = list(attention_levels) if isinstance(attention_levels, (list, tuple)) else None

@@ -21,6 +21,7 @@ from monai.utils import CommonKeys as Keys
 from torch import nn
 from torch.optim import Optimizer
 
+from common.bundle import flag_problems
 from common.data.survival import TIME_UNITS
 from common.engines.trainer import StepTrainer
 from common.losses.survival import cox_loss, logistic_hazard_loss
@@ -218,11 +219,7 @@ class SurvivalTrainer(StepTrainer):
             self._backward(loss)
         engine.fire_event(IterationEvents.BACKWARD_COMPLETED)
         if do_step:
-            grad_norm = self._step(engine.optimizer, engine.network)
-            if grad_norm is not None:
-                output["grad_norm"] = grad_norm.detach()
-            if self.scaler is not None:
-                self.scaler.update()
+            self._step_and_update(engine, output)
         output[Keys.LOSS] = loss.detach()
         output[Keys.PRED] = prediction.detach()
         output["event_rate"] = targets["event"].mean()
@@ -363,9 +360,7 @@ def check_survival_settings(
     known = ("uno_c", "harrell_c", "auc_mean", "ibs")
     if key_metric not in known and not str(key_metric).startswith(("auc_", "brier_")):
         problems.append(f"'key_metric' must be one of {known} or auc_<h>/brier_<h>, got {key_metric!r}.")
-    for name, value in (flags or {}).items():
-        if not isinstance(value, bool):
-            problems.append(f"{name!r} must be True or False (write True/False on the command line), got {value!r}.")
+    problems += flag_problems(flags)
     if problems:
         raise ValueError("invalid survival configuration:\n  " + "\n  ".join(problems))
 

@@ -134,6 +134,15 @@ class StepTrainer(Trainer):
             scaled = self.scaler.scale(scaled)
         scaled.backward()
 
+    def _step_and_update(self, engine: Trainer, output: dict) -> None:
+        """The optimizer step of a single-optimizer trainer (``engine.optimizer`` over ``engine.network``): unscale,
+        clip and step (``output["grad_norm"]`` when clipping), then update the fp16 GradScaler."""
+        grad_norm = self._step(engine.optimizer, engine.network)
+        if grad_norm is not None:
+            output["grad_norm"] = grad_norm.detach()
+        if self.scaler is not None:
+            self.scaler.update()
+
     def _step(self, optimizer: Optimizer, network: nn.Module) -> torch.Tensor | None:
         """Unscale (fp16), clip and step ``optimizer``; returns the gradient norm before clipping, if clipped."""
         grad_norm = None

@@ -22,6 +22,7 @@ from monai.utils import CommonKeys as Keys
 from torch import nn
 from torch.optim import Optimizer
 
+from common.bundle import flag_problems
 from common.data.drr import DRRProjector
 from common.engines.diffusion import GRIDS, PREDICTIONS, DiffusionSchedule
 from common.engines.diffusion_workflow import DiffusionTrainer, volume_seed
@@ -220,11 +221,7 @@ class XrayCTTrainer(DiffusionTrainer):
             self._backward(loss)
         engine.fire_event(IterationEvents.BACKWARD_COMPLETED)
         if do_step:
-            grad_norm = self._step(engine.optimizer, engine.network)
-            if grad_norm is not None:
-                output["grad_norm"] = grad_norm.detach()
-            if self.scaler is not None:
-                self.scaler.update()
+            self._step_and_update(engine, output)
         output[Keys.LOSS] = loss.detach()
         output["recon_loss"] = recon.detach()
         output["physics_loss"] = physics.detach().mean()
@@ -499,9 +496,7 @@ def check_xray2ct_settings(
             problems.append(f"{name!r} must be an integer >= 1, got {value!r}.")
     if not 0.0 < float(ema_decay) < 1.0:
         problems.append(f"'ema_decay' must be in (0, 1), got {ema_decay!r}.")
-    for name, value in (flags or {}).items():
-        if not isinstance(value, bool):
-            problems.append(f"{name!r} must be True or False (write True/False on the command line), got {value!r}.")
+    problems += flag_problems(flags)
     if problems:
         raise ValueError("invalid X-ray -> CT configuration:\n  " + "\n  ".join(problems))
 
