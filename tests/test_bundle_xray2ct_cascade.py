@@ -199,11 +199,11 @@ def test_bad_data_is_reported_per_case_before_training(phantoms, tmp_path):
         entry["case_id"] = f"case{i}"
         entry["xray_ap"] = f"xr/case{i}_ap.png"
         entry["xray_lateral"] = f"xr/case{i}_lateral.nii.gz"
-        save_view_png(data / entry["xray_ap"], np.ones((16, 8), np.float32))
-        save_view_nifti(data / entry["xray_lateral"], np.ones((16, 8), np.float32))
+        save_view_png(data / entry["xray_ap"], np.ones((64, 32), np.float32))
+        save_view_nifti(data / entry["xray_lateral"], np.ones((64, 32), np.float32))
     train = datalist["training"]
     (data / train[0]["xray_lateral"]).unlink()
-    save_view_png(data / train[1]["xray_ap"], np.ones((8, 16), np.float32))  # transposed
+    save_view_png(data / train[1]["xray_ap"], np.ones((32, 64), np.float32))  # transposed
     save_view_nifti(data / train[2]["xray_lateral"], np.ones((20, 20), np.float32))
     write_nifti(data / train[3]["image"], np.zeros((6, 6, 6), np.float32), np.diag([20.0, 20.0, 20.0, 1.0]))
     (data / "datalist.json").write_text(json.dumps(datalist))
@@ -212,7 +212,7 @@ def test_bad_data_is_reported_per_case_before_training(phantoms, tmp_path):
         BUNDLE,
         TASK,
         check=False,
-        args=overrides(dataset_dir=str(data), outputs_root=str(out), view_files=True, view_size=[16, 8]),
+        args=overrides(dataset_dir=str(data), outputs_root=str(out), view_files=True, view_size=[64, 32]),
     )
     assert result.returncode == 1, result.stdout[-2000:]
     text = result.stderr
@@ -221,7 +221,7 @@ def test_bad_data_is_reported_per_case_before_training(phantoms, tmp_path):
     assert "training[3] (case case3)" in text and "smaller than the volume_size of stage 1 (8, 8, 8)" in text
     assert "training[0] (case case0): xray_lateral" in text and "does not exist" in text
     assert "training[1] (case case1): xray_ap" in text and "transpose" in text
-    assert "training[2] (case case2): xray_lateral" in text and "expected view_size (16, 8)" in text
+    assert "training[2] (case case2): xray_lateral" in text and "expected view_size (64, 32)" in text
     assert not (out / "stage1").exists()
 
 
