@@ -111,3 +111,44 @@ def tiny_discriminator(seed: int | None = 1) -> PatchDiscriminator:
     if seed is not None:
         torch.manual_seed(seed)
     return PatchDiscriminator(spatial_dims=3, channels=8, in_channels=1, num_layers_d=2)
+
+
+#: the tiny X-ray -> CT denoiser of the CPU unit tests (16^2 views, two U-Net levels, one ViT layer)
+TINY_XRAY_NETWORK = {
+    "unet_channels": (8, 16),
+    "attention_levels": (False, True),
+    "norm_num_groups": 4,
+    "num_head_channels": 8,
+    "vit_patch_size": 8,
+    "vit_hidden_size": 16,
+    "vit_mlp_dim": 32,
+    "vit_layers": 1,
+    "vit_heads": 2,
+}
+
+
+def xray_projector(view_size=(16, 16)):
+    """A DRR projector over an anisotropic field of view (so the two views differ in their path lengths)."""
+    from common.data.drr import DRRProjector
+
+    return DRRProjector(fov_mm=(160.0, 200.0, 240.0), view_size=view_size)
+
+
+def randomise_zero_parameters(network: torch.nn.Module, seed: int = 0) -> torch.nn.Module:
+    """Give the zero-initialised tensors (MONAI's U-Net output convolution, whose zeros make every fresh denoiser
+    output 0 whatever its other weights) seeded random values, so outputs and gradients depend on all weights."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in network.parameters():
+            if not p.any():
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.1)
+    return network
+
+
+def tiny_xray_denoiser(seed: int = 0, with_previous: bool = False, **kwargs):
+    """A seeded tiny ``XrayCTDenoiser`` (see :func:`randomise_zero_parameters`)."""
+    from common.networks.xray2ct import XrayCTDenoiser
+
+    torch.manual_seed(seed)
+    net = XrayCTDenoiser(xray_projector(), with_previous=with_previous, **{**TINY_XRAY_NETWORK, **kwargs})
+    return randomise_zero_parameters(net, seed)

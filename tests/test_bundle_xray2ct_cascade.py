@@ -64,14 +64,20 @@ def test_stages_train_in_order(cascade):
     assert "initialised from the previous stage: " in log and "1 partially" in log
 
 
-def test_evaluate_reproduces_validation_and_writes_outputs(cascade, phantoms):
+@pytest.fixture(scope="module")
+def evaluated(cascade, phantoms) -> Path:
+    """``eval_diffusion`` of the cascade's stage 2: ``evaluate.json`` with the CT volumes written."""
     run_bundle(
         BUNDLE,
         [*TASK, "evaluate.json"],
         run_id="run",
         args=overrides(dataset_dir=str(phantoms), outputs_root=str(cascade), stage=2, save_volumes=True),
     )
-    folder = cascade / "stage2" / "eval_diffusion"
+    return cascade / "stage2" / "eval_diffusion"
+
+
+def test_evaluate_reproduces_validation_and_writes_outputs(cascade, evaluated):
+    folder = evaluated
     evaluation = json.loads((folder / "metrics.json").read_text())["latest"]
     best = json.loads((cascade / "stage2" / "metrics.json").read_text())["best"]
     for key in ("val_psnr", "val_ssim", "val_ms_ssim", "val_proj_error"):
@@ -97,7 +103,7 @@ def test_backprojection_baseline_needs_no_weights(phantoms, tmp_path):
     assert 0 < summary["val_psnr"] < 40 and summary["val_proj_error"] > 0
 
 
-def test_packed_cascade_runs_on_png_radiographs(cascade, phantoms, tmp_path):
+def test_packed_cascade_runs_on_png_radiographs(cascade, evaluated, phantoms, tmp_path):
     """``run pack`` writes the combined checkpoint a packaged bundle ships; inference from PNG X-ray pairs (made
     here with the projector from the validation CTs) gives the CTs that evaluation made from the same CTs."""
     from monai.bundle import ConfigParser
@@ -142,11 +148,9 @@ def test_packed_cascade_runs_on_png_radiographs(cascade, phantoms, tmp_path):
     )
     written = sorted(p.name for p in pred.iterdir())
     assert written == sorted(f"phantom_val_00{i}_{k}" for i in (0, 1) for k in ("ct.nii.gz", "views.png"))
-    evaluated = cascade / "stage2" / "eval_diffusion" / "predictions" / "phantom_val_000_ct.nii.gz"
-    if evaluated.is_file():  # written by test_evaluate_reproduces_validation_and_writes_outputs
-        a = nib.load(pred / "phantom_val_000_ct.nii.gz").get_fdata()
-        b = nib.load(evaluated).get_fdata()
-        assert np.abs(a - b).mean() < 5.0  # HU; the PNGs are 16-bit
+    a = nib.load(pred / "phantom_val_000_ct.nii.gz").get_fdata()
+    b = nib.load(evaluated / "predictions" / "phantom_val_000_ct.nii.gz").get_fdata()
+    assert np.abs(a - b).mean() < 5.0  # HU; the PNGs are 16-bit
 
 
 def test_stage_2_without_stage_1_is_refused(phantoms, tmp_path):

@@ -13,7 +13,6 @@ from ignite.engine import Events
 from monai.data import MetaTensor
 from torch import nn
 
-from common.data.drr import DRRProjector
 from common.engines.diffusion import DiffusionSchedule, fast_ddpm_grid
 from common.engines.xray2ct import (
     XrayCTEvaluator,
@@ -25,24 +24,10 @@ from common.engines.xray2ct import (
     xray2ct_metric_handlers,
 )
 from common.losses.projection import ProjectionLoss
-from common.networks.xray2ct import XrayCTCascade, XrayCTDenoiser, XrayCTSampler, degrade_to_previous
+from common.networks.xray2ct import XrayCTCascade, XrayCTSampler, degrade_to_previous
+from tests.helpers import tiny_xray_denoiser, xray_projector
 
 GRID = fast_ddpm_grid("uniform", 10)
-NET = {
-    "unet_channels": (8, 16),
-    "attention_levels": (False, True),
-    "norm_num_groups": 4,
-    "num_head_channels": 8,
-    "vit_patch_size": 8,
-    "vit_hidden_size": 16,
-    "vit_mlp_dim": 32,
-    "vit_layers": 1,
-    "vit_heads": 2,
-}
-
-
-def projector() -> DRRProjector:
-    return DRRProjector(fov_mm=(160.0, 200.0, 240.0), view_size=(16, 16))
 
 
 def phantom(batch: int = 2, side: int = 8) -> torch.Tensor:
@@ -61,15 +46,8 @@ def batch(x0: torch.Tensor | None = None, **extra) -> dict:
     return {"image": x0, "xray": projector().xrays(x0), **extra}
 
 
-def denoiser(seed: int = 0, with_previous: bool = False) -> XrayCTDenoiser:
-    torch.manual_seed(seed)
-    net = XrayCTDenoiser(projector(), with_previous=with_previous, **NET)
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():  # MONAI zero-initialises the U-Net's output convolution: give it values
-        for p in net.parameters():
-            if not p.any():
-                p.copy_(torch.randn(p.shape, generator=gen) * 0.1)
-    return net
+denoiser = tiny_xray_denoiser
+projector = xray_projector
 
 
 class AffineDenoiser(nn.Module):

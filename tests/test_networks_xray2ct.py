@@ -17,7 +17,6 @@ from common.handlers.checkpoint import CheckpointError, save_checkpoint
 from common.networks.xray2ct import (
     CheckpointedBlock,
     XrayCTCascade,
-    XrayCTDenoiser,
     XrayCTSampler,
     build_cascade,
     cascade_checkpoints,
@@ -28,42 +27,18 @@ from common.networks.xray2ct import (
     save_cascade,
     stage_checkpoint,
 )
+from tests.helpers import TINY_XRAY_NETWORK, randomise_zero_parameters, tiny_xray_denoiser, xray_projector
 
 VIEW_SIZE = (16, 16)
-NET = {
-    "unet_channels": (8, 16),
-    "attention_levels": (False, True),
-    "norm_num_groups": 4,
-    "num_head_channels": 8,
-    "vit_patch_size": 8,
-    "vit_hidden_size": 16,
-    "vit_mlp_dim": 32,
-    "vit_layers": 1,
-    "vit_heads": 2,
-}
 SAMPLER = {"mode": "diffusion", "timesteps": (0, 499, 999), "beta_schedule": "cosine"}
 SIZES = [(8, 8, 8), (16, 16, 16)]
 
 
 def projector() -> DRRProjector:
-    return DRRProjector(fov_mm=(160.0, 200.0, 240.0), view_size=VIEW_SIZE)
+    return xray_projector(VIEW_SIZE)
 
 
-def randomise_zero_parameters(network: nn.Module, seed: int = 0) -> nn.Module:
-    """Give the zero-initialised tensors (the U-Net's output convolution, whose zeros make every fresh denoiser
-    output 0 whatever its other weights) seeded random values, so outputs and gradients depend on all weights."""
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in network.parameters():
-            if not p.any():
-                p.copy_(torch.randn(p.shape, generator=gen) * 0.1)
-    return network
-
-
-def denoiser(seed: int = 0, with_previous: bool = False, **kwargs) -> XrayCTDenoiser:
-    torch.manual_seed(seed)
-    net = XrayCTDenoiser(projector(), with_previous=with_previous, **{**NET, **kwargs})
-    return randomise_zero_parameters(net, seed)
+denoiser = tiny_xray_denoiser
 
 
 def volume(shape=(2, 1, 8, 8, 8), seed: int = 0) -> torch.Tensor:
@@ -77,7 +52,7 @@ def xrays(batch: int = 2, seed: int = 1) -> torch.Tensor:
 
 def cascade(seed: int = 0) -> XrayCTCascade:
     torch.manual_seed(seed)
-    return randomise_zero_parameters(build_cascade(projector(), SIZES, 2, NET, SAMPLER), seed)
+    return randomise_zero_parameters(build_cascade(projector(), SIZES, 2, TINY_XRAY_NETWORK, SAMPLER), seed)
 
 
 class OracleDenoiser(nn.Module):
@@ -412,13 +387,13 @@ def test_load_cascade_errors_name_the_file(tmp_path):
 def test_previous_stages(tmp_path):
     outputs = tmp_path / "outputs"
     args = (projector(), SIZES)
-    assert previous_stages(*args, 1, NET, SAMPLER, outputs) is None
+    assert previous_stages(*args, 1, TINY_XRAY_NETWORK, SAMPLER, outputs) is None
     with pytest.raises(CheckpointError) as info:
-        previous_stages(*args, 2, NET, SAMPLER, outputs)
+        previous_stages(*args, 2, TINY_XRAY_NETWORK, SAMPLER, outputs)
     assert stage_checkpoint(outputs, 1) in str(info.value)
     source = cascade(seed=4)
     save_checkpoint(source.stages[0].state_dict(), stage_checkpoint(outputs, 1))
-    loaded = previous_stages(*args, 2, NET, SAMPLER, outputs)
+    loaded = previous_stages(*args, 2, TINY_XRAY_NETWORK, SAMPLER, outputs)
     assert len(loaded.stages) == 1 and not loaded.training
     assert not any(p.requires_grad for p in loaded.parameters())
     xray = xrays()

@@ -31,10 +31,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["VIEW_AXES", "DRRProjector", "resize_2d"]
+__all__ = ["VIEW_AXES", "DRRProjector", "resize_2d", "view_plane"]
 
 #: the spatial axis (of ``X, Y, Z`` in RAS) each view integrates along
 VIEW_AXES = {"ap": 1, "lateral": 0}
+
+
+def view_plane(spatial: Sequence[int], view: str) -> tuple[int, int]:
+    """``(H, W)`` of the native projection of a volume of ``spatial`` size onto ``view``."""
+    rest = [int(s) for i, s in enumerate(spatial) if i != VIEW_AXES[view]]
+    return rest[0], rest[1]
 
 
 def resize_2d(image: torch.Tensor, size: Sequence[int]) -> torch.Tensor:
@@ -122,12 +128,6 @@ class DRRProjector(nn.Module):
         """Linear attenuation in 1/cm of volume values (affine, no clipping: gradients everywhere)."""
         return self.mu_water * (1.0 + self.to_hu(volume) / 1000.0)
 
-    def plane_size(self, spatial: Sequence[int], view: str) -> tuple[int, int]:
-        """``(H, W)`` of the native projection of a volume of ``spatial`` size onto ``view``."""
-        axis = VIEW_AXES[view]
-        rest = [int(s) for i, s in enumerate(spatial) if i != axis]
-        return rest[0], rest[1]
-
     # ------------------------------------------------------------------ projection
     def project(self, volume: torch.Tensor, size: Sequence[int] | None = None) -> torch.Tensor:
         """Normalised line integrals ``p = k L`` of ``volume`` ``(B, 1, X, Y, Z)``: ``(B, V, H, W)``.
@@ -149,7 +149,7 @@ class DRRProjector(nn.Module):
 
     def project_native(self, volume: torch.Tensor) -> torch.Tensor:
         """:meth:`project` at the volume's own plane resolution (the resolution of the physics loss)."""
-        planes = {self.plane_size(volume.shape[2:], v) for v in self.views}
+        planes = {view_plane(volume.shape[2:], v) for v in self.views}
         if len(planes) != 1:
             raise ValueError(f"the views of a {tuple(volume.shape[2:])} volume have different sizes {sorted(planes)}.")
         return self.project(volume, next(iter(planes)))
@@ -186,7 +186,7 @@ class DRRProjector(nn.Module):
         out = []
         for i, view in enumerate(self.views):
             axis = VIEW_AXES[view]
-            plane = resize_2d(xray[:, i : i + 1].float(), self.plane_size(spatial, view))
+            plane = resize_2d(xray[:, i : i + 1].float(), view_plane(spatial, view))
             mean_mu = plane / (self.k * self.fov_mm[axis] / 10.0)  # p / (k * path length in cm)
             hu = (mean_mu / self.mu_water - 1.0) * 1000.0
             value = self.from_hu(hu).unsqueeze(2 + axis)

@@ -42,6 +42,7 @@ from common.utils import get_rank, get_world_size
 __all__ = [
     "raise_no_inputs",
     "CaseMetad",
+    "batch_case_ids",
     "CopyChannelsd",
     "EncodeLatentd",
     "LatentAffined",
@@ -212,6 +213,17 @@ class CaseMetad(MapTransform):
                 case = d.get(self.case_key) or file_stem(value.meta.get("filename_or_obj", key))
                 value.meta[self.case_key] = str(case)
         return d
+
+
+def batch_case_ids(batchdata: Mapping[str, Any], n: int) -> list[str]:
+    """The ``case_id`` of each of the ``n`` cases of a batch; without it the image file names (from the metadata),
+    else the positions in the batch."""
+    ids = batchdata.get("case_id")
+    if ids is None:
+        ids = getattr(batchdata.get(Keys.IMAGE), "meta", {}).get("filename_or_obj")
+    if ids is None:
+        ids = [str(i) for i in range(n)]
+    return [str(c) for c in (ids if isinstance(ids, (list, tuple)) else [ids])]
 
 
 def case_name_formatter(metadict: Mapping[str, Any] | None, saver: Any) -> dict[str, Any]:

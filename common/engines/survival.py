@@ -22,6 +22,7 @@ from torch import nn
 from torch.optim import Optimizer
 
 from common.bundle import flag_problems
+from common.data.pipeline import batch_case_ids
 from common.data.survival import TIME_UNITS
 from common.engines.trainer import StepTrainer
 from common.losses.survival import cox_loss, logistic_hazard_loss
@@ -30,7 +31,6 @@ from common.utils import autocast, get_world_size
 
 __all__ = [
     "SurvivalEvaluator",
-    "batch_case_ids",
     "SurvivalTrainer",
     "check_survival_settings",
     "check_training_size",
@@ -69,17 +69,6 @@ def check_training_size(num_cases: int, batch_size: int) -> None:
             f"the training split has {num_cases} case(s), fewer than 'batch_size' {batch_size} (the total batch "
             "across all GPUs; an incomplete last batch is dropped): lower --batch_size."
         )
-
-
-def batch_case_ids(batchdata: Mapping[str, Any], n: int) -> list[str]:
-    """The ``case_id`` of each of the ``n`` cases of a batch; without it the image file names (from the metadata),
-    else the positions in the batch."""
-    ids = batchdata.get("case_id")
-    if ids is None:
-        ids = getattr(batchdata.get(Keys.IMAGE), "meta", {}).get("filename_or_obj")
-    if ids is None:
-        ids = [str(i) for i in range(n)]
-    return [str(c) for c in (ids if isinstance(ids, (list, tuple)) else [ids])]
 
 
 def _plain(x: Any) -> Any:

@@ -23,8 +23,8 @@ from torch import nn
 from torch.optim import Optimizer
 
 from common.bundle import flag_problems
-from common.data.drr import DRRProjector
-from common.engines.diffusion import GRIDS, PREDICTIONS, DiffusionSchedule
+from common.data.drr import VIEW_AXES, DRRProjector, view_plane
+from common.engines.diffusion import GRIDS, PREDICTIONS, DiffusionSchedule, fast_ddpm_grid
 from common.engines.diffusion_workflow import DiffusionTrainer, volume_seed
 from common.losses.projection import PHYSICS_WEIGHTINGS, ProjectionLoss, physics_noise_weight
 from common.networks.wrappers import unwrap
@@ -328,13 +328,6 @@ class XrayCTEvaluator(SupervisedEvaluator):
         return engine.state.output
 
 
-def _plane(size: Sequence[int], view: str) -> tuple[int, int]:
-    from common.data.drr import VIEW_AXES
-
-    rest = [int(s) for i, s in enumerate(size) if i != VIEW_AXES[view]]
-    return rest[0], rest[1]
-
-
 def _view_geometry_problems(
     views: Sequence[str],
     view_size: Sequence[int],
@@ -348,15 +341,15 @@ def _view_geometry_problems(
     problems = []
     view = tuple(int(v) for v in view_size)
     for name in views:
-        if source is not None and not view_files and any(p < v for p, v in zip(_plane(source, name), view)):
+        if source is not None and not view_files and any(p < v for p, v in zip(view_plane(source, name), view)):
             problems.append(
-                f"'view_size' {list(view)} is finer than the {name} projection {list(_plane(source, name))} of the CT "
+                f"'view_size' {list(view)} is finer than the {name} projection {list(view_plane(source, name))} of the CT "
                 f"the X-rays are made from ('source_size' {list(source)}): they would be interpolated and the ground "
                 "truth would not satisfy the projection loss; raise source_size or lower view_size."
             )
-        if stage_size is not None and any(p > v for p, v in zip(_plane(stage_size, name), view)):
+        if stage_size is not None and any(p > v for p, v in zip(view_plane(stage_size, name), view)):
             problems.append(
-                f"the stage's {name} projection {list(_plane(stage_size, name))} is finer than 'view_size' {list(view)}: "
+                f"the stage's {name} projection {list(view_plane(stage_size, name))} is finer than 'view_size' {list(view)}: "
                 "the projection loss would compare with interpolated X-rays; raise view_size."
             )
     return problems
@@ -395,9 +388,6 @@ def check_xray2ct_settings(
     Raises:
         ValueError: listing every problem, each naming its config id and value.
     """
-    from common.data.drr import VIEW_AXES
-    from common.engines.diffusion import fast_ddpm_grid
-
     problems: list[str] = []
 
     def triple(name: str, value: Any, dims: int = 3) -> list[int] | None:

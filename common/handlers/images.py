@@ -387,7 +387,7 @@ class XrayCTWriter:
 
     def __call__(self, engine: Engine) -> None:
         from common.data.demo import write_nifti
-        from common.engines.survival import batch_case_ids
+        from common.data.pipeline import batch_case_ids
 
         output = engine.state.output
         pred = _to_float_numpy(output["pred"])

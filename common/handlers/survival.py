@@ -19,7 +19,8 @@ import numpy as np
 import torch
 from ignite.engine import Engine, Events
 
-from common.engines.survival import batch_case_ids, prepare_survival_batch
+from common.data.pipeline import batch_case_ids
+from common.engines.survival import prepare_survival_batch
 from common.metrics.survival import SurvivalPredictionCollector, followup_window, survival_metrics
 from common.utils import autocast, get_rank, write_text_atomic
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from common.data.drr import DRRProjector, resize_2d
+from common.data.drr import DRRProjector, resize_2d, view_plane
 
 __all__ = ["PHYSICS_WEIGHTINGS", "ProjectionLoss", "physics_noise_weight"]
 
@@ -50,7 +50,7 @@ class ProjectionLoss(nn.Module):
 
     def target(self, xray: torch.Tensor, spatial: tuple[int, ...]) -> torch.Tensor:
         """``xray`` brought to the native projection size of a volume of ``spatial`` size."""
-        plane = self.projector.plane_size(spatial, self.projector.views[0])
+        plane = view_plane(spatial, self.projector.views[0])
         return resize_2d(xray.float(), plane)
 
     def forward(self, volume: torch.Tensor, xray: torch.Tensor) -> torch.Tensor:
