@@ -5,12 +5,25 @@ checks every bundle's settings share."""
 
 from __future__ import annotations
 
+import ast
+import difflib
 import sys
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-__all__ = ["bundle_root", "check_settings_or_exit", "find_checkpoint", "flag_problems"]
+__all__ = [
+    "bundle_root",
+    "check_command_line",
+    "check_run",
+    "check_settings_or_exit",
+    "command_line_overrides",
+    "find_checkpoint",
+    "flag_problems",
+]
+
+# arguments of ``monai.bundle.scripts.run`` that are not config overrides
+_RUN_ARGUMENTS = ("run_id", "init_id", "final_id", "meta_file", "config_file", "logging_file", "tracking", "args_file")
 
 
 def bundle_root(name: str) -> str:
@@ -80,3 +93,139 @@ def flag_problems(flags: Mapping[str, Any] | None) -> list[str]:
         for name, value in (flags or {}).items()
         if not isinstance(value, bool)
     ]
+
+
+def command_line_overrides(argv: Sequence[str] | None = None) -> dict[str, Any] | None:
+    """The ``--id value`` arguments of a ``python -m monai.bundle run ...`` command line, values parsed as ``fire``
+    parses them; ``None`` when the process is not that command (a notebook, a test, another script).
+
+    Args:
+        argv: the command line (default ``sys.argv``).
+    """
+    from fire.parser import DefaultParseValue
+
+    argv = list(sys.argv if argv is None else argv)
+    if not argv or not argv[0].replace("\\", "/").endswith("monai/bundle/__main__.py") or argv[1:2] != ["run"]:
+        return None
+    found: dict[str, Any] = {}
+    args, i = argv[2:], 0
+    while i < len(args):
+        arg = args[i]
+        i += 1
+        if not arg.startswith("--"):
+            continue  # the positional run id
+        name, has_value, value = arg[2:].partition("=")
+        if not has_value:
+            if i < len(args) and not args[i].startswith("--"):
+                value, i = args[i], i + 1
+            else:
+                value = "True"  # a bare flag
+        found[name.replace("-", "_")] = DefaultParseValue(value)
+    return found
+
+
+def _config_files(value: Any) -> list[str]:
+    """The files of a ``--config_file`` value: a list, a list literal or comma-separated names."""
+    if isinstance(value, str):
+        text = value.strip()
+        if text.startswith("["):
+            try:
+                value = ast.literal_eval(text)
+            except (ValueError, SyntaxError):
+                value = text.strip("[]").split(",")
+        else:
+            value = text.split(",")
+    items = value if isinstance(value, (list, tuple)) else [value]
+    return [str(v).strip().strip("'\"") for v in items if str(v).strip()]
+
+
+def _kind_problem(name: str, default: Any, value: Any) -> str | None:
+    """Why ``value`` cannot replace the plain default ``default`` of config id ``name``, or ``None``."""
+    if value is None or default is None or (isinstance(value, str) and value[:1] in ("$", "@", "%")):
+        return None
+    if isinstance(default, bool):
+        ok, kind = isinstance(value, bool), "True or False"
+    elif isinstance(default, int):
+        ok, kind = isinstance(value, int) and not isinstance(value, bool), "an integer"
+    elif isinstance(default, float):
+        ok, kind = isinstance(value, (int, float)) and not isinstance(value, bool), "a number"
+    elif isinstance(default, (list, tuple)):
+        ok, kind = isinstance(value, (list, tuple)), "a list"
+    elif isinstance(default, dict):
+        ok, kind = isinstance(value, dict), "a dict"
+    else:
+        return None  # strings take many forms (paths, "auto", modes) and are checked where they are used
+    if ok:
+        return None
+    return f"--{name} must be {kind} like its default {default!r}, got {value!r} ({type(value).__name__})."
+
+
+def _lookup(parser: Any, config_id: str) -> Any:
+    """The raw config at ``config_id``, or ``None`` when there is none."""
+    try:
+        return parser[config_id]
+    except (KeyError, IndexError, ValueError, TypeError):
+        return None
+
+
+def check_command_line(argv: Sequence[str] | None = None) -> list[str]:
+    """Check the overrides of a ``python -m monai.bundle run`` command line against its config files: every
+    ``--id`` must exist in the merged configs (a misspelt id would otherwise silently add a new, unused one) and a
+    value replacing a plain boolean, number, list or dict must be of the same kind. A nested id may add a new key
+    to an existing component (a new argument), but its parent must exist.
+
+    Args:
+        argv: the command line (default ``sys.argv``); nothing is checked outside ``monai.bundle run``.
+
+    Returns:
+        The ids checked.
+
+    Raises:
+        ValueError: naming every unknown id (with the closest known ids) and every value of the wrong kind.
+    """
+    from monai.bundle import ConfigParser
+
+    overrides = command_line_overrides(argv)
+    if not overrides or "config_file" not in overrides:
+        return []
+    parser = ConfigParser()
+    parser.read_config(_config_files(overrides["config_file"]))
+    known = [k for k in parser.get() if isinstance(k, str)]
+    problems = []
+    checked = [k for k in overrides if k not in _RUN_ARGUMENTS]
+    for name in checked:
+        try:
+            default = parser[name]
+        except (KeyError, IndexError, ValueError, TypeError):
+            parent = name.rpartition("#")[0]
+            if parent and isinstance(_lookup(parser, parent), dict):
+                continue  # a new argument of an existing component (``--train#handlers#3#exec_at_start``)
+            close = difflib.get_close_matches(name, known, n=3, cutoff=0.6)
+            hint = f" (did you mean {', '.join(repr(c) for c in close)}?)" if close else ""
+            problems.append(f"--{name} is not an id of {_config_files(overrides['config_file'])}{hint}.")
+            continue
+        problem = _kind_problem(name, default, overrides[name])
+        if problem:
+            problems.append(problem)
+    if problems:
+        raise ValueError("the command line has problems:\n  " + "\n  ".join(problems))
+    return checked
+
+
+def check_run(amp: str | None = None, device: Any = None, argv: Sequence[str] | None = None) -> None:
+    """The checks every bundle runs first in ``initialize``: the command line (:func:`check_command_line`) and
+    the mixed precision against the device (:func:`common.utils.check_amp`).
+
+    Raises:
+        ValueError: listing every problem.
+    """
+    from common.utils import check_amp
+
+    problems = []
+    for check in (lambda: check_command_line(argv), lambda: check_amp(amp, device) if amp is not None else None):
+        try:
+            check()
+        except ValueError as exc:
+            problems.append(str(exc))
+    if problems:
+        raise ValueError("\n".join(problems))

@@ -4,15 +4,18 @@
 
 from __future__ import annotations
 
+import contextlib
 import datetime
+import errno
 import logging
 import math
 import os
 import random
 import sys
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import numpy as np
 import torch
@@ -20,10 +23,15 @@ import torch.distributed as dist
 
 __all__ = [
     "AMP_MODES",
+    "OutputWriteError",
+    "PeerFailureError",
     "amp_dtype",
     "assert_replicas_equal",
     "autocast",
+    "check_amp",
     "default_amp",
+    "abort_distributed",
+    "describe_peer_failure",
     "destroy_distributed",
     "get_rank",
     "get_world_size",
@@ -34,6 +42,7 @@ __all__ = [
     "scale_lr",
     "setup_logging",
     "setup_runtime",
+    "write_atomic",
     "write_text_atomic",
 ]
 
@@ -106,9 +115,50 @@ def init_distributed(device: torch.device, timeout_s: float = 1800.0, backend: s
 
 
 def destroy_distributed() -> None:
-    """Tear down the default process group if there is one."""
+    """Tear down the default process group if there is one, after every rank has arrived.
+
+    The barrier keeps a rank (rank 0 hosts the rendezvous store) from tearing its connections down while a peer
+    is still finishing its last collective, which can abort the process at exit under gloo.
+    """
     if dist.is_available() and dist.is_initialized():
+        if dist.get_world_size() > 1:
+            dist.barrier()
         dist.destroy_process_group()
+
+
+class PeerFailureError(RuntimeError):
+    """A collective failed because another rank died or stalled; the message says so and what to do."""
+
+
+_PEER_MARKERS = ("Connection reset", "Connection closed", "Broken pipe", "Timed out", "timed out", "gloo", "NCCL")
+
+
+def describe_peer_failure(exc: BaseException) -> str | None:
+    """A clear message when ``exc`` comes from a collective that failed because another rank died or stalled
+    (a gloo/NCCL error in a multi-process job), else ``None``."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
+        return None
+    text = " ".join(str(exc).split())
+    if not (isinstance(exc, getattr(dist, "DistError", ())) or any(m in text for m in _PEER_MARKERS)):
+        return None
+    kind = "a collective timed out" if "imed out" in text else "a connection to another rank failed"
+    return (
+        f"rank {dist.get_rank()} of {dist.get_world_size()} lost contact with the other ranks ({kind}: "
+        f"{text[:160]}). Another rank probably died (see the first failing rank in the launcher's log) or stalled "
+        "longer than the collective timeout (dist_timeout)"
+    )
+
+
+def abort_distributed() -> None:
+    """Tear the process group down after a failure, without waiting for the other ranks (no barrier).
+
+    Under gloo this closes the connections, so peers blocked in a collective fail at once instead of waiting for
+    the timeout, and the process exits with its own status instead of aborting in gloo's teardown. NCCL groups
+    are left to the launcher (their teardown may block on a collective that never completes).
+    """
+    if dist.is_available() and dist.is_initialized() and dist.get_backend() == "gloo":
+        with contextlib.suppress(Exception):
+            dist.destroy_process_group()
 
 
 def assert_replicas_equal(modules: dict[str, torch.nn.Module]) -> int:
@@ -200,6 +250,36 @@ def amp_dtype(amp: str) -> torch.dtype | None:
     if amp not in AMP_MODES:
         raise ValueError(f"amp must be one of {AMP_MODES}, got {amp!r}.")
     return {"bf16": torch.bfloat16, "fp16": torch.float16, "none": None}[amp]
+
+
+def check_amp(amp: str, device: torch.device | str | None = None) -> None:
+    """Check that ``amp`` is a known mode and that ``device`` computes in it natively.
+
+    bf16 needs a GPU with bfloat16 (Ampere or newer) or a CPU with native bfloat16 (AVX512-BF16/AMX); fp16 needs
+    a GPU or a CPU with native float16 (AMX-FP16). Elsewhere autocast would emulate the type, many times slower.
+
+    Raises:
+        ValueError: naming the mode, the device and what to use instead.
+    """
+    dtype = amp_dtype(amp)
+    if dtype is None:
+        return
+    device = torch.device("cpu" if device is None else device)
+    name = "bfloat16" if dtype is torch.bfloat16 else "float16"
+    if device.type == "cuda":
+        supported = dtype is torch.float16 or (torch.cuda.is_available() and torch.cuda.is_bf16_supported())
+    elif device.type == "cpu":
+        mkldnn = torch.ops.mkldnn
+        supported = bool(
+            mkldnn._is_mkldnn_bf16_supported() if dtype is torch.bfloat16 else mkldnn._is_mkldnn_fp16_supported()
+        )
+    else:
+        supported = True
+    if not supported:
+        raise ValueError(
+            f"amp={str(amp)!r} needs native {name} support, which device {str(device)!r} lacks; "
+            f"use --amp none{' or --amp fp16' if device.type == 'cuda' else ''}."
+        )
 
 
 def autocast(device: torch.device | str, amp: str) -> Any:
@@ -298,24 +378,82 @@ def _to_plain(value: Any) -> Any:
     return value
 
 
-def write_text_atomic(path: str | os.PathLike, text: str) -> Path:
-    """Write ``text`` to ``path`` through a temporary file in the same folder and ``os.replace``: a reader (or a run
-    interrupted while writing) sees the old file or the new one, never a partial one.
+class OutputWriteError(OSError):
+    """A file could not be written (full disk, read-only file system, no permission, file size limit); the
+    message names the file, the cause and says that the previous version of the file is unchanged."""
+
+
+_WRITE_CAUSES = {
+    errno.ENOSPC: "the disk is full",
+    errno.EDQUOT: "the disk quota is exceeded",
+    errno.EROFS: "the file system is read-only",
+    errno.EACCES: "permission denied",
+    errno.EPERM: "operation not permitted",
+    errno.EFBIG: "the file exceeds the file-size limit",
+}
+
+
+def _os_error_in_chain(exc: BaseException) -> OSError | None:
+    """The ``OSError`` behind ``exc``: itself or a cause/context (``torch.save`` re-raises a failed write as a
+    ``RuntimeError`` of its zip writer)."""
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        if isinstance(current, OSError):
+            return current
+        seen.add(id(current))
+        current = current.__cause__ or current.__context__
+    return None
+
+
+def write_atomic(path: str | os.PathLike, write: Callable[[BinaryIO], Any]) -> Path:
+    """Write a file atomically: ``write(handle)`` fills a temporary file in the same folder, which is flushed,
+    fsynced and renamed over ``path``. A crash, a full disk or a read-only file system during the write leaves the
+    previous file at ``path`` untouched (or no file), never a partial one, and the temporary file is removed.
 
     Returns:
         The path written.
+
+    Raises:
+        OutputWriteError: when the file system refuses the write, naming the file and the cause.
     """
     path = Path(path)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    tmp = None
     try:
-        with os.fdopen(fd, "w", encoding="utf-8", newline="") as handle:
-            handle.write(text)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+        with os.fdopen(fd, "wb") as handle:
+            write(handle)
             handle.flush()
             os.fsync(handle.fileno())
         os.chmod(tmp, 0o644)
         os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+    except BaseException as exc:
+        if tmp is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+        os_error = _os_error_in_chain(exc)
+        if os_error is not None and not isinstance(exc, OutputWriteError):
+            cause = _WRITE_CAUSES.get(os_error.errno, os_error.strerror or str(os_error))
+            kept = "the previous file is unchanged" if path.exists() else "no file was written"
+            raise OutputWriteError(
+                os_error.errno, f"could not write {str(path)!r}: {cause} ({os_error.strerror or os_error}); {kept}"
+            ) from exc
         raise
+    with contextlib.suppress(OSError):  # make the rename itself durable
+        dir_fd = os.open(path.parent, os.O_RDONLY)
+        try:
+            os.fsync(dir_fd)
+        finally:
+            os.close(dir_fd)
     return path
+
+
+def write_text_atomic(path: str | os.PathLike, text: str) -> Path:
+    """Write ``text`` (UTF-8) to ``path`` with :func:`write_atomic`: a reader, or a run interrupted while writing,
+    sees the old file or the new one, never a partial one.
+
+    Returns:
+        The path written.
+    """
+    return write_atomic(path, lambda handle: handle.write(text.encode("utf-8")))

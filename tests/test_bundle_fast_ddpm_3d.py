@@ -132,8 +132,6 @@ def test_bad_settings_are_refused_before_anything_is_written(brats_tree, tmp_pat
             *overrides(dataset_dir=str(brats_tree), output_dir=str(out), num_grid_steps=0, target_key="seg"),
             "--attention_levels",
             "[false,true]",
-            "--ema_warmup",
-            "false",
         ],
     )
     assert result.returncode == 1

@@ -377,6 +377,7 @@ def test_no_grad_norm_without_clipping():
 
 # ---------------------------------------------------------------------------------------------- precision
 def test_bf16_on_cpu_gives_finite_losses():
+    torch.manual_seed(0)
     ae, disc = tiny_autoencoder(), tiny_discriminator()
     trainer = make_trainer(
         ae,
@@ -567,3 +568,60 @@ def test_bad_micro_batch_and_warmup_are_rejected():
         make_trainer(ConvNet(), random_batches(1), micro_batch_size=0)
     with pytest.raises(ValueError, match="adv_warmup_iterations"):
         make_trainer(ConvNet(), random_batches(1), adv_warmup_iterations=-1)
+
+
+# ---------------------------------------------------------------------------------------------- non-finite losses
+def _poison(trainer, iteration: int) -> None:
+    trainer.add_event_handler(
+        Events.ITERATION_STARTED(once=iteration), lambda e: e.state.batch["image"].fill_(float("nan"))
+    )
+
+
+def test_nonfinite_loss_stops_before_the_step_naming_iteration_and_terms(tmp_path):
+    from common.engines.trainer import NonFiniteLossError
+    from common.handlers.checkpoint import CheckpointManager
+
+    net = ConvNet()
+    trainer = make_trainer(net, random_batches(4), max_epochs=1)
+    manager = CheckpointManager(tmp_path, {"network": net}, interval=2)
+    manager.attach(trainer)
+    snapshots = record_params(trainer, net)
+    _poison(trainer, 3)
+    with pytest.raises(NonFiniteLossError) as info:
+        trainer.run()
+    message = str(info.value)
+    assert "non-finite loss at iteration 3 (epoch 1)" in message
+    assert "recon_loss=nan" in message and "loss=nan" in message
+    assert len(snapshots) == 3  # iterations 1 and 2 completed, iteration 3 did not
+    assert same([p.detach() for p in net.parameters()], snapshots[-1])  # the bad step was not applied
+    saved = torch.load(tmp_path / "last.pt", weights_only=True)
+    assert saved["trainer"]["iteration"] == 2  # the last good checkpoint, not overwritten at the failure
+    assert all(torch.isfinite(v).all() for v in saved["network"].values())
+
+
+@pytest.mark.parametrize("amp", ["none", "fp16"])
+def test_nonfinite_loss_skip_drops_only_that_step(amp):
+    net = ConvNet()
+    trainer = make_trainer(net, random_batches(4), max_epochs=1, nonfinite="skip", amp=amp)
+    snapshots = record_params(trainer, net)
+    _poison(trainer, 2)
+    trainer.run()
+    assert trainer.state.iteration == 4 and trainer.state.skipped_steps == 1
+    assert same(snapshots[1], snapshots[2])  # iteration 2 skipped
+    assert not same(snapshots[2], snapshots[3]) and not same(snapshots[0], snapshots[1])
+    assert all(torch.isfinite(p).all() for p in net.parameters())
+
+
+def test_nonfinite_gradient_with_finite_loss_is_caught():
+    from common.engines.trainer import NonFiniteLossError
+
+    net = ConvNet()
+    net.conv2.weight.register_hook(lambda grad: torch.full_like(grad, float("inf")))
+    trainer = make_trainer(net, random_batches(1), max_epochs=1)
+    with pytest.raises(NonFiniteLossError, match="non-finite gradient at iteration 1"):
+        trainer.run()
+
+
+def test_unknown_nonfinite_policy_is_refused():
+    with pytest.raises(ValueError, match="nonfinite must be one of"):
+        make_trainer(ConvNet(), random_batches(1), nonfinite="ignore")

@@ -22,10 +22,13 @@ __all__ = [
     "load_datalist",
     "parse_datalist_section",
     "read_datalist_json",
+    "resolve_path",
+    "text_size_problem",
     "write_datalist",
 ]
 
 IN_MEMORY_SOURCE = "<in-memory datalist>"
+MAX_TEXT_BYTES = 256 * 1024**2  # datalists and cohort tables larger than this are refused before being read
 PathValue = str | list[str]
 BRATS_MODALITIES = ("t1n", "t1c", "t2w", "t2f")
 
@@ -67,6 +70,9 @@ def read_datalist_json(path: str | os.PathLike) -> dict[str, Any]:
         raise DatalistError(f"datalist file {str(file)!r} does not exist")
     if not file.is_file():
         raise DatalistError(f"datalist {str(file)!r} is not a regular file (a JSON file is required)")
+    reason = text_size_problem(file)
+    if reason:
+        raise DatalistError(f"datalist file {str(file)!r} {reason}")
     try:
         text = file.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as exc:
@@ -83,6 +89,14 @@ def read_datalist_json(path: str | os.PathLike) -> dict[str, Any]:
             f"got a top-level {type(data).__name__}"
         )
     return data
+
+
+def text_size_problem(path: str | os.PathLike) -> str | None:
+    """Why a text input (datalist, cohort table) is too large to be read at once, or ``None``."""
+    size = os.path.getsize(path)
+    if size > MAX_TEXT_BYTES:
+        return f"is {size / 1024**2:.0f} MiB, more than the {MAX_TEXT_BYTES / 1024**2:.0f} MiB a datalist or table may have"
+    return None
 
 
 def _source_and_base(
@@ -104,12 +118,30 @@ def _source_and_base(
     return top, source, base
 
 
-def _resolve_path(value: str, base_dir: str) -> str:
-    """Expand ``~`` and make ``value`` absolute against ``base_dir`` (absolute paths are kept)."""
+def resolve_path(value: str, base_dir: str) -> str:
+    """Expand ``~`` and make ``value`` absolute against the dataset root ``base_dir``.
+
+    Absolute paths are kept: they state explicitly where a file is. A relative path must stay inside the root: one
+    that leaves it through ``..`` or through a symbolic link pointing outside it is refused, so a datalist cannot
+    reach files the user did not point the bundle at.
+
+    Raises:
+        ValueError: naming the path, the root and how it leaves it (the message does not repeat the datalist).
+    """
     expanded = os.path.expanduser(value)
     if os.path.isabs(expanded):
         return os.path.normpath(expanded)
-    return os.path.normpath(os.path.join(base_dir, expanded))
+    root = os.path.normpath(os.path.abspath(base_dir))
+    path = os.path.normpath(os.path.join(root, expanded))
+    hint = "write an absolute path to read a file outside the dataset root"
+    if os.path.commonpath([path, root]) != root:
+        raise ValueError(f"path {value!r} leaves the dataset root {root!r} through '..'; {hint}")
+    real_root, real = os.path.realpath(root), os.path.realpath(path)
+    if os.path.commonpath([real, real_root]) != real_root:
+        raise ValueError(
+            f"path {value!r} leads outside the dataset root {root!r} through a symbolic link (to {real!r}); {hint}"
+        )
+    return path
 
 
 def _resolve_value(name: str, value: Any, base_dir: str) -> PathValue:
@@ -121,14 +153,20 @@ def _resolve_value(name: str, value: Any, base_dir: str) -> PathValue:
     if isinstance(value, str):
         if not value.strip():
             raise ValueError(f"{name!r} is an empty string")
-        return _resolve_path(value, base_dir)
+        try:
+            return resolve_path(value, base_dir)
+        except ValueError as exc:
+            raise ValueError(f"{name!r} {exc}") from None
     if isinstance(value, list):
         if not value:
             raise ValueError(f"{name!r} is an empty list")
         bad = [item for item in value if not isinstance(item, str) or not item.strip()]
         if bad:
             raise ValueError(f"{name!r} must be a list of non-empty path strings, got item {bad[0]!r}")
-        return [_resolve_path(item, base_dir) for item in value]
+        try:
+            return [resolve_path(item, base_dir) for item in value]
+        except ValueError as exc:
+            raise ValueError(f"{name!r} {exc}") from None
     raise ValueError(f"{name!r} must be a path string or a list of path strings, got {type(value).__name__} {value!r}")
 
 

@@ -32,6 +32,7 @@ __all__ = ["PreflightError", "check_volume", "main", "preflight"]
 
 NIFTI_SUFFIXES = (".nii", ".nii.gz")
 SLAB_BYTES = 32 * 1024 * 1024
+MAX_VOLUME_BYTES = 16 * 1024**3  # a header declaring more voxel data than this is refused as corrupt or hostile
 # ITK's lazily loaded Python modules are not safe to initialise from several threads at once.
 _ITK_LOCK = threading.Lock()
 
@@ -195,6 +196,55 @@ def _non_finite_reason(count: int) -> str | None:
     return f"contains {count} non-finite voxels (NaN/Inf)" if count else None
 
 
+def _declared_size_reason(shape: Sequence[int], itemsize: int) -> str | None:
+    """Reason to refuse a header whose declared voxel data exceeds :data:`MAX_VOLUME_BYTES` (read before any
+    voxel, so a corrupt or hostile header cannot make the check allocate it), or ``None``."""
+    if any(int(s) < 0 for s in shape):
+        return f"declares a negative dimension (shape {tuple(shape)}); the header is corrupt"
+    declared = math.prod(int(s) for s in shape) * max(1, int(itemsize))
+    if declared > MAX_VOLUME_BYTES:
+        return (
+            f"declares {declared / 1024**3:.1f} GiB of voxel data (shape {tuple(int(s) for s in shape)}), more than "
+            f"the {MAX_VOLUME_BYTES / 1024**3:.0f} GiB limit of one volume; the header is corrupt or the volume "
+            "must be resampled first"
+        )
+    return None
+
+
+def _truncated_reason(path: str, img: Any, shape: Sequence[int], itemsize: int) -> str | None:
+    """For an uncompressed NIfTI: reason when the file is shorter than its header's voxel data, or ``None``."""
+    if not path.lower().endswith(".nii"):
+        return None
+    offset = int(img.dataobj.offset)
+    needed = offset + math.prod(int(s) for s in shape) * itemsize
+    size = os.path.getsize(path)
+    if size < needed:
+        return (
+            f"is truncated: its header declares {needed} bytes (voxel data from offset {offset}), the file has {size}"
+        )
+    return None
+
+
+def _itk_header_reason(path: str) -> str | None:
+    """Read only the header of an ITK-readable file and refuse an absurd declared size (see
+    :func:`_declared_size_reason`); ``None`` when fine or when ITK cannot read the header (the full read reports
+    that)."""
+    try:
+        import itk
+
+        with _ITK_LOCK:
+            io = itk.ImageIOFactory.CreateImageIO(path, itk.CommonEnums.IOFileMode_ReadMode)
+            if io is None:
+                return None
+            io.SetFileName(path)
+            io.ReadImageInformation()
+            shape = [int(io.GetDimensions(i)) for i in range(io.GetNumberOfDimensions())]
+            itemsize = int(io.GetComponentSize()) * max(1, int(io.GetNumberOfComponents()))
+    except Exception:  # noqa: BLE001 - the full read reports unreadable files
+        return None
+    return _declared_size_reason(shape, itemsize)
+
+
 def _check_nifti(
     path: str, patch: tuple[int, ...] | None, allow_pad: bool, check_values: bool, size_name: str = "patch_size"
 ) -> _Inspection:
@@ -205,15 +255,16 @@ def _check_nifti(
         img = nib.load(path, keep_file_open=True)
         full = tuple(int(s) for s in img.shape)
         spatial = _spatial_from_array_shape(full)
+        itemsize = max(1, img.get_data_dtype().itemsize)
+        reason = _declared_size_reason(full, itemsize) or _truncated_reason(path, img, full, itemsize)
     except Exception as exc:  # noqa: BLE001 - any reader failure is a reason, not a crash
         return _Inspection(_error_reason(exc))
-    reason = _shape_reason(spatial, full, patch, allow_pad, size_name)
+    reason = reason or _shape_reason(spatial, full, patch, allow_pad, size_name)
     if reason:
         return _Inspection(reason, spatial)
     channels = _channels_from_array_shape(full)
     non_finite = 0
     try:
-        itemsize = max(1, img.get_data_dtype().itemsize)
         for index in _slabs(full, itemsize):
             block = np.asarray(img.dataobj[index])
             if check_values:
@@ -245,6 +296,10 @@ def _check_itk(
     try:
         import itk
 
+        first = os.path.join(path, sorted(files)[0]) if isinstance(path, str) else path[0]
+        reason = _itk_header_reason(first)
+        if reason:
+            return _Inspection(reason)
         with _ITK_LOCK:
             img = itk.imread(path if isinstance(path, str) else list(path))
         spatial = tuple(int(s) for s in img.GetLargestPossibleRegion().GetSize())
@@ -270,6 +325,9 @@ def _check_monai(
     try:
         from monai.transforms import LoadImage
 
+        reason = _itk_header_reason(path)
+        if reason:
+            return _Inspection(reason)
         with _ITK_LOCK:
             img = LoadImage(image_only=True)(path)
         full = tuple(int(s) for s in img.shape)

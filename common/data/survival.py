@@ -27,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from common.data.datalist import file_stem
+from common.data.datalist import file_stem, resolve_path, text_size_problem
 
 __all__ = [
     "EVENT_VALUES",
@@ -112,6 +112,9 @@ def _read_table(path: str) -> tuple[list[str] | None, list[tuple[int, list[str]]
         return None, [], ["the file does not exist"]
     if os.path.isdir(path):
         return None, [], ["the path is a folder, not a CSV file"]
+    too_large = text_size_problem(path)
+    if too_large:
+        return None, [], [f"the file {too_large}"]
     try:
         with open(path, encoding="utf-8-sig", newline="") as handle:
             text = handle.read()
@@ -205,8 +208,10 @@ def _parse_row(
     if not image_value:
         reasons.append(f"image path ({columns['image']!r}) is empty")
     else:
-        expanded = os.path.expanduser(image_value)
-        image = os.path.normpath(expanded if os.path.isabs(expanded) else os.path.join(base_dir, expanded))
+        try:
+            image = resolve_path(image_value, base_dir)
+        except ValueError as exc:
+            reasons.append(f"image {exc}")
     outcomes = columns["time"] is not None
     time, event = None, None
     if outcomes:

@@ -105,6 +105,7 @@ class AutoencoderGANTrainer(StepTrainer):
         accumulation_steps: iterations accumulated before each optimizer step.
         micro_batch_size: samples forwarded at once within an iteration (``None``: the whole batch).
         grad_clip: max gradient norm for both networks (``None``/0 disables clipping).
+        nonfinite: ``stop`` or ``skip``: what a NaN/Inf loss does (see :class:`StepTrainer`).
         epoch_length: iterations per epoch (default ``len(train_data_loader)``).
         non_blocking: non-blocking host-to-device copies.
         prepare_batch: ``(batchdata, device, non_blocking, **kwargs) -> (image, target)``.
@@ -135,6 +136,7 @@ class AutoencoderGANTrainer(StepTrainer):
         accumulation_steps: int = 1,
         micro_batch_size: int | None = None,
         grad_clip: float | None = None,
+        nonfinite: str = "stop",
         epoch_length: int | None = None,
         non_blocking: bool = False,
         prepare_batch: Callable = prepare_image_batch,
@@ -160,6 +162,7 @@ class AutoencoderGANTrainer(StepTrainer):
             amp=amp,
             accumulation_steps=accumulation_steps,
             grad_clip=grad_clip,
+            nonfinite=nonfinite,
             epoch_length=epoch_length,
             non_blocking=non_blocking,
             postprocessing=postprocessing,
@@ -313,7 +316,10 @@ class AutoencoderGANTrainer(StepTrainer):
                 sums[name] = sums[name] + value if name in sums else value
             recons.append(recon.detach())
         engine.fire_event(IterationEvents.BACKWARD_COMPLETED)
-        if do_step:
+        losses = {name: value for name, value in sums.items() if name.endswith("loss")}
+        g_step = do_step and self._finite_or_skip(engine, losses, [engine.optimizer], engine.network)
+        d_step = False
+        if g_step:
             grad_norm = self._step(engine.optimizer, engine.network)
             if grad_norm is not None:
                 output["grad_norm"] = grad_norm.detach()
@@ -343,12 +349,15 @@ class AutoencoderGANTrainer(StepTrainer):
                         )
                     self._backward(d_loss, fraction)
                 d_total = d_loss.detach() * fraction + (d_total if d_total is not None else 0)
-            if do_step:
+            d_step = do_step and self._finite_or_skip(
+                engine, {"d_loss": d_total}, [self.d_optimizer], self.discriminator
+            )
+            if d_step:
                 d_norm = self._step(self.d_optimizer, self.discriminator)
                 if d_norm is not None:
                     output["d_grad_norm"] = d_norm.detach()
             output["d_loss"] = d_total
-        if do_step and self.scaler is not None:
+        if (g_step or d_step) and self.scaler is not None:
             self.scaler.update()
 
         output.update(sums)

@@ -188,7 +188,7 @@ class DiffusionTrainer(StepTrainer):
         prediction_type: ``epsilon`` or ``v_prediction``.
         latent_codec: a :class:`common.networks.latent.LatentCodec` whose ``scale`` normalises raw latents.
         seed: base seed of the time-step draws.
-        amp, accumulation_steps, grad_clip, epoch_length, non_blocking, prepare_batch, train_handlers,
+        amp, accumulation_steps, grad_clip, nonfinite, epoch_length, non_blocking, prepare_batch, train_handlers,
         decollate, to_kwargs: see :class:`common.engines.trainer.StepTrainer`.
     """
 
@@ -208,6 +208,7 @@ class DiffusionTrainer(StepTrainer):
         amp: str = "none",
         accumulation_steps: int = 1,
         grad_clip: float | None = None,
+        nonfinite: str = "stop",
         epoch_length: int | None = None,
         non_blocking: bool = False,
         prepare_batch: Callable = prepare_diffusion_batch,
@@ -227,6 +228,7 @@ class DiffusionTrainer(StepTrainer):
             amp=amp,
             accumulation_steps=accumulation_steps,
             grad_clip=grad_clip,
+            nonfinite=nonfinite,
             epoch_length=epoch_length,
             non_blocking=non_blocking,
             train_handlers=train_handlers,

@@ -124,7 +124,7 @@ class SurvivalTrainer(StepTrainer):
         cut_points: the K + 1 interval boundaries in years (``logistic_hazard``).
         prepare_covariates: maps raw covariates ``(B, n)`` to network inputs (``None``: passed unchanged).
         global_risk_set: gather the risk set over all ranks (``cox``).
-        amp, accumulation_steps, grad_clip, epoch_length, non_blocking, prepare_batch, train_handlers,
+        amp, accumulation_steps, grad_clip, nonfinite, epoch_length, non_blocking, prepare_batch, train_handlers,
         decollate, to_kwargs: see :class:`common.engines.trainer.StepTrainer`.
     """
 
@@ -142,6 +142,7 @@ class SurvivalTrainer(StepTrainer):
         amp: str = "none",
         accumulation_steps: int = 1,
         grad_clip: float | None = None,
+        nonfinite: str = "stop",
         epoch_length: int | None = None,
         non_blocking: bool = False,
         prepare_batch: Callable = prepare_survival_batch,
@@ -161,6 +162,7 @@ class SurvivalTrainer(StepTrainer):
             amp=amp,
             accumulation_steps=accumulation_steps,
             grad_clip=grad_clip,
+            nonfinite=nonfinite,
             epoch_length=epoch_length,
             non_blocking=non_blocking,
             train_handlers=train_handlers,

@@ -7,9 +7,11 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Callable, Iterable, Sequence
+import math
+from collections.abc import Callable, Iterable, Mapping, Sequence
 
 import torch
+import torch.distributed as dist
 from monai.engines import Trainer
 from monai.engines.utils import default_metric_cmp_fn
 from monai.engines.workflow import Workflow
@@ -18,9 +20,16 @@ from torch.optim import Optimizer
 
 from common.utils import amp_dtype, get_world_size, make_grad_scaler
 
-__all__ = ["StepTrainer"]
+__all__ = ["NONFINITE_POLICIES", "NonFiniteLossError", "StepTrainer"]
+
+NONFINITE_POLICIES = ("stop", "skip")
 
 logger = logging.getLogger(__name__)
+
+
+class NonFiniteLossError(FloatingPointError):
+    """A training loss (or, without fp16 loss scaling, a gradient) became NaN/Inf; the message names the iteration
+    and every loss term."""
 
 
 class StepTrainer(Trainer):
@@ -29,7 +38,15 @@ class StepTrainer(Trainer):
     ``_accumulation_flags`` says whether an iteration zeroes gradients and whether it steps the optimizers
     (every ``accumulation_steps`` iterations and at the end of an epoch); ``_sync_context`` wraps forward and
     backward passes that must not all-reduce; ``_backward`` scales a loss by its micro-batch fraction, the
-    accumulation steps and the fp16 GradScaler; ``_step`` unscales, clips and steps one optimizer.
+    accumulation steps and the fp16 GradScaler; ``_step`` unscales, clips and steps one optimizer;
+    ``_finite_or_skip`` guards every optimizer step against non-finite losses.
+
+    Non-finite losses: before each optimizer step the loss terms (and, without an fp16 GradScaler, which handles
+    overflowing gradients itself, the gradients) are checked. With ``nonfinite="stop"`` training stops at the first
+    NaN/Inf with a :class:`NonFiniteLossError` naming the iteration and the loss terms; the bad step is not taken and
+    no checkpoint is written after it, so the last checkpoint on disk is the last good state. With ``"skip"`` the
+    step is dropped (gradients zeroed, counted in ``engine.state.skipped_steps``) and training continues. Under DDP
+    the decision is agreed by all ranks, so the replicas stay identical.
 
     Args:
         device: the device of this rank.
@@ -38,6 +55,7 @@ class StepTrainer(Trainer):
         amp: ``bf16``, ``fp16`` (with a GradScaler) or ``none``.
         accumulation_steps: iterations accumulated before each optimizer step.
         grad_clip: max gradient norm (``None``/0 disables clipping).
+        nonfinite: ``stop`` or ``skip``: what a NaN/Inf loss does (see above).
         epoch_length, non_blocking, prepare_batch, postprocessing, key_train_metric, additional_metrics,
         metric_cmp_fn, train_handlers, event_names, event_to_attr, decollate, to_kwargs: as in
         ``monai.engines.SupervisedTrainer``.
@@ -52,6 +70,7 @@ class StepTrainer(Trainer):
         amp: str = "none",
         accumulation_steps: int = 1,
         grad_clip: float | None = None,
+        nonfinite: str = "stop",
         epoch_length: int | None = None,
         non_blocking: bool = False,
         postprocessing: Callable | None = None,
@@ -66,6 +85,8 @@ class StepTrainer(Trainer):
     ) -> None:
         if int(accumulation_steps) < 1:
             raise ValueError(f"accumulation_steps must be >= 1, got {accumulation_steps!r}.")
+        if nonfinite not in NONFINITE_POLICIES:
+            raise ValueError(f"nonfinite must be one of {NONFINITE_POLICIES}, got {nonfinite!r}.")
         self.amp_mode = str(amp).lower()
         self.amp_dtype = amp_dtype(self.amp_mode)  # validates the value
         super().__init__(
@@ -89,7 +110,9 @@ class StepTrainer(Trainer):
         )
         self.accumulation_steps = int(accumulation_steps)
         self.grad_clip = float(grad_clip) if grad_clip else None
+        self.nonfinite = nonfinite
         self.scaler = make_grad_scaler(self.state.device, self.amp_mode)
+        self.state.skipped_steps = 0
         self._batch_logged = False
 
     def log_effective_batch(self, batch_size: int) -> None:
@@ -134,9 +157,56 @@ class StepTrainer(Trainer):
             scaled = self.scaler.scale(scaled)
         scaled.backward()
 
+    def _finite_or_skip(
+        self, engine: Trainer, terms: Mapping[str, torch.Tensor], optimizers: Sequence[Optimizer], network: nn.Module
+    ) -> bool:
+        """Whether the coming optimizer step may be taken: ``terms`` (loss name -> value) and, without an fp16
+        GradScaler, the gradients of ``network`` must be finite on every rank.
+
+        Returns:
+            ``True`` to step; ``False`` when the step is skipped (``nonfinite="skip"``: gradients of
+            ``optimizers`` zeroed, ``engine.state.skipped_steps`` counted).
+
+        Raises:
+            NonFiniteLossError: with ``nonfinite="stop"``, naming the iteration and the loss terms.
+        """
+        values = [v.detach().float().reshape(-1) for v in terms.values() if isinstance(v, torch.Tensor)]
+        loss_bad = bool(values) and not bool(torch.isfinite(torch.cat(values)).all())
+        grad_bad = False
+        if self.scaler is None:  # an fp16 GradScaler skips steps with overflowing gradients itself
+            grads = [p.grad for p in network.parameters() if p.grad is not None]
+            if grads:
+                grad_bad = not bool(torch.isfinite(torch.stack(torch._foreach_norm(grads)).sum()))
+        flag = torch.tensor([float(loss_bad or grad_bad)], device=self.state.device)
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)  # every rank takes the same decision
+        if not bool(flag.item()):
+            return True
+        source = "loss" if loss_bad else "gradient" if grad_bad else "loss on another rank"
+        described = ", ".join(f"{name}={_describe(value)}" for name, value in terms.items())
+        where = f"iteration {engine.state.iteration} (epoch {engine.state.epoch})"
+        if self.nonfinite == "stop":
+            raise NonFiniteLossError(
+                f"non-finite {source} at {where}: {described}. Training stopped before this step was applied; "
+                "the last checkpoint written is the last good state (lower lr, enable grad_clip or amp none, "
+                "or set nonfinite='skip' to drop such steps)."
+            )
+        for optimizer in optimizers:
+            optimizer.zero_grad(set_to_none=True)
+        engine.state.skipped_steps = getattr(engine.state, "skipped_steps", 0) + 1
+        logger.warning(
+            f"skipped the optimizer step at {where}: non-finite {source} ({described}); "
+            f"{engine.state.skipped_steps} step(s) skipped so far."
+        )
+        return False
+
     def _step_and_update(self, engine: Trainer, output: dict) -> None:
-        """The optimizer step of a single-optimizer trainer (``engine.optimizer`` over ``engine.network``): unscale,
-        clip and step (``output["grad_norm"]`` when clipping), then update the fp16 GradScaler."""
+        """The optimizer step of a single-optimizer trainer (``engine.optimizer`` over ``engine.network``): check the
+        loss terms of ``output`` (:meth:`_finite_or_skip`), unscale, clip and step (``output["grad_norm"]`` when
+        clipping), then update the fp16 GradScaler."""
+        terms = {k: v for k, v in output.items() if k.endswith("loss") and isinstance(v, torch.Tensor)}
+        if not self._finite_or_skip(engine, terms, [engine.optimizer], engine.network):
+            return
         grad_norm = self._step(engine.optimizer, engine.network)
         if grad_norm is not None:
             output["grad_norm"] = grad_norm.detach()
@@ -155,3 +225,13 @@ class StepTrainer(Trainer):
         else:
             optimizer.step()
         return grad_norm
+
+
+def _describe(value: torch.Tensor) -> str:
+    """A loss term for a message: its value, or how many of its elements are non-finite."""
+    value = value.detach().float()
+    if value.numel() == 1:
+        number = float(value)
+        return f"{number:.6g}" if math.isfinite(number) else str(number)
+    count = int((~torch.isfinite(value)).sum())
+    return f"{count} of {value.numel()} values non-finite" if count else f"mean {float(value.mean()):.6g}"

@@ -133,6 +133,7 @@ class XrayCTTrainer(DiffusionTrainer):
         amp: str = "none",
         accumulation_steps: int = 1,
         grad_clip: float | None = None,
+        nonfinite: str = "stop",
         epoch_length: int | None = None,
         non_blocking: bool = False,
         train_handlers: Sequence | None = None,
@@ -156,6 +157,7 @@ class XrayCTTrainer(DiffusionTrainer):
             amp=amp,
             accumulation_steps=accumulation_steps,
             grad_clip=grad_clip,
+            nonfinite=nonfinite,
             epoch_length=epoch_length,
             non_blocking=non_blocking,
             prepare_batch=prepare_xray_batch,
@@ -220,11 +222,11 @@ class XrayCTTrainer(DiffusionTrainer):
             engine.fire_event(IterationEvents.LOSS_COMPLETED)
             self._backward(loss)
         engine.fire_event(IterationEvents.BACKWARD_COMPLETED)
+        output["recon_loss"] = recon.detach()
+        output["physics_loss"] = physics.detach().mean()
         if do_step:
             self._step_and_update(engine, output)
         output[Keys.LOSS] = loss.detach()
-        output["recon_loss"] = recon.detach()
-        output["physics_loss"] = physics.detach().mean()
         output["timestep_mean"] = t.float().mean()
         engine.fire_event(IterationEvents.MODEL_COMPLETED)
         return engine.state.output

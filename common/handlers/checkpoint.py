@@ -9,7 +9,6 @@ import logging
 import math
 import os
 import re
-import tempfile
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -21,7 +20,17 @@ import torch.distributed as dist
 from ignite.engine import Engine, Events
 
 from common.networks.wrappers import clean_state_dict, unwrap
-from common.utils import get_rank, get_world_size, rng_state, set_rng_state
+from common.utils import (
+    OutputWriteError,
+    PeerFailureError,
+    abort_distributed,
+    describe_peer_failure,
+    get_rank,
+    get_world_size,
+    rng_state,
+    set_rng_state,
+    write_atomic,
+)
 
 __all__ = [
     "BestCheckpointSaver",
@@ -40,31 +49,13 @@ class CheckpointError(RuntimeError):
 
 
 def save_checkpoint(obj: Any, path: str | os.PathLike) -> Path:
-    """Write ``obj`` with ``torch.save`` atomically: a temporary file in the same folder, fsync, then rename.
+    """Write ``obj`` with ``torch.save`` atomically (:func:`common.utils.write_atomic`): a crash, a full disk or a
+    read-only file system during the write leaves the previous file at ``path`` untouched.
 
-    A crash or a full disk during the write leaves the previous file at ``path`` untouched, and the temporary
-    file is removed.
+    Raises:
+        OutputWriteError: when the file system refuses the write, naming the file and the cause.
     """
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            torch.save(obj, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
-    with contextlib.suppress(OSError):
-        dir_fd = os.open(path.parent, os.O_RDONLY)
-        try:
-            os.fsync(dir_fd)
-        finally:
-            os.close(dir_fd)
-    return path
+    return write_atomic(path, lambda handle: torch.save(obj, handle))
 
 
 def load_checkpoint(path: str | os.PathLike, map_location: Any = "cpu") -> dict:
@@ -152,6 +143,7 @@ class CheckpointManager:
         if self.interval > 0:
             engine.add_event_handler(Events.ITERATION_COMPLETED(every=self.interval), self.save)
         engine.add_event_handler(Events.COMPLETED, self.save)
+        engine.add_event_handler(Events.EXCEPTION_RAISED, self.stop_on_failure)
 
     # --------------------------------------------------------------- saving
     def _objects(self, engine: Engine) -> dict[str, Any]:
@@ -181,15 +173,55 @@ class CheckpointManager:
         return content
 
     def save(self, engine: Engine) -> None:
+        """Write the checkpoint (rank 0); every rank learns whether the write succeeded.
+
+        Raises:
+            CheckpointError: on every rank when the file system refused the write; the previous checkpoint is
+                unchanged.
+        """
         if self._saved_iteration == engine.state.iteration:
             return
         content = self.state(engine)
+        error = None
         if get_rank() == 0:
-            save_checkpoint(content, self.path)
-            logger.info(f"saved checkpoint {self.path} at iteration {engine.state.iteration}")
+            try:
+                save_checkpoint(content, self.path)
+                logger.info(f"saved checkpoint {self.path} at iteration {engine.state.iteration}")
+            except OutputWriteError as exc:
+                error = str(exc)
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            box = [error]
+            dist.broadcast_object_list(box, src=0)  # a collective: also keeps the ranks together
+            error = box[0]
+        if error is not None:
+            raise CheckpointError(f"checkpoint at iteration {engine.state.iteration} not saved: {error}")
         self._saved_iteration = engine.state.iteration
-        if dist.is_available() and dist.is_initialized():
-            dist.barrier()
+
+    def stop_on_failure(self, engine: Engine, exc: BaseException) -> None:
+        """``EXCEPTION_RAISED``: tear the process group down and say what is kept, then let the error propagate.
+
+        The process group is destroyed first (:func:`common.utils.abort_distributed`), so the other ranks fail at
+        once instead of waiting for the collective timeout, and a launcher such as ``torchrun --max_restarts`` can
+        restart the job, which resumes from the last checkpoint. A non-finite loss, a refused write (full disk,
+        read-only file system) or a lost peer rank is logged as one message naming the checkpoint that is kept; a
+        lost peer is re-raised as :class:`common.utils.PeerFailureError` with that message.
+        """
+        from common.engines.trainer import NonFiniteLossError
+
+        peer = describe_peer_failure(exc)
+        abort_distributed()
+        if peer is None and not isinstance(exc, (NonFiniteLossError, CheckpointError, OutputWriteError)):
+            raise exc
+        if self.path.is_file():
+            at = f" (iteration {self._saved_iteration})" if self._saved_iteration is not None else ""
+            kept = f"The last checkpoint {self.path}{at} is intact: re-run the same command to resume from it."
+        else:
+            kept = "No checkpoint had been written yet."
+        reason = str(peer or exc).rstrip(".")
+        logger.error(f"training stopped at iteration {engine.state.iteration}: {reason}. {kept}")
+        if peer is not None:
+            raise PeerFailureError(f"{reason}. {kept}") from exc
+        raise exc
 
     # --------------------------------------------------------------- loading
     def _resume_path(self) -> Path | None:
@@ -203,6 +235,7 @@ class CheckpointManager:
         return path
 
     def load(self, engine: Engine) -> None:
+        self._remove_partial_writes()
         path = self._resume_path()
         if path is None:
             return
@@ -222,6 +255,15 @@ class CheckpointManager:
         self._restore_rng(checkpoint.get("rng"), engine.state.iteration)
         self.resumed_from = self._saved_iteration = engine.state.iteration
         logger.info(f"resumed from {path} at iteration {engine.state.iteration} (epoch {engine.state.epoch})")
+
+    def _remove_partial_writes(self) -> None:
+        """Delete temporary files a killed process left while writing this checkpoint (rank 0)."""
+        if get_rank() != 0 or not self.save_dir.is_dir():
+            return
+        for stale in self.save_dir.glob(f".{self.path.name}.*.tmp"):
+            with contextlib.suppress(OSError):
+                stale.unlink()
+                logger.warning(f"removed {stale.name}, a checkpoint write interrupted by an earlier crash")
 
     def _restore_engine(self, engine: Engine, saved: Mapping[str, Any], path: Path) -> None:
         epoch_length = engine.state.epoch_length or saved["epoch_length"]

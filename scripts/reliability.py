@@ -1,0 +1,861 @@
+# Copyright (c) the 3D MONAI bundle collection contributors.
+# Licensed under the Apache License, Version 2.0.
+"""Fault injection and fuzzing for every bundle: crashes, full disks, non-finite losses, dying ranks, hostile
+input, and a long run's memory.
+
+Scenarios run the real bundle command (``python -m monai.bundle run training ...``) on small generated data; the
+faults are injected by an extra config file (:func:`fault_config`) that calls :func:`inject` inside the bundle
+process. The tests call the same functions with small sizes; ``report`` runs everything and prints the tables of
+``docs/reliability.md``::
+
+    python scripts/reliability.py faults --bundle autoencoder_3d --workdir /tmp/rel
+    python scripts/reliability.py fuzz --cases 500
+    python scripts/reliability.py soak --iterations 3000 --workdir /tmp/soak
+    python scripts/reliability.py report --workdir /tmp/rel --fuzz_cases 500 --soak_iterations 3000
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import gzip
+import io
+import json
+import os
+import random
+import resource
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+if str(REPO_ROOT) not in sys.path:
+    sys.path.insert(0, str(REPO_ROOT))
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+BUNDLES = ("autoencoder_3d", "vqgan_3d", "fast_ddpm_3d", "mace_survival", "xray2ct_cascade")
+FSIZE_LIMIT = 64 * 1024  # a process file-size limit below every checkpoint and above every log of a tiny run
+
+
+# ----------------------------------------------------------------------------------------- faults inside a run
+def inject(
+    trainer: Any,
+    kill_at: int | None = None,
+    kill_while_saving_at: int | None = None,
+    nan_at: int | None = None,
+    full_disk_at: int | None = None,
+    disk_error: str = "EFBIG",
+    stall_at: int | None = None,
+    rank: int | None = None,
+    once_marker: str | None = None,
+) -> None:
+    """Arm faults on a bundle's trainer (called from :func:`fault_config`; iterations are 1-based).
+
+    Args:
+        trainer: the ignite trainer.
+        kill_at: SIGKILL this process when iteration ``kill_at`` completes (after any checkpoint of it).
+        kill_while_saving_at: SIGKILL this process half-way through writing the first checkpoint at or after
+            this iteration.
+        nan_at: fill the batch's ``image`` with NaN at this iteration.
+        full_disk_at: from this iteration on, file writes fail: ``EFBIG`` lowers the process's real file-size limit
+            (``RLIMIT_FSIZE``, the kernel refuses the write), ``ENOSPC``/``EROFS`` make ``torch.save`` write part of
+            the file and then fail as a full or read-only file system would.
+        disk_error: ``EFBIG``, ``ENOSPC`` or ``EROFS``.
+        stall_at: stop responding (sleep) at this iteration, as a hung rank does.
+        rank: arm the faults on this rank only (``None``: every rank).
+        once_marker: a file created when the faults are armed; while it exists they are not armed again (a job
+            restarted by ``torchrun --max_restarts`` then runs clean).
+    """
+    from ignite.engine import Events
+
+    from common.utils import get_rank
+
+    if rank is not None and get_rank() != rank:
+        return
+    if once_marker is not None:
+        if os.path.exists(once_marker):
+            return
+        Path(once_marker).touch()
+    if kill_at:
+        trainer.add_event_handler(Events.ITERATION_COMPLETED(once=kill_at), lambda _: _kill_self())
+    if kill_while_saving_at:
+        trainer.add_event_handler(Events.ITERATION_STARTED(once=kill_while_saving_at), lambda _: _break_saves(True))
+    if nan_at:
+        trainer.add_event_handler(Events.ITERATION_STARTED(once=nan_at), _poison_batch)
+    if full_disk_at:
+        trainer.add_event_handler(Events.ITERATION_STARTED(once=full_disk_at), lambda _: _fill_disk(disk_error))
+    if stall_at:
+        trainer.add_event_handler(Events.ITERATION_STARTED(once=stall_at), lambda _: time.sleep(3600))
+
+
+def _kill_self() -> None:
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _poison_batch(engine: Any) -> None:
+    engine.state.batch["image"].fill_(float("nan"))
+
+
+def _break_saves(kill: bool, code: int = errno.ENOSPC) -> None:
+    """Replace ``torch.save``: write a third of the file, then SIGKILL the process or raise ``OSError(code)``."""
+    original = torch.save
+
+    def broken(obj: Any, f: Any, *args: Any, **kwargs: Any) -> None:
+        buffer = io.BytesIO()
+        original(obj, buffer, *args, **kwargs)
+        data = buffer.getvalue()
+        f.write(data[: len(data) // 3])
+        f.flush()
+        if kill:
+            _kill_self()
+        raise OSError(code, os.strerror(code))
+
+    torch.save = broken
+
+
+def _fill_disk(disk_error: str) -> None:
+    if disk_error == "EFBIG":
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # the write then fails with EFBIG instead of killing
+        resource.setrlimit(resource.RLIMIT_FSIZE, (FSIZE_LIMIT, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
+    elif disk_error in ("ENOSPC", "EROFS"):
+        _break_saves(False, getattr(errno, disk_error))
+    else:
+        raise ValueError(f"disk_error must be EFBIG, ENOSPC or EROFS, got {disk_error!r}.")
+
+
+def fault_config(path: str | os.PathLike, **faults: Any) -> Path:
+    """Write a config file that arms ``faults`` (see :func:`inject`) when merged last into a training config."""
+    arguments = ", ".join(f"{k}={v!r}" for k, v in faults.items() if v is not None)
+    expression = f"$inject_faults(@train#trainer, {arguments})"
+    path = Path(path)
+    path.write_text(
+        json.dumps(
+            {"+imports": ["$from scripts.reliability import inject as inject_faults"], "+initialize": [expression]}
+        )
+    )
+    return path
+
+
+# ----------------------------------------------------------------------------------------- bundles and runs
+@dataclass
+class BundleCase:
+    """A small training job of one bundle: its configs, overrides, and where its checkpoint and weights are."""
+
+    bundle: str
+    configs: list[str]
+    args: dict[str, Any]
+    output_arg: str = "output_dir"
+    ckpt: str = "models/last.pt"
+    weights: tuple[str, ...] = ()
+    iterations: int = 8
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def command(self, output: Path, probe: Path | None = None, multi_gpu: bool = False) -> list[str]:
+        configs = [str(REPO_ROOT / "bundles" / self.bundle / "configs" / c) for c in self.configs]
+        configs += [str(REPO_ROOT / "bundles" / self.bundle / "configs" / "multi_gpu_train.json")] if multi_gpu else []
+        configs += [str(probe)] if probe is not None else []
+        args = {**self.args, self.output_arg: str(output)}
+        flat = []
+        for key, value in args.items():
+            flat += [f"--{key}", str(value) if isinstance(value, (bool, str)) else json.dumps(value)]
+        return ["-m", "monai.bundle", "run", "training", "--config_file", json.dumps(configs), *flat]
+
+    def checkpoint(self, output: Path) -> Path:
+        return output / self.ckpt
+
+
+def make_case(bundle: str, root: str | os.PathLike) -> BundleCase:
+    """Generate small data for ``bundle`` under ``root`` and return its job: 8 or more iterations, a checkpoint
+    every 2, deterministic kernels, a validation at the end (and half-way for ``autoencoder_3d``, so a resumed run
+    crosses a validation)."""
+    root = Path(root)
+    root.mkdir(parents=True, exist_ok=True)
+    common = {"deterministic": True, "ckpt_interval": 2, "num_threads": 1}
+    if bundle == "autoencoder_3d":
+        from common.data.demo import write_phantom_dataset
+
+        write_phantom_dataset(root, n_train=4, n_val=2, shape=(24, 24, 24), seed=0)
+        args = {"dataset_dir": str(root), "max_epochs": 4, "val_interval": 2, "adv_warmup_iterations": 3}
+        return BundleCase(
+            bundle, ["train.json", "tiny.json"], {**args, **common}, weights=("autoencoder", "discriminator")
+        )
+    if bundle == "vqgan_3d":
+        from common.data.demo import write_phantom_dataset
+
+        write_phantom_dataset(root, n_train=4, n_val=2, shape=(24, 24, 22), kind="ct", spacing=(1.5, 1.5, 2.0))
+        args = {"dataset_dir": str(root), "max_cases": 2, "max_epochs": 4, "val_interval": 4}
+        args["discriminator_iter_start"] = 3
+        return BundleCase(bundle, ["train.json", "tiny.json"], {**args, **common}, weights=("vqgan", "discriminator"))
+    if bundle == "fast_ddpm_3d":
+        from common.data.demo import write_brats_phantom_dataset
+
+        write_brats_phantom_dataset(root, n_train=4, n_val=2, shape=(24, 24, 20), spacing=(1.5, 1.5, 2.0))
+        args = {"dataset_dir": str(root), "max_cases": 2, "max_epochs": 4, "val_interval": 4}
+        configs = ["train.json", "brats.json", "tiny.json"]
+        return BundleCase(bundle, configs, {**args, **common}, weights=("unet", "ema"))
+    if bundle == "mace_survival":
+        from common.data.survival_demo import make_mace_cohort
+
+        csv_path = make_mace_cohort(root, n_cases=16, shape=(24, 24, 20), spacing=(14, 14, 16))
+        args = {"csv_path": str(csv_path), "horizons": [1.0, 2.0], "max_epochs": 2, "val_interval": 1}
+        return BundleCase(bundle, ["train.json", "tiny.json"], {**args, **common}, weights=("predictor",))
+    if bundle == "xray2ct_cascade":
+        from common.data.xray import make_xray2ct_demo
+
+        make_xray2ct_demo(root, n_train=4, n_val=2, shape=(24, 24, 24), fov_mm=350.0)
+        args = {"dataset_dir": str(root), "stage": 1, "stage_batch_size": [1, 1], "max_epochs": 2, "val_interval": 2}
+        return BundleCase(
+            bundle,
+            ["train.json", "tiny.json"],
+            {**args, **common},
+            output_arg="outputs_root",
+            ckpt="stage1/models/last.pt",
+            weights=("network", "ema"),
+        )
+    raise ValueError(f"unknown bundle {bundle!r}; expected one of {BUNDLES}.")
+
+
+def _env() -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    env.update({"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"})
+    return env
+
+
+def run_case(
+    case: BundleCase, output: Path, probe: Path | None = None, timeout: float = 600
+) -> subprocess.CompletedProcess:
+    """Run ``case`` once (one process) with an optional fault config; output captured."""
+    cmd = [sys.executable, *case.command(output, probe)]
+    return subprocess.run(cmd, cwd=REPO_ROOT, env=_env(), capture_output=True, text=True, timeout=timeout)
+
+
+def saved_iteration(path: Path) -> int | None:
+    """The iteration of a ``last`` checkpoint, or ``None`` when it is missing or unreadable."""
+    from common.handlers.checkpoint import CheckpointError, load_checkpoint
+
+    try:
+        return int(load_checkpoint(path)["trainer"]["iteration"])
+    except CheckpointError:
+        return None
+
+
+def same_weights(case: BundleCase, a: Path, b: Path) -> list[str]:
+    """Names of the tensors that differ between two ``last`` checkpoints of ``case`` (empty: bit-identical)."""
+    first, second = torch.load(a, weights_only=True), torch.load(b, weights_only=True)
+    return [
+        f"{part}.{key}"
+        for part in case.weights
+        for key, value in first[part].items()
+        if not torch.equal(value, second[part][key])
+    ]
+
+
+def _stale_files(folder: Path) -> list[str]:
+    return sorted(p.name for p in folder.glob(".*.tmp")) if folder.is_dir() else []
+
+
+@dataclass
+class Step:
+    """One run of a fault sequence and what it showed."""
+
+    fault: str
+    returncode: int
+    resumed_from: int | None
+    checkpoint_after: int | None
+    message: str
+    ok: bool
+
+
+def _message(result: subprocess.CompletedProcess, marker: str) -> str:
+    lines = [line for line in (result.stdout + result.stderr).splitlines() if marker in line]
+    return lines[-1].strip()[:400] if lines else ""
+
+
+def _resumed(result: subprocess.CompletedProcess) -> int | None:
+    for line in (result.stdout + result.stderr).splitlines():
+        if "resumed from" in line and " at iteration " in line:
+            return int(line.split(" at iteration ")[1].split()[0])
+    return None
+
+
+def fault_sequence(case: BundleCase, workdir: str | os.PathLike, seed: int = 0) -> dict[str, Any]:
+    """One uninterrupted reference run, then the same job interrupted by four faults in turn and re-run with the
+    same command after each, until it completes:
+
+    1. the disk fills up (``EFBIG`` from the kernel's file-size limit) at a random iteration: the run must stop
+       with a message naming the write, keep the previous checkpoint loadable and leave no partial file;
+    2. the loss becomes NaN at a random later iteration: the run must stop naming the iteration and the loss terms
+       and keep the last checkpoint;
+    3. SIGKILL while the checkpoint is being written: the previous checkpoint must stay the ``last`` one;
+    4. SIGKILL at a random iteration between checkpoints.
+
+    Each re-run must resume from the last checkpoint (losing at most ``ckpt_interval`` iterations), and the final
+    weights must be bit-identical to the reference run's.
+
+    Returns:
+        ``{"bundle", "steps": [Step, ...], "identical": bool, "differing": [...], "ok": bool}``.
+    """
+    workdir = Path(workdir)
+    rng = random.Random(seed)
+    reference, out = workdir / "reference", workdir / "interrupted"
+    result = run_case(case, reference)
+    if result.returncode != 0:
+        raise RuntimeError(f"reference run of {case.bundle} failed:\n{result.stderr[-4000:]}")
+    total = saved_iteration(case.checkpoint(reference))
+    step = int(case.args["ckpt_interval"])
+    if total is None or total < 4 * step:
+        raise ValueError(f"{case.bundle}: the job needs at least {4 * step} iterations for the sequence, has {total}.")
+    # each fault strikes within one checkpoint interval (+1) of where the previous run left off; `expect` is the
+    # iteration of the `last` checkpoint the fault must leave
+    faults = [
+        ("disk full (EFBIG)", "full_disk_at", lambda r: rng.randint(r + step + 1, r + 2 * step), "could not write"),
+        ("NaN loss", "nan_at", lambda r: rng.randint(r + 1, r + step + 1), "non-finite"),
+        ("SIGKILL while saving", "kill_while_saving_at", lambda r: rng.randint(r + 1, r + step), ""),
+        ("SIGKILL", "kill_at", lambda r: rng.randint(r + 1, min(total, r + step + 1)), ""),
+    ]
+    expect = {
+        "full_disk_at": lambda f: (f - 1) // step * step,
+        "nan_at": lambda f: (f - 1) // step * step,
+        "kill_while_saving_at": lambda f: -(-f // step) * step - step,
+        "kill_at": lambda f: f // step * step,
+    }
+    steps, resume_point = [], 0
+    for index, (name, key, choose, marker) in enumerate([*faults, ("none (completes)", None, None, "")]):
+        before = saved_iteration(case.checkpoint(out))
+        at = choose(resume_point) if choose else None
+        probe = fault_config(workdir / f"fault{index}.json", **{key: at}) if key else None
+        result = run_case(case, out, probe)
+        after = saved_iteration(case.checkpoint(out))
+        resumed = _resumed(result)
+        message = _message(result, marker) if marker else ""
+        killed = key in ("kill_at", "kill_while_saving_at")
+        if key is None:
+            ok = result.returncode == 0 and after == total
+        else:
+            ok = after == (expect[key](at) or None) and (
+                result.returncode == -signal.SIGKILL if killed else result.returncode != 0 and bool(message)
+            )
+        ok = ok and resumed == before and (killed or not _stale_files(case.checkpoint(out).parent))
+        steps.append(Step(f"{name} at iteration {at}" if at else name, result.returncode, resumed, after, message, ok))
+        resume_point = after or 0
+    differing = same_weights(case, case.checkpoint(reference), case.checkpoint(out))
+    return {
+        "bundle": case.bundle,
+        "steps": steps,
+        "identical": not differing,
+        "differing": differing[:5],
+        "ok": all(s.ok for s in steps) and not differing,
+    }
+
+
+# ----------------------------------------------------------------------------------------- several processes
+def run_torchrun(
+    case: BundleCase,
+    output: Path,
+    probe: Path | None = None,
+    max_restarts: int = 0,
+    log_dir: Path | None = None,
+    timeout: float = 600,
+) -> subprocess.CompletedProcess:
+    """Run ``case`` as a 2-process CPU job under ``torchrun`` (``multi_gpu_train.json`` merged)."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+    cmd += [f"--max_restarts={max_restarts}", "--monitor_interval=0.5"]
+    cmd += ["--log_dir", str(log_dir), "--tee=3"] if log_dir is not None else []
+    cmd += case.command(output, probe, multi_gpu=True)
+    return subprocess.run(cmd, cwd=REPO_ROOT, env=_env(), capture_output=True, text=True, timeout=timeout)
+
+
+def distributed_sequence(case: BundleCase, workdir: str | os.PathLike, seed: int = 0) -> dict[str, Any]:
+    """The same job as 2 torchrun processes: an uninterrupted reference, then
+
+    1. SIGKILL of rank 0 at a random iteration (``--max_restarts 0``): the job fails;
+    2. a NaN loss on rank 1 only: both ranks stop at that iteration (rank 0 names the other rank), the last
+       checkpoint is kept;
+    3. rank 1 dies once at a random iteration under ``--max_restarts 1``: torchrun restarts both ranks, which
+       resume from the last checkpoint and complete the job.
+
+    Each run resumes from where the previous one left off, and the final weights must be bit-identical to the
+    reference's.
+
+    Returns:
+        ``{"bundle", "steps": [Step, ...], "identical", "differing", "ok"}``.
+    """
+    workdir = Path(workdir)
+    rng = random.Random(seed)
+    reference, out = workdir / "ddp_reference", workdir / "ddp_interrupted"
+    result = run_torchrun(case, reference)
+    if result.returncode != 0:
+        raise RuntimeError(f"reference torchrun job of {case.bundle} failed:\n{result.stderr[-4000:]}")
+    total = saved_iteration(case.checkpoint(reference))
+    step = int(case.args["ckpt_interval"])
+    if total is None or total < 3 * step:
+        raise ValueError(f"{case.bundle}: the 2-process job needs at least {3 * step} iterations, has {total}.")
+    kill_at = rng.randint(step + 1, 2 * step - 1) if step > 1 else step + 1
+    nan_at = kill_at // step * step + 1
+    die_at = nan_at + rng.randint(1, step)
+    plan = [
+        ("SIGKILL of rank 0", {"kill_at": kill_at, "rank": 0}, 0, kill_at // step * step, ""),
+        ("NaN loss on rank 1", {"nan_at": nan_at, "rank": 1}, 0, (nan_at - 1) // step * step, "non-finite loss"),
+        ("rank 1 dies, --max_restarts 1", {"kill_at": die_at, "rank": 1}, 1, total, ""),
+    ]
+    steps = []
+    for index, (name, faults, restarts, expected, marker) in enumerate(plan):
+        before = saved_iteration(case.checkpoint(out))
+        if restarts:
+            faults = {**faults, "once_marker": str(workdir / f"ddp_fault{index}.done")}
+        probe = fault_config(workdir / f"ddp_fault{index}.json", **faults)
+        logs = workdir / f"ddp_logs{index}"
+        result = run_torchrun(case, out, probe, max_restarts=restarts, log_dir=logs)
+        after = saved_iteration(case.checkpoint(out))
+        text = result.stdout + result.stderr + "".join(p.read_text() for p in sorted(logs.rglob("*.log")))
+        message = next((line.strip()[:400] for line in text.splitlines() if marker and marker in line), "")
+        ok = after == expected and (result.returncode == 0) == bool(restarts) and (not marker or bool(message))
+        if before is not None:
+            ok = ok and f"resumed from {case.checkpoint(out)} at iteration {before}" in text
+        if restarts:  # the restarted attempt resumed from the checkpoint the dead rank left
+            ok = ok and len(list(logs.glob("*/attempt_1"))) == 1 and "resumed from" in _attempt_logs(logs, 1)
+        at = faults.get("kill_at") or faults.get("nan_at")
+        steps.append(Step(f"{name} at iteration {at}", result.returncode, before, after, message, ok))
+    differing = same_weights(case, case.checkpoint(reference), case.checkpoint(out))
+    return {
+        "bundle": case.bundle,
+        "steps": steps,
+        "identical": not differing,
+        "differing": differing[:5],
+        "ok": all(s.ok for s in steps) and not differing,
+    }
+
+
+def _attempt_logs(logs: Path, attempt: int) -> str:
+    return "".join(p.read_text() for p in sorted(logs.glob(f"*/attempt_{attempt}/*/*.log")))
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def peer_failure(
+    case: BundleCase, workdir: str | os.PathLike, mode: str = "kill", at: int = 3, timeout_s: float = 10.0
+) -> dict[str, Any]:
+    """Rank 1 of a 2-process job (started without torchrun, so nothing else reacts) dies (``kill``) or hangs
+    (``stall``) at iteration ``at``; measure how long rank 0 takes to exit and what it says.
+
+    Returns:
+        ``{"mode", "returncode", "seconds", "message"}``: rank 0's exit status, its seconds from rank 1's fault to
+        its exit, and its error line.
+    """
+    workdir = Path(workdir)
+    args = {**case.args, "dist_timeout": timeout_s}
+    job = BundleCase(case.bundle, case.configs, args, case.output_arg, case.ckpt, case.weights)
+    probe = fault_config(workdir / f"peer_{mode}.json", rank=1, **{"kill_at" if mode == "kill" else "stall_at": at})
+    env = {**_env(), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), "WORLD_SIZE": "2"}
+    procs, logs = [], []
+    for rank in (0, 1):
+        log = open(workdir / f"peer_{mode}_rank{rank}.log", "w")
+        logs.append(log)
+        cmd = [sys.executable, *job.command(workdir / f"peer_{mode}", probe, multi_gpu=True)]
+        rank_env = {**env, "RANK": str(rank), "LOCAL_RANK": str(rank)}
+        procs.append(subprocess.Popen(cmd, cwd=REPO_ROOT, env=rank_env, stdout=log, stderr=subprocess.STDOUT))
+    try:
+        deadline = time.time() + 600
+        fault_time = None
+        while procs[0].poll() is None and time.time() < deadline:
+            if fault_time is None and (procs[1].poll() is not None or _reached(workdir / f"peer_{mode}_rank1.log", at)):
+                fault_time = time.time()
+            time.sleep(0.05)
+        end = time.time()
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait()
+        for log in logs:
+            log.close()
+    text = (workdir / f"peer_{mode}_rank0.log").read_text()
+    message = next((line.strip() for line in text.splitlines() if "lost contact" in line), "")
+    return {
+        "mode": mode,
+        "returncode": procs[0].returncode,
+        "seconds": round(end - (fault_time or end), 1),
+        "message": message,
+    }
+
+
+def _reached(log: Path, iteration: int) -> bool:
+    """Whether a rank's log shows it started ``iteration`` (the monitor logs every completed iteration)."""
+    return log.is_file() and f"iter {iteration - 1}/" in log.read_text()
+
+
+# ----------------------------------------------------------------------------------------- hostile input
+@dataclass
+class FuzzOutcome:
+    """Counts of one fuzz family: cases tried, refused with a clear error, accepted, and crashes (raw
+    exceptions or errors that do not name the input), with the largest memory seen."""
+
+    family: str
+    cases: int = 0
+    refused: int = 0
+    accepted: int = 0
+    crashes: list[str] = field(default_factory=list)
+    peak_mib: float = 0.0
+
+
+def _nifti_bytes(shape: Sequence[int] = (12, 12, 10), compressed: bool = False) -> bytes:
+    """A valid small float32 NIfTI-1 file, as bytes (gzip-compressed on request)."""
+    import nibabel as nib
+
+    data = np.random.default_rng(0).normal(size=shape).astype(np.float32)
+    raw = nib.Nifti1Image(data, np.diag([1.5, 1.5, 2.0, 1.0])).to_bytes()
+    return gzip.compress(raw, mtime=0) if compressed else raw
+
+
+def _mutated_header(raw: bytes, field_name: str, value: int) -> bytes:
+    import nibabel as nib
+
+    header = nib.Nifti1Header.from_fileobj(io.BytesIO(raw[:348]), check=False)
+    with contextlib.suppress(Exception):
+        if field_name == "dim":
+            dims = list(header["dim"])
+            dims[1 + abs(value) % 3] = value
+            header["dim"] = dims
+        else:
+            header[field_name] = value
+    return header.binaryblock + raw[348:]
+
+
+def _volume_case(folder: Path, name: str, content: bytes) -> Callable[[], tuple[str, str]]:
+    """A datalist with one training entry whose file holds ``content``; returns (outcome, detail)."""
+    from common.data.preflight import PreflightError, preflight
+
+    path = folder / name
+    path.write_bytes(content)
+
+    def check() -> tuple[str, str]:
+        try:
+            preflight({"training": [{"image": name}]}, base_dir=str(folder), num_workers=1, required=("training",))
+        except PreflightError as exc:
+            return ("refused", str(exc)) if name in str(exc) else ("crash", f"error without the file name: {exc}")
+        return "accepted", ""
+
+    return check
+
+
+def _dicom_seed(folder: Path) -> list[bytes]:
+    from common.data.demo import write_phantom_dataset
+
+    write_phantom_dataset(folder, n_train=1, n_val=0, shape=(16, 16, 6), kind="ct", dicom=True)
+    return [p.read_bytes() for p in sorted(folder.rglob("*.dcm"))]
+
+
+def _run_family(
+    family: str, cases: int, seed: int, draw: Callable[[Any], Callable[[], tuple[str, str]]]
+) -> FuzzOutcome:
+    """Run ``cases`` hypothesis examples: ``draw(data)`` builds one input and returns its check."""
+    import tracemalloc
+
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import seed as hypothesis_seed
+    from hypothesis import strategies as st
+
+    outcome = FuzzOutcome(family)
+
+    @hypothesis_seed(seed)
+    @settings(
+        max_examples=cases,
+        database=None,
+        deadline=None,
+        suppress_health_check=list(HealthCheck),
+        phases=[__import__("hypothesis").Phase.generate],
+    )
+    @given(st.data())
+    def one(data: Any) -> None:
+        check = draw(data)
+        tracemalloc.start()
+        try:
+            kind, detail = check()
+        except Exception as exc:  # noqa: BLE001 - a raw exception is what the fuzzing looks for
+            kind, detail = "crash", f"{type(exc).__name__}: {exc}"
+        finally:
+            peak = tracemalloc.get_traced_memory()[1] / 1024**2
+            tracemalloc.stop()
+        outcome.cases += 1
+        outcome.peak_mib = max(outcome.peak_mib, peak)
+        if kind == "crash":
+            outcome.crashes.append(detail[:300])
+        elif kind == "refused":
+            outcome.refused += 1
+        else:
+            outcome.accepted += 1
+
+    one()
+    return outcome
+
+
+def fuzz(cases: int = 200, seed: int = 0, workdir: str | None = None) -> list[FuzzOutcome]:
+    """Fuzz the readers and checks with ``hypothesis``-generated hostile inputs, ``cases`` per family:
+
+    - ``nifti``: random bytes, valid files truncated anywhere, header fields (dims up to 2^31, datatype,
+      bitpix, vox_offset, scale) set to arbitrary values; ``.nii`` and ``.nii.gz``; through :func:`preflight`.
+    - ``dicom``: a series whose files are random bytes, truncated or byte-flipped real DICOM files.
+    - ``csv``: cohort tables with random cells of mixed types (text, numbers, NaN/inf, quotes, empty, unicode).
+    - ``json``: datalists of random JSON values and wrong types, and path entries with ``..`` and symbolic links
+      leaving the dataset root.
+
+    Every case must either be accepted or refused with an error naming the input; anything else is a crash.
+    Memory is the peak of Python-tracked allocations (numpy included) per case.
+    """
+    from hypothesis import strategies as st
+
+    from common.data.datalist import DatalistError, parse_datalist_section
+    from common.data.survival import CohortError, read_cohort_csv
+
+    root = Path(workdir or tempfile.mkdtemp(prefix="fuzz_"))
+    root.mkdir(parents=True, exist_ok=True)
+    outcomes = []
+    raw, packed = _nifti_bytes(), _nifti_bytes(compressed=True)
+    fields = ["dim", "datatype", "bitpix", "vox_offset", "scl_slope", "sizeof_hdr", "pixdim"]
+
+    def nifti(data: Any) -> Callable[[], tuple[str, str]]:
+        folder = Path(tempfile.mkdtemp(dir=root))
+        kind = data.draw(st.sampled_from(["random", "truncated", "header", "header+gz"]))
+        if kind == "random":
+            content = data.draw(st.binary(min_size=0, max_size=4096))
+        elif kind == "truncated":
+            source = data.draw(st.sampled_from([raw, packed]))
+            content = source[: data.draw(st.integers(0, len(source) - 1))]
+        else:
+            name = data.draw(st.sampled_from(fields))
+            value = data.draw(st.one_of(st.integers(-(2**31), 2**31 - 1), st.sampled_from([0, -1, 2**15, 30000])))
+            content = _mutated_header(raw, name, value)
+            if kind == "header+gz":
+                content = gzip.compress(content, mtime=0)
+        suffix = ".nii.gz" if kind in ("header+gz",) or content[:2] == b"\x1f\x8b" else ".nii"
+        return _volume_case(folder, f"case{suffix}", content)
+
+    outcomes.append(_run_family("nifti", cases, seed, nifti))
+
+    seeds = _dicom_seed(root / "dicom_seed")
+
+    def dicom(data: Any) -> Callable[[], tuple[str, str]]:
+        from common.data.preflight import PreflightError, preflight
+
+        folder = Path(tempfile.mkdtemp(dir=root))
+        series = folder / "series"
+        series.mkdir()
+        for i, original in enumerate(seeds):
+            kind = data.draw(st.sampled_from(["keep", "random", "truncate", "flip"]))
+            if kind == "random":
+                content = data.draw(st.binary(min_size=0, max_size=2048))
+            elif kind == "truncate":
+                content = original[: data.draw(st.integers(0, len(original) - 1))]
+            elif kind == "flip":
+                position = data.draw(st.integers(0, len(original) - 1))
+                content = original[:position] + bytes([original[position] ^ 0xFF]) + original[position + 1 :]
+            else:
+                content = original
+            (series / f"{i:03d}.dcm").write_bytes(content)
+
+        def check() -> tuple[str, str]:
+            try:
+                preflight({"training": [{"image": "series"}]}, base_dir=str(folder), num_workers=1)
+            except PreflightError as exc:
+                return ("refused", str(exc)) if "series" in str(exc) else ("crash", str(exc))
+            return "accepted", ""
+
+        return check
+
+    outcomes.append(_run_family("dicom", max(1, cases // 4), seed, dicom))
+
+    cell = st.one_of(
+        st.text(max_size=12),
+        st.integers(-(10**12), 10**12).map(str),
+        st.floats(allow_nan=True, allow_infinity=True).map(repr),
+        st.sampled_from(["", " ", "nan", "inf", "-1", "1e309", '"', "1,5", "0x10", "True", "NULL", "1.0", "0"]),
+    )
+
+    def table(data: Any) -> Callable[[], tuple[str, str]]:
+        folder = Path(tempfile.mkdtemp(dir=root))
+        header = data.draw(
+            st.sampled_from(
+                [["case_id", "image", "time", "event"], ["image", "time", "event", "age"], ["id", "img", "t"]]
+            )
+        )
+        rows = data.draw(st.lists(st.lists(cell, min_size=len(header) - 1, max_size=len(header) + 1), max_size=6))
+        buffer = io.StringIO()
+        writer = __import__("csv").writer(buffer)
+        writer.writerow(header)
+        writer.writerows(rows)
+        path = folder / "cohort.csv"
+        path.write_text(buffer.getvalue(), encoding="utf-8")
+
+        def check() -> tuple[str, str]:
+            try:
+                entries = read_cohort_csv(path, covariates=["age"] if "age" in header else ())
+            except CohortError as exc:
+                return ("refused", str(exc)) if "cohort.csv" in str(exc) else ("crash", str(exc))
+            bad = [e for e in entries if not (np.isfinite(e["time"]) and e["time"] >= 0 and e["event"] in (0, 1))]
+            return ("crash", f"accepted invalid rows {bad[:2]}") if bad else ("accepted", "")
+
+        return check
+
+    outcomes.append(_run_family("csv", cases, seed, table))
+
+    json_value = st.recursive(
+        st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=8),
+        lambda children: st.lists(children, max_size=3) | st.dictionaries(st.text(max_size=6), children, max_size=3),
+        max_leaves=8,
+    )
+    outside = root / "outside.nii"
+    outside.write_bytes(raw)
+
+    def datalist(data: Any) -> Callable[[], tuple[str, str]]:
+        folder = Path(tempfile.mkdtemp(dir=root))
+        (folder / "link").symlink_to(root)
+        kind = data.draw(st.sampled_from(["random", "entries", "paths"]))
+        if kind == "random":
+            content = data.draw(json_value)
+        elif kind == "entries":
+            content = {"training": data.draw(st.lists(json_value | st.fixed_dictionaries({"image": json_value})))}
+        else:
+            path = data.draw(
+                st.sampled_from(["../outside.nii", "link/outside.nii", "a/../../outside.nii", "./x/../.."])
+            )
+            content = {"training": [{"image": path}]}
+        file = folder / "datalist.json"
+        file.write_text(json.dumps(content))
+
+        def check() -> tuple[str, str]:
+            try:
+                entries, problems, _ = parse_datalist_section(file, "training", base_dir=str(folder))
+            except DatalistError as exc:
+                return ("refused", str(exc)) if "datalist.json" in str(exc) else ("crash", str(exc))
+            if problems:
+                return "refused", str(problems)
+            escaped = [e for e in entries if e and not str(e["image"]).startswith(str(folder))]
+            return ("crash", f"path outside the root accepted: {escaped}") if escaped else ("accepted", "")
+
+        return check
+
+    outcomes.append(_run_family("json", cases, seed, datalist))
+    return outcomes
+
+
+# ----------------------------------------------------------------------------------------- long run
+def _rss_and_fds(pid: int) -> tuple[float, int]:
+    status = Path(f"/proc/{pid}/status").read_text()
+    rss_kib = next(int(line.split()[1]) for line in status.splitlines() if line.startswith("VmRSS:"))
+    return rss_kib / 1024, len(os.listdir(f"/proc/{pid}/fd"))
+
+
+def soak(iterations: int = 2000, workdir: str | None = None, interval_s: float = 1.0) -> dict[str, Any]:
+    """A long tiny ``autoencoder_3d`` run with SmartCache replacement (half the cache replaced every epoch) and a
+    validation every epoch: sample the process's RSS and open file descriptors, and compare the end with the
+    state after warm-up (10% of the run).
+
+    Returns:
+        ``{"iterations", "rss_start_mib", "rss_end_mib", "rss_drift_mib", "fds_start", "fds_max", "fds_end",
+        "seconds", "returncode"}``.
+    """
+    from common.data.demo import write_phantom_dataset
+
+    root = Path(workdir or tempfile.mkdtemp(prefix="soak_"))
+    write_phantom_dataset(root / "data", n_train=8, n_val=2, shape=(20, 20, 20), seed=0)
+    epochs = max(1, iterations // 2)  # 4 cached volumes, batch 2: 2 iterations per epoch
+    args = {
+        "dataset_dir": str(root / "data"),
+        "max_epochs": epochs,
+        "val_interval": 1,
+        "cache_rate": 0.5,
+        "replace_rate": 0.5,
+        "batch_size": 2,
+        "patch_size": [16, 16, 16],
+        "ckpt_interval": 200,
+        "log_interval": 100,
+        "adv_warmup_iterations": 10,
+        "num_threads": 1,
+    }
+    case = BundleCase("autoencoder_3d", ["train.json", "tiny.json"], args)
+    cmd = [sys.executable, *case.command(root / "run")]
+    start = time.time()
+    with open(root / "soak.log", "w") as log:
+        proc = subprocess.Popen(cmd, cwd=REPO_ROOT, env=_env(), stdout=log, stderr=subprocess.STDOUT)
+        samples: list[tuple[float, float, int]] = []
+        while proc.poll() is None:
+            with contextlib.suppress(OSError, StopIteration):
+                samples.append((time.time() - start, *_rss_and_fds(proc.pid)))
+            time.sleep(interval_s)
+    if len(samples) < 3:
+        raise RuntimeError(f"the soak run ended too early (status {proc.returncode}); see {root / 'soak.log'}")
+    warm = samples[max(1, len(samples) // 10)]
+    end = samples[-1]
+    return {
+        "iterations": epochs * 2,
+        "rss_start_mib": round(warm[1], 1),
+        "rss_end_mib": round(end[1], 1),
+        "rss_drift_mib": round(end[1] - warm[1], 1),
+        "fds_start": warm[2],
+        "fds_max": max(s[2] for s in samples),
+        "fds_end": end[2],
+        "seconds": round(time.time() - start, 1),
+        "returncode": proc.returncode,
+    }
+
+
+# ----------------------------------------------------------------------------------------- command line
+def faults(bundle: str, workdir: str, seed: int = 0) -> dict[str, Any]:
+    """Run :func:`fault_sequence` for ``bundle`` on fresh small data under ``workdir``."""
+    case = make_case(bundle, Path(workdir) / bundle / "data")
+    return fault_sequence(case, Path(workdir) / bundle, seed=seed)
+
+
+def _fault_table(result: Mapping[str, Any]) -> str:
+    lines = [f"### {result['bundle']}", "", "| fault | exit | resumed from | `last` after | message | outcome |"]
+    lines.append("|---|---|---|---|---|---|")
+    for s in result["steps"]:
+        message = s.message.replace("|", "/")[:160]
+        lines.append(
+            f"| {s.fault} | {s.returncode} | {s.resumed_from} | {s.checkpoint_after} | {message} | "
+            f"{'ok' if s.ok else 'FAILED'} |"
+        )
+    same = "bit-identical" if result["identical"] else f"DIFFERENT ({result['differing']})"
+    lines += ["", f"Final weights vs the uninterrupted run: {same}.", ""]
+    return "\n".join(lines)
+
+
+def report(workdir: str, fuzz_cases: int = 300, soak_iterations: int = 2000, bundles: Sequence[str] = BUNDLES) -> str:
+    """Run the fault sequence of every bundle, the fuzzing and the long run; print markdown tables."""
+    parts = []
+    for bundle in bundles:
+        parts.append(_fault_table(faults(bundle, workdir)))
+    lines = [
+        "| family | cases | refused with a clear error | accepted | crashes | peak MiB |",
+        "|---|---|---|---|---|---|",
+    ]
+    for o in fuzz(fuzz_cases, workdir=str(Path(workdir) / "fuzz")):
+        lines.append(f"| {o.family} | {o.cases} | {o.refused} | {o.accepted} | {len(o.crashes)} | {o.peak_mib:.1f} |")
+    parts.append("\n".join(lines))
+    parts.append(json.dumps(soak(soak_iterations, str(Path(workdir) / "soak")), indent=2))
+    text = "\n\n".join(parts)
+    print(text)
+    return text
+
+
+if __name__ == "__main__":
+    import fire
+
+    fire.Fire({"faults": faults, "fuzz": fuzz, "soak": soak, "report": report})

@@ -1,0 +1,271 @@
+# Copyright (c) the 3D MONAI bundle collection contributors.
+# Licensed under the Apache License, Version 2.0.
+"""Fault tolerance of every bundle: a job interrupted by a full disk, a NaN loss and two SIGKILLs ends bit-identical
+to an uninterrupted one; refused writes keep the previous file; bad command lines, hostile datalists, tables and
+image files are refused with clear errors; a long run keeps its memory and file handles flat."""
+
+from __future__ import annotations
+
+import errno
+import gzip
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import nibabel as nib
+import numpy as np
+import pytest
+import torch
+
+from scripts import reliability
+from tests.helpers import BUNDLES, bundle_env, overrides, run_bundle
+
+ALL_BUNDLES = reliability.BUNDLES
+
+
+# ----------------------------------------------------------------------------------------- a job, interrupted
+@pytest.mark.parametrize("bundle", ALL_BUNDLES)
+def test_faults_in_turn_lose_nothing(bundle, tmp_path):
+    """Disk full, NaN loss, SIGKILL while saving, SIGKILL: each run stops as it must, keeps the last checkpoint,
+    the next run resumes from it, and the job ends bit-identical to one never interrupted."""
+    case = reliability.make_case(bundle, tmp_path / "data")
+    result = reliability.fault_sequence(case, tmp_path, seed=ALL_BUNDLES.index(bundle))
+    steps = {s.fault.split(" at ")[0]: s for s in result["steps"]}
+    assert [s.ok for s in result["steps"]] == [True] * 5, result["steps"]
+    assert result["identical"], result["differing"]
+    assert "the file exceeds the file-size limit" in steps["disk full (EFBIG)"].message
+    assert "the previous file is unchanged" in steps["disk full (EFBIG)"].message
+    assert "non-finite loss at iteration" in steps["NaN loss"].message
+    assert "loss=nan" in steps["NaN loss"].message
+
+
+def test_two_process_job_survives_a_killed_rank_a_nan_on_one_rank_and_a_restart(tmp_path):
+    """torchrun, 2 CPU processes: rank 0 SIGKILLed; a NaN on rank 1 stops both ranks; rank 1 dies under
+    ``--max_restarts 1`` and the restarted job resumes; the result is bit-identical to an uninterrupted job."""
+    case = reliability.make_case("autoencoder_3d", tmp_path / "data")
+    case.args.update(batch_size=1, max_epochs=4)  # 4 volumes / 2 ranks / batch 1: 8 iterations
+    result = reliability.distributed_sequence(case, tmp_path, seed=3)
+    assert [s.ok for s in result["steps"]] == [True] * 3, result["steps"]
+    assert result["steps"][0].returncode != 0 and result["steps"][2].returncode == 0
+    assert "non-finite loss" in result["steps"][1].message
+    assert result["identical"], result["differing"]
+
+
+@pytest.mark.parametrize("mode", ["kill", "stall"])
+def test_the_surviving_rank_exits_within_the_timeout_and_says_why(mode, tmp_path):
+    case = reliability.make_case("autoencoder_3d", tmp_path / "data")
+    case.args.update(batch_size=1)
+    result = reliability.peer_failure(case, tmp_path, mode=mode, at=3, timeout_s=8)
+    assert result["returncode"] == 1, result
+    assert result["seconds"] < (5 if mode == "kill" else 8 + 20), result
+    assert "rank 0 of 2 lost contact with the other ranks" in result["message"], result
+    expected = "a collective timed out" if mode == "stall" else "a connection to another rank failed"
+    assert expected in result["message"] and "is intact: re-run the same command" in result["message"]
+
+
+# ----------------------------------------------------------------------------------------- refused writes
+@pytest.mark.parametrize(
+    "code, cause", [(errno.ENOSPC, "the disk is full"), (errno.EROFS, "the file system is read-only")]
+)
+def test_refused_write_names_file_and_cause_and_keeps_the_previous_file(tmp_path, monkeypatch, code, cause):
+    from common.handlers.checkpoint import save_checkpoint
+    from common.utils import OutputWriteError, write_text_atomic
+
+    path = tmp_path / "last.pt"
+    save_checkpoint({"version": torch.tensor(1)}, path)
+    write_text_atomic(tmp_path / "metrics.json", "{}")
+    monkeypatch.setattr(torch, "save", torch.save)  # restores the real one after the test
+    reliability._break_saves(False, code)
+    with pytest.raises(OutputWriteError) as info:
+        save_checkpoint({"version": torch.tensor(2)}, path)
+    assert info.value.errno == code
+    assert f"could not write {str(path)!r}: {cause}" in str(info.value)
+    assert "the previous file is unchanged" in str(info.value)
+    assert torch.load(path, weights_only=True)["version"].item() == 1
+    assert sorted(os.listdir(tmp_path)) == ["last.pt", "metrics.json"]
+
+
+def test_kernel_file_size_limit_is_reported_and_leaves_no_partial_file(tmp_path):
+    """A real refused write (``RLIMIT_FSIZE``) in a separate process: the previous file stays, no temporary."""
+    script = f"""
+import resource, signal, torch
+from common.handlers.checkpoint import save_checkpoint
+save_checkpoint({{'w': torch.zeros(10)}}, {str(tmp_path / "model.pt")!r})
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+resource.setrlimit(resource.RLIMIT_FSIZE, (4096, resource.RLIM_INFINITY))
+save_checkpoint({{'w': torch.zeros(100000)}}, {str(tmp_path / "model.pt")!r})
+"""
+    result = subprocess.run([sys.executable, "-c", script], env=bundle_env(), capture_output=True, text=True)
+    assert result.returncode == 1
+    assert "could not write" in result.stderr and "the file exceeds the file-size limit" in result.stderr
+    assert torch.load(tmp_path / "model.pt", weights_only=True)["w"].numel() == 10
+    assert os.listdir(tmp_path) == ["model.pt"]
+
+
+def test_partial_write_of_a_killed_run_is_removed_on_restart(tmp_path):
+    from ignite.engine import Engine
+
+    from common.handlers.checkpoint import CheckpointManager
+
+    (tmp_path / ".last.pt.abc123.tmp").write_bytes(b"half a checkpoint")
+    (tmp_path / ".other.pt.x.tmp").write_bytes(b"not ours")
+    manager = CheckpointManager(tmp_path, {"net": torch.nn.Linear(1, 1)}, resume=True)
+    manager.load(Engine(lambda e, b: None))
+    assert sorted(os.listdir(tmp_path)) == [".other.pt.x.tmp"]
+
+
+# ----------------------------------------------------------------------------------------- command lines
+def _argv(*args: str) -> list[str]:
+    return ["/x/site-packages/monai/bundle/__main__.py", "run", "training", *args]
+
+
+AE_TRAIN = str(BUNDLES / "autoencoder_3d" / "configs" / "train.json")
+
+
+def test_command_line_overrides_are_checked_against_the_configs():
+    from common.bundle import check_command_line, command_line_overrides
+
+    assert command_line_overrides(["pytest"]) is None
+    good = _argv("--config_file", AE_TRAIN, "--max_epochs", "3", "--lr=0.001", "--deterministic", "--seed", "$1+1")
+    assert check_command_line(good) == ["max_epochs", "lr", "deterministic", "seed"]
+    nested = _argv("--config_file", json.dumps([AE_TRAIN]), "--train#trainer#max_epochs", "2", "--train#trainer#x", "1")
+    assert check_command_line(nested) == ["train#trainer#max_epochs", "train#trainer#x"]  # a new argument
+    with pytest.raises(ValueError, match="--train#trainerr#x is not an id"):
+        check_command_line(_argv("--config_file", AE_TRAIN, "--train#trainerr#x", "1"))
+    bad = _argv(
+        *("--config_file", AE_TRAIN, "--max_epoch", "3", "--batch_size", "two", "--patch_size", "64"),
+        *("--deterministic", "yes", "--lr", "fast", "--zzz", "1"),
+    )
+    with pytest.raises(ValueError) as info:
+        check_command_line(bad)
+    message = str(info.value)
+    assert "--max_epoch is not an id of" in message and "did you mean 'max_epochs'" in message
+    assert "--batch_size must be an integer like its default 2, got 'two' (str)" in message
+    assert "--patch_size must be a list like its default" in message
+    assert "--deterministic must be True or False" in message and "--lr must be a number" in message
+    assert "--zzz is not an id" in message and "did you mean" not in message.split("--zzz")[1]
+
+
+def test_amp_is_checked_against_the_device(monkeypatch):
+    from common.utils import check_amp
+
+    check_amp("none", "cpu")
+    monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: False)
+    with pytest.raises(ValueError, match="amp='bf16' needs native bfloat16 support, which device 'cpu' lacks"):
+        check_amp("bf16", "cpu")
+    monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_fp16_supported", lambda: False)
+    with pytest.raises(ValueError, match="float16"):
+        check_amp("fp16", torch.device("cpu"))
+    with pytest.raises(ValueError, match="amp must be one of"):
+        check_amp("fp8", "cpu")
+
+
+@pytest.mark.parametrize("bundle", ALL_BUNDLES)
+def test_every_config_checks_its_command_line_first(bundle):
+    for name in ("train.json", "evaluate.json", "inference.json", "multi_gpu_train.json"):
+        first = json.loads((BUNDLES / bundle / "configs" / name).read_text())["initialize"][0]
+        assert first.startswith("$common.bundle.check_settings_or_exit(common.bundle.check_run,"), (bundle, name)
+
+
+def test_bad_command_line_is_refused_before_anything_is_written(tmp_path):
+    out = tmp_path / "out"
+    args = overrides(output_dir=str(out), dataset_dir=str(tmp_path / "none"), amp="fp16")
+    result = run_bundle(
+        "autoencoder_3d", ["train.json"], args=[*args, "--max_epoch", "2", "--batch_size", "2.5"], check=False
+    )
+    assert result.returncode == 1
+    assert "--max_epoch is not an id of" in result.stderr and "did you mean 'max_epochs'" in result.stderr
+    assert "--batch_size must be an integer like its default 2, got 2.5 (float)" in result.stderr
+    if not torch.ops.mkldnn._is_mkldnn_fp16_supported():
+        assert "amp='fp16' needs native float16 support" in result.stderr
+    assert not out.exists()
+
+
+# ----------------------------------------------------------------------------------------- hostile input
+def test_paths_leaving_the_dataset_root_are_refused(tmp_path):
+    from common.data.datalist import parse_datalist_section
+    from common.data.survival import CohortError, read_cohort_csv
+
+    root = tmp_path / "root"
+    (root / "sub").mkdir(parents=True)
+    (root / "escape").symlink_to(tmp_path)
+    (root / "inside").symlink_to(root / "sub")
+    datalist = {
+        "training": [
+            {"image": "../secret.nii.gz"},
+            {"image": "escape/secret.nii.gz"},
+            {"image": "sub/../../secret.nii.gz"},
+            {"image": "inside/a.nii.gz"},
+            {"image": str(tmp_path / "elsewhere.nii.gz")},
+            {"image": ["sub/1.dcm", "../2.dcm"]},
+        ]
+    }
+    entries, problems, _ = parse_datalist_section(datalist, base_dir=str(root))
+    reasons = dict(problems)
+    assert sorted(reasons) == [0, 1, 2, 5]
+    assert "leaves the dataset root" in reasons[0] and "'..'" in reasons[0]
+    assert "through a symbolic link" in reasons[1] and str(tmp_path / "secret.nii.gz") in reasons[1]
+    assert entries[3]["image"] == str(root / "inside" / "a.nii.gz")  # a link that stays inside is fine
+    assert entries[4]["image"] == str(tmp_path / "elsewhere.nii.gz")  # absolute paths are explicit
+    csv_path = root / "cohort.csv"
+    csv_path.write_text("case_id,image,time,event\na,../x.nii.gz,100,1\nb,sub/y.nii.gz,200,0\n")
+    with pytest.raises(CohortError, match=r"row 1 \(case a\): image path '../x.nii.gz' leaves the dataset root"):
+        read_cohort_csv(csv_path)
+
+
+def _nifti(path: Path, shape=(8, 8, 8)) -> Path:
+    nib.save(nib.Nifti1Image(np.zeros(shape, np.float32), np.eye(4)), path)
+    return path
+
+
+def test_headers_declaring_absurd_sizes_or_more_data_than_the_file_are_refused_unread(tmp_path):
+    from common.data.preflight import check_volume
+
+    raw = _nifti(tmp_path / "ok.nii").read_bytes()
+    header = nib.Nifti1Header.from_fileobj(open(tmp_path / "ok.nii", "rb"))
+    header.set_data_shape((30000, 30000, 30000))
+    (tmp_path / "huge.nii").write_bytes(header.binaryblock + raw[348:])
+    (tmp_path / "huge.nii.gz").write_bytes(gzip.compress(header.binaryblock + raw[348:]))
+    (tmp_path / "short.nii").write_bytes(raw[: len(raw) // 2])
+    (tmp_path / "huge.mha").write_text(
+        "ObjectType = Image\nNDims = 3\nDimSize = 30000 30000 30000\nElementType = MET_FLOAT\nElementDataFile = LOCAL\n"
+    )
+    for name in ("huge.nii", "huge.nii.gz", "huge.mha"):
+        reason = check_volume(str(tmp_path / name))
+        assert reason.startswith("declares 100582.8 GiB of voxel data (shape (30000, 30000, 30000))"), name
+    assert check_volume(str(tmp_path / "short.nii")).startswith("is truncated: its header declares 2400 bytes")
+    assert check_volume(str(tmp_path / "ok.nii")) is None
+
+
+def test_oversized_text_inputs_are_refused_before_reading(tmp_path, monkeypatch):
+    from common.data import datalist as datalist_module
+    from common.data.datalist import DatalistError, read_datalist_json
+    from common.data.survival import CohortError, read_cohort_csv
+
+    monkeypatch.setattr(datalist_module, "MAX_TEXT_BYTES", 100)
+    (tmp_path / "d.json").write_text(json.dumps({"training": ["a" * 200]}))
+    (tmp_path / "c.csv").write_text("image,time,event\n" + "a.nii,1,1\n" * 20)
+    with pytest.raises(DatalistError, match="d.json' is 0 MiB, more than the 0 MiB"):
+        read_datalist_json(tmp_path / "d.json")
+    with pytest.raises(CohortError, match="c.csv"):
+        read_cohort_csv(tmp_path / "c.csv")
+
+
+def test_fuzzed_inputs_are_accepted_or_refused_clearly_with_bounded_memory(tmp_path):
+    outcomes = reliability.fuzz(cases=40, seed=1, workdir=str(tmp_path))
+    assert [o.family for o in outcomes] == ["nifti", "dicom", "csv", "json"]
+    for outcome in outcomes:
+        assert outcome.crashes == [], (outcome.family, outcome.crashes[:3])
+        assert outcome.cases == outcome.refused + outcome.accepted > 0
+        assert outcome.refused > 0, outcome.family  # the fuzzing does reach the error paths
+        assert outcome.peak_mib < 64, (outcome.family, outcome.peak_mib)
+
+
+# ----------------------------------------------------------------------------------------- a long run
+def test_long_run_with_smartcache_keeps_memory_and_file_handles_flat(tmp_path):
+    result = reliability.soak(iterations=240, workdir=str(tmp_path), interval_s=0.5)
+    assert result["returncode"] == 0 and result["iterations"] == 240
+    assert result["rss_drift_mib"] < 64, result
+    assert result["fds_end"] <= result["fds_start"] + 4 and result["fds_max"] <= result["fds_start"] + 16, result
