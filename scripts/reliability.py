@@ -206,7 +206,7 @@ def make_case(bundle: str, root: str | os.PathLike) -> BundleCase:
     if bundle == "mace_survival":
         from common.data.survival_demo import make_mace_cohort
 
-        csv_path = make_mace_cohort(root, n_cases=16, shape=(24, 24, 20), spacing=(14, 14, 16))
+        csv_path = make_mace_cohort(root, n_cases=22, shape=(24, 24, 20), spacing=(14, 14, 16))
         args = {"csv_path": str(csv_path), "horizons": [1.0, 2.0], "max_epochs": 2, "val_interval": 1}
         return BundleCase(bundle, ["train.json", "tiny.json"], {**args, **common}, weights=("predictor",))
     if bundle == "xray2ct_cascade":
@@ -289,7 +289,12 @@ def _resumed(result: subprocess.CompletedProcess) -> int | None:
     return None
 
 
-def fault_sequence(case: BundleCase, workdir: str | os.PathLike, seed: int = 0) -> dict[str, Any]:
+FAULTS = ("disk", "nan", "kill_while_saving", "kill")
+
+
+def fault_sequence(
+    case: BundleCase, workdir: str | os.PathLike, seed: int = 0, faults: Sequence[str] = FAULTS
+) -> dict[str, Any]:
     """One uninterrupted reference run, then the same job interrupted by four faults in turn and re-run with the
     same command after each, until it completes:
 
@@ -301,7 +306,8 @@ def fault_sequence(case: BundleCase, workdir: str | os.PathLike, seed: int = 0) 
     4. SIGKILL at a random iteration between checkpoints.
 
     Each re-run must resume from the last checkpoint (losing at most ``ckpt_interval`` iterations), and the final
-    weights must be bit-identical to the reference run's.
+    weights must be bit-identical to the reference run's. ``faults`` selects and orders the faults (names of
+    :data:`FAULTS`).
 
     Returns:
         ``{"bundle", "steps": [Step, ...], "identical": bool, "differing": [...], "ok": bool}``.
@@ -318,12 +324,21 @@ def fault_sequence(case: BundleCase, workdir: str | os.PathLike, seed: int = 0) 
         raise ValueError(f"{case.bundle}: the job needs at least {4 * step} iterations for the sequence, has {total}.")
     # each fault strikes within one checkpoint interval (+1) of where the previous run left off; `expect` is the
     # iteration of the `last` checkpoint the fault must leave
-    faults = [
-        ("disk full (EFBIG)", "full_disk_at", lambda r: rng.randint(r + step + 1, r + 2 * step), "could not write"),
-        ("NaN loss", "nan_at", lambda r: rng.randint(r + 1, r + step + 1), "non-finite"),
-        ("SIGKILL while saving", "kill_while_saving_at", lambda r: rng.randint(r + 1, r + step), ""),
-        ("SIGKILL", "kill_at", lambda r: rng.randint(r + 1, min(total, r + step + 1)), ""),
-    ]
+    catalogue = {
+        "disk": ("disk full (EFBIG)", "full_disk_at", lambda r: rng.randint(r + step + 1, r + 2 * step), "could not"),
+        "nan": ("NaN loss", "nan_at", lambda r: rng.randint(r + 1, r + step + 1), "non-finite"),
+        "kill_while_saving": (
+            "SIGKILL while saving",
+            "kill_while_saving_at",
+            lambda r: rng.randint(r + 1, r + step),
+            "",
+        ),
+        "kill": ("SIGKILL", "kill_at", lambda r: rng.randint(r + 1, min(total, r + step + 1)), ""),
+    }
+    unknown = [f for f in faults if f not in catalogue]
+    if unknown:
+        raise ValueError(f"unknown faults {unknown}; expected names of {FAULTS}.")
+    plan = [catalogue[f] for f in faults]
     expect = {
         "full_disk_at": lambda f: (f - 1) // step * step,
         "nan_at": lambda f: (f - 1) // step * step,
@@ -331,7 +346,7 @@ def fault_sequence(case: BundleCase, workdir: str | os.PathLike, seed: int = 0) 
         "kill_at": lambda f: f // step * step,
     }
     steps, resume_point = [], 0
-    for index, (name, key, choose, marker) in enumerate([*faults, ("none (completes)", None, None, "")]):
+    for index, (name, key, choose, marker) in enumerate([*plan, ("none (completes)", None, None, "")]):
         before = saved_iteration(case.checkpoint(out))
         at = choose(resume_point) if choose else None
         probe = fault_config(workdir / f"fault{index}.json", **{key: at}) if key else None
@@ -368,11 +383,13 @@ def run_torchrun(
     log_dir: Path | None = None,
     timeout: float = 600,
 ) -> subprocess.CompletedProcess:
-    """Run ``case`` as a 2-process CPU job under ``torchrun`` (``multi_gpu_train.json`` merged)."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
-    cmd += [f"--max_restarts={max_restarts}", "--monitor_interval=0.5"]
-    cmd += ["--log_dir", str(log_dir), "--tee=3"] if log_dir is not None else []
-    cmd += case.command(output, probe, multi_gpu=True)
+    """Run ``case`` as a 2-process CPU job through the collection's launcher (``scripts/launch.py``: ``torchrun``
+    with ``multi_gpu_train.json`` merged, per-rank logs under ``log_dir``)."""
+    extra = [c for c in case.configs if c != "train.json"] + ([str(probe)] if probe is not None else [])
+    cmd = [sys.executable, str(REPO_ROOT / "scripts" / "launch.py"), case.bundle, "--nproc_per_node", "2"]
+    cmd += ["--cpu", "True", "--max_restarts", str(max_restarts), "--extra_configs", json.dumps(extra)]
+    cmd += ["--log_dir", str(log_dir)] if log_dir is not None else []
+    cmd += case.command(output)[case.command(output).index("--config_file") + 2 :]  # the overrides
     return subprocess.run(cmd, cwd=REPO_ROOT, env=_env(), capture_output=True, text=True, timeout=timeout)
 
 
@@ -765,7 +782,7 @@ def _rss_and_fds(pid: int) -> tuple[float, int]:
 def soak(iterations: int = 2000, workdir: str | None = None, interval_s: float = 1.0) -> dict[str, Any]:
     """A long tiny ``autoencoder_3d`` run with SmartCache replacement (half the cache replaced every epoch) and a
     validation every epoch: sample the process's RSS and open file descriptors, and compare the end with the
-    state after warm-up (10% of the run).
+    state after warm-up (a third of the run's time).
 
     Returns:
         ``{"iterations", "rss_start_mib", "rss_end_mib", "rss_drift_mib", "fds_start", "fds_max", "fds_end",
@@ -801,9 +818,10 @@ def soak(iterations: int = 2000, workdir: str | None = None, interval_s: float =
             time.sleep(interval_s)
     if len(samples) < 3:
         raise RuntimeError(f"the soak run ended too early (status {proc.returncode}); see {root / 'soak.log'}")
-    warm = samples[max(1, len(samples) // 10)]
+    warm = samples[len(samples) // 3]  # after start-up, caching and the first validations
     end = samples[-1]
     return {
+        "samples": [(round(t, 1), round(rss, 1), fds) for t, rss, fds in samples],
         "iterations": epochs * 2,
         "rss_start_mib": round(warm[1], 1),
         "rss_end_mib": round(end[1], 1),
@@ -818,7 +836,7 @@ def soak(iterations: int = 2000, workdir: str | None = None, interval_s: float =
 
 # ----------------------------------------------------------------------------------------- command line
 def faults(bundle: str, workdir: str, seed: int = 0) -> dict[str, Any]:
-    """Run :func:`fault_sequence` for ``bundle`` on fresh small data under ``workdir``."""
+    """Run :func:`fault_sequence` (all faults) for ``bundle`` on fresh small data under ``workdir``."""
     case = make_case(bundle, Path(workdir) / bundle / "data")
     return fault_sequence(case, Path(workdir) / bundle, seed=seed)
 

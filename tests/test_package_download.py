@@ -394,7 +394,8 @@ def test_standalone_inference(name, packages, tmp_path):
 @pytest.mark.parametrize("name", BUNDLE_NAMES)
 def test_download_and_run(name, packages, server, tmp_path):
     """``monai.bundle download`` and ``scripts/download_bundle.py`` fetch the zip from a loopback server into the
-    same tree; the wrapper checks the zip's hash and the downloaded bundle runs standalone."""
+    same tree, byte for byte; the wrapper checks the zip's hash; a downloaded bundle runs standalone (one bundle: the
+    others' zips run standalone in ``test_standalone_inference``)."""
     from monai.apps.utils import HashCheckError
 
     zip_path, _ = packages[name]
@@ -429,9 +430,10 @@ def test_download_and_run(name, packages, server, tmp_path):
     with pytest.raises(FileExistsError, match="already exists"):
         download_bundle(url, safe, name=name, hash_val=sha, progress=False)
 
-    out = tmp_path / "predictions_out"
-    _run_standalone(safe / name, name, _input_volume(name, tmp_path / "data"), "--output_dir", str(out))
-    assert _predictions(name, out / "predictions") == 1
+    if name == BUNDLE_NAMES[0]:  # the downloaded files equal the zip's, whose standalone run every bundle has
+        out = tmp_path / "predictions_out"
+        _run_standalone(safe / name, name, _input_volume(name, tmp_path / "data"), "--output_dir", str(out))
+        assert _predictions(name, out / "predictions") == 1
 
 
 GOOD = ("evil/configs/metadata.json", b"{}", stat.S_IFREG | 0o644)

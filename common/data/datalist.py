@@ -95,7 +95,8 @@ def text_size_problem(path: str | os.PathLike) -> str | None:
     """Why a text input (datalist, cohort table) is too large to be read at once, or ``None``."""
     size = os.path.getsize(path)
     if size > MAX_TEXT_BYTES:
-        return f"is {size / 1024**2:.0f} MiB, more than the {MAX_TEXT_BYTES / 1024**2:.0f} MiB a datalist or table may have"
+        limit = MAX_TEXT_BYTES / 1024**2
+        return f"is {size / 1024**2:.0f} MiB, more than the {limit:.0f} MiB a datalist or table may have"
     return None
 
 

@@ -41,6 +41,8 @@ from common.utils import get_rank, get_world_size
 
 __all__ = [
     "raise_no_inputs",
+    "EpochSampler",
+    "ItemSeededDataset",
     "CaseMetad",
     "batch_case_ids",
     "CopyChannelsd",
@@ -479,13 +481,94 @@ def make_dataset(
     )
 
 
+class EpochSampler(torch.utils.data.Sampler):
+    """Shuffles ``size`` items in an order that depends only on ``(seed, epoch)``, and can start an epoch part-way.
+
+    It yields ``epoch * size + position`` so that :class:`ItemSeededDataset` knows the epoch of every item it
+    prepares (in whatever thread or worker process prepares it). After :meth:`resume`, the next epoch it yields is
+    the given one, without its first ``start`` items: a run resumed in the middle of an epoch sees exactly the items
+    the interrupted run had not reached yet.
+
+    Args:
+        size: number of items.
+        seed: base seed of the orders.
+    """
+
+    def __init__(self, size: int, seed: int = 0) -> None:
+        self.size = int(size)
+        self.seed = int(seed)
+        self.epoch = 0
+        self.start = 0
+
+    def resume(self, epoch: int, start: int) -> None:
+        """Make the next epoch yielded epoch ``epoch`` (0-based), starting at its item ``start``."""
+        self.epoch, self.start = int(epoch), int(start)
+
+    def __iter__(self):
+        generator = torch.Generator().manual_seed(_mix_seed(self.seed, self.epoch))
+        order = torch.randperm(self.size, generator=generator)[self.start :]
+        epoch, self.epoch, self.start = self.epoch, self.epoch + 1, 0
+        return iter((order + epoch * self.size).tolist())
+
+    def __len__(self) -> int:
+        return self.size
+
+
+class ItemSeededDataset(torch.utils.data.Dataset):
+    """Wraps a dataset so that its random transforms draw from a seed of ``(seed, epoch, item)``: the augmentation
+    of an item does not depend on which thread or worker prepares it, on prefetching, or on what came before, so an
+    interrupted run resumed part-way through an epoch prepares the remaining items exactly as the uninterrupted run.
+
+    Indices are ``epoch * len(dataset) + item``, as :class:`EpochSampler` yields them.
+
+    Args:
+        dataset: a dataset whose ``transform`` (a ``Compose``) holds the random transforms.
+        seed: base seed.
+    """
+
+    def __init__(self, dataset: torch.utils.data.Dataset, seed: int = 0) -> None:
+        self.dataset = dataset
+        self.seed = int(seed)
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, index: int) -> Any:
+        epoch, item = divmod(int(index), len(self.dataset))
+        transform = getattr(self.dataset, "transform", None)
+        if hasattr(transform, "set_random_state"):
+            transform.set_random_state(seed=_mix_seed(self.seed, epoch, item))
+        return self.dataset[item]
+
+
+def _mix_seed(*values: int) -> int:
+    """A 32-bit seed from several integers (numpy's ``SeedSequence`` mixing)."""
+    return int(np.random.SeedSequence([int(v) % 2**63 for v in values]).generate_state(1)[0])
+
+
 def make_loader(
-    dataset: torch.utils.data.Dataset, batch_size: int = 1, shuffle: bool = True, num_workers: int = 0, **kwargs
+    dataset: torch.utils.data.Dataset,
+    batch_size: int = 1,
+    shuffle: bool = True,
+    num_workers: int = 0,
+    seed: int | None = None,
+    **kwargs: Any,
 ) -> ThreadDataLoader:
     """A ``ThreadDataLoader``: batches are prepared in a background thread while the step runs.
 
+    With ``shuffle`` and a ``seed``, the order of every epoch and the random augmentation of every item follow from
+    ``(seed, rank, epoch, item)`` (:class:`EpochSampler`, :class:`ItemSeededDataset`), so a run killed in the middle
+    of an epoch resumes it exactly (:class:`common.handlers.checkpoint.CheckpointManager` positions the sampler).
+
     Keep ``num_workers=0`` when the cache lives on the GPU (forked workers cannot share CUDA tensors).
     """
+    if shuffle and seed is not None:
+        seed = _mix_seed(seed, get_rank())
+        kwargs["sampler"] = EpochSampler(len(dataset), seed)
+        # the loader's own per-epoch seed draw comes from this generator, not from the global RNG that the training
+        # step draws its noise from (a resumed run starts one extra epoch iterator)
+        kwargs.setdefault("generator", torch.Generator().manual_seed(seed))
+        dataset, shuffle = ItemSeededDataset(dataset, seed), False
     return ThreadDataLoader(
         dataset, batch_size=int(batch_size), shuffle=shuffle, num_workers=int(num_workers), **kwargs
     )

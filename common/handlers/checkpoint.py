@@ -281,6 +281,23 @@ class CheckpointManager:
         engine.state.iteration = iteration
         engine.state.epoch = iteration // epoch_length
         engine.state.epoch_length = epoch_length
+        self._position_sampler(engine, iteration, epoch_length)
+
+    @staticmethod
+    def _position_sampler(engine: Engine, iteration: int, epoch_length: int) -> None:
+        """Point a resumable sampler (:class:`common.data.pipeline.EpochSampler`) at the interrupted epoch and the
+        first item it had not reached, so the resumed run sees the same items in the same order."""
+        loader = getattr(engine, "data_loader", None)
+        sampler = getattr(loader, "sampler", None)
+        if not hasattr(sampler, "resume"):
+            return
+        if epoch_length != len(loader):
+            logger.warning(
+                f"epoch_length ({epoch_length}) is not one pass over the data ({len(loader)} batches): the resumed "
+                "run continues with a new pass instead of the exact remaining items."
+            )
+            return
+        sampler.resume(iteration // epoch_length, iteration % epoch_length * loader.batch_size)
 
     def _restore_rng(self, saved: list | None, iteration: int) -> None:
         rank = get_rank()
