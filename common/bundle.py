@@ -23,7 +23,19 @@ __all__ = [
 ]
 
 # arguments of ``monai.bundle.scripts.run`` that are not config overrides
-_RUN_ARGUMENTS = ("run_id", "init_id", "final_id", "meta_file", "config_file", "logging_file", "tracking", "args_file")
+_RUN_ARGUMENTS = (
+    "run_id",
+    "init_id",
+    "final_id",
+    "meta_file",
+    "config_file",
+    "logging_file",
+    "tracking",
+    "args_file",
+    "workflow_name",
+    "workflow_type",
+    "properties_path",
+)
 
 
 def bundle_root(name: str) -> str:

@@ -157,8 +157,13 @@ class BundleCase:
     output_arg: str = "output_dir"
     ckpt: str = "models/last.pt"
     weights: tuple[str, ...] = ()
-    iterations: int = 8
-    extra: dict[str, Any] = field(default_factory=dict)
+    extra: dict[str, Any] = field(default_factory=dict)  # overrides of the 2-process version of the job
+
+    def distributed(self) -> BundleCase:
+        """The job for 2 processes: ``extra`` keeps 8 or more iterations once the data is split over the ranks."""
+        return BundleCase(
+            self.bundle, self.configs, {**self.args, **self.extra}, self.output_arg, self.ckpt, self.weights
+        )
 
     def command(self, output: Path, probe: Path | None = None, multi_gpu: bool = False) -> list[str]:
         configs = [str(REPO_ROOT / "bundles" / self.bundle / "configs" / c) for c in self.configs]
@@ -195,19 +200,25 @@ def make_case(bundle: str, root: str | os.PathLike) -> BundleCase:
         write_phantom_dataset(root, n_train=4, n_val=2, shape=(24, 24, 22), kind="ct", spacing=(1.5, 1.5, 2.0))
         args = {"dataset_dir": str(root), "max_cases": 2, "max_epochs": 4, "val_interval": 4}
         args["discriminator_iter_start"] = 3
-        return BundleCase(bundle, ["train.json", "tiny.json"], {**args, **common}, weights=("vqgan", "discriminator"))
+        return BundleCase(
+            bundle,
+            ["train.json", "tiny.json"],
+            {**args, **common},
+            weights=("vqgan", "discriminator"),
+            extra={"max_cases": 4},
+        )
     if bundle == "fast_ddpm_3d":
         from common.data.demo import write_brats_phantom_dataset
 
         write_brats_phantom_dataset(root, n_train=4, n_val=2, shape=(24, 24, 20), spacing=(1.5, 1.5, 2.0))
         args = {"dataset_dir": str(root), "max_cases": 2, "max_epochs": 4, "val_interval": 4}
         configs = ["train.json", "brats.json", "tiny.json"]
-        return BundleCase(bundle, configs, {**args, **common}, weights=("unet", "ema"))
+        return BundleCase(bundle, configs, {**args, **common}, weights=("unet", "ema"), extra={"max_cases": 4})
     if bundle == "mace_survival":
         from common.data.survival_demo import make_mace_cohort
 
-        csv_path = make_mace_cohort(root, n_cases=22, shape=(24, 24, 20), spacing=(14, 14, 16))
-        args = {"csv_path": str(csv_path), "horizons": [1.0, 2.0], "max_epochs": 2, "val_interval": 1}
+        csv_path = make_mace_cohort(root, n_cases=16, shape=(24, 24, 20), spacing=(14, 14, 16))
+        args = {"csv_path": str(csv_path), "horizons": [1.0, 2.0], "max_epochs": 3, "val_interval": 3}
         return BundleCase(bundle, ["train.json", "tiny.json"], {**args, **common}, weights=("predictor",))
     if bundle == "xray2ct_cascade":
         from common.data.xray import make_xray2ct_demo
@@ -221,6 +232,7 @@ def make_case(bundle: str, root: str | os.PathLike) -> BundleCase:
             output_arg="outputs_root",
             ckpt="stage1/models/last.pt",
             weights=("network", "ema"),
+            extra={"max_epochs": 4},
         )
     raise ValueError(f"unknown bundle {bundle!r}; expected one of {BUNDLES}.")
 
@@ -841,8 +853,12 @@ def faults(bundle: str, workdir: str, seed: int = 0) -> dict[str, Any]:
     return fault_sequence(case, Path(workdir) / bundle, seed=seed)
 
 
-def _fault_table(result: Mapping[str, Any]) -> str:
-    lines = [f"### {result['bundle']}", "", "| fault | exit | resumed from | `last` after | message | outcome |"]
+def _fault_table(result: Mapping[str, Any], title: str = "1 process") -> str:
+    lines = [
+        f"### {result['bundle']}, {title}",
+        "",
+        "| fault | exit | resumed from | `last` after | message | outcome |",
+    ]
     lines.append("|---|---|---|---|---|---|")
     for s in result["steps"]:
         message = s.message.replace("|", "/")[:160]
@@ -855,19 +871,33 @@ def _fault_table(result: Mapping[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def report(workdir: str, fuzz_cases: int = 300, soak_iterations: int = 2000, bundles: Sequence[str] = BUNDLES) -> str:
-    """Run the fault sequence of every bundle, the fuzzing and the long run; print markdown tables."""
+def report(
+    workdir: str, fuzz_cases: int = 300, soak_iterations: int = 3000, bundles: Sequence[str] = BUNDLES, seed: int = 0
+) -> str:
+    """Run, for every bundle, the fault sequence (one process), the 2-process sequence and the peer failures (a rank
+    killed, a rank hung), then the fuzzing and the long run; print markdown tables."""
     parts = []
+    peers = ["| bundle | rank 1 | rank 0 exit | seconds to exit | message |", "|---|---|---|---|---|"]
     for bundle in bundles:
-        parts.append(_fault_table(faults(bundle, workdir)))
+        root = Path(workdir) / bundle
+        case = make_case(bundle, root / "data")
+        parts.append(_fault_table(fault_sequence(case, root, seed=seed)))
+        parts.append(_fault_table(distributed_sequence(case.distributed(), root, seed=seed), "2 processes"))
+        for mode in ("kill", "stall"):
+            result = peer_failure(case.distributed(), root, mode=mode, at=3, timeout_s=10)
+            message = result["message"].split(": ", 1)[-1].replace("|", "/")[:200]
+            peers.append(f"| {bundle} | {mode} | {result['returncode']} | {result['seconds']} | {message} |")
+    parts.append("\n".join(peers))
     lines = [
         "| family | cases | refused with a clear error | accepted | crashes | peak MiB |",
         "|---|---|---|---|---|---|",
     ]
-    for o in fuzz(fuzz_cases, workdir=str(Path(workdir) / "fuzz")):
+    for o in fuzz(fuzz_cases, seed=seed, workdir=str(Path(workdir) / "fuzz")):
         lines.append(f"| {o.family} | {o.cases} | {o.refused} | {o.accepted} | {len(o.crashes)} | {o.peak_mib:.1f} |")
     parts.append("\n".join(lines))
-    parts.append(json.dumps(soak(soak_iterations, str(Path(workdir) / "soak")), indent=2))
+    long_run = soak(soak_iterations, str(Path(workdir) / "soak"))
+    long_run.pop("samples")
+    parts.append(json.dumps(long_run, indent=2))
     text = "\n\n".join(parts)
     print(text)
     return text

@@ -1,8 +1,9 @@
 # Copyright (c) the 3D MONAI bundle collection contributors.
 # Licensed under the Apache License, Version 2.0.
 """Tests of ``scripts/launch.py`` / ``common.bundle_tools.launch``: the exact commands for one process, one node,
-several nodes and SLURM; input errors; the SLURM and Kubernetes templates; and a real 2-process CPU job in which
-one rank dies once, torchrun restarts the group and training resumes from ``last.pt``."""
+several nodes and SLURM; input errors; the SLURM and Kubernetes templates. A real 2-process CPU job through the
+launcher, in which one rank dies and ``--max_restarts`` brings the job back from ``last.pt``, is in
+``tests/test_reliability.py``."""
 
 from __future__ import annotations
 

@@ -94,8 +94,7 @@ class _Listed(torch.utils.data.Dataset):
 def test_two_process_job_survives_a_killed_rank_a_nan_on_one_rank_and_a_restart(tmp_path):
     """torchrun, 2 CPU processes: rank 0 SIGKILLed; a NaN on rank 1 stops both ranks; rank 1 dies under
     ``--max_restarts 1`` and the restarted job resumes; the result is bit-identical to an uninterrupted job."""
-    case = reliability.make_case("autoencoder_3d", tmp_path / "data")
-    case.args.update(batch_size=1, max_epochs=4)  # 4 volumes / 2 ranks / batch 1: 8 iterations
+    case = reliability.make_case("autoencoder_3d", tmp_path / "data").distributed()  # 8 iterations on 2 ranks
     result = reliability.distributed_sequence(case, tmp_path, seed=3)
     assert [s.ok for s in result["steps"]] == [True] * 3, result["steps"]
     assert result["steps"][0].returncode != 0 and result["steps"][2].returncode == 0
@@ -105,8 +104,7 @@ def test_two_process_job_survives_a_killed_rank_a_nan_on_one_rank_and_a_restart(
 
 @pytest.mark.parametrize("mode", ["kill", "stall"])
 def test_the_surviving_rank_exits_within_the_timeout_and_says_why(mode, tmp_path):
-    case = reliability.make_case("autoencoder_3d", tmp_path / "data")
-    case.args.update(batch_size=1)
+    case = reliability.make_case("autoencoder_3d", tmp_path / "data").distributed()
     result = reliability.peer_failure(case, tmp_path, mode=mode, at=3, timeout_s=8)
     assert result["returncode"] == 1, result
     assert result["seconds"] < (5 if mode == "kill" else 8 + 20), result
@@ -139,19 +137,21 @@ def test_refused_write_names_file_and_cause_and_keeps_the_previous_file(tmp_path
 
 def test_kernel_file_size_limit_is_reported_and_leaves_no_partial_file(tmp_path):
     """A real refused write (``RLIMIT_FSIZE``) in a separate process: the previous file stays, no temporary."""
-    script = f"""
-import resource, signal, torch
-from common.handlers.checkpoint import save_checkpoint
-save_checkpoint({{'w': torch.zeros(10)}}, {str(tmp_path / "model.pt")!r})
-signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
-resource.setrlimit(resource.RLIMIT_FSIZE, (4096, resource.RLIM_INFINITY))
-save_checkpoint({{'w': torch.zeros(100000)}}, {str(tmp_path / "model.pt")!r})
-"""
+    target = tmp_path / "metrics.json"
+    script = (
+        "import resource, signal\n"
+        "from common.utils import write_text_atomic\n"
+        f"write_text_atomic({str(target)!r}, 'previous')\n"
+        "signal.signal(signal.SIGXFSZ, signal.SIG_IGN)\n"
+        "resource.setrlimit(resource.RLIMIT_FSIZE, (4096, resource.RLIM_INFINITY))\n"
+        f"write_text_atomic({str(target)!r}, 'x' * 100000)\n"
+    )
     result = subprocess.run([sys.executable, "-c", script], env=bundle_env(), capture_output=True, text=True)
     assert result.returncode == 1
-    assert "could not write" in result.stderr and "the file exceeds the file-size limit" in result.stderr
-    assert torch.load(tmp_path / "model.pt", weights_only=True)["w"].numel() == 10
-    assert os.listdir(tmp_path) == ["model.pt"]
+    assert "OutputWriteError: [Errno 27] could not write" in result.stderr
+    assert "the file exceeds the file-size limit" in result.stderr and "the previous file is unchanged" in result.stderr
+    assert target.read_text() == "previous"
+    assert os.listdir(tmp_path) == ["metrics.json"]
 
 
 def test_partial_write_of_a_killed_run_is_removed_on_restart(tmp_path):
