@@ -191,8 +191,9 @@ def make_case(bundle: str, root: str | os.PathLike) -> BundleCase:
 
         write_phantom_dataset(root, n_train=4, n_val=2, shape=(24, 24, 24), seed=0)
         args = {"dataset_dir": str(root), "max_epochs": 4, "val_interval": 2, "adv_warmup_iterations": 3}
+        weights = ("autoencoder", "discriminator")
         return BundleCase(
-            bundle, ["train.json", "tiny.json"], {**args, **common}, weights=("autoencoder", "discriminator")
+            bundle, ["train.json", "tiny.json"], {**args, **common}, weights=weights, extra={"batch_size": 1}
         )
     if bundle == "vqgan_3d":
         from common.data.demo import write_phantom_dataset
@@ -304,6 +305,34 @@ def _resumed(result: subprocess.CompletedProcess) -> int | None:
 FAULTS = ("disk", "nan", "kill_while_saving", "kill")
 
 
+def _reference(case: BundleCase, run: Callable[..., Any], output: Path, intervals: int) -> tuple[int, int]:
+    """Run the uninterrupted reference job; ``(its iterations, the checkpoint interval)``.
+
+    Raises:
+        RuntimeError: when the reference run fails.
+        ValueError: when the job has fewer than ``intervals`` checkpoint intervals (too short for the faults).
+    """
+    result = run(case, output)
+    if result.returncode != 0:
+        raise RuntimeError(f"reference run of {case.bundle} failed:\n{result.stderr[-4000:]}")
+    total = saved_iteration(case.checkpoint(output))
+    step = int(case.args["ckpt_interval"])
+    if total is None or total < intervals * step:
+        raise ValueError(f"{case.bundle}: the faults need at least {intervals * step} iterations, the job has {total}.")
+    return total, step
+
+
+def _outcome(case: BundleCase, reference: Path, out: Path, steps: list[Step]) -> dict[str, Any]:
+    differing = same_weights(case, case.checkpoint(reference), case.checkpoint(out))
+    return {
+        "bundle": case.bundle,
+        "steps": steps,
+        "identical": not differing,
+        "differing": differing[:5],
+        "ok": all(s.ok for s in steps) and not differing,
+    }
+
+
 def fault_sequence(
     case: BundleCase, workdir: str | os.PathLike, seed: int = 0, faults: Sequence[str] = FAULTS
 ) -> dict[str, Any]:
@@ -327,13 +356,7 @@ def fault_sequence(
     workdir = Path(workdir)
     rng = random.Random(seed)
     reference, out = workdir / "reference", workdir / "interrupted"
-    result = run_case(case, reference)
-    if result.returncode != 0:
-        raise RuntimeError(f"reference run of {case.bundle} failed:\n{result.stderr[-4000:]}")
-    total = saved_iteration(case.checkpoint(reference))
-    step = int(case.args["ckpt_interval"])
-    if total is None or total < 4 * step:
-        raise ValueError(f"{case.bundle}: the job needs at least {4 * step} iterations for the sequence, has {total}.")
+    total, step = _reference(case, run_case, reference, intervals=4)
     # each fault strikes within one checkpoint interval (+1) of where the previous run left off; `expect` is the
     # iteration of the `last` checkpoint the fault must leave
     catalogue = {
@@ -376,14 +399,7 @@ def fault_sequence(
         ok = ok and resumed == before and (killed or not _stale_files(case.checkpoint(out).parent))
         steps.append(Step(f"{name} at iteration {at}" if at else name, result.returncode, resumed, after, message, ok))
         resume_point = after or 0
-    differing = same_weights(case, case.checkpoint(reference), case.checkpoint(out))
-    return {
-        "bundle": case.bundle,
-        "steps": steps,
-        "identical": not differing,
-        "differing": differing[:5],
-        "ok": all(s.ok for s in steps) and not differing,
-    }
+    return _outcome(case, reference, out, steps)
 
 
 # ----------------------------------------------------------------------------------------- several processes
@@ -423,13 +439,7 @@ def distributed_sequence(case: BundleCase, workdir: str | os.PathLike, seed: int
     workdir = Path(workdir)
     rng = random.Random(seed)
     reference, out = workdir / "ddp_reference", workdir / "ddp_interrupted"
-    result = run_torchrun(case, reference)
-    if result.returncode != 0:
-        raise RuntimeError(f"reference torchrun job of {case.bundle} failed:\n{result.stderr[-4000:]}")
-    total = saved_iteration(case.checkpoint(reference))
-    step = int(case.args["ckpt_interval"])
-    if total is None or total < 3 * step:
-        raise ValueError(f"{case.bundle}: the 2-process job needs at least {3 * step} iterations, has {total}.")
+    total, step = _reference(case, run_torchrun, reference, intervals=3)
     kill_at = rng.randint(step + 1, 2 * step - 1) if step > 1 else step + 1
     nan_at = kill_at // step * step + 1
     die_at = nan_at + rng.randint(1, step)
@@ -456,14 +466,7 @@ def distributed_sequence(case: BundleCase, workdir: str | os.PathLike, seed: int
             ok = ok and len(list(logs.glob("*/attempt_1"))) == 1 and "resumed from" in _attempt_logs(logs, 1)
         at = faults.get("kill_at") or faults.get("nan_at")
         steps.append(Step(f"{name} at iteration {at}", result.returncode, before, after, message, ok))
-    differing = same_weights(case, case.checkpoint(reference), case.checkpoint(out))
-    return {
-        "bundle": case.bundle,
-        "steps": steps,
-        "identical": not differing,
-        "differing": differing[:5],
-        "ok": all(s.ok for s in steps) and not differing,
-    }
+    return _outcome(case, reference, out, steps)
 
 
 def _attempt_logs(logs: Path, attempt: int) -> str:

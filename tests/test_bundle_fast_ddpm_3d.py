@@ -289,8 +289,9 @@ def test_latent_checkpoint_that_does_not_fit_is_refused(brats_tree, autoencoder_
 
 def test_unconditional_generation(brats_tree, tmp_path):
     out = tmp_path / "uncond"
-    args = dict(task="unconditional", image_keys=["t2f"], target_key="t2f", max_epochs=2, max_cases=1)
-    run_bundle(BUNDLE, TASK, args=overrides(dataset_dir=str(brats_tree), output_dir=str(out), **args))
+    args = dict(task="unconditional", image_keys=["t2f"], target_key="t2f")
+    training = dict(dataset_dir=str(brats_tree), output_dir=str(out), max_epochs=2, max_cases=1)
+    run_bundle(BUNDLE, TASK, args=overrides(**training, **args))
     summary = json.loads((out / "metrics.json").read_text())
     latest = summary["latest"]
     assert set(latest) == {"step", "val_sample_ms_ssim", "val_denoise_loss"}

@@ -119,7 +119,11 @@ def test_check_volume_channel_layouts(tmp_path: Path, shape: tuple[int, ...], ok
 def test_check_volume_uncompressed_truncated(tmp_path: Path) -> None:
     full = _good(tmp_path / "v.nii", (16, 16, 16)).read_bytes()
     (tmp_path / "v.nii").write_bytes(full[: len(full) - 1000])
-    assert check_volume(str(tmp_path / "v.nii")).startswith("cannot be read:")
+    reason = check_volume(str(tmp_path / "v.nii"))
+    assert (
+        reason
+        == f"is truncated: its header declares {len(full)} bytes (voxel data from offset 352), the file has {len(full) - 1000}"
+    )
 
 
 def test_check_volume_reads_in_bounded_slabs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

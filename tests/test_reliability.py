@@ -27,14 +27,14 @@ ALL_BUNDLES = reliability.BUNDLES
 
 
 # ----------------------------------------------------------------------------------------- a job, interrupted
-# every fault on one bundle; two on each other bundle, so that every bundle's wiring meets a stop by error and a
-# SIGKILL (``scripts/reliability.py report`` runs all four on every bundle)
+# every fault on one bundle, one on each other bundle (``scripts/reliability.py report`` runs all four on every
+# bundle; docs/reliability.md has its tables)
 FAULTS_PER_BUNDLE = {
     "autoencoder_3d": ["disk", "nan", "kill_while_saving", "kill"],
-    "vqgan_3d": ["nan", "kill"],
-    "fast_ddpm_3d": ["disk", "kill_while_saving"],
-    "mace_survival": ["nan", "kill"],
-    "xray2ct_cascade": ["disk", "kill"],
+    "vqgan_3d": ["nan"],
+    "fast_ddpm_3d": ["kill_while_saving"],
+    "mace_survival": ["kill"],
+    "xray2ct_cascade": ["disk"],
 }
 
 
@@ -54,6 +54,15 @@ def test_faults_in_turn_lose_nothing(bundle, tmp_path):
         assert "the previous file is unchanged" in steps["disk full (EFBIG)"].message
     if "nan" in faults:
         assert "non-finite loss at iteration" in steps["NaN loss"].message and "loss=nan" in steps["NaN loss"].message
+
+
+@pytest.mark.parametrize("bundle", ALL_BUNDLES)
+def test_every_trainer_is_guarded_and_checkpointed(bundle):
+    config = json.loads((BUNDLES / bundle / "configs" / "train.json").read_text())
+    assert config["nonfinite"] == "stop" and config["train"]["trainer"]["nonfinite"] == "@nonfinite"
+    handlers = [h["_target_"] for h in config["train"]["handlers"]]
+    assert "common.handlers.checkpoint.CheckpointManager" in handlers  # saves, resumes and reports failures
+    assert config["train"]["dataloader"]["seed"] == "@seed"  # exact resume inside an epoch
 
 
 def test_epoch_order_and_augmentation_depend_only_on_seed_epoch_and_item():
@@ -105,9 +114,9 @@ def test_two_process_job_survives_a_killed_rank_a_nan_on_one_rank_and_a_restart(
 @pytest.mark.parametrize("mode", ["kill", "stall"])
 def test_the_surviving_rank_exits_within_the_timeout_and_says_why(mode, tmp_path):
     case = reliability.make_case("autoencoder_3d", tmp_path / "data").distributed()
-    result = reliability.peer_failure(case, tmp_path, mode=mode, at=3, timeout_s=8)
+    result = reliability.peer_failure(case, tmp_path, mode=mode, at=3, timeout_s=5)
     assert result["returncode"] == 1, result
-    assert result["seconds"] < (5 if mode == "kill" else 8 + 20), result
+    assert result["seconds"] < (5 if mode == "kill" else 5 + 20), result
     assert "rank 0 of 2 lost contact with the other ranks" in result["message"], result
     expected = "a collective timed out" if mode == "stall" else "a connection to another rank failed"
     assert expected in result["message"] and "is intact: re-run the same command" in result["message"]
@@ -315,7 +324,7 @@ def test_fuzzed_inputs_are_accepted_or_refused_clearly_with_bounded_memory(tmp_p
 
 # ----------------------------------------------------------------------------------------- a long run
 def test_long_run_with_smartcache_keeps_memory_and_file_handles_flat(tmp_path):
-    result = reliability.soak(iterations=240, workdir=str(tmp_path), interval_s=0.5)
-    assert result["returncode"] == 0 and result["iterations"] == 240
+    result = reliability.soak(iterations=160, workdir=str(tmp_path), interval_s=0.5)
+    assert result["returncode"] == 0 and result["iterations"] == 160
     assert result["rss_drift_mib"] < 64, result
     assert result["fds_end"] <= result["fds_start"] + 4 and result["fds_max"] <= result["fds_start"] + 16, result
