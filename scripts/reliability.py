@@ -421,7 +421,9 @@ def run_torchrun(
     return subprocess.run(cmd, cwd=REPO_ROOT, env=_env(), capture_output=True, text=True, timeout=timeout)
 
 
-def distributed_sequence(case: BundleCase, workdir: str | os.PathLike, seed: int = 0) -> dict[str, Any]:
+def distributed_sequence(
+    case: BundleCase, workdir: str | os.PathLike, seed: int = 0, kill_rank_0: bool = True
+) -> dict[str, Any]:
     """The same job as 2 torchrun processes: an uninterrupted reference, then
 
     1. SIGKILL of rank 0 at a random iteration (``--max_restarts 0``): the job fails;
@@ -431,7 +433,7 @@ def distributed_sequence(case: BundleCase, workdir: str | os.PathLike, seed: int
        resume from the last checkpoint and complete the job.
 
     Each run resumes from where the previous one left off, and the final weights must be bit-identical to the
-    reference's.
+    reference's. ``kill_rank_0=False`` leaves out step 1 (step 3 kills a rank as well).
 
     Returns:
         ``{"bundle", "steps": [Step, ...], "identical", "differing", "ok"}``.
@@ -441,13 +443,13 @@ def distributed_sequence(case: BundleCase, workdir: str | os.PathLike, seed: int
     reference, out = workdir / "ddp_reference", workdir / "ddp_interrupted"
     total, step = _reference(case, run_torchrun, reference, intervals=3)
     kill_at = rng.randint(step + 1, 2 * step - 1) if step > 1 else step + 1
-    nan_at = kill_at // step * step + 1
+    nan_at = kill_at // step * step + 1 if kill_rank_0 else rng.randint(step + 1, 2 * step)
     die_at = nan_at + rng.randint(1, step)
     plan = [
         ("SIGKILL of rank 0", {"kill_at": kill_at, "rank": 0}, 0, kill_at // step * step, ""),
         ("NaN loss on rank 1", {"nan_at": nan_at, "rank": 1}, 0, (nan_at - 1) // step * step, "non-finite loss"),
         ("rank 1 dies, --max_restarts 1", {"kill_at": die_at, "rank": 1}, 1, total, ""),
-    ]
+    ][0 if kill_rank_0 else 1 :]
     steps = []
     for index, (name, faults, restarts, expected, marker) in enumerate(plan):
         before = saved_iteration(case.checkpoint(out))

@@ -60,7 +60,7 @@ def test_faults_in_turn_lose_nothing(bundle, tmp_path):
 def test_every_trainer_is_guarded_and_checkpointed(bundle):
     config = json.loads((BUNDLES / bundle / "configs" / "train.json").read_text())
     assert config["nonfinite"] == "stop" and config["train"]["trainer"]["nonfinite"] == "@nonfinite"
-    handlers = [h["_target_"] for h in config["train"]["handlers"]]
+    handlers = [h["_target_"] for h in config["train"]["handlers"] if isinstance(h, dict)]
     assert "common.handlers.checkpoint.CheckpointManager" in handlers  # saves, resumes and reports failures
     assert config["train"]["dataloader"]["seed"] == "@seed"  # exact resume inside an epoch
 
@@ -100,14 +100,15 @@ class _Listed(torch.utils.data.Dataset):
         return self.transform(self.data[i])
 
 
-def test_two_process_job_survives_a_killed_rank_a_nan_on_one_rank_and_a_restart(tmp_path):
-    """torchrun, 2 CPU processes: rank 0 SIGKILLed; a NaN on rank 1 stops both ranks; rank 1 dies under
-    ``--max_restarts 1`` and the restarted job resumes; the result is bit-identical to an uninterrupted job."""
+def test_two_process_job_survives_a_nan_on_one_rank_and_a_killed_rank(tmp_path):
+    """torchrun, 2 CPU processes: a NaN on rank 1 stops both ranks; the same command re-run resumes, rank 1 is
+    SIGKILLed under ``--max_restarts 1`` and the restarted job resumes again; the result is bit-identical to an
+    uninterrupted job (the report also SIGKILLs rank 0 of a job without restarts)."""
     case = reliability.make_case("autoencoder_3d", tmp_path / "data").distributed()  # 8 iterations on 2 ranks
-    result = reliability.distributed_sequence(case, tmp_path, seed=3)
-    assert [s.ok for s in result["steps"]] == [True] * 3, result["steps"]
-    assert result["steps"][0].returncode != 0 and result["steps"][2].returncode == 0
-    assert "non-finite loss" in result["steps"][1].message
+    result = reliability.distributed_sequence(case, tmp_path, seed=3, kill_rank_0=False)
+    assert [s.ok for s in result["steps"]] == [True] * 2, result["steps"]
+    assert result["steps"][0].returncode != 0 and result["steps"][1].returncode == 0
+    assert "non-finite loss" in result["steps"][0].message
     assert result["identical"], result["differing"]
 
 

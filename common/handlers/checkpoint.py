@@ -169,8 +169,18 @@ class CheckpointManager:
             "max_epochs": engine.state.max_epochs,
         }
         content["rng"] = rng
+        if get_world_size() > 1:  # each rank's own statistics (BatchNorm), which DDP does not keep equal
+            content["rank_buffers"] = _gather_objects(self._float_buffers(engine))
         content["meta"] = {"world_size": get_world_size(), "saved_at": time.time(), "torch": str(torch.__version__)}
         return content
+
+    def _float_buffers(self, engine: Engine) -> dict[str, dict[str, torch.Tensor]]:
+        """Floating-point buffers (BatchNorm running statistics) of every network, by network and buffer name."""
+        return {
+            name: {k: b.detach().cpu().clone() for k, b in unwrap(obj).named_buffers() if b.is_floating_point()}
+            for name, obj in self._objects(engine).items()
+            if isinstance(obj, torch.nn.Module)
+        }
 
     def save(self, engine: Engine) -> None:
         """Write the checkpoint (rank 0); every rank learns whether the write succeeded.
@@ -252,6 +262,7 @@ class CheckpointManager:
             except (RuntimeError, KeyError, ValueError) as e:
                 raise CheckpointError(f"cannot restore {name!r} from {str(path)!r}: {e}") from e
         self._restore_engine(engine, checkpoint["trainer"], path)
+        self._restore_rank_buffers(engine, checkpoint.get("rank_buffers"))
         self._restore_rng(checkpoint.get("rng"), engine.state.iteration)
         self.resumed_from = self._saved_iteration = engine.state.iteration
         logger.info(f"resumed from {path} at iteration {engine.state.iteration} (epoch {engine.state.epoch})")
@@ -298,6 +309,19 @@ class CheckpointManager:
             )
             return
         sampler.resume(iteration // epoch_length, iteration % epoch_length * loader.batch_size)
+
+    @torch.no_grad()
+    def _restore_rank_buffers(self, engine: Engine, saved: list | None) -> None:
+        """Give each rank back its own floating-point buffers (the networks' state dicts hold rank 0's)."""
+        if saved is None or len(saved) != get_world_size():
+            return
+        mine = saved[get_rank()]
+        for name, obj in self._objects(engine).items():
+            if isinstance(obj, torch.nn.Module) and name in mine:
+                buffers = dict(unwrap(obj).named_buffers())
+                for key, value in mine[name].items():
+                    if key in buffers:
+                        buffers[key].copy_(value)
 
     def _restore_rng(self, saved: list | None, iteration: int) -> None:
         rank = get_rank()
