@@ -170,17 +170,19 @@ class StepTrainer(Trainer):
         Raises:
             NonFiniteLossError: with ``nonfinite="stop"``, naming the iteration and the loss terms.
         """
-        values = [v.detach().float().reshape(-1) for v in terms.values() if isinstance(v, torch.Tensor)]
-        loss_bad = bool(values) and not bool(torch.isfinite(torch.cat(values)).all())
-        grad_bad = False
-        if self.scaler is None:  # an fp16 GradScaler skips steps with overflowing gradients itself
-            grads = [p.grad for p in network.parameters() if p.grad is not None]
-            if grads:
-                grad_bad = not bool(torch.isfinite(torch.stack(torch._foreach_norm(grads)).sum()))
-        flag = torch.tensor([float(loss_bad or grad_bad)], device=self.state.device)
+        device = torch.device(self.state.device)
+        local = torch.zeros(2, device=device)  # [loss non-finite, gradient non-finite], computed without a sync
+        values = [v.detach().float().reshape(-1).to(device) for v in terms.values() if isinstance(v, torch.Tensor)]
+        if values:
+            local[0] = (~torch.isfinite(torch.cat(values))).any().float()
+        grads = [p.grad for p in network.parameters() if p.grad is not None]
+        if grads and self.scaler is None:  # an fp16 GradScaler skips steps with overflowing gradients itself
+            local[1] = (~torch.isfinite(torch.stack(torch._foreach_norm(grads)).sum())).float()
+        agreed = local.max().reshape(1)
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX)  # every rank takes the same decision
-        if not bool(flag.item()):
+            dist.all_reduce(agreed, op=dist.ReduceOp.MAX)  # every rank takes the same decision
+        loss_bad, grad_bad, bad = (bool(x) for x in torch.cat([local, agreed]).tolist())  # the one host sync
+        if not bad:
             return True
         source = "loss" if loss_bad else "gradient" if grad_bad else "loss on another rank"
         described = ", ".join(f"{name}={_describe(value)}" for name, value in terms.items())
