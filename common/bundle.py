@@ -234,10 +234,14 @@ def check_run(amp: str | None = None, device: Any = None, argv: Sequence[str] | 
     from common.utils import check_amp
 
     problems = []
-    for check in (lambda: check_command_line(argv), lambda: check_amp(amp, device) if amp is not None else None):
-        try:
-            check()
-        except ValueError as exc:
-            problems.append(str(exc))
+    try:
+        check_command_line(argv)
+    except ValueError as exc:
+        problems.append(str(exc))
+    try:
+        if amp is not None:
+            check_amp(amp, device)
+    except ValueError as exc:
+        problems.append(str(exc))
     if problems:
         raise ValueError("\n".join(problems))

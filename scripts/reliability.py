@@ -8,7 +8,7 @@ faults are injected by an extra config file (:func:`fault_config`) that calls :f
 process. The tests call the same functions with small sizes; ``report`` runs everything and prints the tables of
 ``docs/reliability.md``::
 
-    python scripts/reliability.py faults --bundle autoencoder_3d --workdir /tmp/rel
+    python scripts/reliability.py faults --bundle autoencoder_3d --workdir /tmp/rel [--processes 2]
     python scripts/reliability.py fuzz --cases 500
     python scripts/reliability.py soak --iterations 3000 --workdir /tmp/soak
     python scripts/reliability.py report --workdir /tmp/rel --fuzz_cases 500 --soak_iterations 3000
@@ -17,6 +17,7 @@ process. The tests call the same functions with small sizes; ``report`` runs eve
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import errno
 import gzip
 import io
@@ -161,19 +162,20 @@ class BundleCase:
 
     def distributed(self) -> BundleCase:
         """The job for 2 processes: ``extra`` keeps 8 or more iterations once the data is split over the ranks."""
-        return BundleCase(
-            self.bundle, self.configs, {**self.args, **self.extra}, self.output_arg, self.ckpt, self.weights
-        )
+        return dataclasses.replace(self, args={**self.args, **self.extra}, extra={})
+
+    def overrides(self, output: Path) -> list[str]:
+        """The ``--id value`` words of the job writing to ``output``."""
+        from common.bundle_tools.launch import format_overrides
+
+        return format_overrides({**self.args, self.output_arg: str(output)})
 
     def command(self, output: Path, probe: Path | None = None, multi_gpu: bool = False) -> list[str]:
         configs = [str(REPO_ROOT / "bundles" / self.bundle / "configs" / c) for c in self.configs]
         configs += [str(REPO_ROOT / "bundles" / self.bundle / "configs" / "multi_gpu_train.json")] if multi_gpu else []
         configs += [str(probe)] if probe is not None else []
-        args = {**self.args, self.output_arg: str(output)}
-        flat = []
-        for key, value in args.items():
-            flat += [f"--{key}", str(value) if isinstance(value, (bool, str)) else json.dumps(value)]
-        return ["-m", "monai.bundle", "run", "training", "--config_file", json.dumps(configs), *flat]
+        config_file = json.dumps(configs)
+        return ["-m", "monai.bundle", "run", "training", "--config_file", config_file, *self.overrides(output)]
 
     def checkpoint(self, output: Path) -> Path:
         return output / self.ckpt
@@ -417,7 +419,7 @@ def run_torchrun(
     cmd = [sys.executable, str(REPO_ROOT / "scripts" / "launch.py"), case.bundle, "--nproc_per_node", "2"]
     cmd += ["--cpu", "True", "--max_restarts", str(max_restarts), "--extra_configs", json.dumps(extra)]
     cmd += ["--log_dir", str(log_dir)] if log_dir is not None else []
-    cmd += case.command(output)[case.command(output).index("--config_file") + 2 :]  # the overrides
+    cmd += case.overrides(output)
     return subprocess.run(cmd, cwd=REPO_ROOT, env=_env(), capture_output=True, text=True, timeout=timeout)
 
 
@@ -852,10 +854,18 @@ def soak(iterations: int = 2000, workdir: str | None = None, interval_s: float =
 
 
 # ----------------------------------------------------------------------------------------- command line
-def faults(bundle: str, workdir: str, seed: int = 0) -> dict[str, Any]:
-    """Run :func:`fault_sequence` (all faults) for ``bundle`` on fresh small data under ``workdir``."""
-    case = make_case(bundle, Path(workdir) / bundle / "data")
-    return fault_sequence(case, Path(workdir) / bundle, seed=seed)
+def faults(bundle: str, workdir: str, seed: int = 0, processes: int = 1) -> str:
+    """Run :func:`fault_sequence` (``processes=1``, all faults) or :func:`distributed_sequence` (``processes=2``)
+    for ``bundle`` on fresh small data under ``workdir``; return its table."""
+    root = Path(workdir) / bundle
+    case = make_case(bundle, root / "data")
+    if processes == 1:
+        table = _fault_table(fault_sequence(case, root, seed=seed))
+    elif processes == 2:
+        table = _fault_table(distributed_sequence(case.distributed(), root, seed=seed), "2 processes")
+    else:
+        raise ValueError(f"processes must be 1 or 2, got {processes!r}.")
+    return table  # the command line prints it
 
 
 def _fault_table(result: Mapping[str, Any], title: str = "1 process") -> str:
@@ -880,7 +890,7 @@ def report(
     workdir: str, fuzz_cases: int = 300, soak_iterations: int = 3000, bundles: Sequence[str] = BUNDLES, seed: int = 0
 ) -> str:
     """Run, for every bundle, the fault sequence (one process), the 2-process sequence and the peer failures (a rank
-    killed, a rank hung), then the fuzzing and the long run; print markdown tables."""
+    killed, a rank hung), then the fuzzing and the long run; return the markdown tables."""
     parts = []
     peers = ["| bundle | rank 1 | rank 0 exit | seconds to exit | message |", "|---|---|---|---|---|"]
     for bundle in bundles:
@@ -903,9 +913,7 @@ def report(
     long_run = soak(soak_iterations, str(Path(workdir) / "soak"))
     long_run.pop("samples")
     parts.append(json.dumps(long_run, indent=2))
-    text = "\n\n".join(parts)
-    print(text)
-    return text
+    return "\n\n".join(parts)  # the command line prints it
 
 
 if __name__ == "__main__":

@@ -17,18 +17,9 @@ import pytest
 import torch
 
 from scripts import benchmark_xray as benchmark
+from tests.helpers import TINY_XRAY_NETWORK
 
-NETWORK = {
-    "unet_channels": [8, 16],
-    "attention_levels": [False, True],
-    "norm_num_groups": 4,
-    "num_head_channels": 8,
-    "vit_patch_size": 8,
-    "vit_hidden_size": 16,
-    "vit_mlp_dim": 32,
-    "vit_layers": 1,
-    "vit_heads": 2,
-}
+NETWORK = {k: list(v) if isinstance(v, tuple) else v for k, v in TINY_XRAY_NETWORK.items()}
 SIZES = {"stage_sizes": [[8, 8, 8], [16, 16, 16]], "view_size": [16, 16]}  # X-rays from the CT at 16^3
 
 

@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 from ignite.engine import Engine, Events
 
+from common.engines.trainer import NonFiniteLossError
 from common.networks.wrappers import clean_state_dict, unwrap
 from common.utils import (
     OutputWriteError,
@@ -216,8 +217,6 @@ class CheckpointManager:
         read-only file system) or a lost peer rank is logged as one message naming the checkpoint that is kept; a
         lost peer is re-raised as :class:`common.utils.PeerFailureError` with that message.
         """
-        from common.engines.trainer import NonFiniteLossError
-
         peer = describe_peer_failure(exc)
         abort_distributed()
         if peer is None and not isinstance(exc, (NonFiniteLossError, CheckpointError, OutputWriteError)):
