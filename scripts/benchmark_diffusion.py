@@ -102,6 +102,7 @@ def ddpm_sampling(
     modes=("fast", "baseline"),
     device: str = "auto",
     num_threads: int | None = None,
+    seed: int = 0,
     output: str | None = None,
 ) -> dict:
     """Time and network evaluations of sampling one whole volume: Fast-DDPM's grid vs every step (the baseline).
@@ -122,6 +123,7 @@ def ddpm_sampling(
             too long; the ratios need both).
         device: ``auto``, ``cpu`` or ``cuda``.
         num_threads: torch CPU threads.
+        seed: seed of the network's weights and the input volume.
         output: JSON file for the results.
     """
     from common.engines.diffusion_workflow import DIFFUSION_MODES, sampling_grid
@@ -139,7 +141,7 @@ def ddpm_sampling(
         norm_num_groups=norm_num_groups,
         num_head_channels=num_head_channels,
     )
-    torch.manual_seed(0)
+    torch.manual_seed(int(seed))
     network = _unet(settings, int(in_channels), 1, dev).eval()
     counter = _CallCounter(network)
     image = torch.randn(1, int(in_channels), *[int(s) for s in shape], device=dev)
@@ -221,6 +223,7 @@ def ddpm_quality(
     val_sw_batch_size: int = 1,
     device: str = "auto",
     num_threads: int | None = None,
+    seed: int = 0,
     output_dir: str | None = None,
     output: str | None = None,
 ) -> dict:
@@ -239,6 +242,7 @@ def ddpm_quality(
         val_sw_batch_size: windows per network call when sampling.
         device: ``auto`` (the bundle's choice), ``cpu`` or ``cuda``.
         num_threads: CPU threads of the runs.
+        seed: seed of the phantoms (``synthesis``) and of both runs (the bundle's ``seed``).
         output_dir: where the runs are kept (default: a temporary folder).
         output: JSON file for the results.
     """
@@ -248,7 +252,7 @@ def ddpm_quality(
     work = Path(output_dir) if output_dir else Path(tempfile.mkdtemp(prefix="ddpm_quality_"))
     data = work / "data"
     if task == "synthesis":
-        write_brats_phantom_dataset(data, n_train=6, n_val=2, shape=shape)
+        write_brats_phantom_dataset(data, n_train=6, n_val=2, shape=shape, seed=int(seed))
         configs = ["train.json", "brats.json"]
     elif task == "translation":
         make_diffusion_demo(data, "translation")
@@ -266,6 +270,7 @@ def ddpm_quality(
         "lr": lr,
         "val_sw_batch_size": val_sw_batch_size,
         "spacing": None,
+        "seed": int(seed),
     }
     if device != "auto":
         common["device"] = device
@@ -381,6 +386,7 @@ def ddpm_throughput(
     device: str = "auto",
     baseline_workers: int | None = None,
     num_threads: int | None = None,
+    seed: int = 0,
     output: str | None = None,
 ) -> dict:
     """``fast_ddpm_3d`` trainer vs a plain Fast-DDPM loop, same network/batch/patch, alternating in one process, on
@@ -401,11 +407,13 @@ def ddpm_throughput(
         device: ``auto``, ``cpu`` or ``cuda``.
         baseline_workers: DataLoader workers of the plain loop (default: 4 on GPU machines, 0 on 2-core CPUs).
         num_threads: torch CPU threads.
+        seed: seed of the plain loop (weights, time steps, noise) and of the bundle's runs.
         output: JSON file for the results.
     """
     from common.utils import default_amp
 
     dev, workers = setup(device, num_threads, baseline_workers)
+    torch.manual_seed(int(seed))
     unet = {
         "unet_channels": [int(c) for c in unet_channels],
         "attention_levels": [bool(a) for a in attention_levels],
@@ -429,6 +437,7 @@ def ddpm_throughput(
         "patches_per_volume": s["num_samples"],
         "lr": 1e-4,
         "lr_scaling": "none",
+        "seed": int(seed),
     }
     summary = {
         "device": device_name(dev),

@@ -13,6 +13,11 @@ ratio, the bundle's data-wait fraction and peak memory. ``mace_smartcache`` trai
 ``SmartCacheDataset`` holding ``cache_rate`` of the cohort and replacing ``replace_rate`` of its cache every epoch,
 and reports how long the end of each epoch waits for the replacement thread (``update_cache``) against the epoch
 time: the stall fraction; a ``CacheDataset`` of the whole cohort is the reference.
+
+Both build the cohort with ``--seed`` (also the bundle's seed). The cohort decides two settings the bundle checks
+against it: the horizons (default: the bundle's, those inside the validation follow-up window, else the middle of
+that window) and the number of logistic-hazard intervals (at most what the training event times
+give: tied quantiles are merged). Both are in the results.
 """
 
 from __future__ import annotations
@@ -36,9 +41,10 @@ from scripts.benchmark_tools import (
     setup,
     sync,
     timed_loop,
+    train_config,
 )
 
-__all__ = ["mace_smartcache", "mace_throughput"]
+__all__ = ["cohort_intervals", "followup_horizons", "mace_smartcache", "mace_throughput"]
 
 BUNDLE = "mace_survival"
 WINDOW = {"mode": "ct", "a_min": -1000, "a_max": 1500}
@@ -47,19 +53,61 @@ WINDOW = {"mode": "ct", "a_min": -1000, "a_max": 1500}
 DEMO_SPACING = (7.0, 7.0, 8.0)
 
 
-def _make_cohort(folder: Path, n_cases: int, shape: Sequence[int], spacing: Sequence[float] = DEMO_SPACING) -> Path:
+def _make_cohort(
+    folder: Path,
+    n_cases: int,
+    shape: Sequence[int],
+    spacing: Sequence[float] = DEMO_SPACING,
+    seed: int = 0,
+    censoring: str = "uniform",
+) -> Path:
     from common.data.survival_demo import make_mace_cohort
 
     return make_mace_cohort(
-        folder, n_cases=int(n_cases), shape=tuple(int(s) for s in shape), spacing=tuple(float(v) for v in spacing)
+        folder,
+        n_cases=int(n_cases),
+        shape=tuple(int(s) for s in shape),
+        spacing=tuple(float(v) for v in spacing),
+        seed=int(seed),
+        censoring=censoring,
     )
 
 
-def _load_cohort(csv: Path) -> tuple[list[dict], dict]:
-    """The training entries and the bundle override locating them."""
+def _sections(csv: Path) -> dict[str, list[dict]]:
+    """The cohort's splits as the bundle reads them (the split column decides)."""
     from common.data.survival import read_cohort_csv, split_cohort
 
-    return split_cohort(read_cohort_csv(csv, time_unit="days"))["training"], {"csv_path": str(csv)}
+    return split_cohort(read_cohort_csv(csv, time_unit="days"))
+
+
+def followup_horizons(csv: Path, horizons: Sequence[float] | None = None) -> list[float]:
+    """The horizons (years) of a run on the cohort ``csv``: ``horizons`` when given; else the bundle's default
+    horizons inside the follow-up window the bundle checks (at or after the earliest validation time, before the
+    largest time of every split), or, when none is, the middle of that window."""
+    if horizons is not None:
+        return [float(h) for h in horizons]
+    sections = _sections(csv)
+    limit = min(max(e["time"] for e in entries) for entries in sections.values() if entries)
+    first = min(e["time"] for e in sections["validation"])
+    inside = [float(h) for h in train_config(BUNDLE)["horizons"] if first <= float(h) < limit]
+    return inside or [(first + limit) / 2.0]
+
+
+def cohort_intervals(csv: Path, num_intervals: int) -> int:
+    """The logistic-hazard intervals of the bundle on ``csv``: ``num_intervals``, or fewer when tied quantiles of
+    the training event times merge cut points (the bundle refuses the requested number then)."""
+    from common.data.survival import cut_points_from_quantiles
+
+    training = _sections(csv)["training"]
+    times, events = [e["time"] for e in training], [e["event"] for e in training]
+    return len(cut_points_from_quantiles(times, events, int(num_intervals))) - 1
+
+
+def _load_cohort(csv: Path, num_intervals: int, horizons: Sequence[float] | None, chosen: dict) -> tuple[list, dict]:
+    """The training entries and the bundle overrides locating them, with the horizons and intervals the cohort
+    allows (also recorded in ``chosen``)."""
+    chosen.update(horizons=followup_horizons(csv, horizons), num_intervals=cohort_intervals(csv, num_intervals))
+    return _sections(csv)["training"], {"csv_path": str(csv), **chosen}
 
 
 def _mace_plain_loop(s: dict, data: list[dict], iterations: int, warmup: int, workers: int) -> float:
@@ -145,6 +193,9 @@ def mace_throughput(
     device: str = "auto",
     baseline_workers: int | None = None,
     num_threads: int | None = None,
+    seed: int = 0,
+    horizons: Sequence[float] | None = None,
+    censoring: str = "uniform",
     output: str | None = None,
 ) -> dict:
     """``mace_survival`` trainer vs a plain loop, same network, batch, image size and augmentation, alternating in
@@ -155,7 +206,7 @@ def mace_throughput(
         backbone: MONAI ResNet depth.
         batch_size: cases per step (one process).
         n_cases: cohort size (75% training).
-        num_intervals: logistic-hazard intervals.
+        num_intervals: logistic-hazard intervals (fewer when tied event-time quantiles of the cohort merge cut points).
         iterations: timed steps per run (after ``warmup``).
         warmup: untimed steps at the start of each run.
         repeats: runs of each side; the median is reported.
@@ -165,6 +216,9 @@ def mace_throughput(
         device: ``auto``, ``cpu`` or ``cuda``.
         baseline_workers: DataLoader workers of the plain loop (default: 4 on GPU machines, 0 on CPUs).
         num_threads: torch CPU threads.
+        seed: seed of the cohort and of the bundle.
+        horizons: prediction horizons in years (default: chosen from the cohort's follow-up, see the module).
+        censoring: censoring of the cohort (``uniform`` or ``none``: every case has an event).
         output: JSON file for the results.
     """
     from common.utils import default_amp
@@ -180,15 +234,28 @@ def mace_throughput(
         "device": dev,
         "amp": amp or default_amp(dev),
     }
-    extra = {
+    extra = {  # the cohort's horizons and intervals come with the data (_load_cohort)
         "image_size": size,
         "backbone": backbone,
         "batch_size": int(batch_size),
-        "num_intervals": int(num_intervals),
         "compile": bool(compile),
         "lr_schedule": False,
         "cache_device": cache_device or str(dev),
+        "seed": int(seed),
     }
+    chosen: dict = {}
+    results = alternate(
+        s,
+        BUNDLE,
+        _mace_plain_loop,
+        iterations,
+        warmup,
+        repeats,
+        workers,
+        functools.partial(_make_cohort, n_cases=n_cases, shape=size, seed=seed, censoring=censoring),
+        extra=extra,
+        load_data=functools.partial(_load_cohort, num_intervals=num_intervals, horizons=horizons, chosen=chosen),
+    )
     summary = {
         "device": device_name(dev),
         "image_size": size,
@@ -197,18 +264,9 @@ def mace_throughput(
         "amp": s["amp"],
         "compile": bool(compile),
         "timed_iterations": iterations,
-        **alternate(
-            s,
-            BUNDLE,
-            _mace_plain_loop,
-            iterations,
-            warmup,
-            repeats,
-            workers,
-            functools.partial(_make_cohort, n_cases=n_cases, shape=size),
-            extra=extra,
-            load_data=_load_cohort,
-        ),
+        "seed": int(seed),
+        **chosen,
+        **results,
     }
     print_throughput(
         summary,
@@ -281,6 +339,9 @@ def mace_smartcache(
     epochs: int = 4,
     device: str = "auto",
     num_threads: int | None = None,
+    seed: int = 0,
+    horizons: Sequence[float] | None = None,
+    censoring: str = "uniform",
     output: str | None = None,
 ) -> dict:
     """SmartCache replacement time against epoch time on the synthetic cohort: for each ``replace_rate``, the
@@ -300,6 +361,9 @@ def mace_smartcache(
         epochs: epochs per run.
         device: ``auto``, ``cpu`` or ``cuda``.
         num_threads: torch CPU threads.
+        seed: seed of the cohort and of the bundle.
+        horizons: prediction horizons in years (default: chosen from the cohort's follow-up, see the module).
+        censoring: censoring of the cohort (``uniform`` or ``none``: every case has an event).
         output: JSON file for the results.
     """
     from common.utils import default_amp
@@ -307,7 +371,13 @@ def mace_smartcache(
     dev, _ = setup(device, num_threads, 0)
     size = [int(v) for v in image_size]
     s = {"device": dev, "amp": default_amp(dev), "batch_size": int(batch_size), "num_samples": 1}
-    base = {"image_size": size, "backbone": backbone, "batch_size": int(batch_size), "lr_schedule": False}
+    base = {
+        "image_size": size,
+        "backbone": backbone,
+        "batch_size": int(batch_size),
+        "lr_schedule": False,
+        "seed": int(seed),
+    }
     files = size if file_shape is None else [int(v) for v in file_shape]
     file_spacing = [sp * s_ / f for sp, s_, f in zip(DEMO_SPACING, size, files)]
     if files != size:
@@ -315,10 +385,15 @@ def mace_smartcache(
     rows, runs = [], []
     with tempfile.TemporaryDirectory() as tmp:
         start = time.perf_counter()
-        csv = _make_cohort(Path(tmp) / "cohort", n_cases, files, file_spacing)
+        csv = _make_cohort(Path(tmp) / "cohort", n_cases, files, file_spacing, seed=seed, censoring=censoring)
         print(
             f"cohort of {n_cases} volumes of {'x'.join(map(str, files))} written in {time.perf_counter() - start:.0f} s"
         )
+        chosen = {
+            "horizons": followup_horizons(csv, horizons),
+            "num_intervals": cohort_intervals(csv, train_config(BUNDLE)["num_intervals"]),
+        }
+        base.update(chosen)
         settings = [(1.0, 0.0)] + [(float(cache_rate), float(r)) for r in replace_rates]
         for i, (cache, replace) in enumerate(settings):
             overrides = {**base, "cache_rate": cache, "replace_rate": replace}
@@ -345,6 +420,8 @@ def mace_smartcache(
         "file_shape": files,
         "backbone": backbone,
         "batch": batch_size,
+        "seed": int(seed),
+        **chosen,
         "runs": runs,
     }
     print_table(

@@ -180,17 +180,21 @@ def _xray_plain_loop(s: dict, data: list[dict], iterations: int, warmup: int, wo
     return timed_loop(s, loader, step, iterations, warmup, whole_batch=True)
 
 
-def _random_previous_stages(folder: Path, stage: int, view_size: Sequence[int], network: dict) -> list[str]:
-    """Randomly initialised denoisers of stages ``1 .. stage - 1`` saved as state dicts (the bundle's config loads
-    the earlier stages for validation, which the throughput runs never reach)."""
+def _random_previous_stages(
+    folder: Path, stage: int, view_size: Sequence[int], network: dict, seed: int = 0
+) -> list[str]:
+    """Randomly initialised denoisers of stages ``1 .. stage - 1`` (weights seeded by ``seed``) saved as state dicts
+    (the bundle's config loads the earlier stages for validation, which the throughput runs never reach)."""
     from common.networks.xray2ct import XrayCTDenoiser
 
     projector = _projector(view_size)
     paths = []
-    for k in range(1, int(stage)):
-        path = folder / f"stage{k}_random.pt"
-        torch.save(XrayCTDenoiser(projector, with_previous=k > 1, **network).state_dict(), path)
-        paths.append(str(path))
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(int(seed))
+        for k in range(1, int(stage)):
+            path = folder / f"stage{k}_random.pt"
+            torch.save(XrayCTDenoiser(projector, with_previous=k > 1, **network).state_dict(), path)
+            paths.append(str(path))
     return paths
 
 
@@ -218,6 +222,7 @@ def xray_throughput(
     compile: bool = False,
     num_threads: int | None = None,
     baseline_workers: int | None = None,
+    seed: int = 0,
     output: str | None = None,
 ) -> dict:
     """``xray2ct_cascade`` trainer of one stage vs a plain loop, same network, batch, data and loss, alternating in
@@ -247,6 +252,7 @@ def xray_throughput(
         compile: ``torch.compile`` the bundle's denoiser (its ``compile`` id).
         num_threads: torch CPU threads.
         baseline_workers: DataLoader workers of the plain loop (default: 4 on GPU machines, 0 on CPUs).
+        seed: seed of the phantoms, the earlier stages' random weights, the plain loop and the bundle's runs.
         output: JSON file for the results.
 
     The phantoms are written at the stage's volume size; both sides resample them to the last stage's size
@@ -257,6 +263,7 @@ def xray_throughput(
     from common.utils import default_amp
 
     dev, workers = setup(device, num_threads, baseline_workers)
+    torch.manual_seed(int(seed))
     stage = int(stage)
     settings = _defaults(
         dev,
@@ -312,10 +319,16 @@ def xray_throughput(
             "compile": bool(compile),
             "outputs_root": tmp,
             "init_from_previous": False,
-            "previous_ckpts": _random_previous_stages(Path(tmp), stage, view, network_settings) or None,
+            "previous_ckpts": _random_previous_stages(Path(tmp), stage, view, network_settings, int(seed)) or None,
+            "seed": int(seed),
         }
         make_data = functools.partial(
-            make_xray2ct_demo, n_train=int(n_cases), n_val=1, shape=s["volume_size"], fov_mm=config["fov_mm"]
+            make_xray2ct_demo,
+            n_train=int(n_cases),
+            n_val=1,
+            shape=s["volume_size"],
+            fov_mm=config["fov_mm"],
+            seed=int(seed),
         )
         result = alternate(
             s, BUNDLE, _xray_plain_loop, iterations, warmup, repeats, workers, make_data, ("image",), extra
@@ -382,6 +395,7 @@ def xray_quality(
     modes=("diffusion", "direct"),
     output: str | None = "xray_quality.json",
     work_dir: str | None = None,
+    seed: int = 0,
     **overrides,
 ) -> dict:
     """Equal training budgets: for each mode, stage 1 then stage 2 (...) trained through the bundle's command line
@@ -403,6 +417,7 @@ def xray_quality(
         output: JSON file for the results, rewritten after each mode.
         work_dir: where the runs are kept, ``<work_dir>/<mode>`` being each mode's ``outputs_root`` (default: a new
             temporary folder, printed).
+        seed: the bundle's ``seed`` in every training and evaluation command.
         overrides: bundle overrides given to every training and evaluation command (``--num_threads 2``,
             ``--dataset_dir ...``, ``--unet_channels "[32,64,128]"``, ...), applied over the defaults.
 
@@ -429,7 +444,7 @@ def xray_quality(
     if stages < 1 or iterations < 1:
         raise ValueError(f"stages and iterations must be >= 1, got stages={stages}, iterations={iterations}.")
     defaults = _defaults(dev)
-    settings = {**defaults, **overrides}
+    settings = {**defaults, **overrides, "seed": int(seed)}
     if not isinstance(settings["stage_sizes"], (list, tuple)) or len(settings["stage_sizes"]) < stages:
         raise ValueError(f"{stages} stages need {stages} stage sizes, got {settings['stage_sizes']!r}.")
     settings["stage_sizes"] = [list(size) for size in settings["stage_sizes"][:stages]]

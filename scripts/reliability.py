@@ -57,6 +57,7 @@ def inject(
     stall_at: int | None = None,
     rank: int | None = None,
     once_marker: str | None = None,
+    strike_file: str | None = None,
 ) -> None:
     """Arm faults on a bundle's trainer (called from :func:`fault_config`; iterations are 1-based).
 
@@ -74,6 +75,8 @@ def inject(
         rank: arm the faults on this rank only (``None``: every rank).
         once_marker: a file created when the faults are armed; while it exists they are not armed again (a job
             restarted by ``torchrun --max_restarts`` then runs clean).
+        strike_file: a file to which the process writes the time (``time.time()``) at which ``kill_at`` or
+            ``stall_at`` strikes, just before it dies or stops responding.
     """
     from ignite.engine import Events
 
@@ -86,7 +89,7 @@ def inject(
             return
         Path(once_marker).touch()
     if kill_at:
-        trainer.add_event_handler(Events.ITERATION_COMPLETED(once=kill_at), lambda _: _kill_self())
+        trainer.add_event_handler(Events.ITERATION_COMPLETED(once=kill_at), lambda _: _kill_self(strike_file))
     if kill_while_saving_at:
         trainer.add_event_handler(Events.ITERATION_STARTED(once=kill_while_saving_at), lambda _: _break_saves(True))
     if nan_at:
@@ -94,10 +97,21 @@ def inject(
     if full_disk_at:
         trainer.add_event_handler(Events.ITERATION_STARTED(once=full_disk_at), lambda _: _fill_disk(disk_error))
     if stall_at:
-        trainer.add_event_handler(Events.ITERATION_STARTED(once=stall_at), lambda _: time.sleep(3600))
+        trainer.add_event_handler(Events.ITERATION_STARTED(once=stall_at), lambda _: _stall(strike_file))
 
 
-def _kill_self() -> None:
+def _note_strike(strike_file: str | None) -> None:
+    if strike_file is not None:
+        Path(strike_file).write_text(repr(time.time()))
+
+
+def _stall(strike_file: str | None = None) -> None:
+    _note_strike(strike_file)
+    time.sleep(3600)
+
+
+def _kill_self(strike_file: str | None = None) -> None:
+    _note_strike(strike_file)
     sys.stdout.flush()
     sys.stderr.flush()
     os.kill(os.getpid(), signal.SIGKILL)
@@ -181,63 +195,124 @@ class BundleCase:
         return output / self.ckpt
 
 
-def make_case(bundle: str, root: str | os.PathLike) -> BundleCase:
+def make_case(bundle: str, root: str | os.PathLike, seed: int = 0) -> BundleCase:
     """Generate small data for ``bundle`` under ``root`` and return its job: 8 or more iterations, a checkpoint
     every 2, deterministic kernels, a validation at the end (and half-way for ``autoencoder_3d``, so a resumed run
-    crosses a validation)."""
+    crosses a validation).
+
+    ``seed`` seeds the data and every run of the job (``--seed``: initialisation, data order, augmentation). For
+    ``mace_survival`` the cohort is the first one from seed ``seed`` on that the job can train and validate (see
+    :func:`mace_cohort`); its seed is then the job's seed.
+    """
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
+    seed = int(seed)
     common = {"deterministic": True, "ckpt_interval": 2, "num_threads": 1}
     if bundle == "autoencoder_3d":
         from common.data.demo import write_phantom_dataset
 
-        write_phantom_dataset(root, n_train=4, n_val=2, shape=(24, 24, 24), seed=0)
+        write_phantom_dataset(root, n_train=4, n_val=2, shape=(24, 24, 24), seed=seed)
         args = {"dataset_dir": str(root), "max_epochs": 4, "val_interval": 2, "adv_warmup_iterations": 3}
         weights = ("autoencoder", "discriminator")
         return BundleCase(
-            bundle, ["train.json", "tiny.json"], {**args, **common}, weights=weights, extra={"batch_size": 1}
+            bundle,
+            ["train.json", "tiny.json"],
+            {**args, **common, "seed": seed},
+            weights=weights,
+            extra={"batch_size": 1},
         )
     if bundle == "vqgan_3d":
         from common.data.demo import write_phantom_dataset
 
-        write_phantom_dataset(root, n_train=4, n_val=2, shape=(24, 24, 22), kind="ct", spacing=(1.5, 1.5, 2.0))
+        write_phantom_dataset(
+            root, n_train=4, n_val=2, shape=(24, 24, 22), kind="ct", spacing=(1.5, 1.5, 2.0), seed=seed
+        )
         args = {"dataset_dir": str(root), "max_cases": 2, "max_epochs": 4, "val_interval": 4}
         args["discriminator_iter_start"] = 3
         return BundleCase(
             bundle,
             ["train.json", "tiny.json"],
-            {**args, **common},
+            {**args, **common, "seed": seed},
             weights=("vqgan", "discriminator"),
             extra={"max_cases": 4},
         )
     if bundle == "fast_ddpm_3d":
         from common.data.demo import write_brats_phantom_dataset
 
-        write_brats_phantom_dataset(root, n_train=4, n_val=2, shape=(24, 24, 20), spacing=(1.5, 1.5, 2.0))
+        write_brats_phantom_dataset(root, n_train=4, n_val=2, shape=(24, 24, 20), spacing=(1.5, 1.5, 2.0), seed=seed)
         args = {"dataset_dir": str(root), "max_cases": 2, "max_epochs": 4, "val_interval": 4}
         configs = ["train.json", "brats.json", "tiny.json"]
-        return BundleCase(bundle, configs, {**args, **common}, weights=("unet", "ema"), extra={"max_cases": 4})
+        return BundleCase(
+            bundle, configs, {**args, **common, "seed": seed}, weights=("unet", "ema"), extra={"max_cases": 4}
+        )
     if bundle == "mace_survival":
-        from common.data.survival_demo import make_mace_cohort
-
-        csv_path = make_mace_cohort(root, n_cases=16, shape=(24, 24, 20), spacing=(14, 14, 16))
-        args = {"csv_path": str(csv_path), "horizons": [1.0, 2.0], "max_epochs": 3, "val_interval": 3}
-        return BundleCase(bundle, ["train.json", "tiny.json"], {**args, **common}, weights=("predictor",))
+        csv_path, seed = mace_cohort(root, seed)
+        args = {"csv_path": str(csv_path), "horizons": list(MACE_HORIZONS), "max_epochs": 3, "val_interval": 3}
+        return BundleCase(bundle, ["train.json", "tiny.json"], {**args, **common, "seed": seed}, weights=("predictor",))
     if bundle == "xray2ct_cascade":
         from common.data.xray import make_xray2ct_demo
 
-        make_xray2ct_demo(root, n_train=4, n_val=2, shape=(24, 24, 24), fov_mm=350.0)
+        make_xray2ct_demo(root, n_train=4, n_val=2, shape=(24, 24, 24), fov_mm=350.0, seed=seed)
         args = {"dataset_dir": str(root), "stage": 1, "stage_batch_size": [1, 1], "max_epochs": 2, "val_interval": 2}
         return BundleCase(
             bundle,
             ["train.json", "tiny.json"],
-            {**args, **common},
+            {**args, **common, "seed": seed},
             output_arg="outputs_root",
             ckpt="stage1/models/last.pt",
             weights=("network", "ema"),
             extra={"max_epochs": 4},
         )
     raise ValueError(f"unknown bundle {bundle!r}; expected one of {BUNDLES}.")
+
+
+MACE_HORIZONS = (1.0, 2.0)  # years: the evaluation horizons of the small mace_survival job
+MACE_INTERVALS = 4  # logistic-hazard intervals of ``configs/tiny.json``
+
+
+def mace_cohort_problems(
+    csv_path: str | os.PathLike, horizons: Sequence[float] = MACE_HORIZONS, num_intervals: int = MACE_INTERVALS
+) -> list[str]:
+    """Why the ``mace_survival`` job cannot train and validate on the cohort at ``csv_path`` (empty: it can): the
+    checks of the bundle's ``cohort_or_exit`` on the CSV's own split (:func:`check_cohort`: events in both splits,
+    ``horizons`` below every split's largest follow-up time and one inside the validation follow-up) and
+    ``num_intervals`` distinct cut points from the training event times."""
+    from common.data.survival import CohortError, check_cohort, cut_points_from_quantiles, read_cohort_csv, split_cohort
+
+    sections = split_cohort(read_cohort_csv(csv_path), use_split_column=True)
+    problems = []
+    try:
+        check_cohort(sections, horizons=list(horizons))
+    except CohortError as exc:
+        problems += list(exc.problems)
+    training = sections.get("training") or []
+    if any(entry["event"] == 1 for entry in training):
+        cuts = cut_points_from_quantiles([e["time"] for e in training], [e["event"] for e in training], num_intervals)
+        if len(cuts) - 1 != num_intervals:
+            problems.append(f"the training event times give {len(cuts) - 1} distinct intervals, not {num_intervals}")
+    return problems
+
+
+def mace_cohort(root: str | os.PathLike, seed: int = 0, tries: int = 100) -> tuple[Path, int]:
+    """The small cohort of the ``mace_survival`` job under ``root``: ``(its CSV, its seed)``.
+
+    16 cases are few: about one cohort seed in five gives a cohort the job cannot use (tied cut-point quantiles,
+    no horizon inside the validation follow-up, a horizon beyond a split's follow-up, no validation event;
+    :func:`mace_cohort_problems`). The cohort is the one of the first seed ``seed, seed + 1, ...`` without such a
+    problem, so every ``seed`` gives a usable cohort and the same ``seed`` always gives the same one.
+
+    Raises:
+        RuntimeError: when none of ``tries`` consecutive seeds gives a usable cohort.
+    """
+    from common.data.survival_demo import make_mace_cohort
+
+    problems: list[str] = []
+    for cohort_seed in range(int(seed), int(seed) + tries):
+        csv_path = make_mace_cohort(root, n_cases=16, shape=(24, 24, 20), spacing=(14, 14, 16), seed=cohort_seed)
+        problems = mace_cohort_problems(csv_path)
+        if not problems:
+            return csv_path, cohort_seed
+    raise RuntimeError(f"no usable mace_survival cohort for seeds {seed}..{seed + tries - 1}; the last: {problems}")
 
 
 def _env() -> dict[str, str]:
@@ -491,14 +566,21 @@ def peer_failure(
     """Rank 1 of a 2-process job (started without torchrun, so nothing else reacts) dies (``kill``) or hangs
     (``stall``) at iteration ``at``; measure how long rank 0 takes to exit and what it says.
 
+    ``timeout_s`` is the job's collective timeout (``dist_timeout``): a rank that stalls makes rank 0's next
+    collective time out after it; a rank that dies closes its connections, so rank 0 fails at once, however long
+    the timeout.
+
     Returns:
-        ``{"mode", "returncode", "seconds", "message"}``: rank 0's exit status, its seconds from rank 1's fault to
-        its exit, and its error line.
+        ``{"mode", "returncode", "seconds", "message"}``: rank 0's exit status, its seconds from rank 1's fault (the
+        time rank 1 records just before it dies or stops responding) to its exit, and its error line.
     """
     workdir = Path(workdir)
     args = {**case.args, "dist_timeout": timeout_s}
     job = BundleCase(case.bundle, case.configs, args, case.output_arg, case.ckpt, case.weights)
-    probe = fault_config(workdir / f"peer_{mode}.json", rank=1, **{"kill_at" if mode == "kill" else "stall_at": at})
+    strike = workdir / f"peer_{mode}.strike"
+    strike.unlink(missing_ok=True)
+    fault = {"kill_at" if mode == "kill" else "stall_at": at, "strike_file": str(strike)}
+    probe = fault_config(workdir / f"peer_{mode}.json", rank=1, **fault)
     env = {**_env(), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), "WORLD_SIZE": "2"}
     procs, logs = [], []
     for rank in (0, 1):
@@ -509,10 +591,7 @@ def peer_failure(
         procs.append(subprocess.Popen(cmd, cwd=REPO_ROOT, env=rank_env, stdout=log, stderr=subprocess.STDOUT))
     try:
         deadline = time.time() + 600
-        fault_time = None
         while procs[0].poll() is None and time.time() < deadline:
-            if fault_time is None and (procs[1].poll() is not None or _reached(workdir / f"peer_{mode}_rank1.log", at)):
-                fault_time = time.time()
             time.sleep(0.05)
         end = time.time()
     finally:
@@ -524,24 +603,23 @@ def peer_failure(
             log.close()
     text = (workdir / f"peer_{mode}_rank0.log").read_text()
     message = next((line.strip() for line in text.splitlines() if "lost contact" in line), "")
+    fault_time = float(strike.read_text()) if strike.is_file() and strike.read_text() else None
     return {
         "mode": mode,
         "returncode": procs[0].returncode,
-        "seconds": round(end - (fault_time or end), 1),
+        "seconds": None if fault_time is None else round(end - fault_time, 1),
         "message": message,
     }
-
-
-def _reached(log: Path, iteration: int) -> bool:
-    """Whether a rank's log shows it started ``iteration`` (the monitor logs every completed iteration)."""
-    return log.is_file() and f"iter {iteration - 1}/" in log.read_text()
 
 
 # ----------------------------------------------------------------------------------------- hostile input
 @dataclass
 class FuzzOutcome:
     """Counts of one fuzz family: cases tried, refused with a clear error, accepted, and crashes (raw
-    exceptions or errors that do not name the input), with the largest memory seen."""
+    exceptions or errors that do not name the input), with the largest memory seen; and the outcomes of the
+    family's two fixed examples: a valid input (run first, untraced: it also imports and warms up what the checks
+    use) and a known-bad one (counted with the fuzzed cases): ``accepted`` and ``refused`` as they must be, else
+    the outcome and its detail."""
 
     family: str
     cases: int = 0
@@ -549,13 +627,15 @@ class FuzzOutcome:
     accepted: int = 0
     crashes: list[str] = field(default_factory=list)
     peak_mib: float = 0.0
+    valid: str = ""
+    known_bad: str = ""
 
 
-def _nifti_bytes(shape: Sequence[int] = (12, 12, 10), compressed: bool = False) -> bytes:
-    """A valid small float32 NIfTI-1 file, as bytes (gzip-compressed on request)."""
+def _nifti_bytes(shape: Sequence[int] = (12, 12, 10), compressed: bool = False, seed: int = 0) -> bytes:
+    """A valid small float32 NIfTI-1 file of seeded noise, as bytes (gzip-compressed on request)."""
     import nibabel as nib
 
-    data = np.random.default_rng(0).normal(size=shape).astype(np.float32)
+    data = np.random.default_rng(seed).normal(size=shape).astype(np.float32)
     raw = nib.Nifti1Image(data, np.diag([1.5, 1.5, 2.0, 1.0])).to_bytes()
     return gzip.compress(raw, mtime=0) if compressed else raw
 
@@ -591,44 +671,45 @@ def _volume_case(folder: Path, name: str, content: bytes) -> Callable[[], tuple[
     return check
 
 
-def _dicom_seed(folder: Path) -> list[bytes]:
+def _dicom_seed(folder: Path, seed: int = 0) -> list[bytes]:
     from common.data.demo import write_phantom_dataset
 
-    write_phantom_dataset(folder, n_train=1, n_val=0, shape=(16, 16, 6), kind="ct", dicom=True)
+    write_phantom_dataset(folder, n_train=1, n_val=0, shape=(16, 16, 6), kind="ct", dicom=True, seed=seed)
     return [p.read_bytes() for p in sorted(folder.rglob("*.dcm"))]
 
 
 def _run_family(
-    family: str, cases: int, seed: int, draw: Callable[[Any], Callable[[], tuple[str, str]]]
+    family: str,
+    cases: int,
+    seed: int,
+    draw: Callable[[Any], Callable[[], tuple[str, str]]],
+    valid: Callable[[], Callable[[], tuple[str, str]]],
+    known_bad: Callable[[], Callable[[], tuple[str, str]]],
 ) -> FuzzOutcome:
-    """Run ``cases`` hypothesis examples: ``draw(data)`` builds one input and returns its check."""
+    """Run the ``valid`` example untraced (it warms up the imports and caches of the checks, so the traced peaks
+    are those of the inputs), then the ``known_bad`` example and ``cases`` hypothesis examples traced and counted:
+    ``draw(data)`` builds one input and returns its check."""
     import tracemalloc
 
-    from hypothesis import HealthCheck, given, settings
+    from hypothesis import HealthCheck, Phase, given, settings
     from hypothesis import seed as hypothesis_seed
     from hypothesis import strategies as st
 
     outcome = FuzzOutcome(family)
 
-    @hypothesis_seed(seed)
-    @settings(
-        max_examples=cases,
-        database=None,
-        deadline=None,
-        suppress_health_check=list(HealthCheck),
-        phases=[__import__("hypothesis").Phase.generate],
-    )
-    @given(st.data())
-    def one(data: Any) -> None:
-        check = draw(data)
-        tracemalloc.start()
+    def run(check: Callable[[], tuple[str, str]], traced: bool = True) -> tuple[str, str]:
+        if traced:
+            tracemalloc.start()
         try:
             kind, detail = check()
         except Exception as exc:  # noqa: BLE001 - a raw exception is what the fuzzing looks for
             kind, detail = "crash", f"{type(exc).__name__}: {exc}"
         finally:
-            peak = tracemalloc.get_traced_memory()[1] / 1024**2
-            tracemalloc.stop()
+            if traced:
+                peak = tracemalloc.get_traced_memory()[1] / 1024**2
+                tracemalloc.stop()
+        if not traced:
+            return kind, detail
         outcome.cases += 1
         outcome.peak_mib = max(outcome.peak_mib, peak)
         if kind == "crash":
@@ -637,6 +718,24 @@ def _run_family(
             outcome.refused += 1
         else:
             outcome.accepted += 1
+        return kind, detail
+
+    kind, detail = run(valid(), traced=False)
+    outcome.valid = kind if kind == "accepted" else f"{kind}: {detail[:300]}"
+    kind, detail = run(known_bad())
+    outcome.known_bad = kind if kind == "refused" else f"{kind}: {detail[:300]}"
+
+    @hypothesis_seed(seed)
+    @settings(
+        max_examples=cases,
+        database=None,
+        deadline=None,
+        suppress_health_check=list(HealthCheck),
+        phases=[Phase.generate],
+    )
+    @given(st.data())
+    def one(data: Any) -> None:
+        run(draw(data))
 
     one()
     return outcome
@@ -653,7 +752,10 @@ def fuzz(cases: int = 200, seed: int = 0, workdir: str | None = None) -> list[Fu
       leaving the dataset root.
 
     Every case must either be accepted or refused with an error naming the input; anything else is a crash.
-    Memory is the peak of Python-tracked allocations (numpy included) per case.
+    Memory is the peak of Python-tracked allocations (numpy included) per case. Each family also runs a fixed
+    valid input first (it must be accepted; it warms up imports and caches, untraced) and a fixed known-bad input
+    (it must be refused), whatever the draws (see :class:`FuzzOutcome`). ``seed`` seeds the draws and the valid
+    files the inputs are made from.
     """
     from hypothesis import strategies as st
 
@@ -663,11 +765,13 @@ def fuzz(cases: int = 200, seed: int = 0, workdir: str | None = None) -> list[Fu
     root = Path(workdir or tempfile.mkdtemp(prefix="fuzz_"))
     root.mkdir(parents=True, exist_ok=True)
     outcomes = []
-    raw, packed = _nifti_bytes(), _nifti_bytes(compressed=True)
+    raw, packed = _nifti_bytes(seed=seed), _nifti_bytes(compressed=True, seed=seed)
     fields = ["dim", "datatype", "bitpix", "vox_offset", "scl_slope", "sizeof_hdr", "pixdim"]
 
+    def new_folder() -> Path:
+        return Path(tempfile.mkdtemp(dir=root))
+
     def nifti(data: Any) -> Callable[[], tuple[str, str]]:
-        folder = Path(tempfile.mkdtemp(dir=root))
         kind = data.draw(st.sampled_from(["random", "truncated", "header", "header+gz"]))
         if kind == "random":
             content = data.draw(st.binary(min_size=0, max_size=4096))
@@ -681,29 +785,28 @@ def fuzz(cases: int = 200, seed: int = 0, workdir: str | None = None) -> list[Fu
             if kind == "header+gz":
                 content = gzip.compress(content, mtime=0)
         suffix = ".nii.gz" if kind in ("header+gz",) or content[:2] == b"\x1f\x8b" else ".nii"
-        return _volume_case(folder, f"case{suffix}", content)
+        return _volume_case(new_folder(), f"case{suffix}", content)
 
-    outcomes.append(_run_family("nifti", cases, seed, nifti))
+    outcomes.append(
+        _run_family(
+            "nifti",
+            cases,
+            seed,
+            nifti,
+            valid=lambda: _volume_case(new_folder(), "case.nii.gz", packed),
+            known_bad=lambda: _volume_case(new_folder(), "case.nii", raw[: len(raw) // 2]),  # truncated
+        )
+    )
 
-    seeds = _dicom_seed(root / "dicom_seed")
+    seeds = _dicom_seed(root / "dicom_seed", seed=seed)
 
-    def dicom(data: Any) -> Callable[[], tuple[str, str]]:
+    def dicom_case(contents: Sequence[bytes]) -> Callable[[], tuple[str, str]]:
         from common.data.preflight import PreflightError, preflight
 
-        folder = Path(tempfile.mkdtemp(dir=root))
+        folder = new_folder()
         series = folder / "series"
         series.mkdir()
-        for i, original in enumerate(seeds):
-            kind = data.draw(st.sampled_from(["keep", "random", "truncate", "flip"]))
-            if kind == "random":
-                content = data.draw(st.binary(min_size=0, max_size=2048))
-            elif kind == "truncate":
-                content = original[: data.draw(st.integers(0, len(original) - 1))]
-            elif kind == "flip":
-                position = data.draw(st.integers(0, len(original) - 1))
-                content = original[:position] + bytes([original[position] ^ 0xFF]) + original[position + 1 :]
-            else:
-                content = original
+        for i, content in enumerate(contents):
             (series / f"{i:03d}.dcm").write_bytes(content)
 
         def check() -> tuple[str, str]:
@@ -715,7 +818,32 @@ def fuzz(cases: int = 200, seed: int = 0, workdir: str | None = None) -> list[Fu
 
         return check
 
-    outcomes.append(_run_family("dicom", max(1, cases // 4), seed, dicom))
+    def dicom(data: Any) -> Callable[[], tuple[str, str]]:
+        contents = []
+        for original in seeds:
+            kind = data.draw(st.sampled_from(["keep", "random", "truncate", "flip"]))
+            if kind == "random":
+                content = data.draw(st.binary(min_size=0, max_size=2048))
+            elif kind == "truncate":
+                content = original[: data.draw(st.integers(0, len(original) - 1))]
+            elif kind == "flip":
+                position = data.draw(st.integers(0, len(original) - 1))
+                content = original[:position] + bytes([original[position] ^ 0xFF]) + original[position + 1 :]
+            else:
+                content = original
+            contents.append(content)
+        return dicom_case(contents)
+
+    outcomes.append(
+        _run_family(
+            "dicom",
+            max(1, cases // 4),
+            seed,
+            dicom,
+            valid=lambda: dicom_case(seeds),
+            known_bad=lambda: dicom_case([b"not a DICOM file"] * len(seeds)),
+        )
+    )
 
     cell = st.one_of(
         st.text(max_size=12),
@@ -724,19 +852,12 @@ def fuzz(cases: int = 200, seed: int = 0, workdir: str | None = None) -> list[Fu
         st.sampled_from(["", " ", "nan", "inf", "-1", "1e309", '"', "1,5", "0x10", "True", "NULL", "1.0", "0"]),
     )
 
-    def table(data: Any) -> Callable[[], tuple[str, str]]:
-        folder = Path(tempfile.mkdtemp(dir=root))
-        header = data.draw(
-            st.sampled_from(
-                [["case_id", "image", "time", "event"], ["image", "time", "event", "age"], ["id", "img", "t"]]
-            )
-        )
-        rows = data.draw(st.lists(st.lists(cell, min_size=len(header) - 1, max_size=len(header) + 1), max_size=6))
+    def table_case(header: Sequence[str], rows: Sequence[Sequence[str]]) -> Callable[[], tuple[str, str]]:
         buffer = io.StringIO()
         writer = __import__("csv").writer(buffer)
         writer.writerow(header)
         writer.writerows(rows)
-        path = folder / "cohort.csv"
+        path = new_folder() / "cohort.csv"
         path.write_text(buffer.getvalue(), encoding="utf-8")
 
         def check() -> tuple[str, str]:
@@ -749,7 +870,26 @@ def fuzz(cases: int = 200, seed: int = 0, workdir: str | None = None) -> list[Fu
 
         return check
 
-    outcomes.append(_run_family("csv", cases, seed, table))
+    def table(data: Any) -> Callable[[], tuple[str, str]]:
+        header = data.draw(
+            st.sampled_from(
+                [["case_id", "image", "time", "event"], ["image", "time", "event", "age"], ["id", "img", "t"]]
+            )
+        )
+        rows = data.draw(st.lists(st.lists(cell, min_size=len(header) - 1, max_size=len(header) + 1), max_size=6))
+        return table_case(header, rows)
+
+    columns = ["case_id", "image", "time", "event"]
+    outcomes.append(
+        _run_family(
+            "csv",
+            cases,
+            seed,
+            table,
+            valid=lambda: table_case(columns, [["a", "a.nii.gz", "100", "1"], ["b", "b.nii.gz", "200", "0"]]),
+            known_bad=lambda: table_case(columns, [["a", "a.nii.gz", "-100", "1"], ["b", "b.nii.gz", "200", "2"]]),
+        )
+    )
 
     json_value = st.recursive(
         st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=8),
@@ -759,19 +899,9 @@ def fuzz(cases: int = 200, seed: int = 0, workdir: str | None = None) -> list[Fu
     outside = root / "outside.nii"
     outside.write_bytes(raw)
 
-    def datalist(data: Any) -> Callable[[], tuple[str, str]]:
-        folder = Path(tempfile.mkdtemp(dir=root))
+    def datalist_case(content: Any) -> Callable[[], tuple[str, str]]:
+        folder = new_folder()
         (folder / "link").symlink_to(root)
-        kind = data.draw(st.sampled_from(["random", "entries", "paths"]))
-        if kind == "random":
-            content = data.draw(json_value)
-        elif kind == "entries":
-            content = {"training": data.draw(st.lists(json_value | st.fixed_dictionaries({"image": json_value})))}
-        else:
-            path = data.draw(
-                st.sampled_from(["../outside.nii", "link/outside.nii", "a/../../outside.nii", "./x/../.."])
-            )
-            content = {"training": [{"image": path}]}
         file = folder / "datalist.json"
         file.write_text(json.dumps(content))
 
@@ -787,30 +917,101 @@ def fuzz(cases: int = 200, seed: int = 0, workdir: str | None = None) -> list[Fu
 
         return check
 
-    outcomes.append(_run_family("json", cases, seed, datalist))
+    def datalist(data: Any) -> Callable[[], tuple[str, str]]:
+        kind = data.draw(st.sampled_from(["random", "entries", "paths"]))
+        if kind == "random":
+            content = data.draw(json_value)
+        elif kind == "entries":
+            content = {"training": data.draw(st.lists(json_value | st.fixed_dictionaries({"image": json_value})))}
+        else:
+            path = data.draw(
+                st.sampled_from(["../outside.nii", "link/outside.nii", "a/../../outside.nii", "./x/../.."])
+            )
+            content = {"training": [{"image": path}]}
+        return datalist_case(content)
+
+    outcomes.append(
+        _run_family(
+            "json",
+            cases,
+            seed,
+            datalist,
+            valid=lambda: datalist_case({"training": [{"image": "a.nii.gz"}, {"image": "sub/b.nii.gz"}]}),
+            known_bad=lambda: datalist_case({"training": [{"image": "link/outside.nii"}]}),
+        )
+    )
     return outcomes
 
 
 # ----------------------------------------------------------------------------------------- long run
-def _rss_and_fds(pid: int) -> tuple[float, int]:
-    status = Path(f"/proc/{pid}/status").read_text()
+def _rss_mib_and_fds() -> tuple[float, int]:
+    """This process's resident set size (MiB) and number of open file descriptors (Linux ``/proc``)."""
+    fds = len(os.listdir("/proc/self/fd")) - 1  # less the descriptor of the listing itself
+    status = Path("/proc/self/status").read_text()
     rss_kib = next(int(line.split()[1]) for line in status.splitlines() if line.startswith("VmRSS:"))
-    return rss_kib / 1024, len(os.listdir(f"/proc/{pid}/fd"))
+    return rss_kib / 1024, fds
 
 
-def soak(iterations: int = 2000, workdir: str | None = None, interval_s: float = 1.0) -> dict[str, Any]:
+def record_resources(trainer: Any, path: str, every: int = 2) -> None:
+    """Append ``[iteration, RSS MiB, open file descriptors]`` of this process to ``path`` (one JSON list a line)
+    every ``every`` iterations, at the same point of the iteration each time (called from :func:`probe_config`)."""
+    from ignite.engine import Events
+
+    def sample(engine: Any) -> None:
+        rss, fds = _rss_mib_and_fds()
+        with open(path, "a") as f:
+            f.write(json.dumps([engine.state.iteration, round(rss, 2), fds]) + "\n")
+
+    trainer.add_event_handler(Events.ITERATION_COMPLETED(every=int(every)), sample)
+
+
+def probe_config(config: str | os.PathLike, **kwargs: Any) -> Path:
+    """Write the config file ``config`` that calls :func:`record_resources` with ``kwargs`` when merged last into a
+    training config."""
+    arguments = ", ".join(f"{k}={v!r}" for k, v in kwargs.items())
+    path = Path(config)
+    path.write_text(
+        json.dumps(
+            {
+                "+imports": ["$from scripts.reliability import record_resources"],
+                "+initialize": [f"$record_resources(@train#trainer, {arguments})"],
+            }
+        )
+    )
+    return path
+
+
+def _growth(points: Sequence[tuple[float, float]]) -> float:
+    """The least-squares line through ``(x, y)`` points: its rise over their ``x`` range (0 for fewer than 2)."""
+    if len(points) < 2:
+        return 0.0
+    x, y = np.array(points, dtype=np.float64).T
+    if np.ptp(x) == 0:
+        return 0.0
+    slope = np.polyfit(x, y, 1)[0]
+    return float(slope * np.ptp(x))
+
+
+def soak(iterations: int = 2000, workdir: str | None = None, every: int = 2, seed: int = 0) -> dict[str, Any]:
     """A long tiny ``autoencoder_3d`` run with SmartCache replacement (half the cache replaced every epoch) and a
-    validation every epoch: sample the process's RSS and open file descriptors, and compare the end with the
-    state after warm-up (a third of the run's time).
+    validation every epoch; the training process records its RSS and open file descriptors every ``every``
+    iterations (:func:`record_resources`, at the end of an iteration, so every sample is taken at the same point
+    of the training loop), and the samples from a third of the iterations on (after start-up, caching and the
+    first validations and cache replacements) are compared.
+
+    ``seed`` seeds the data and the run.
 
     Returns:
-        ``{"iterations", "rss_start_mib", "rss_end_mib", "rss_drift_mib", "fds_start", "fds_max", "fds_end",
-        "seconds", "returncode"}``.
+        ``{"samples": [[iteration, rss_mib, fds], ...], "iterations", "rss_start_mib" (at a third of the
+        iterations), "rss_end_mib", "rss_drift_mib" (end - start), "rss_growth_mib" (the rise of the least-squares
+        line through the RSS of the second half of the iterations, over that half), "fds_start" (the fewest open
+        descriptors in the second third), "fds_end" (the fewest in the last third), "fds_max" (the most from a
+        third on), "seconds", "returncode"}``.
     """
     from common.data.demo import write_phantom_dataset
 
     root = Path(workdir or tempfile.mkdtemp(prefix="soak_"))
-    write_phantom_dataset(root / "data", n_train=8, n_val=2, shape=(20, 20, 20), seed=0)
+    write_phantom_dataset(root / "data", n_train=8, n_val=2, shape=(20, 20, 20), seed=seed)
     epochs = max(1, iterations // 2)  # 4 cached volumes, batch 2: 2 iterations per epoch
     args = {
         "dataset_dir": str(root / "data"),
@@ -824,41 +1025,48 @@ def soak(iterations: int = 2000, workdir: str | None = None, interval_s: float =
         "log_interval": 100,
         "adv_warmup_iterations": 10,
         "num_threads": 1,
+        "seed": seed,
     }
     case = BundleCase("autoencoder_3d", ["train.json", "tiny.json"], args)
-    cmd = [sys.executable, *case.command(root / "run")]
+    record = root / "resources.jsonl"
+    record.unlink(missing_ok=True)
+    cmd = [
+        sys.executable,
+        *case.command(root / "run", probe_config(root / "probe.json", path=str(record), every=every)),
+    ]
     start = time.time()
     with open(root / "soak.log", "w") as log:
-        proc = subprocess.Popen(cmd, cwd=REPO_ROOT, env=_env(), stdout=log, stderr=subprocess.STDOUT)
-        samples: list[tuple[float, float, int]] = []
-        while proc.poll() is None:
-            with contextlib.suppress(OSError, StopIteration):
-                samples.append((time.time() - start, *_rss_and_fds(proc.pid)))
-            time.sleep(interval_s)
-    if len(samples) < 3:
-        raise RuntimeError(f"the soak run ended too early (status {proc.returncode}); see {root / 'soak.log'}")
-    warm = samples[len(samples) // 3]  # after start-up, caching and the first validations
-    end = samples[-1]
+        returncode = subprocess.run(cmd, cwd=REPO_ROOT, env=_env(), stdout=log, stderr=subprocess.STDOUT).returncode
+    seconds = time.time() - start
+    samples = [json.loads(line) for line in record.read_text().splitlines()] if record.is_file() else []
+    total = epochs * 2
+    warm = [s for s in samples if s[0] >= total / 3]
+    if len(warm) < 3:
+        raise RuntimeError(f"the soak run ended too early (status {returncode}); see {root / 'soak.log'}")
+    middle = [s for s in warm if s[0] < 2 * total / 3] or warm[:1]
+    late = [s for s in warm if s[0] >= 2 * total / 3] or warm[-1:]
     return {
-        "samples": [(round(t, 1), round(rss, 1), fds) for t, rss, fds in samples],
-        "iterations": epochs * 2,
-        "rss_start_mib": round(warm[1], 1),
-        "rss_end_mib": round(end[1], 1),
-        "rss_drift_mib": round(end[1] - warm[1], 1),
-        "fds_start": warm[2],
-        "fds_max": max(s[2] for s in samples),
-        "fds_end": end[2],
-        "seconds": round(time.time() - start, 1),
-        "returncode": proc.returncode,
+        "samples": samples,
+        "iterations": saved_iteration(case.checkpoint(root / "run")),
+        "rss_start_mib": round(warm[0][1], 1),
+        "rss_end_mib": round(warm[-1][1], 1),
+        "rss_drift_mib": round(warm[-1][1] - warm[0][1], 1),
+        "rss_growth_mib": round(_growth([(i, rss) for i, rss, _ in samples if i >= total / 2]), 1),
+        "fds_start": min(s[2] for s in middle),
+        "fds_end": min(s[2] for s in late),
+        "fds_max": max(s[2] for s in warm),
+        "seconds": round(seconds, 1),
+        "returncode": returncode,
     }
 
 
 # ----------------------------------------------------------------------------------------- command line
 def faults(bundle: str, workdir: str, seed: int = 0, processes: int = 1) -> str:
     """Run :func:`fault_sequence` (``processes=1``, all faults) or :func:`distributed_sequence` (``processes=2``)
-    for ``bundle`` on fresh small data under ``workdir``; return its table."""
+    for ``bundle`` on fresh small data under ``workdir``; return its table. ``seed`` seeds the data, the runs and
+    the iterations the faults strike at."""
     root = Path(workdir) / bundle
-    case = make_case(bundle, root / "data")
+    case = make_case(bundle, root / "data", seed=seed)
     if processes == 1:
         table = _fault_table(fault_sequence(case, root, seed=seed))
     elif processes == 2:
@@ -890,12 +1098,13 @@ def report(
     workdir: str, fuzz_cases: int = 300, soak_iterations: int = 3000, bundles: Sequence[str] = BUNDLES, seed: int = 0
 ) -> str:
     """Run, for every bundle, the fault sequence (one process), the 2-process sequence and the peer failures (a rank
-    killed, a rank hung), then the fuzzing and the long run; return the markdown tables."""
+    killed, a rank hung), then the fuzzing and the long run; return the markdown tables. ``seed`` seeds the data,
+    the runs, the iterations the faults strike at and the fuzzing."""
     parts = []
     peers = ["| bundle | rank 1 | rank 0 exit | seconds to exit | message |", "|---|---|---|---|---|"]
     for bundle in bundles:
         root = Path(workdir) / bundle
-        case = make_case(bundle, root / "data")
+        case = make_case(bundle, root / "data", seed=seed)
         parts.append(_fault_table(fault_sequence(case, root, seed=seed)))
         parts.append(_fault_table(distributed_sequence(case.distributed(), root, seed=seed), "2 processes"))
         for mode in ("kill", "stall"):
@@ -910,7 +1119,7 @@ def report(
     for o in fuzz(fuzz_cases, seed=seed, workdir=str(Path(workdir) / "fuzz")):
         lines.append(f"| {o.family} | {o.cases} | {o.refused} | {o.accepted} | {len(o.crashes)} | {o.peak_mib:.1f} |")
     parts.append("\n".join(lines))
-    long_run = soak(soak_iterations, str(Path(workdir) / "soak"))
+    long_run = soak(soak_iterations, str(Path(workdir) / "soak"), seed=seed)
     long_run.pop("samples")
     parts.append(json.dumps(long_run, indent=2))
     return "\n\n".join(parts)  # the command line prints it

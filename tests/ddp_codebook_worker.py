@@ -3,12 +3,16 @@
 """Worker of the 2-process (gloo, CPU) codebook synchronisation test in ``tests/test_networks_vqgan.py``.
 
 Run as ``torchrun --nproc_per_node=2 tests/ddp_codebook_worker.py OUTDIR``. Every rank seeds its RNGs with
-``SEED + rank`` (so the initialisation/restart candidates each rank draws differ) and feeds its own random latents
-to the same small ``EMAVectorQuantizer``. It runs, in one process group:
+``SEED + rank`` (``SEED`` shifted by ``BUNDLE_TEST_SEED``, so the initialisation/restart candidates each rank draws
+differ) and feeds its own random latents to the same small ``EMAVectorQuantizer``. It runs, in one process group:
 
 * ``ema``: a quantizer started from a shared, already initialised codebook with ``no_random_restart=True``
-  (the part a single process can reproduce exactly on the concatenated batches);
-* ``restart``: a fresh quantizer (initialised from the first batch) with dead-code restarts on;
+  (the codebook at the start of every step is recorded, so a single process can replay each step's update on the
+  concatenated batches);
+* ``restart``: a fresh quantizer (initialised from the first batch) with dead-code restarts on. Rank 0's first
+  batch holds one far-away vector (``OUTLIER`` in every channel): the initialisation picks all 16 vectors of that
+  batch for the 16 codes, so it becomes a code whose count is 1.0 after step 1; no later vector comes near it, so
+  its count drops to 0.9 < ``RESTART_THRES`` at step 2 and it is restarted: a restart by construction;
 * ``metric``: ``CodebookMetric`` usage and perplexity over eval-mode batches that differ per rank;
 * ``perturb``: rank 1 changes one buffer, then ``assert_replicas_equal`` must raise on every rank.
 
@@ -27,16 +31,23 @@ import torch.distributed as dist
 from common.metrics.codebook import CodebookMetric
 from common.networks.vqgan import EMAVectorQuantizer
 from common.utils import assert_replicas_equal
+from tests.helpers import shifted_seed
 
-N_CODES, DIM, STEPS, SEED, DECAY = 16, 4, 4, 100, 0.9
-SHAPE = (2, DIM, 2, 2, 2)  # 16 latent vectors per rank and step
+N_CODES, DIM, STEPS, DECAY = 16, 4, 4, 0.9
+SEED = shifted_seed(100)
+SHAPE = (2, DIM, 2, 2, 2)  # 16 latent vectors per rank and step: rank 0's first batch initialises all 16 codes
 RESTART_THRES = 0.95  # a code unused for one step after init drops to 0.9 (no float boundary at exactly 1.0)
+OUTLIER = -50.0  # far from every N(0, 1) (rank 0) and N(3, 1) (rank 1) latent vector
 
 
 def rank_latents(rank: int) -> list[torch.Tensor]:
-    """This rank's training latents: different per rank (and shifted on rank 1 so codes go unused there)."""
+    """This rank's training latents: different per rank (and shifted on rank 1 so codes go unused there); rank 0's
+    first batch holds one vector at ``OUTLIER`` (see the module docstring)."""
     gen = torch.Generator().manual_seed(SEED + 1000 * (rank + 1))
-    return [torch.randn(SHAPE, generator=gen) + 3.0 * rank for _ in range(STEPS)]
+    latents = [torch.randn(SHAPE, generator=gen) + 3.0 * rank for _ in range(STEPS)]
+    if rank == 0:
+        latents[0][0, :, 0, 0, 0] = OUTLIER
+    return latents
 
 
 def shared_start() -> dict[str, torch.Tensor]:
@@ -74,7 +85,11 @@ def main(outdir: str) -> None:
             getattr(ema, key).copy_(value)
         ema.initialized.fill_(True)
     result["ema_start"] = start
-    steps = [ema(z) for z in latents]
+    codebooks, steps = [], []
+    for z in latents:
+        codebooks.append(buffers(ema))  # the codebook this step assigns with and updates from
+        steps.append(ema(z))
+    result["ema_codebooks"] = [*codebooks, buffers(ema)]
     result["ema_indices"] = [s["indices"] for s in steps]
     result["ema_perplexity"] = [s["perplexity"] for s in steps]
     result["ema_usage"] = [s["codebook_usage"] for s in steps]

@@ -20,18 +20,66 @@ BUNDLES = REPO_ROOT / "bundles"
 SCHEMA = REPO_ROOT / "tests" / "data" / "meta_schema_20240725.json"
 
 
+SEED_VARIABLE = "BUNDLE_TEST_SEED"
+
+
+def seed_offset() -> int:
+    """The shift of every seed the bundle, notebook and benchmark tests use: the integer in ``BUNDLE_TEST_SEED``
+    (default 0). Running the suite with other values shows that no test depends on one particular random draw.
+
+    Raises:
+        ValueError: when the variable is not an integer.
+    """
+    text = os.environ.get(SEED_VARIABLE, "0").strip() or "0"
+    try:
+        return int(text)
+    except ValueError:
+        raise ValueError(f"{SEED_VARIABLE} must be an integer (a shift of every test seed), got {text!r}.") from None
+
+
+def shifted_seed(seed: int = 0) -> int:
+    """``seed`` shifted by :func:`seed_offset`: the seed of a test's data generator, network or bundle run."""
+    return int(seed) + seed_offset()
+
+
+def suite_threads() -> str:
+    """Threads per test process: ``OMP_NUM_THREADS`` as the suite was started with (default 1)."""
+    return os.environ.get("OMP_NUM_THREADS") or "1"
+
+
 def bundle_env(**extra: str) -> dict[str, str]:
-    """Environment of a bundle subprocess: repository importable, one thread per process."""
+    """Environment of a bundle subprocess: repository importable, the suite's thread count (``OMP_NUM_THREADS``,
+    default 1) and seed shift (``BUNDLE_TEST_SEED``) passed on."""
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
-    env.update({"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"})
+    env.update({"OMP_NUM_THREADS": suite_threads(), "MKL_NUM_THREADS": suite_threads(), "PYTHONWARNINGS": "ignore"})
     env.update(extra)
     return env
 
 
+def _config_paths(bundle: str, names: Sequence[str]) -> list[Path]:
+    return [Path(name) if os.path.isabs(name) else BUNDLES / bundle / "configs" / name for name in names]
+
+
+def seed_args(bundle: str, configs: Sequence[str], args: Sequence[str] = ()) -> list[str]:
+    """``["--seed", N]`` for a run of ``configs`` whose ``seed`` is shifted by ``BUNDLE_TEST_SEED``: the seed the
+    merged configs define plus the shift. Empty without a shift, when ``args`` already set the seed, or when no
+    config defines ``seed`` (the bundle refuses unknown ids)."""
+    if not seed_offset() or "--seed" in args:
+        return []
+    seeds = [
+        config["seed"]
+        for config in (
+            json.loads(path.read_text()) for path in _config_paths(bundle, configs) if path.suffix == ".json"
+        )
+        if isinstance(config.get("seed"), int) and not isinstance(config.get("seed"), bool)
+    ]
+    return ["--seed", str(shifted_seed(seeds[-1]))] if seeds else []
+
+
 def config_arg(bundle: str, *names: str) -> str:
     """The ``--config_file`` value for one or several (merged) configs of ``bundle`` (absolute paths kept)."""
-    paths = [name if os.path.isabs(name) else str(BUNDLES / bundle / "configs" / name) for name in names]
+    paths = [str(path) for path in _config_paths(bundle, names)]
     return paths[0] if len(paths) == 1 else json.dumps(paths)
 
 
@@ -56,8 +104,10 @@ def run_bundle(
     check: bool = True,
     env: dict[str, str] | None = None,
 ) -> subprocess.CompletedProcess:
-    """``python -m monai.bundle run <run_id> --config_file ... <args>`` from the repository root."""
+    """``python -m monai.bundle run <run_id> --config_file ... <args>`` from the repository root (with the shifted
+    seed of :func:`seed_args`)."""
     cmd = [sys.executable, "-m", "monai.bundle", "run", run_id, "--config_file", config_arg(bundle, *configs), *args]
+    cmd += seed_args(bundle, configs, args)
     result = subprocess.run(
         cmd, cwd=REPO_ROOT, env=env or bundle_env(), capture_output=True, text=True, timeout=timeout
     )

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from scripts import benchmark_xray as benchmark
-from tests.helpers import TINY_XRAY_NETWORK
+from tests.helpers import TINY_XRAY_NETWORK, shifted_seed
 
 NETWORK = {k: list(v) if isinstance(v, tuple) else v for k, v in TINY_XRAY_NETWORK.items()}
 SIZES = {"stage_sizes": [[8, 8, 8], [16, 16, 16]], "view_size": [16, 16]}  # X-rays from the CT at 16^3
@@ -33,6 +33,7 @@ def test_stage_2_throughput_runs_both_sides(tmp_path, capsys):
         repeats=1,
         n_cases=4,
         num_threads=1,
+        seed=shifted_seed(0),
         output=str(out),
         **SIZES,
         **NETWORK,
@@ -73,12 +74,22 @@ def test_quality_trains_each_mode_for_its_budget_and_evaluates_every_stage(tmp_p
     from common.data.xray import make_xray2ct_demo
 
     data = tmp_path / "data"
-    make_xray2ct_demo(data, n_train=4, n_val=2, shape=(16, 16, 16))
+    make_xray2ct_demo(data, n_train=4, n_val=2, shape=(16, 16, 16), seed=shifted_seed(0))
     out, work = tmp_path / "quality.json", tmp_path / "work"
     extra = {"dataset_dir": str(data), "num_threads": 1, "num_grid_steps": 1, "stage_batch_size": [2, 2]}
-    benchmark.xray_quality(device="cpu", iterations=3, output=str(out), work_dir=str(work), **SIZES, **NETWORK, **extra)
+    benchmark.xray_quality(
+        device="cpu",
+        iterations=3,
+        output=str(out),
+        work_dir=str(work),
+        seed=shifted_seed(0),
+        **SIZES,
+        **NETWORK,
+        **extra,
+    )
     saved = json.loads(out.read_text())
     assert list(saved["modes"]) == ["diffusion", "direct", "backprojection"]
+    assert saved["settings"]["seed"] == shifted_seed(0)
     for mode, stages in saved["modes"].items():
         assert list(stages) == ["stage1", "stage2"]
         for k, result in enumerate(stages.values(), start=1):
@@ -97,6 +108,7 @@ def test_quality_trains_each_mode_for_its_budget_and_evaluates_every_stage(tmp_p
     for cmd in in_process:
         assert cmd[cmd.index("--dataset_dir") + 1] == str(data)
         assert cmd[cmd.index("--num_threads") + 1] == "1"
+        assert cmd[cmd.index("--seed") + 1] == str(shifted_seed(0))
         if cmd[4] == "training":
             assert cmd[cmd.index("--epoch_length") + 1] == "3" and cmd[cmd.index("--max_epochs") + 1] == "1"
 

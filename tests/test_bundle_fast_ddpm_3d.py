@@ -19,13 +19,72 @@ import numpy as np
 import pytest
 import torch
 
-from tests.helpers import BUNDLES, REPO_ROOT, SCHEMA, bundle_env, config_arg, overrides, run_bundle, torchrun_cmd
+from tests.helpers import (
+    BUNDLES,
+    REPO_ROOT,
+    SCHEMA,
+    bundle_env,
+    config_arg,
+    overrides,
+    run_bundle,
+    seed_args,
+    shifted_seed,
+    suite_threads,
+    torchrun_cmd,
+)
 
 BUNDLE = "fast_ddpm_3d"
 TASK = ["train.json", "brats.json", "tiny.json"]
 SHAPE = (24, 24, 20)
 MODALITIES = ("t1n", "t1c", "t2w", "t2f")
 AE = str(BUNDLES / "autoencoder_3d" / "configs")
+INFERENCE = ["inference.json", "brats.json", "tiny.json"]
+
+
+def inference_parts(**settings):
+    """The sampler (weights of ``ckpt_path`` loaded), dataset and postprocessing of an inference run of
+    ``INFERENCE`` with ``settings``, built in this process. The seed is the run's: ``inference.json``'s, shifted as
+    ``run_bundle`` shifts it."""
+    from monai.bundle import ConfigParser
+
+    from common.handlers.checkpoint import load_network_weights
+
+    parser = ConfigParser()
+    parser.read_config([str(BUNDLES / BUNDLE / "configs" / name) for name in INFERENCE])
+    settings = {"device": "cpu", "seed": shifted_seed(parser["seed"]), **settings}
+    for key, value in settings.items():
+        parser[key] = value
+    sampler = parser.get_parsed_content("network")
+    load_network_weights(sampler, parser.get_parsed_content("ckpt_path"))
+    parts = {name: parser.get_parsed_content(name) for name in ("dataset", "postprocessing")}
+    return sampler.eval(), parts["dataset"], parts["postprocessing"], settings["seed"]
+
+
+def sample_in_process(sampler, batch, seed: int) -> torch.Tensor:
+    """One sample per volume of ``batch`` in ``[0, 1]`` as the bundle's evaluator draws it: start noise at the
+    target channels from a generator seeded by ``volume_seed`` of the case and ``seed``, then the sampler, with this
+    suite's thread count (the subprocesses' too)."""
+    from common.engines.diffusion_workflow import insert_target, volume_seed
+
+    image = batch["image"].as_tensor().float()
+    threads = torch.get_num_threads()
+    torch.set_num_threads(int(suite_threads()))
+    try:
+        samples = []
+        for i in range(image.shape[0]):
+            generator = torch.Generator().manual_seed(volume_seed(batch, i, seed))
+            noise = torch.randn((1, len(sampler.target_channels), *image.shape[2:]), generator=generator)
+            x = insert_target(image[i : i + 1], noise, sampler.target_channels, sampler.in_channels)
+            with torch.no_grad():
+                samples.append(sampler(x, generator=generator).float())
+    finally:
+        torch.set_num_threads(threads)
+    return ((torch.cat(samples) + 1) / 2).clamp(0, 1)
+
+
+#: float32 rounding of the same operations, amplified by the first DDIM step's 1 / sqrt(alpha_bar) (about 160 at
+#: t = 999 of the linear schedule): a bound on values in [0, 1] far below any change of noise or weights
+SAMPLE_ATOL = 160 * 16 * float(np.finfo(np.float32).eps)
 
 
 @pytest.fixture(scope="module")
@@ -34,9 +93,10 @@ def brats_tree(tmp_path_factory) -> Path:
     from common.data.demo import write_brats_phantom_dataset
 
     root = tmp_path_factory.mktemp("brats")
-    write_brats_phantom_dataset(root, n_train=4, n_val=2, shape=SHAPE, spacing=(1.5, 1.5, 2.0))
+    write_brats_phantom_dataset(root, n_train=4, n_val=2, shape=SHAPE, spacing=(1.5, 1.5, 2.0), seed=shifted_seed(0))
     (root / "datalist.json").unlink()
     cmd = [sys.executable, "scripts/make_datalist.py", "--data_dir", str(root), "--brats", "--val_fraction", "0.34"]
+    cmd += ["--seed", str(shifted_seed(0))]
     result = subprocess.run(cmd, cwd=REPO_ROOT, env=bundle_env(), capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     datalist = json.loads((root / "datalist.json").read_text())
@@ -75,7 +135,7 @@ def test_training_outputs(trained):
     summary = json.loads((trained / "metrics.json").read_text())
     assert [h["step"] for h in summary["history"]] == [4, 8]
     for h in summary["history"]:
-        assert np.isfinite(h["val_psnr"]) and 0 < h["val_denoise_loss"] < 5
+        assert np.isfinite(h["val_psnr"]) and np.isfinite(h["val_denoise_loss"]) and h["val_denoise_loss"] > 0
         assert -1 <= h["val_ssim"] <= 1 and -1 <= h["val_ms_ssim"] <= 1
     log = (trained / "train.log").read_text()
     assert "effective batch: 2 sample(s) per rank and iteration x 1 rank(s) x 1 accumulation step(s)" in log
@@ -99,28 +159,42 @@ def test_evaluate_matches_best_validation(trained, brats_tree):
 
 
 def test_inference_synthesises_the_missing_modality(trained, brats_tree, tmp_path):
-    """Cases without t2f (the BraTS missing-modality setting): the synthesis lands on each case's grid."""
+    """Cases without t2f (the BraTS missing-modality setting): the synthesis lands on each case's grid and is the
+    sample of the saved weights from the case's seeded start noise, taken back to the case's grid."""
+    from monai.data import MetaTensor, decollate_batch, list_data_collate
+
     cases = tmp_path / "missing"
     datalist = json.loads((brats_tree / "datalist.json").read_text())
     for entry in datalist["validation"]:
         folder = brats_tree / entry["t1n"]
         shutil.copytree(folder.parent, cases / folder.parent.name, ignore=shutil.ignore_patterns("*-t2f.*"))
     pred = tmp_path / "pred"
-    run_bundle(
-        BUNDLE,
-        ["inference.json", "brats.json", "tiny.json"],
-        run_id="run",
-        args=overrides(output_dir=str(trained), dataset_dir=str(cases), prediction_dir=str(pred)),
-    )
+    settings = dict(output_dir=str(trained), dataset_dir=str(cases), prediction_dir=str(pred))
+    run_bundle(BUNDLE, INFERENCE, run_id="run", args=overrides(**settings))
     written = sorted(p.name for p in pred.iterdir())
     expected = sorted(f"{Path(entry['t1n']).parent.name}_t2f.nii.gz" for entry in datalist["validation"])
     assert written == expected
     source = nib.load(next(cases.glob("*/*-t1n.nii.gz")))
-    out = nib.load(pred / f"{source.get_filename().split('/')[-2]}_t2f.nii.gz")
+    case = source.get_filename().split("/")[-2]
+    out = nib.load(pred / f"{case}_t2f.nii.gz")
     assert out.shape == SHAPE
     np.testing.assert_allclose(out.affine, source.affine, atol=1e-5)
     values = out.get_fdata()
-    assert values.min() >= 0 and values.max() <= 1 and values.std() > 0
+    assert values.min() >= 0 and values.max() <= 1
+    # the same case sampled here and taken back to its grid by the bundle's postprocessing
+    sampler, dataset, postprocessing, seed = inference_parts(**{**settings, "prediction_dir": str(tmp_path / "here")})
+    (index,) = [i for i, item in enumerate(dataset.data) if item["case_id"] == case]
+    batch = list_data_collate([dataset[index]])
+    image = batch["image"]
+    assert image.shape[1] == 3  # t1n, t1c, t2w: the target channel is the start noise
+    sample = MetaTensor(
+        sample_in_process(sampler, batch, seed), meta=image.meta, applied_operations=image.applied_operations
+    )
+    (item,) = decollate_batch({"image": image, "pred": sample})
+    postprocessing(item)
+    here = nib.load(tmp_path / "here" / f"{case}_t2f.nii.gz")
+    np.testing.assert_allclose(here.affine, out.affine, atol=1e-5)
+    np.testing.assert_allclose(values, here.get_fdata(), rtol=0, atol=SAMPLE_ATOL)
 
 
 def test_bad_settings_are_refused_before_anything_is_written(brats_tree, tmp_path):
@@ -223,7 +297,7 @@ def autoencoder_ckpt(tmp_path_factory) -> Path:
 
     parser = ConfigParser()
     parser.read_config([f"{AE}/train.json", f"{AE}/tiny.json"])
-    torch.manual_seed(0)
+    torch.manual_seed(shifted_seed(0))
     network = parser.get_parsed_content("network_def")
     path = tmp_path_factory.mktemp("ae") / "model.pt"
     torch.save(network.state_dict(), path)
@@ -295,29 +369,31 @@ def test_unconditional_generation(brats_tree, tmp_path):
     summary = json.loads((out / "metrics.json").read_text())
     latest = summary["latest"]
     assert set(latest) == {"step", "val_sample_ms_ssim", "val_denoise_loss"}
-    assert -1 <= latest["val_sample_ms_ssim"] < 1  # two samples from different noise differ
+    assert np.isfinite(latest["val_sample_ms_ssim"]) and -1 <= latest["val_sample_ms_ssim"] <= 1
     losses = {h["step"]: h["val_denoise_loss"] for h in summary["history"]}
     assert len(losses) == 2 and summary["best"]["step"] == min(losses, key=losses.get)  # lower loss is better
     pred = tmp_path / "pred"
-    run_bundle(
-        BUNDLE,
-        ["inference.json", "brats.json", "tiny.json"],
-        run_id="run",
-        args=overrides(
-            output_dir=str(out),
-            prediction_dir=str(pred),
-            num_samples=3,
-            sample_shape=[16, 24, 16],
-            spacing=[2, 2, 2],
-            **args,
-        ),
+    settings = dict(
+        output_dir=str(out),
+        prediction_dir=str(pred),
+        num_samples=3,
+        sample_shape=[16, 24, 16],
+        spacing=[2, 2, 2],
+        **args,
     )
+    run_bundle(BUNDLE, INFERENCE, run_id="run", args=overrides(**settings))
     written = sorted(p.name for p in pred.iterdir())
     assert written == ["sample_000_t2f.nii.gz", "sample_001_t2f.nii.gz", "sample_002_t2f.nii.gz"]
     volumes = [nib.load(pred / name) for name in written]
     assert all(v.shape == (16, 24, 16) for v in volumes)
     np.testing.assert_allclose(np.diag(volumes[0].affine), [2, 2, 2, 1])
-    assert not np.allclose(volumes[0].get_fdata(), volumes[1].get_fdata())
+    # each volume is the sample of the saved weights from the start noise seeded by its own case id
+    sampler, dataset, _, seed = inference_parts(**settings)
+    assert [item["case_id"] for item in dataset.data] == ["sample_000", "sample_001", "sample_002"]
+    for i, volume in enumerate(volumes):
+        batch = {"image": dataset[i]["image"][None], "case_id": [dataset[i]["case_id"]]}
+        expected = sample_in_process(sampler, batch, seed)[0, 0].numpy()
+        np.testing.assert_allclose(volume.get_fdata(), expected, rtol=0, atol=SAMPLE_ATOL)
 
 
 def test_torchrun_two_processes_keep_identical_replicas(brats_tree, tmp_path):
@@ -336,16 +412,10 @@ def test_torchrun_two_processes_keep_identical_replicas(brats_tree, tmp_path):
             }
         )
     )
-    cmd = torchrun_cmd(
-        2,
-        "-m",
-        "monai.bundle",
-        "run",
-        "training",
-        "--config_file",
-        config_arg(BUNDLE, *TASK, "multi_gpu_train.json", str(probe)),
-        *overrides(dataset_dir=str(brats_tree), output_dir=str(out), max_epochs=1, val_interval=1),
-    )
+    configs = [*TASK, "multi_gpu_train.json", str(probe)]
+    args = overrides(dataset_dir=str(brats_tree), output_dir=str(out), max_epochs=1, val_interval=1)
+    cmd = torchrun_cmd(2, "-m", "monai.bundle", "run", "training", "--config_file", config_arg(BUNDLE, *configs), *args)
+    cmd += seed_args(BUNDLE, configs, args)
     result = subprocess.run(cmd, cwd=REPO_ROOT, env=bundle_env(), capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
     r0 = torch.load(out / "rank0.pt", weights_only=True)

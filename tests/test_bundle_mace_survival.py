@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import csv
 import json
+import math
 import subprocess
 from pathlib import Path
 
@@ -16,20 +17,65 @@ import numpy as np
 import pytest
 import torch
 
-from tests.helpers import REPO_ROOT, bundle_env, config_arg, overrides, run_bundle, torchrun_cmd
+from tests.helpers import (
+    REPO_ROOT,
+    bundle_env,
+    config_arg,
+    overrides,
+    run_bundle,
+    seed_args,
+    shifted_seed,
+    torchrun_cmd,
+)
 
 BUNDLE = "mace_survival"
 TINY = ["train.json", "tiny.json"]
+# inside the follow-up of every split by the design of :func:`_followup_design` (0.25 to 5.75 years, first case an
+# event at 0.25 years); exact in float32, as the predictor holds them
 HORIZONS = [1.0, 2.0]
-LABELS = {"low", "intermediate", "high"}
+LABELS = ["low", "intermediate", "high"]  # lowest risk first
+BATCH = 4  # tiny.json: batch_size
+EPOCHS = 2  # tiny.json: max_epochs (validation after every epoch: val_interval 1)
+# inference runs with the suite's OMP_NUM_THREADS, the evaluation with tiny.json's 1 thread: float32 sums may differ
+FLOAT32_RTOL = 1e-5
+
+
+def _followup_design(csv_path: Path) -> Path:
+    """The generated cohort with a fixed follow-up design, written next to it as ``design.csv``.
+
+    Images, covariates and the split column are the generator's. Within each split, the ``k``-th of its ``m``
+    cases (file order) is followed for ``0.25 + 5.5 k / (m - 1)`` years (in whole days), with an event unless
+    ``k % 3 == 2``: every split then covers 0.25 to 5.75 years and starts with an event, so both ``HORIZONS`` are
+    usable in every split and the validation split has an event before the first horizon, whatever the seed.
+    """
+    rows = _rows(csv_path)
+    positions: dict[str, list[int]] = {}
+    for i, row in enumerate(rows):
+        positions.setdefault(row["split"], []).append(i)
+    for members in positions.values():
+        assert len(members) >= 2, positions  # make_mace_cohort gives every split cases
+        for k, i in enumerate(members):
+            years = 0.25 + 5.5 * k / (len(members) - 1)
+            rows[i]["time"] = str(round(years * 365.25))
+            rows[i]["event"] = "0" if k % 3 == 2 else "1"
+    design = csv_path.parent / "design.csv"
+    with open(design, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+    return design
 
 
 @pytest.fixture(scope="module")
 def cohort(tmp_path_factory) -> Path:
-    """32 chest phantoms (24 training, 8 validation) of 24x24x20 voxels with follow-up and MACE events."""
+    """32 chest phantoms of 24x24x20 voxels, split by the generator (stratified by its events: 24/8 or 23/9
+    training/validation cases, depending on the seed), with the follow-up of :func:`_followup_design`."""
     from common.data.survival_demo import make_mace_cohort
 
-    return make_mace_cohort(tmp_path_factory.mktemp("cohort"), n_cases=32, shape=(24, 24, 20), spacing=(14, 14, 16))
+    generated = make_mace_cohort(
+        tmp_path_factory.mktemp("cohort"), n_cases=32, shape=(24, 24, 20), spacing=(14, 14, 16), seed=shifted_seed(0)
+    )
+    return _followup_design(generated)
 
 
 def _args(csv_path: Path, output_dir: Path, **extra) -> list[str]:
@@ -39,6 +85,14 @@ def _args(csv_path: Path, output_dir: Path, **extra) -> list[str]:
 def _rows(path: Path) -> list[dict]:
     with open(path, newline="") as f:
         return list(csv.DictReader(f))
+
+
+def _split(cohort: Path, name: str) -> list[dict]:
+    return [r for r in _rows(cohort) if r["split"] == name]
+
+
+def _keys(prefix: str) -> list[str]:
+    return [f"{prefix}_{h:g}" for h in HORIZONS]
 
 
 @pytest.fixture(scope="module")
@@ -51,10 +105,12 @@ def trained(cohort, tmp_path_factory) -> Path:
 def test_training_outputs(trained, cohort):
     from common.data.survival import cut_points_from_quantiles, read_cohort_csv, split_cohort
 
+    n_train = len(_split(cohort, "training"))
+    per_epoch = n_train // BATCH  # the training loader drops the last incomplete batch (train.json: drop_last)
     models = trained / "models"
     last = torch.load(models / "last.pt", weights_only=True)
     assert {"predictor", "optimizer", "lr_scheduler", "trainer", "rng"} <= set(last)
-    assert last["trainer"]["iteration"] == 12  # 24 training cases / batch 4 x 2 epochs
+    assert last["trainer"]["iteration"] == EPOCHS * per_epoch
     best = torch.load(models / "model.pt", weights_only=True)
     assert int(best["calibrated"]) == 1 and best["train_risk_quantiles"].numel() == 101
     assert torch.all(best["train_risk_quantiles"][1:] >= best["train_risk_quantiles"][:-1])
@@ -67,14 +123,16 @@ def test_training_outputs(trained, cohort):
     assert best["cut_points"][-1] == pytest.approx(max(times), rel=1e-6)
 
     summary = json.loads((trained / "metrics.json").read_text())
-    assert [h["step"] for h in summary["history"]] == [6, 12]
+    assert [h["step"] for h in summary["history"]] == [per_epoch * (e + 1) for e in range(EPOCHS)]
     for h in summary["history"]:
         assert 0 <= h["uno_c"] <= 1 and h["uno_c_lo"] <= h["uno_c"] <= h["uno_c_hi"]
-        assert 0 <= h["harrell_c"] <= 1 and 0 <= h["ibs"] <= 1 and 0 <= h["logrank_p"] <= 1
-        assert {"auc_1", "auc_2", "brier_1", "brier_2", "calibration_ici"} <= set(h)
+        assert 0 <= h["harrell_c"] <= 1
+        assert math.isfinite(h["ibs"]) and h["ibs"] >= 0  # IPCW-weighted: no upper bound of 1
+        assert math.isnan(h["logrank_p"]) or 0 <= h["logrank_p"] <= 1  # nan: fewer than 2 groups with cases
+        assert {*_keys("auc"), *_keys("brier"), "calibration_ici"} <= set(h)
     log = (trained / "train.log").read_text()
-    assert "effective batch: 4 sample(s) per rank and iteration x 1 rank(s)" in log
-    assert "calibrated on 24 training case(s)" in log
+    assert f"effective batch: {BATCH} sample(s) per rank and iteration x 1 rank(s)" in log
+    assert f"calibrated on {n_train} training case(s)" in log
     assert "uno_c" in (trained / "metrics.csv").read_text()
 
 
@@ -84,40 +142,93 @@ def evaluated(trained, cohort) -> Path:
     return trained
 
 
-def test_evaluate_matches_best_validation_and_writes_the_report(evaluated):
+def _group_of(risk: str, thresholds: np.ndarray) -> str:
+    """The group of a written risk: the number of thresholds at or below it, in float32 as the predictor decides
+    (``.9g`` round-trips float32, so this is exact)."""
+    return LABELS[int(np.sum(thresholds <= np.float32(float(risk))))]
+
+
+def _check_group_table(path: Path, rows: list[dict], thresholds: np.ndarray, outcomes: bool) -> None:
+    """``risk_groups.csv``: the three groups in order, their risk ranges and the cases (and events) of ``rows``."""
+    table = _rows(path)
+    columns = ["risk_group", "risk_score_from", "risk_score_to", "cases", *(["events"] if outcomes else []), "note"]
+    assert list(table[0]) == columns and [t["risk_group"] for t in table] == LABELS
+    bounds = [-math.inf, *thresholds.tolist(), math.inf]
+    for g, t in enumerate(table):
+        members = [r for r in rows if r["risk_group"] == t["risk_group"]]
+        assert float(t["risk_score_from"]) == pytest.approx(bounds[g], rel=1e-5)  # written with .6g
+        assert float(t["risk_score_to"]) == pytest.approx(bounds[g + 1], rel=1e-5)
+        assert int(t["cases"]) == len(members) and (t["note"] != "") == (not members)
+        if outcomes:
+            assert int(t["events"]) == sum(r["event"] == "1" for r in members)
+
+
+def test_evaluate_matches_best_validation_and_writes_the_report(evaluated, cohort):
     from sksurv.metrics import concordance_index_censored
 
     trained = evaluated
     evaluation = json.loads((trained / "eval" / "metrics.json").read_text())["latest"]
     best = json.loads((trained / "metrics.json").read_text())["best"]
-    for key in ("uno_c", "harrell_c", "auc_mean", "ibs", "brier_2"):
-        assert evaluation[key] == pytest.approx(best[key], rel=1e-6), key
+    for key in ("uno_c", "harrell_c", "auc_mean", "ibs", _keys("brier")[-1]):
+        assert evaluation[key] == pytest.approx(best[key], rel=1e-6, nan_ok=True), key
+    validation = _split(cohort, "validation")
     rows = _rows(trained / "eval" / "predictions.csv")
-    assert len(rows) == 8 and list(rows[0]) == [
+    assert list(rows[0]) == [
         "case_id",
         "risk_score",
         "risk_percentile",
-        "p_mace_1",
-        "p_mace_2",
+        *_keys("p_mace"),
         "risk_group",
         "time",
         "event",
     ]
+    assert sorted(r["case_id"] for r in rows) == sorted(r["case_id"] for r in validation)
+    truth = {r["case_id"]: r for r in validation}
+    for r in rows:  # the outcomes are the CSV's, the time in years
+        assert r["event"] == truth[r["case_id"]]["event"]
+        assert float(r["time"]) == pytest.approx(int(truth[r["case_id"]]["time"]) / 365.25, rel=1e-5)
+    # every case's group is the one its risk falls into between the training thresholds of model.pt
+    thresholds = torch.load(trained / "models" / "model.pt", weights_only=True)["group_thresholds"].numpy()
+    assert [r["risk_group"] for r in rows] == [_group_of(r["risk_score"], thresholds) for r in rows]
     # Harrell's C of the written predictions, by scikit-survival, is the reported one
     risk = np.array([float(r["risk_score"]) for r in rows])
     time = np.array([float(r["time"]) for r in rows])
     event = np.array([r["event"] == "1" for r in rows])
     assert concordance_index_censored(event, time, risk)[0] == pytest.approx(evaluation["harrell_c"], abs=1e-6)
+
     report = json.loads((trained / "eval" / "report.json").read_text())
-    assert report["n_cases"] == 8 and report["horizons_years"] == HORIZONS
-    assert set(report["km"]) >= LABELS and "bins" in report["calibration"]
+    assert report["n_cases"] == len(rows) and report["n_events"] == int(event.sum())
+    assert report["horizons_years"] == HORIZONS and "bins" in report["calibration"]
+    # the Kaplan-Meier groups and the group table hold the cases and events of the written predictions
+    km = report["km"]
+    for label in LABELS:
+        members = [r for r in rows if r["risk_group"] == label]
+        assert km[label]["n"] == len(members), label
+        assert km[label]["events"] == sum(r["event"] == "1" for r in members), label
+        assert len(km[label]["times"]) == len(km[label]["survival"]) and (len(km[label]["times"]) > 0) == bool(members)
+    _check_group_table(trained / "eval" / "risk_groups.csv", rows, thresholds, outcomes=True)
+    with_cases = [label for label in LABELS if km[label]["n"] > 0]
+    assert km["logrank_groups"] == with_cases and km["empty_groups"] == [g for g in LABELS if g not in with_cases]
+    assert report["logrank_p"] == km["logrank_p"]
+    if len(with_cases) < 2 or not event.any():
+        assert km["logrank_p"] is None and km["logrank_statistic"] is None  # not computable: null in report.json
+    else:
+        assert 0 <= km["logrank_p"] <= 1 and km["logrank_statistic"] >= 0
     for name in ("km_by_risk_group.png", "calibration.png"):
         assert (trained / "eval" / name).read_bytes()[:4] == b"\x89PNG"
 
 
+def _percentile_range(risk: float, quantiles: np.ndarray, rtol: float) -> float:
+    """How much the percentile may move when the risk moves by ``rtol`` (relative): the stored percentiles
+    interpolated linearly (as the predictor does) over ``risk (1 +- rtol)``."""
+    levels = np.linspace(0.0, 100.0, quantiles.size)
+    low, high = np.interp([risk - rtol * abs(risk), risk + rtol * abs(risk)], quantiles, levels)
+    return float(high - low)
+
+
 def test_inference_without_outcomes_writes_one_row_per_case(evaluated, cohort, tmp_path):
     """New cases (no follow-up columns): risk, percentile, MACE probabilities and group, and no report."""
-    rows = [r for r in _rows(cohort) if r["split"] == "validation"]
+    rows = _split(cohort, "validation")
     new_csv = tmp_path / "new.csv"
     with open(new_csv, "w", newline="") as f:
         writer = csv.writer(f)
@@ -131,18 +242,32 @@ def test_inference_without_outcomes_writes_one_row_per_case(evaluated, cohort, t
         args=overrides(csv_path=str(new_csv), output_dir=str(evaluated), prediction_dir=str(pred), horizons=HORIZONS),
     )
     written = _rows(pred / "predictions.csv")
-    assert list(written[0]) == ["case_id", "risk_score", "risk_percentile", "p_mace_1", "p_mace_2", "risk_group"]
+    assert list(written[0]) == ["case_id", "risk_score", "risk_percentile", *_keys("p_mace"), "risk_group"]
     assert sorted(r["case_id"] for r in written) == sorted(r["case_id"] for r in rows)
+    model = torch.load(evaluated / "models" / "model.pt", weights_only=True)
+    thresholds = model["group_thresholds"].numpy()
+    quantiles = model["train_risk_quantiles"].double().numpy()
     for r in written:
-        assert 0 <= float(r["risk_percentile"]) <= 100 and r["risk_group"] in LABELS
-        assert 0 <= float(r["p_mace_1"]) <= float(r["p_mace_2"]) <= 1  # survival is non-increasing
+        assert 0 <= float(r["risk_percentile"]) <= 100 and r["risk_group"] == _group_of(r["risk_score"], thresholds)
+        p = [float(r[key]) for key in _keys("p_mace")]
+        assert 0 <= p[0] and all(a <= b for a, b in zip(p, p[1:])) and p[-1] <= 1  # survival is non-increasing
     assert not (pred / "report.json").exists()
-    # the same model on the same cases gives what the evaluation wrote (the calibration travels with model.pt)
+    _check_group_table(pred / "risk_groups.csv", written, thresholds, outcomes=False)
+    # the same model on the same cases gives what the evaluation wrote (the calibration travels with model.pt), up
+    # to float32 rounding (the two runs may use different thread counts) and the rounding of the CSV formats
     reference = {r["case_id"]: r for r in _rows(evaluated / "eval" / "predictions.csv")}
     for r in written:
-        for key in ("risk_score", "risk_percentile", "p_mace_1", "p_mace_2"):
-            assert float(r[key]) == pytest.approx(float(reference[r["case_id"]][key]), rel=1e-5, abs=1e-6), key
-        assert r["risk_group"] == reference[r["case_id"]]["risk_group"]
+        ref = reference[r["case_id"]]
+        risk = float(ref["risk_score"])
+        assert float(r["risk_score"]) == pytest.approx(risk, rel=FLOAT32_RTOL, abs=1e-6)
+        # .2f on both sides (0.005 each), the percentile's move over the risk's float32 tolerance, and the float32
+        # arithmetic of the percentile itself (a few ulps of 100, 8e-6 each)
+        tolerance = 0.01 + _percentile_range(risk, quantiles, FLOAT32_RTOL) + 1e-4
+        assert abs(float(r["risk_percentile"]) - float(ref["risk_percentile"])) <= tolerance, r["case_id"]
+        for key in _keys("p_mace"):  # .6f on both sides (5e-7 each) plus float32 rounding of a probability <= 1
+            assert abs(float(r[key]) - float(ref[key])) <= 1e-6 + FLOAT32_RTOL, key
+        if all(abs(risk - t) > FLOAT32_RTOL * abs(t) for t in thresholds):  # not on a group boundary
+            assert r["risk_group"] == ref["risk_group"], r["case_id"]
 
 
 def test_bad_csv_is_reported_per_row_before_anything_is_written(cohort, tmp_path):
@@ -210,11 +335,15 @@ def test_cox_head_with_covariates(cohort, tmp_path):
     np.testing.assert_allclose(best["covariate_std"].numpy(), std, rtol=1e-5)
     # the validation used the Cox survival (Breslow baseline) at the horizons
     latest = json.loads((out / "metrics.json").read_text())["latest"]
-    assert 0 <= latest["uno_c"] <= 1 and 0 <= latest["brier_1"] <= 1 and 0 <= latest["brier_2"] <= 1
+    assert 0 <= latest["uno_c"] <= 1
+    for key in _keys("brier"):  # IPCW-weighted: finite and >= 0, no upper bound of 1
+        assert math.isfinite(latest[key]) and latest[key] >= 0, key
 
 
 def test_torchrun_two_processes_share_the_risk_set_and_keep_identical_replicas(cohort, tmp_path):
     out = tmp_path / "ddp"
+    configs = [*TINY, "multi_gpu_train.json"]
+    args = _args(cohort, out, survival_head="cox", max_epochs=1, batch_size=BATCH)
     cmd = torchrun_cmd(
         2,
         "-m",
@@ -222,15 +351,17 @@ def test_torchrun_two_processes_share_the_risk_set_and_keep_identical_replicas(c
         "run",
         "training",
         "--config_file",
-        config_arg(BUNDLE, *TINY, "multi_gpu_train.json"),
-        *_args(cohort, out, survival_head="cox", max_epochs=1, batch_size=4),
+        config_arg(BUNDLE, *configs),
+        *args,
+        *seed_args(BUNDLE, configs, args),
     )
     result = subprocess.run(cmd, cwd=REPO_ROOT, env=bundle_env(), capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
     log = (out / "train.log").read_text()
-    assert "effective batch: 2 sample(s) per rank and iteration x 2 rank(s)" in log
+    assert f"effective batch: {BATCH // 2} sample(s) per rank and iteration x 2 rank(s)" in log
     assert "identical on all 2 ranks" in log
-    assert "calibrated on 24 training case(s)" in log  # every training case once, gathered from both ranks
+    n_train = len(_split(cohort, "training"))
+    assert f"calibrated on {n_train} training case(s)" in log  # every training case once, gathered from both ranks
     summary = json.loads((out / "metrics.json").read_text())
     assert 0 <= summary["latest"]["uno_c"] <= 1
 

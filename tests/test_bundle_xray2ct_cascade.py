@@ -1,9 +1,9 @@
 # Copyright (c) the 3D MONAI bundle collection contributors.
 # Licensed under the Apache License, Version 2.0.
 """Workflow tests of ``bundles/xray2ct_cascade``, run as users run it, on chest CT phantoms: stage 1 -> stage 2
-(initialised from and validated on stage 1) -> evaluate -> the back-projection baseline -> pack the cascade ->
-inference from PNG radiographs; checks of settings, data and the stage order before anything is written; a 2-process
-torchrun job. Resume after crashes: ``tests/test_reliability.py``."""
+(initialised from and validated on stage 1) -> evaluate -> the back-projection baseline (its metrics recomputed) ->
+pack the cascade -> inference from NIfTI and PNG radiographs; checks of settings, data and the stage order before
+anything is written; a 2-process torchrun job. Resume after crashes: ``tests/test_reliability.py``."""
 
 from __future__ import annotations
 
@@ -17,7 +17,18 @@ import numpy as np
 import pytest
 import torch
 
-from tests.helpers import BUNDLES, REPO_ROOT, SCHEMA, bundle_env, config_arg, overrides, run_bundle, torchrun_cmd
+from tests.helpers import (
+    BUNDLES,
+    REPO_ROOT,
+    SCHEMA,
+    bundle_env,
+    config_arg,
+    overrides,
+    run_bundle,
+    seed_args,
+    shifted_seed,
+    torchrun_cmd,
+)
 
 BUNDLE = "xray2ct_cascade"
 TASK = ["train.json", "tiny.json"]
@@ -31,7 +42,7 @@ def phantoms(tmp_path_factory) -> Path:
     from common.data.xray import make_xray2ct_demo
 
     root = tmp_path_factory.mktemp("chest")
-    make_xray2ct_demo(root, n_train=4, n_val=2, shape=(24, 24, 24), fov_mm=FOV)
+    make_xray2ct_demo(root, n_train=4, n_val=2, shape=(24, 24, 24), fov_mm=FOV, seed=shifted_seed(0))
     return root
 
 
@@ -92,7 +103,31 @@ def test_evaluate_reproduces_validation_and_writes_outputs(cascade, evaluated):
     assert (folder / "predictions" / "phantom_val_001_views.png").is_file()
 
 
+def _validation_inputs(phantoms: Path, stage: int = 2) -> tuple[object, list[tuple[str, dict]]]:
+    """The projector and the preprocessed validation cases (CT at the stage's size and its X-rays) of ``tiny.json``,
+    built in this process as the bundle builds them."""
+    from monai.bundle import ConfigParser
+
+    parser = ConfigParser()
+    parser.read_config([config_arg(BUNDLE, "train.json"), config_arg(BUNDLE, "tiny.json")])
+    parser["device"] = "cpu"
+    parser["stage"] = stage
+    projector = parser.get_parsed_content("projector")
+    transform = parser.get_parsed_content("preprocessing")
+    datalist = json.loads((phantoms / "datalist.json").read_text())
+    cases = []
+    for entry in datalist["validation"]:
+        case = Path(entry["image"]).name.split(".")[0]
+        cases.append((case, transform({"image": str(phantoms / entry["image"])})))
+    return projector, cases
+
+
 def test_backprojection_baseline_needs_no_weights(phantoms, tmp_path):
+    """The untrained baseline's metrics are those of the mean back-projection of the validation X-rays, recomputed
+    here from the same inputs with the bundle's metrics."""
+    from common.losses.projection import ProjectionLoss
+    from common.metrics.image import image_quality_metrics
+
     run_bundle(
         BUNDLE,
         [*TASK, "evaluate.json"],
@@ -100,15 +135,27 @@ def test_backprojection_baseline_needs_no_weights(phantoms, tmp_path):
         args=overrides(dataset_dir=str(phantoms), outputs_root=str(tmp_path), stage=1, mode="backprojection"),
     )
     summary = json.loads((tmp_path / "stage1" / "eval_backprojection" / "metrics.json").read_text())["latest"]
-    assert 0 < summary["val_psnr"] < 40 and summary["val_proj_error"] > 0
+    projector, cases = _validation_inputs(phantoms, stage=1)
+    image = torch.stack([out["image"].as_tensor() for _, out in cases])
+    xray = torch.stack([out["xray"].as_tensor() for _, out in cases])
+    assert image.shape == (2, 1, 8, 8, 8)
+    volume = projector.backproject(xray, image.shape[2:]).mean(1, keepdim=True).clamp(-1.0, 1.0)
+    pred, label = ((volume + 1) / 2).clamp(0, 1), ((image + 1) / 2).clamp(0, 1)
+    for name, metric in image_quality_metrics().items():
+        metric(y_pred=pred, y=label)
+        assert summary[f"val_{name}"] == pytest.approx(float(metric.aggregate()), rel=1e-5), name
+    proj_error = ProjectionLoss(projector)(volume, xray)
+    assert summary["val_proj_error"] == pytest.approx(float(proj_error.mean()), rel=1e-5)
+    assert summary["val_proj_error"] > 0  # two smeared views do not reproduce the X-rays of a phantom
 
 
-def test_packed_cascade_runs_on_png_radiographs(cascade, evaluated, phantoms, tmp_path):
-    """``run pack`` writes the combined checkpoint a packaged bundle ships; inference from PNG X-ray pairs (made
-    here with the projector from the validation CTs) gives the CTs that evaluation made from the same CTs."""
-    from monai.bundle import ConfigParser
-
-    from common.data.xray import save_view_png
+def test_packed_cascade_runs_on_png_and_nifti_radiographs(cascade, evaluated, phantoms, tmp_path):
+    """``run pack`` writes the combined checkpoint a packaged bundle ships; inference from X-ray files made here with
+    the projector from the validation CTs: from exact NIfTI views (``phantom_val_000``) it gives the CT that evaluation
+    made from the same CT; 16-bit PNG views (``phantom_val_001``) read back within half a quantisation step of the
+    radiograph."""
+    from common.data.drr import DRRProjector
+    from common.data.xray import read_view, save_view_nifti, save_view_png
 
     packaged = tmp_path / "bundle"
     shutil.copytree(BUNDLES / BUNDLE / "configs", packaged / "configs")
@@ -121,18 +168,18 @@ def test_packed_cascade_runs_on_png_radiographs(cascade, evaluated, phantoms, tm
     combined = torch.load(packaged / "models" / "model.pt", weights_only=True)
     assert {key.split(".")[0] for key in combined} == {"stage1", "stage2"}
 
-    parser = ConfigParser()
-    parser.read_config([config_arg(BUNDLE, "train.json"), config_arg(BUNDLE, "tiny.json")])
-    parser["device"] = "cpu"
-    projector = parser.get_parsed_content("projector")
-    transform = parser.get_parsed_content("preprocessing")
+    projector, cases = _validation_inputs(phantoms)
+    assert [case for case, _ in cases] == ["phantom_val_000", "phantom_val_001"]
     xrays = tmp_path / "xrays"
-    datalist = json.loads((phantoms / "datalist.json").read_text())
-    for entry in datalist["validation"]:
-        case = Path(entry["image"]).name.split(".")[0]
-        views = transform({"image": str(phantoms / entry["image"])})["xray"]
-        for view, image in zip(projector.views, views):
-            save_view_png(xrays / f"{case}_{view}.png", image)
+    for (case, out), save in zip(cases, (save_view_nifti, save_view_png)):
+        for view, image in zip(projector.views, out["xray"]):
+            path = save(xrays / f"{case}_{view}{'.nii.gz' if save is save_view_nifti else '.png'}", image)
+            read = torch.from_numpy(read_view(path, projector.view_size))
+            if save is save_view_nifti:
+                assert torch.equal(read, image.as_tensor())  # float32, exactly
+            else:  # 16 bit: the radiograph 2 g / 65535 - 1 is within half a step (1 / 65535) of the original
+                error = DRRProjector.intensity(read) - DRRProjector.intensity(image.as_tensor())
+                assert float(error.abs().max()) <= 1 / 65535 + 8 * torch.finfo(torch.float32).eps
     pred = tmp_path / "pred"
     run_bundle(
         BUNDLE,
@@ -145,12 +192,21 @@ def test_packed_cascade_runs_on_png_radiographs(cascade, evaluated, phantoms, tm
             prediction_dir=str(pred),
             stage=2,
         ),
+        env=bundle_env(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1"),  # one thread, as evaluation (tiny.json)
     )
     written = sorted(p.name for p in pred.iterdir())
     assert written == sorted(f"phantom_val_00{i}_{k}" for i in (0, 1) for k in ("ct.nii.gz", "views.png"))
+    for i in (0, 1):
+        ct = nib.load(pred / f"phantom_val_00{i}_ct.nii.gz")
+        assert ct.shape == (16, 16, 16)
+        np.testing.assert_allclose(np.diag(ct.affine)[:3], [FOV / 16] * 3)
+        hu = ct.get_fdata()
+        assert -1000 - 1e-3 <= hu.min() and hu.max() <= 1000 + 1e-3
+    # the same X-rays, weights and per-case start noise (inference.json's seed is train.json's, both shifted alike)
+    # on one thread: the same float32 computation as evaluation, up to the rounding of HU values of magnitude <= 1000
     a = nib.load(pred / "phantom_val_000_ct.nii.gz").get_fdata()
     b = nib.load(evaluated / "predictions" / "phantom_val_000_ct.nii.gz").get_fdata()
-    assert np.abs(a - b).mean() < 5.0  # HU; the PNGs are 16-bit
+    np.testing.assert_allclose(a, b, rtol=0, atol=2000 * 16 * np.finfo(np.float32).eps)
 
 
 def test_stage_2_without_stage_1_is_refused(phantoms, tmp_path):
@@ -254,6 +310,10 @@ def test_torchrun_two_processes_keep_identical_replicas(phantoms, tmp_path):
             }
         )
     )
+    configs = [*TASK, "multi_gpu_train.json", str(probe)]
+    args = overrides(
+        dataset_dir=str(phantoms), outputs_root=str(out), max_epochs=1, val_interval=1, stage_batch_size=[1, 1]
+    )
     cmd = torchrun_cmd(
         2,
         "-m",
@@ -261,10 +321,9 @@ def test_torchrun_two_processes_keep_identical_replicas(phantoms, tmp_path):
         "run",
         "training",
         "--config_file",
-        config_arg(BUNDLE, *TASK, "multi_gpu_train.json", str(probe)),
-        *overrides(
-            dataset_dir=str(phantoms), outputs_root=str(out), max_epochs=1, val_interval=1, stage_batch_size=[1, 1]
-        ),
+        config_arg(BUNDLE, *configs),
+        *args,
+        *seed_args(BUNDLE, configs, args),
     )
     result = subprocess.run(cmd, cwd=REPO_ROOT, env=bundle_env(), capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]

@@ -13,6 +13,7 @@ from pathlib import Path
 import nibabel as nib
 import numpy as np
 import pytest
+from scipy.ndimage import binary_erosion
 
 import common.data.demo as demo
 from common.data.datalist import load_datalist
@@ -118,9 +119,14 @@ def test_make_phantom_is_seeded_structured_and_bounded() -> None:
     assert a.dtype == np.float32 and a.shape == (32, 32, 32)
     assert np.array_equal(a, b) and not np.allclose(a, c)
     assert a.min() >= 0.0 and a.max() <= 1.0
-    # structure: a bright interior and a dark border, not just noise
-    assert a[12:20, 12:20, 12:20].mean() > 0.15 > a[:2].mean()
-    assert a.std() > 0.1
+    # structure: a bright interior and a dark border, not just noise. Before the noise (sd 0.02) every voxel is at
+    # least 0.15 x the body's smooth indicator (blobs only blend it towards intensities >= 0.35), which is >= 0.987
+    # on the centre cube (body radii >= 0.75, centre offset <= 0.05, edge sharpness 12): a mean >= 0.148 less at
+    # most 0.008 from clipping at 1. The planes x <= -0.935 lie outside the body (radii <= 0.9), where its indicator
+    # averages < 0.09 even for the largest body shifted towards them.
+    assert a[12:20, 12:20, 12:20].mean() > 0.12
+    assert a[:2].mean() < 0.05
+    assert a.std() > 0.05  # the noise alone gives 0.02; the body (>= 22% of the cube at >= 0.15) about 0.06 or more
     smooth = np.abs(np.diff(a, axis=0)).mean()
     assert smooth < 0.1  # neighbouring voxels are correlated
     with pytest.raises(ValueError, match="kind must be one of"):
@@ -176,13 +182,22 @@ def test_ct_phantom_has_chest_anatomy_in_hu() -> None:
     assert not np.array_equal(a, demo.make_ct_phantom((48, 48, 40), seed=4))
     clean = demo.make_ct_phantom((48, 48, 40), seed=3, noise_hu=0.0)
     assert np.abs(clean[0, 0, :] + 1000).max() < 1  # air in the corner
-    centre_slice = clean[:, :, 20]
+    # every tissue over the whole volume: lungs, soft tissue and the fat layer run through all slices and the blood
+    # pool (about 4 x 3 x 5 voxels in radius) always lies inside the volume, keeping a core at 300 HU after the blur
+    # (sigma 0.6 voxel); the fewest voxels in these windows over seeds 0-119 were 8215, 10906, 612 and 1989, and both
+    # checks below held for seeds 0-149
     for hu, name in ((-850, "lung"), (40, "soft tissue"), (300, "contrast-filled vessels"), (-100, "fat")):
-        assert np.sum(np.abs(centre_slice - hu) < 30) > 5, name
-    # RAS: the spine (bone, > 200 HU) is posterior (low Y), the contrast-filled heart anterior of it
-    bone_y = np.nonzero(clean[20:28, :, 20] > 200)[1]
-    blood_y = np.nonzero(np.abs(clean[:, :, 5:20] - 300) < 30)[1]
-    assert bone_y.size and blood_y.size and bone_y.mean() < blood_y.mean()
+        assert np.sum(np.abs(clean - hu) < 30) > 100, name
+    # RAS: the spine is posterior (low Y), the contrast-filled heart and arteries anterior of it. The spine is the
+    # only structure above 200 HU in every axial slice (ribs repeat along Z, the heart and arteries end), at
+    # y = -0.45 +- 0.12; the blood pool (y in [0.01, 0.39]) and arteries (y >= -0.26) make up most of the voxels near
+    # 300 HU outside it, the rest being blurred rib edges on both sides
+    y = np.linspace(-1.0, 1.0, 48)
+    spine = (clean > 200).all(axis=2)
+    contrast = (np.abs(clean - 300) < 30) & ~spine[..., None]
+    spine_y, contrast_y = y[np.nonzero(spine)[1]], y[np.nonzero(contrast)[1]]
+    assert spine_y.size and np.all(np.abs(spine_y + 0.45) < 0.15)
+    assert np.median(contrast_y) > spine_y.max()
 
 
 def test_dicom_series_round_trip_keeps_array_and_ras_affine(tmp_path: Path) -> None:
@@ -240,8 +255,17 @@ def test_brain_tumour_phantom_contrasts(seed: int) -> None:
         assert np.all(case[key][~brain] == 0.0) and np.all(case[key][brain] > 0.0)
     assert not seg[~brain].any()
 
+    # class means over the interior of each class (eroded by one voxel, so the blur of sigma 0.7 voxel mixes in
+    # little of the neighbouring classes): the designed contrasts of TISSUE_CONTRAST (FLAIR CSF / edema 0.11, edema
+    # / WM 2.0, t1c ET / NCR 3.2, t1n WM / GM 1.36, t1c / t1n in ET vs WM 1.9) up to the bias field (+-10%) and the
+    # remaining blur. Over seeds 0-59 these ratios stayed <= 0.19, >= 1.88, >= 2.26, >= 1.34 and (0-39) >= 1.72
+    def interior(name: str) -> np.ndarray:
+        mask = binary_erosion(tissue == demo.TISSUES.index(name))
+        assert mask.sum() >= 5, name
+        return mask
+
     def mean(key: str, name: str) -> float:
-        return float(case[key][tissue == demo.TISSUES.index(name)].mean())
+        return float(case[key][interior(name)].mean())
 
     assert mean("t2f", "csf") < 0.4 * mean("t2f", "edema")  # FLAIR: dark CSF, bright edema
     assert mean("t2f", "edema") > 1.3 * mean("t2f", "wm")
@@ -249,8 +273,7 @@ def test_brain_tumour_phantom_contrasts(seed: int) -> None:
     assert mean("t1n", "wm") > 1.15 * mean("t1n", "gm")
     # the rim enhances: t1c / t1n (the per-case gains cancel) is higher in ET than in healthy white matter
     enhancement = case["t1c"] / np.where(brain, case["t1n"], 1.0)
-    et, wm = tissue == demo.TISSUES.index("enhancing"), tissue == demo.TISSUES.index("wm")
-    assert enhancement[et].mean() > 1.3 * enhancement[wm].mean()
+    assert enhancement[interior("enhancing")].mean() > 1.3 * enhancement[interior("wm")].mean()
 
 
 def test_brain_tumour_phantom_flair_is_predictable_from_the_other_modalities() -> None:
@@ -265,9 +288,13 @@ def test_brain_tumour_phantom_flair_is_predictable_from_the_other_modalities() -
 
     train = [features(seed) for seed in (1, 2, 3)]
     weights = np.linalg.lstsq(np.concatenate([a for a, _ in train]), np.concatenate([b for _, b in train]))[0]
-    design, t2f = features(11)
-    r2 = 1.0 - np.mean((design @ weights - t2f) ** 2) / np.var(t2f)
-    assert r2 > 0.7, r2
+    # held-out cases: a t2f unrelated to the other modalities gives r2 <= 0. The blur at class borders, independent
+    # bias fields per modality and the percentile normalisation keep r2 below 1: 0.65-0.83 on test seeds 4-63 with
+    # these training cases, >= 0.51 for every other training triple tried (seeds 100-392)
+    for seed in (11, 12):
+        design, t2f = features(seed)
+        r2 = 1.0 - np.mean((design @ weights - t2f) ** 2) / np.var(t2f)
+        assert r2 > 0.5, (seed, r2)
 
 
 def test_brain_tumour_phantom_rejects_bad_shape() -> None:

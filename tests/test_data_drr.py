@@ -217,9 +217,13 @@ def test_projection_loss_of_xrays_made_from_a_finer_volume_is_zero(view_size, so
     projector = DRRProjector(fov_mm=(160.0, 240.0, 320.0), view_size=view_size)
     fine = random_volume((2, 1, source, source, source), seed=2)
     coarse = F.avg_pool3d(fine, factor)
-    loss = ProjectionLoss(projector)(coarse, projector.xrays(fine))
+    xray = projector.xrays(fine)
+    loss = ProjectionLoss(projector)(coarse, xray)
     assert loss.shape == (2,)
-    assert float(loss.max()) < 1e-6
+    # equal in exact arithmetic; in float32 the two paths sum the same attenuations in another grouping (box means
+    # of factor^3 voxels, then rays of source / factor, against rays of source voxels area-averaged per pixel), each
+    # path within about n eps32 |p| for sums of n <= source terms
+    assert float(loss.max()) < source * torch.finfo(torch.float32).eps * float(xray.abs().max())
     assert float(ProjectionLoss(projector)(fine[:, :, ::factor, ::factor, ::factor], projector.xrays(fine)).min()) > 0
 
 

@@ -332,21 +332,37 @@ def _codebook(n_codes: int = 8, dim: int = 3, seed: int = 0):
     return quantizer.eval()
 
 
+def _near_codes(quantizer, n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``n`` latent vectors ``(n, D)`` built as codebook vectors plus an offset of a fifth of the smallest distance
+    between two codes, and their codes ``(n,)`` (every code used): the assigned code is nearer than any other by at
+    least 0.6 x that distance squared, so the nearest code is known by construction (no near-ties)."""
+    codes = quantizer.embeddings.double()
+    distances = torch.cdist(codes, codes).fill_diagonal_(float("inf"))
+    separation = float(distances.min())
+    assert separation > 1e-2  # far above float32 rounding of the distances
+    gen = torch.Generator().manual_seed(seed)
+    assignment = (torch.arange(n) % len(codes))[torch.randperm(n, generator=gen)]
+    offsets = torch.randn(n, codes.shape[1], generator=gen, dtype=torch.float64)
+    vectors = codes[assignment] + 0.2 * separation * offsets / offsets.norm(dim=1, keepdim=True)
+    return vectors.float(), assignment
+
+
 def test_vq_codes_replace_the_latent_with_codebook_vectors_and_add_codes():
     from common.data.pipeline import VQCodesd
 
     quantizer = _codebook()
     affine = torch.tensor([[4.0, 0, 0, 1.5], [0, 4.0, 0, -2.0], [0, 0, 8.0, 3.0], [0, 0, 0, 1]], dtype=torch.float64)
-    values = torch.randn(3, 4, 5, 2, generator=torch.Generator().manual_seed(1))
+    vectors, assignment = _near_codes(quantizer, 4 * 5 * 2, seed=1)
+    values = vectors.t().reshape(3, 4, 5, 2)  # channel first; voxel i (C order) is vectors[i]
     latent = MetaTensor(values.clone(), affine=affine, meta={"filename_or_obj": "/in/case1.nii.gz"})
     out = VQCodesd("pred", quantizer)({"pred": latent, "other": 5})
     codes, quantized = out["codes"], out["pred"]
     assert out["other"] == 5
     assert isinstance(codes, MetaTensor) and isinstance(quantized, MetaTensor)
     assert codes.dtype == torch.int32 and codes.shape == (1, 4, 5, 2)
-    expected = torch.cdist(values.reshape(3, -1).t(), quantizer.embeddings).argmin(1).reshape(1, 4, 5, 2)
+    expected = assignment.reshape(1, 4, 5, 2)
     assert torch.equal(codes.as_tensor().long(), expected)
-    assert len(expected.unique()) > 2
+    assert len(expected.unique()) == 8  # every code used
     # every voxel is exactly its codebook vector, i.e. embed(codes)
     assert quantized.shape == (3, 4, 5, 2)
     assert torch.equal(quantized.as_tensor(), quantizer.embed(codes.as_tensor())[0])
@@ -457,14 +473,15 @@ def test_encode_postprocessing_with_a_quantizer_saves_codes_and_code_vectors(tmp
     affine = np.diag([1.0, 1.0, 2.0, 1.0])
     meta = {"filename_or_obj": "/in/case7.nii.gz"}
     image = MetaTensor(torch.zeros(1, 8, 8, 8), affine=torch.as_tensor(affine), meta=dict(meta))
-    values = torch.randn(3, 4, 4, 4, generator=torch.Generator().manual_seed(2))
+    vectors, assignment = _near_codes(quantizer, 4 * 4 * 4, seed=2)
+    values = vectors.t().reshape(3, 4, 4, 4)  # channel first; voxel i (C order) is vectors[i]
     latent = MetaTensor(values.clone(), affine=torch.as_tensor(affine), meta=dict(meta))
     post = inference_postprocessing("encode", volume_transforms(train=False), str(tmp_path), quantizer=quantizer)
     post({"image": image, "pred": latent})
     codes = nib.load(tmp_path / "case7_codes.nii.gz")
     saved_latent = nib.load(tmp_path / "case7_latent.nii.gz")
     assert codes.get_data_dtype() == np.int32
-    expected_codes = torch.cdist(values.reshape(3, -1).t(), quantizer.embeddings).argmin(1).reshape(4, 4, 4)
+    expected_codes = assignment.reshape(4, 4, 4)
     np.testing.assert_array_equal(np.asarray(codes.dataobj).reshape(4, 4, 4), expected_codes.numpy())
     vectors = quantizer.embeddings[expected_codes].numpy()  # (4, 4, 4, 3): channels last, as saved
     np.testing.assert_array_equal(np.asarray(saved_latent.dataobj), vectors)  # exactly the codebook rows

@@ -382,6 +382,27 @@ def test_check_cohort_names_horizons_beyond_follow_up() -> None:
         check_cohort(sections, horizons=[1], cut_points=[0])
 
 
+def test_check_cohort_refuses_a_validation_split_that_no_metric_can_score() -> None:
+    """A validation split without events, or whose follow-up starts after every horizon, would stop training at its
+    first validation (no metric to rank checkpoints by): both are refused up front."""
+    training = [_entry(1, 6.0, 1), _entry(2, 2.0, 0)]
+    with pytest.raises(CohortError) as info:
+        check_cohort({"training": training, "validation": [_entry(3, 5.5, 0), _entry(4, 1.5, 0)]}, horizons=(1, 3))
+    assert _problems(info) == [
+        "the validation split has no events (all 2 cases are censored); the C-index, td-AUC and Brier scores of the "
+        "validation need at least one event"
+    ]
+    late = {"training": training, "validation": [_entry(3, 3.75, 1), _entry(4, 5.5, 0)]}
+    with pytest.raises(CohortError) as info:
+        check_cohort(late, horizons=(1, 2))
+    assert _problems(info) == [
+        "no horizon of [1.0, 2.0] lies in the follow-up window of the validation split [3.75, 5.5) years (its "
+        "earliest follow-up time to the largest one of the validation and training splits), so no validation metric "
+        "could be computed; use horizons in that window"
+    ]
+    check_cohort(late, horizons=(1, 4))  # one horizon in the window is enough (the others are skipped with a warning)
+
+
 # ------------------------------------------------------------------------------------------------ cut points, stats
 
 
@@ -432,8 +453,8 @@ def test_covariate_stats_population_std_and_constant_columns() -> None:
 @pytest.fixture
 def good_cohort(tmp_path: Path) -> Path:
     rows = [HEADER + ",split"]
-    times = [400, 2000, 900, 1500, 2500, 300, 1800, 2200]
-    for i, (t, e) in enumerate(zip(times, [1, 0, 1, 0, 0, 1, 1, 0])):
+    times = [400, 200, 900, 1500, 2500, 300, 1800, 2200]  # validation (p1, p6): events at 0.55 and 4.9 years
+    for i, (t, e) in enumerate(zip(times, [1, 1, 1, 0, 0, 1, 1, 0])):
         _volume(tmp_path / "images" / f"p{i}.nii.gz", seed=i)
         rows.append(f"p{i},images/p{i}.nii.gz,{t},{e},{50 + i},{'val' if i in (1, 6) else 'train'}")
     return _csv(tmp_path, *rows)
@@ -497,8 +518,8 @@ def test_cohort_or_exit_reports_cohort_checks_and_max_cases(good_cohort: Path, c
     err = capsys.readouterr().err
     assert "cohort error: horizon 7 years is at or beyond the largest follow-up time of the training split" in err
     assert "cohort error: the last cut point 9 years is beyond" in err
-    # the first 3 rows hold no validation-only problem; max_cases=1 leaves no validation case
-    assert len(cohort_or_exit(good_cohort, horizons=(1,), max_cases=3)["training"]) == 2
+    # the first 7 rows hold both validation cases; max_cases=1 leaves none
+    assert len(cohort_or_exit(good_cohort, horizons=(1,), max_cases=7)["training"]) == 5
     with pytest.raises(SystemExit):
         cohort_or_exit(good_cohort, horizons=(1,), max_cases=1)
     assert "cohort error: the validation split is empty" in capsys.readouterr().err

@@ -94,7 +94,9 @@ def test_xrays_made_at_the_source_size_match_the_stage_volume(case, view_size):
     assert at_source["image"].shape == (1, *source)
     torch.testing.assert_close(out["xray"].as_tensor(), at_source["xray"].as_tensor())  # same inputs per stage
     loss = ProjectionLoss(proj)(out["image"].as_tensor()[None], out["xray"].as_tensor()[None])
-    assert float(loss) < 1e-6
+    # zero in exact arithmetic (the stage CT is the area average of the source CT the X-rays were made from); float32
+    # sums of the same attenuations grouped differently, each within about n eps32 |p| for rays of n <= 2 SIDE voxels
+    assert float(loss) < 2 * SIDE * torch.finfo(torch.float32).eps * float(out["xray"].abs().max())
     # the CT is area-averaged: a strided subsample of the source CT does not project to the same X-rays
     strided = at_source["image"].as_tensor()[None, :, ::2, ::2, ::2]
     assert float(ProjectionLoss(proj)(strided, out["xray"].as_tensor()[None])) > 1e-3

@@ -223,10 +223,20 @@ def test_trainer_noises_only_the_target_and_regresses_the_right_target(predictio
     assert not torch.allclose(net.inputs[0][:, 2:], batches[0]["image"][:, 2:], atol=1e-2)
 
 
-def test_trainer_timesteps_are_grid_points_in_antithetic_pairs():
+def test_trainer_timesteps_are_grid_points_in_antithetic_pairs(monkeypatch):
+    """Each iteration's draw is ``antithetic_timesteps`` over the trainer's whole grid: ``ceil(n / 2)`` indices drawn
+    uniformly from every grid point (``randint(0, len(grid))`` with that iteration's generator, so both ends are
+    reachable), then their mirrors ``len - 1 - i``."""
+    calls = []
+    draw = workflow.antithetic_timesteps
+
+    def recording(grid, n, generator=None):
+        calls.append((grid.clone(), n, generator.get_state()))
+        return draw(grid, n, generator)
+
+    monkeypatch.setattr(workflow, "antithetic_timesteps", recording)
     trainer = make_trainer(ScaledTarget([1]), image_batches(1), seed=3)
     last = len(GRID) - 1
-    seen = set()
     for iteration in range(1, 41):
         t = trainer.draw_timesteps(5, iteration)
         assert t.shape == (5,) and t.dtype == torch.long
@@ -234,8 +244,12 @@ def test_trainer_timesteps_are_grid_points_in_antithetic_pairs():
         half = (5 + 1) // 2  # ceil(n / 2) draws, then their mirrors
         for i in range(5 - half):
             assert idx[i] + idx[half + i] == last
-        seen.update(idx)
-    assert seen == set(range(len(GRID)))  # every grid point is drawn, including both ends
+        grid, n, state = calls[-1]
+        assert torch.equal(grid, GRID) and n == 5  # the whole grid is the candidate set
+        replay = torch.Generator()
+        replay.set_state(state)
+        assert idx[:half] == torch.randint(0, len(GRID), (half,), generator=replay).tolist()
+    assert len(calls) == 40
 
 
 def test_even_global_batches_are_made_of_antithetic_pairs():

@@ -25,10 +25,11 @@ from common.bundle_tools.export import (
     export_module_torchscript,
     export_onnx,
     export_torchscript,
+    random_input,
     run_export,
 )
 from common.handlers.checkpoint import CheckpointError
-from tests.helpers import BUNDLES, REPO_ROOT, bundle_env
+from tests.helpers import BUNDLES, REPO_ROOT, bundle_env, shifted_seed
 
 BUNDLE_NAMES = bundle_names()
 onnx = pytest.importorskip("onnx")
@@ -64,6 +65,42 @@ def _new_input(shape, seed: int = 1234) -> torch.Tensor:
     return torch.rand(tuple(shape), generator=torch.Generator().manual_seed(seed))
 
 
+#: smallest gap between the two nearest codes (squared distances) of every latent vector of a quantizing network's
+#: test input. An export's continuous latent differs from PyTorch's by ~1e-6, which moves a difference of squared
+#: distances by at most 2 |dz| |e_j - e_k| (~1e-5 here); a gap 100x that keeps every code, so the outputs compare
+#: with the continuous tolerance. Inside a smaller gap the export may legitimately pick the other code.
+CODE_GAP = 1e-3
+
+
+def _code_gap(network: nn.Module, x: torch.Tensor) -> float:
+    """The smallest top-2 squared-distance gap over the latent vectors of ``x`` (``inf`` without a quantizer)."""
+    from common.networks.vqgan import VQGAN
+
+    vqgan = next((m for m in network.modules() if isinstance(m, VQGAN)), None)
+    if vqgan is None:
+        return float("inf")
+    with torch.no_grad():
+        z = vqgan.encode(x)
+    flat = z.movedim(1, -1).reshape(-1, z.shape[1]).double()
+    distances = ((flat[:, None] - vqgan.quantizer.embeddings.double()[None]) ** 2).sum(-1)
+    top2 = distances.topk(2, dim=1, largest=False).values
+    return float((top2[:, 1] - top2[:, 0]).min())
+
+
+def _clear_seed(network: nn.Module, inputs, seed: int, tries: int = 100) -> int:
+    """The first seed from ``seed`` whose inputs (``inputs(s)``: the tensors drawn with seed ``s``) keep every code
+    of ``network`` ``CODE_GAP`` away from a tie; ``seed`` itself for a network without a quantizer."""
+    for candidate in range(seed, seed + tries):
+        if all(_code_gap(network, x) > CODE_GAP for x in inputs(candidate)):
+            return candidate
+    raise AssertionError(f"no input seed in [{seed}, {seed + tries}) keeps the codes {CODE_GAP} away from a tie")
+
+
+def _clear_input(network: nn.Module, shape, seed: int) -> torch.Tensor:
+    """``_new_input(shape, s)`` for the first seed ``s >= seed`` clear of code ties (see ``CODE_GAP``)."""
+    return _new_input(shape, _clear_seed(network, lambda s: [_new_input(shape, s)], seed))
+
+
 def _outputs(output) -> list[torch.Tensor]:
     if isinstance(output, torch.Tensor):
         return [output]
@@ -78,10 +115,20 @@ def exported(request, tmp_path_factory) -> dict:
     bundle = request.param
     root = tmp_path_factory.mktemp(f"export_{bundle}")
     ckpt = root / "model.pt"
-    torch.save(_reference_network(bundle, seed=0).state_dict(), ckpt)
+    network = _reference_network(bundle, seed=shifted_seed(0))
+    torch.save(network.state_dict(), ckpt)
     shape = default_input_shape(bundle, overrides=str(_tiny(bundle)))
-    ts = run_export("torchscript", bundle, ckpt, root / "model.ts", overrides=str(_tiny(bundle)))
-    onnx_result = run_export("onnx", bundle, ckpt, root / "model.onnx", overrides=str(_tiny(bundle)))
+    # the exporters verify on random_input(seed + 1) in the input's value range (TorchScript: the example shape;
+    # ONNX: one more in the batch); a seed whose verification inputs are clear of code ties (see CODE_GAP)
+    spec = _metadata(bundle)["network_data_format"]["inputs"]
+    value_range = tuple(spec.get("image", next(iter(spec.values()))).get("value_range") or (0.0, 1.0))
+    seed = _clear_seed(
+        network,
+        lambda s: [random_input(c, value_range=value_range, seed=s + 1) for c in (shape, [shape[0] + 1, *shape[1:]])],
+        shifted_seed(0),
+    )
+    ts = run_export("torchscript", bundle, ckpt, root / "model.ts", overrides=str(_tiny(bundle)), seed=seed)
+    onnx_result = run_export("onnx", bundle, ckpt, root / "model.onnx", overrides=str(_tiny(bundle)), seed=seed)
     return {"bundle": bundle, "ckpt": ckpt, "root": root, "shape": shape, "ts": ts, "onnx": onnx_result}
 
 
@@ -100,8 +147,8 @@ def test_torchscript_matches_pytorch_on_new_input(exported):
     assert result.method in ("script", "trace")
     assert result.max_abs_diff <= 1e-4 * max(1.0, result.output_scale)
     module = torch.jit.load(str(result.path))
-    network = _reference_network(exported["bundle"], exported["ckpt"], seed=99)  # weights from the file, not seed
-    x = _new_input(exported["shape"])
+    network = _reference_network(exported["bundle"], exported["ckpt"], seed=shifted_seed(99))  # weights: the file's
+    x = _clear_input(network, exported["shape"], shifted_seed(1234))
     with torch.no_grad():
         expected, actual = _outputs(network(x)), _outputs(module(x))
     assert len(expected) == len(actual)
@@ -139,8 +186,8 @@ def test_onnx_matches_pytorch_with_dynamic_batch(exported):
     (inp,) = session.get_inputs()
     assert inp.name == "image" or inp.name in _metadata(exported["bundle"])["network_data_format"]["inputs"]
     assert inp.shape[0] == "batch" and list(inp.shape[1:]) == exported["shape"][1:]
-    network = _reference_network(exported["bundle"], exported["ckpt"], seed=99)
-    x = _new_input([3, *exported["shape"][1:]], seed=4321)  # a batch size never used while exporting
+    network = _reference_network(exported["bundle"], exported["ckpt"], seed=shifted_seed(99))
+    x = _clear_input(network, [3, *exported["shape"][1:]], shifted_seed(4321))  # a batch size not used in exporting
     with torch.no_grad():
         expected = _outputs(network(x))
     actual = session.run(None, {inp.name: x.numpy()})
@@ -172,18 +219,20 @@ def test_corrupted_or_mismatched_checkpoint_names_the_file(exported, tmp_path):
 
 
 class _FrozenNoise(nn.Module):
-    """Adds NumPy noise: not scriptable, and tracing freezes the noise, so exports differ from eager runs."""
+    """Adds 10 x the number of its calls, made with NumPy: not scriptable, and tracing freezes the value of the
+    tracing call, so every export differs from every eager run (by 10 or more) by construction."""
 
     def __init__(self) -> None:
         super().__init__()
         self.conv = nn.Conv3d(1, 1, 1)
+        self.calls = 0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.conv(x) + torch.from_numpy(np.random.rand(1).astype(np.float32) * 10)
+        self.calls += 1
+        return self.conv(x) + torch.from_numpy(np.full(1, 10.0 * self.calls, dtype=np.float32))
 
 
 def test_export_that_differs_from_pytorch_is_refused(tmp_path):
-    np.random.seed(0)
     with pytest.raises(ExportError, match="differs from PyTorch") as error:
         export_module_torchscript(_FrozenNoise().eval(), tmp_path / "bad.ts", [1, 1, 4, 4, 4])
     assert "torch.jit.script failed" in str(error.value)  # the fallback and why are part of the message

@@ -222,6 +222,26 @@ def test_best_checkpoint_saver_same_step_again_keeps_k_files(tmp_path):
     assert _ranked_files(tmp_path) == ["model_val_psnr=1_step=10.pt", "model_val_psnr=2_step=20.pt"]
 
 
+def test_best_checkpoint_saver_compares_exact_values(tmp_path):
+    """A tie, or a value that differs from the best only past the 6th digit, never replaces model.pt with a model
+    that is not strictly better, also after a resume re-reads the ranking from the file names: the names keep every
+    digit where 6 do not read back exactly (the rule of metrics.json's best: the first strictly larger value)."""
+    best, tie, worse = 5 / 6, 5 / 6, 5 / 6 - 1e-9  # all three print as 0.833333
+    net = nn.Linear(2, 1)
+    saver = BestCheckpointSaver(tmp_path, net, "val_psnr", n_saved=3)
+    _marked_network(net, 1.0)
+    saver(_evaluator(best, 1))
+    assert _ranked_files(tmp_path) == [f"model_val_psnr={best!r}_step=10.pt"]
+    for step, value in [(2, tie), (3, worse)]:
+        _marked_network(net, float(step))
+        BestCheckpointSaver(tmp_path, net, "val_psnr", n_saved=3)(_evaluator(value, step))  # a resumed run
+    assert torch.all(load_checkpoint(tmp_path / "model.pt")["weight"] == 1.0)
+    _marked_network(net, 4.0)
+    saver(_evaluator(best + 1e-9, 4))  # strictly better, in the 9th digit
+    assert torch.all(load_checkpoint(tmp_path / "model.pt")["weight"] == 4.0)
+    assert len(_ranked_files(tmp_path)) == 3 and f"model_val_psnr={worse!r}_step=30.pt" not in _ranked_files(tmp_path)
+
+
 def test_best_checkpoint_saver_ignores_other_metrics_and_nan(tmp_path, caplog):
     net = nn.Linear(2, 1)
     other = tmp_path / "model_val_ssim=0.9_step=10.pt"

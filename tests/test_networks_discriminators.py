@@ -82,14 +82,17 @@ def test_slices_shape_per_axis():
 
 
 @pytest.mark.parametrize("slice_axis, size", [(-1, 24), (0, 20), (1, 16)])
-def test_sample_views_are_in_range_and_cover_it(slice_axis, size):
+def test_sample_views_are_uniform_over_the_slice_axis(slice_axis, size):
+    """One index per volume drawn uniformly from ``[0, size)`` along ``slice_axis`` (``torch.randint`` of the global
+    RNG): every index is reachable, none is out of range."""
     disc = _disc(slice_axis=slice_axis)
-    x = torch.zeros(400, 1, 20, 16, 24)
+    x = torch.zeros(6, 1, 20, 16, 24)
     torch.manual_seed(0)
     views = disc.sample_views(x)
-    assert views.shape == (400,) and views.dtype == torch.long
-    assert int(views.min()) == 0 and int(views.max()) == size - 1  # every index reachable, none out of range
-    assert len(views.unique()) == size
+    assert views.shape == (6,) and views.dtype == torch.long
+    torch.manual_seed(0)
+    assert torch.equal(views, torch.randint(0, size, (6,)))
+    assert int(views.min()) >= 0 and int(views.max()) <= size - 1
 
 
 def test_forward_without_views_samples_them():

@@ -160,6 +160,16 @@ def test_vqgan_encode_is_the_continuous_latent_per_channel():
     torch.testing.assert_close(codec.encode(image[:, :1, :, :, :16]), direct)
 
 
+def _assert_nearest(indices: torch.Tensor, rows: torch.Tensor, codes: torch.Tensor) -> None:
+    """Every index is a nearest code of its row: its float64 squared distance is the minimum up to the float32
+    rounding of ``EMAVectorQuantizer.nearest`` (``||e||^2 - 2 x.e``: about ``D + 2`` ulps of ``||x||^2 + max
+    ||e||^2`` per value; 8x that), so a near-tie may go either way and nothing else may."""
+    d = ((rows.double()[:, None] - codes.double()[None]) ** 2).sum(-1)
+    excess = d.gather(1, indices[:, None]).squeeze(1) - d.min(1).values
+    scale = (rows.double() ** 2).sum(1) + (codes.double() ** 2).sum(1).max()
+    assert (excess <= 8 * (codes.shape[1] + 2) * torch.finfo(torch.float32).eps * scale).all()
+
+
 def test_vqgan_decode_quantizes_first():
     codec = _vq_codec()
     net = codec.autoencoder
@@ -170,16 +180,30 @@ def test_vqgan_decode_quantizes_first():
     for c in range(2):
         block = z[:, 4 * c : 4 * c + 4]
         flat = block.movedim(1, -1).reshape(-1, 4)
-        nearest = torch.cdist(flat, codes).argmin(1)
+        nearest = net.quantizer.nearest(flat)
+        _assert_nearest(nearest, flat, codes)
         quantized = codes[nearest].reshape(1, 4, 4, 4, 4).movedim(-1, 1)
         torch.testing.assert_close(image[:, c : c + 1], net.decoder(quantized) * 2 - 1)
         # quantizing first: decoding the continuous latent itself gives something else
         assert not torch.allclose(image[:, c : c + 1], net.decoder(block) * 2 - 1, atol=1e-4)
-    # a latent made of codebook vectors decodes to the same image as a small perturbation of it
-    quantized = codes[torch.randint(0, 32, (64,), generator=torch.Generator().manual_seed(2))]
+
+
+def test_vqgan_decode_snaps_small_perturbations_to_the_codes():
+    """A latent made of codebook vectors decodes to the same image as a small perturbation of it. The codebook is
+    built by hand (the 16 corners of {-1, 1}^4, and each doubled: codes at least 2 apart), so a perturbation of
+    norm < 1e-2 cannot bring a vector nearer to another code."""
+    codec = _vq_codec()
+    corners = torch.cartesian_prod(*[torch.tensor([-1.0, 1.0])] * 4)
+    book = torch.cat([corners, 2 * corners])
+    with torch.no_grad():
+        codec.autoencoder.quantizer.embeddings.copy_(book)
+    quantized = book[torch.randint(0, 32, (64,), generator=torch.Generator().manual_seed(2))]
     quantized = quantized.reshape(1, 4, 4, 4, 4).movedim(-1, 1)
-    nudged = quantized + 1e-4 * torch.randn(quantized.shape, generator=torch.Generator().manual_seed(3))
+    noise = torch.randn(quantized.shape, generator=torch.Generator().manual_seed(3))
+    nudged = quantized + 1e-3 * noise / noise.norm(dim=1, keepdim=True)  # norm 1e-3 per latent vector
     torch.testing.assert_close(codec.decode(nudged), codec.decode(quantized), atol=0, rtol=0)
+    # the codes really change the image: the same latent moved to other codes decodes differently
+    assert not torch.allclose(codec.decode(-quantized), codec.decode(quantized), atol=1e-4)
 
 
 def test_vqgan_codebook_never_updates_through_the_codec():

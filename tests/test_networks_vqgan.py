@@ -64,6 +64,35 @@ def _is_row_of(codes: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     return (codes[:, None, :] == rows[None, :, :]).all(-1).any(1)
 
 
+def _sq_distances(rows: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
+    """Squared distances ``(N, K)`` of ``rows`` to ``codes``, in float64."""
+    return ((rows.double()[:, None, :] - codes.double()[None, :, :]) ** 2).sum(-1)
+
+
+def _nearest_tolerance(rows: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
+    """Per row, how far from the true minimum a float32 ``nearest`` may land: it ranks codes by
+    ``||e||^2 - 2 x.e`` (a dot product of ``D`` terms plus two additions), each value off by at most about
+    ``(D + 2)`` ulps of ``||x||^2 + max ||e||^2``; 8x that for the two values compared and margin."""
+    scale = (rows.double() ** 2).sum(1) + (codes.double() ** 2).sum(1).max()
+    return 8 * (codes.shape[1] + 2) * torch.finfo(torch.float32).eps * scale
+
+
+def _assert_nearest(indices: torch.Tensor, rows: torch.Tensor, codes: torch.Tensor) -> None:
+    """Every index is a nearest code of its row: its float64 squared distance is the minimum, up to the float32
+    rounding of ``EMAVectorQuantizer.nearest`` (so a near-tie may go either way, anything else may not)."""
+    d = _sq_distances(rows, codes)
+    excess = d.gather(1, indices.reshape(-1, 1).long()).squeeze(1) - d.min(1).values
+    bad = excess > _nearest_tolerance(rows, codes)
+    assert not bad.any(), (
+        f"{int(bad.sum())} row(s) not assigned to a nearest code (max excess {float(excess.max()):.3g})"
+    )
+
+
+def _min_code_separation(codes: torch.Tensor) -> float:
+    """Smallest squared distance between two different codes."""
+    return float(_sq_distances(codes, codes).fill_diagonal_(float("inf")).min())
+
+
 CODES_4 = [[0.0, 0.0], [4.0, 0.0], [0.0, 4.0], [4.0, 4.0]]
 
 
@@ -205,10 +234,13 @@ def test_first_training_batch_initialises_every_code_from_the_batch(monkeypatch)
     assert torch.equal(init["embed_sum"], init["embeddings"])
     assert init["cluster_size"].tolist() == [1.0] * 8
     # the batch is then assigned to the initial codes and the EMA step is applied from there
-    indices = torch.cdist(rows, init["embeddings"]).argmin(1)
-    assert torch.equal(out["indices"].flatten(), indices)
+    indices = out["indices"].flatten()
+    _assert_nearest(indices, rows, init["embeddings"])
     counts = torch.bincount(indices, minlength=8)
-    assert (counts >= 1).all()  # each code is the nearest code of itself
+    # distinct batch vectors (far apart compared with the rounding of nearest): each code is the only nearest code
+    # of the batch vector it was copied from, so every code is used
+    assert _min_code_separation(init["embeddings"]) > float(_nearest_tolerance(rows, init["embeddings"]).max())
+    assert (counts >= 1).all()
     sums = torch.zeros(8, 3).index_add_(0, indices, rows)
     size, embed_sum, embeddings = _ema_oracle(init["cluster_size"], init["embed_sum"], counts, sums, 0.9, 1e-5)
     torch.testing.assert_close(q.cluster_size.double(), size, atol=1e-6, rtol=0)
@@ -245,8 +277,9 @@ def test_eval_mode_neither_initialises_nor_updates_but_counts_usage():
     for key, value in q.state_dict().items():
         assert torch.equal(value, before[key]), key
     assert not bool(q.initialized)
-    expected = torch.bincount(torch.cdist(_flat(z), q.embeddings).argmin(1), minlength=6)
-    assert torch.equal(out["indices"].flatten(), torch.cdist(_flat(z), q.embeddings).argmin(1))
+    indices = out["indices"].flatten()
+    _assert_nearest(indices, _flat(z), q.embeddings)
+    expected = torch.bincount(indices, minlength=6)
     assert torch.equal(q.usage_counts, expected) and q.usage_counts.dtype == torch.long
     q(z)
     assert torch.equal(q.usage_counts, 2 * expected)
@@ -312,14 +345,20 @@ def test_nearest_in_chunks_equals_brute_force(monkeypatch):
     monkeypatch.setattr(vqgan_module, "_DIST_ARGMIN_CHUNK", 7)
     gen = torch.Generator().manual_seed(3)
     q = EMAVectorQuantizer(13, 5)
+    codes = torch.randn(13, 5, generator=gen)
     with torch.no_grad():
-        q.embeddings.copy_(torch.randn(13, 5, generator=gen))
-    flat = torch.randn(101, 5, generator=gen) * 1.5  # 14 full chunks and a partial one
-    expected = torch.cdist(flat.double(), q.embeddings.double()).argmin(1)
+        q.embeddings.copy_(codes)
+    separation = _min_code_separation(codes) ** 0.5
+    assert 0.6 * separation**2 > float(_nearest_tolerance(codes * 3, codes).max())  # |vector| < 3 max |code|
+    # every code used, in shuffled order: vector i is code expected[i] moved by a fifth of the smallest code
+    # separation, so code expected[i] is nearer than any other by at least 0.6 x separation^2 (no near-ties)
+    expected = (torch.arange(101) % 13)[torch.randperm(101, generator=gen)]
+    offsets = torch.randn(101, 5, generator=gen)
+    flat = codes[expected] + 0.2 * separation * offsets / offsets.norm(dim=1, keepdim=True)  # 14 chunks + 3 rows
     result = q.nearest(flat)
     assert result.dtype == torch.long and result.shape == (101,)
     assert torch.equal(result, expected)
-    assert len(set(expected.tolist())) > 5  # a non-trivial assignment
+    assert torch.equal(result, _sq_distances(flat, codes).argmin(1))  # the brute-force float64 nearest code
 
 
 def test_embed_and_its_range_check():
@@ -386,13 +425,17 @@ def test_vqgan_encoder_gets_the_reconstruction_gradient_through_the_quantizer():
 
 
 def test_decode_code_indices_equals_decode_of_the_quantized_latent():
-    model = _vqgan([4, 4, 2])
+    model = _vqgan([4, 4, 2]).eval()
     x = torch.rand(2, 1, 16, 16, 16)
-    model.train()
-    model(x)  # initialise the codebook from the data
-    model.eval()
     with torch.no_grad():
-        out = model.quantize(model.encode(x))
+        z = model.encode(x)
+        # the codebook: 16 of the latent's own vectors (distinct beyond the rounding of nearest), so those vectors
+        # are assigned their own codes and the code map holds all 16 codes
+        picks = torch.arange(0, _flat(z).shape[0], _flat(z).shape[0] // 16)[:16]
+        book = _flat(z)[picks]
+        _set_codebook(model.quantizer, book, torch.ones(16), book)
+        assert _min_code_separation(book) > float(_nearest_tolerance(book, book).max())
+        out = model.quantize(z)
         from_latent = model.decode(out["quantized"])
         from_codes = model.decode(out["indices"][:, None].float())  # as saved by encode inference
         from_long = model.decode(out["indices"])  # (B, *spatial)
@@ -400,7 +443,7 @@ def test_decode_code_indices_equals_decode_of_the_quantized_latent():
     torch.testing.assert_close(from_codes, from_latent, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(from_long, from_latent, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(reconstructed, from_latent, atol=1e-5, rtol=1e-5)
-    assert len(out["indices"].unique()) > 1
+    assert torch.equal(out["indices"].flatten()[picks], torch.arange(16))
 
 
 def test_decode_rejects_bad_code_maps():
@@ -587,35 +630,76 @@ def ddp_run(tmp_path_factory):
 
 def test_ddp_ema_codebook_equals_single_process_on_concatenated_batches(ddp_run):
     (r0, r1), _ = ddp_run
-    from tests.ddp_codebook_worker import DECAY, DIM, N_CODES
+    from tests.ddp_codebook_worker import DECAY, DIM, N_CODES, SHAPE, STEPS
 
     for key in ("embeddings", "cluster_size", "embed_sum", "initialized"):
         assert torch.equal(r0["ema_buffers"][key], r1["ema_buffers"][key]), key
     assert all(not torch.equal(a, b) for a, b in zip(r0["latents"], r1["latents"]))  # ranks saw different data
-    reference = EMAVectorQuantizer(N_CODES, DIM, decay=DECAY, no_random_restart=True).train()
-    start = r0["ema_start"]
-    _set_codebook(reference, start["embeddings"], start["cluster_size"], start["embed_sum"])
-    for step, (z0, z1) in enumerate(zip(r0["latents"], r1["latents"])):
-        out = reference(torch.cat([z0, z1]))
-        assert torch.equal(out["indices"], torch.cat([r0["ema_indices"][step], r1["ema_indices"][step]]))
+    books = r0["ema_codebooks"]  # the codebook at the start of every step, then the final one
+    assert len(books) == STEPS + 1
+    for key in ("embeddings", "cluster_size", "embed_sum"):
+        assert torch.equal(books[0][key], r0["ema_start"][key]), key
+        assert torch.equal(books[-1][key], r0["ema_buffers"][key]), key
+    for step in range(STEPS):
+        start, end = books[step], books[step + 1]
+        for key in start:  # the ranks hold the same codebook at every step
+            assert torch.equal(start[key], r1["ema_codebooks"][step][key]), (step, key)
+        reference = EMAVectorQuantizer(N_CODES, DIM, decay=DECAY, no_random_restart=True).train()
+        _set_codebook(reference, start["embeddings"], start["cluster_size"], start["embed_sum"])
+        rows = [_flat(rank["latents"][step]) for rank in (r0, r1)]
+        indices = [rank["ema_indices"][step].flatten() for rank in (r0, r1)]
+        for rank_rows, rank_indices in zip(rows, indices):
+            # each rank assigns its own latents with nearest() on the shared codebook: the same computation here,
+            # with the worker's single thread
+            threads = torch.get_num_threads()
+            torch.set_num_threads(1)
+            try:
+                assert torch.equal(rank_indices, reference.nearest(rank_rows))
+            finally:
+                torch.set_num_threads(threads)
+            _assert_nearest(rank_indices, rank_rows, start["embeddings"])
+        whole_rows, whole_indices = torch.cat(rows), torch.cat(indices)
+        # a single process on the concatenated batch assigns the same codes, except where a near-tie may go either
+        # way (float64 top-2 gap below 1e-4; GEMMs of other sizes round differently)
+        top2 = _sq_distances(whole_rows, start["embeddings"]).topk(2, largest=False).values
+        clear = top2[:, 1] - top2[:, 0] > 1e-4
+        assert torch.equal(reference.nearest(whole_rows)[clear], whole_indices[clear])
         # the batch statistics of every rank are those of the whole (all-rank) batch
+        counts = torch.bincount(whole_indices, minlength=N_CODES).float()
         for rank in (r0, r1):
-            assert rank["ema_perplexity"][step].item() == pytest.approx(out["perplexity"].item(), rel=1e-6)
-            assert rank["ema_usage"][step].item() == out["codebook_usage"].item()
-    assert torch.equal(r0["ema_buffers"]["cluster_size"], reference.cluster_size)  # integer counts: exact
-    torch.testing.assert_close(r0["ema_buffers"]["embed_sum"], reference.embed_sum, atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(r0["ema_buffers"]["embeddings"], reference.embeddings, atol=1e-5, rtol=1e-5)
-    # rank 0 alone would have ended elsewhere: the sync is what makes the codebooks agree with the reference
+            assert rank["ema_perplexity"][step].item() == pytest.approx(
+                EMAVectorQuantizer.perplexity(counts).item(), rel=1e-6
+            )
+            assert rank["ema_usage"][step].item() == (counts > 0).float().mean().item()
+        # the synced update is the single-process update on the whole batch with these assignments
+        reference._ema_update(whole_rows, whole_indices, counts)
+        assert torch.equal(end["cluster_size"], reference.cluster_size), step  # integer counts: exact
+        torch.testing.assert_close(end["embed_sum"], reference.embed_sum, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(end["embeddings"], reference.embeddings, atol=1e-5, rtol=1e-5)
+        sums = torch.zeros(N_CODES, DIM, dtype=torch.float64).index_add_(0, whole_indices, whole_rows.double())
+        size, embed_sum, embeddings = _ema_oracle(
+            start["cluster_size"], start["embed_sum"], counts, sums, DECAY, reference.eps
+        )
+        torch.testing.assert_close(end["cluster_size"].double(), size, atol=1e-5, rtol=0)
+        torch.testing.assert_close(end["embed_sum"].double(), embed_sum, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(end["embeddings"].double(), embeddings, atol=1e-5, rtol=1e-5)
+    # rank 0 alone would have ended elsewhere: its count EMA sees 16 vectors per step, the synced one 32
+    per_rank = math.prod(SHAPE) // DIM
     alone = EMAVectorQuantizer(N_CODES, DIM, decay=DECAY, no_random_restart=True).train()
-    _set_codebook(alone, start["embeddings"], start["cluster_size"], start["embed_sum"])
+    _set_codebook(alone, books[0]["embeddings"], books[0]["cluster_size"], books[0]["embed_sum"])
     for z0 in r0["latents"]:
         alone(z0)
-    assert not torch.equal(alone.cluster_size, reference.cluster_size)
+    start_total, kept = float(books[0]["cluster_size"].sum()), DECAY**STEPS
+    assert alone.cluster_size.sum().item() == pytest.approx(start_total * kept + per_rank * (1 - kept), rel=1e-5)
+    synced = r0["ema_buffers"]["cluster_size"].sum().item()
+    assert synced == pytest.approx(start_total * kept + 2 * per_rank * (1 - kept), rel=1e-5)
     assert r0["ema_replicas"] == r1["ema_replicas"] == 4  # embeddings, cluster_size, embed_sum, initialized
 
 
 def test_ddp_initialisation_and_restarts_come_from_rank0_and_keep_ranks_identical(ddp_run):
     (r0, r1), _ = ddp_run
+    from tests.ddp_codebook_worker import OUTLIER
+
     assert not torch.equal(r0["restart_before_init"], r1["restart_before_init"])  # seed + rank
     for key in ("embeddings", "cluster_size", "embed_sum", "initialized"):
         assert torch.equal(r0["restart_buffers"][key], r1["restart_buffers"][key]), key
@@ -625,13 +709,19 @@ def test_ddp_initialisation_and_restarts_come_from_rank0_and_keep_ranks_identica
     assert torch.equal(init, r1["restart_init"][0])
     assert _is_row_of(init, _flat(r0["latents"][0])).all()  # rank 0's batch, broadcast
     assert not _is_row_of(init, _flat(r1["latents"][0])).any()
+    assert _is_row_of(torch.full((1, init.shape[1]), OUTLIER), init).all()  # all 16 vectors became codes
     assert r0["restart_counts"] == r1["restart_counts"]
-    assert sum(r0["restart_counts"]) > 0, r0["restart_counts"]
+    # the outlier's code is used by the outlier alone at step 1 and by nothing at step 2: restarted at step 2
+    assert r0["restart_counts"][1] >= 1, r0["restart_counts"]
+    assert not (r0["restart_buffers"]["embeddings"] == OUTLIER).all(1).any()
     assert r0["restart_replicas"] == r1["restart_replicas"] == 8  # two quantizers x four persistent buffers
 
 
 def test_ddp_codebook_metric_reports_all_ranks(ddp_run):
     (r0, r1), _ = ddp_run
+    # the eval latents are codebook vectors; distinct codes make each the only nearest code of its own vector
+    book = r0["eval_buffers"]["embeddings"]
+    assert _min_code_separation(book) > float(_nearest_tolerance(book, book).max())
     assert r0["eval_indices"].tolist() == [0, 1, 2, 3, 0, 1, 2, 3]
     assert r1["eval_indices"].tolist() == list(range(4, 12))
     local = r0["local_usage_counts"]

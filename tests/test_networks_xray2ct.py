@@ -150,13 +150,18 @@ def test_gradient_checkpointing_changes_nothing_but_memory():
         outputs.append(out.detach())
         named = net.named_parameters()
         grads.append({name.replace("module.", ""): p.grad.clone() for name, p in named if p.grad is not None})
-    torch.testing.assert_close(outputs[0], outputs[1], rtol=0, atol=1e-6)
+    # the checkpointed blocks run the same kernels (again in backward): equal up to float32 rounding of the output
+    scale = float(outputs[0].abs().max())
+    torch.testing.assert_close(outputs[0], outputs[1], rtol=0, atol=8 * torch.finfo(torch.float32).eps * scale)
     assert set(grads[0]) == set(grads[1])
     unused = {name for name, _ in plain.named_parameters()} - set(grads[0])
     assert all("norm_cross_attn" in name for name in unused)  # MONAI's ViT blocks keep an unused norm
     assert all(bool(g.any()) for g in grads[0].values())  # every weight takes part
+    # recomputation may accumulate a weight's gradient contributions in another order: a relative tolerance, and an
+    # absolute one scaled by the tensor's largest gradient for elements that cancel to almost nothing
     for name in grads[0]:
-        torch.testing.assert_close(grads[0][name], grads[1][name], rtol=1e-5, atol=1e-7, msg=name)
+        atol = 1e-5 * float(grads[0][name].abs().max())
+        torch.testing.assert_close(grads[0][name], grads[1][name], rtol=1e-5, atol=atol, msg=name)
     checkpointed.set_gradient_checkpointing(False)
     assert not isinstance(checkpointed.unet.middle_block, CheckpointedBlock)
     plain.load_state_dict(checkpointed.state_dict())
@@ -326,10 +331,14 @@ def test_init_from_previous_starts_as_the_previous_stage():
             assert torch.equal(net.state_dict()[name], value), name
     previous.eval(), net.eval()
     x, t, xray = volume(), torch.tensor([0, 900]), xrays()
+    # the zero weights of the new channel add exact zeros, but a 4-channel convolution may sum its 3 x 27 products
+    # per output in another order (other blocking) than a 3-channel one: float32 reordering of ~100-term sums
+    # (relative ~1e-6), carried through the U-Net's normalisations, stays far below rtol 1e-4 / atol 1e-5 (outputs
+    # are O(1))
     with torch.no_grad():
         expected = previous(x, t, xray)
-        torch.testing.assert_close(net(x, t, xray, previous=torch.zeros_like(x)), expected)
-        torch.testing.assert_close(net(x, t, xray, previous=volume(seed=5)), expected)
+        torch.testing.assert_close(net(x, t, xray, previous=torch.zeros_like(x)), expected, rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(net(x, t, xray, previous=volume(seed=5)), expected, rtol=1e-4, atol=1e-5)
     with pytest.raises(RuntimeError, match="shares no tensor"):
         init_from_previous(net, {"other.weight": torch.zeros(3)})
 

@@ -36,12 +36,31 @@ from common.notebooks import (
     remove_workdir,
     setup_matplotlib,
 )
-from tests.helpers import BUNDLES, REPO_ROOT
+from tests.helpers import BUNDLES, REPO_ROOT, seed_offset, shifted_seed
 
 NOTEBOOKS = sorted(BUNDLES.glob("*/docs/*.ipynb"))
 KERNEL_NAME = "python3"
 CELL_TIMEOUT_S = 600
 _ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
+
+
+def _parameters_cell(nb: nbformat.NotebookNode) -> int:
+    """Index of the cell tagged ``parameters`` (papermill's convention), which defines ``SEED``."""
+    tagged = [i for i, cell in enumerate(nb.cells) if "parameters" in cell.get("metadata", {}).get("tags", [])]
+    assert len(tagged) == 1, f"expected one cell tagged 'parameters', found {len(tagged)}"
+    assert re.search(r"^SEED = 0\b", nb.cells[tagged[0]].source, re.M), "the parameters cell must define SEED = 0"
+    return tagged[0]
+
+
+def _with_seed(nb: nbformat.NotebookNode) -> nbformat.NotebookNode:
+    """The notebook with ``SEED`` shifted by ``BUNDLE_TEST_SEED``: a cell after the parameters cell assigns it, as
+    ``papermill -p SEED ...`` does."""
+    index = _parameters_cell(nb)
+    if seed_offset():
+        cell = nbformat.v4.new_code_cell(f"SEED = {shifted_seed(0)}  # injected by the test (BUNDLE_TEST_SEED)")
+        cell.id = "injected-seed"
+        nb.cells.insert(index + 1, cell)
+    return nb
 
 
 def _notebook_id(path: Path) -> str:
@@ -111,13 +130,16 @@ def test_notebook_is_committed_clean(path: Path):
     kernel = nb.metadata.get("kernelspec", {}).get("name")
     assert kernel == KERNEL_NAME, f"{path}: kernelspec {kernel!r}, expected {KERNEL_NAME!r}"
     assert any(cell.cell_type == "markdown" for cell in nb.cells), f"{path} has no markdown cell"
+    source = nb.cells[_parameters_cell(nb)].source
+    assert "SEED" in "".join(cell.source for cell in nb.cells[_parameters_cell(nb) + 1 :]), f"{path}: SEED unused"
+    assert source.count("\n") == 0, f"{path}: the parameters cell holds only `SEED = 0`, got {source!r}"
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=_notebook_id)
 def test_notebook_runs(path: Path, python_kernel, tmp_path: Path):
     before = _digest(path)
     folder_before = sorted(p.name for p in path.parent.iterdir())
-    nb = nbformat.read(path, as_version=4)
+    nb = _with_seed(nbformat.read(path, as_version=4))
     timings: dict[int, float] = {}
     current: dict[str, float | int] = {}
 

@@ -34,7 +34,7 @@ from common.bundle_tools.package import (
     verify_large_files,
 )
 from common.handlers.checkpoint import CheckpointError
-from tests.helpers import BUNDLES, REPO_ROOT, bundle_env
+from tests.helpers import BUNDLES, REPO_ROOT, bundle_env, seed_args, shifted_seed
 
 BUNDLE_NAMES = sorted(p.parent.parent.name for p in BUNDLES.glob("*/configs/metadata.json"))
 ZIP_DATE = (1980, 1, 1, 0, 0, 0)
@@ -72,7 +72,7 @@ def _tiny_checkpoint(name: str, path: Path) -> Path:
 
     parser = ConfigParser()
     parser.read_config(_configs(name, "inference.json", "tiny.json"))
-    torch.manual_seed(0)
+    torch.manual_seed(shifted_seed(0))
     network = parser.get_parsed_content("network")
     predictor = parser.get_parsed_content("predictor") if "predictor" in parser else None
     if predictor is not None and hasattr(predictor, "calibrate"):
@@ -124,7 +124,7 @@ def _input_volume(name: str, folder: Path) -> Path:
         n += 1
     size = _get_fake_spatial_shape(shape, n=n, any=24)
     folder.mkdir(parents=True, exist_ok=True)
-    data = np.random.default_rng(0).random(size).astype(np.float32)
+    data = np.random.default_rng(shifted_seed(0)).random(size).astype(np.float32)
     nib.save(nib.Nifti1Image(data, np.diag([2.0, 2.0, 2.0, 1.0])), folder / "volume.nii.gz")
     return folder
 
@@ -137,10 +137,11 @@ def _standalone_env() -> dict[str, str]:
 
 
 def _run_standalone(bundle: Path, name: str, dataset: Path, *args: str) -> subprocess.CompletedProcess:
-    """``python -m monai.bundle run`` of inference.json (+ tiny.json) from inside the bundle folder."""
+    """``python -m monai.bundle run`` of inference.json (+ tiny.json) from inside the bundle folder (with the
+    shifted seed of :func:`seed_args`)."""
     configs = [c for c in ("configs/inference.json", "configs/tiny.json") if (bundle / c).is_file()]
     cmd = [sys.executable, "-m", "monai.bundle", "run", "--config_file", json.dumps(configs)]
-    cmd += ["--dataset_dir", str(dataset), *args]
+    cmd += ["--dataset_dir", str(dataset), *args, *seed_args(name, [Path(c).name for c in configs], args)]
     result = subprocess.run(cmd, cwd=bundle, env=_standalone_env(), capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, f"{name}: {result.stdout[-3000:]}\n{result.stderr[-5000:]}"
     return result

@@ -20,8 +20,9 @@ import pytest
 import torch
 
 from common.data.pipeline import EpochSampler, ItemSeededDataset
+from common.data.preflight import SLAB_BYTES
 from scripts import reliability
-from tests.helpers import BUNDLES, bundle_env, overrides, run_bundle
+from tests.helpers import BUNDLES, bundle_env, overrides, run_bundle, shifted_seed
 
 ALL_BUNDLES = reliability.BUNDLES
 
@@ -42,10 +43,10 @@ FAULTS_PER_BUNDLE = {
 def test_faults_in_turn_lose_nothing(bundle, tmp_path):
     """Disk full, NaN loss, SIGKILL while saving, SIGKILL, each at a random iteration: each run stops as it must and
     keeps the last checkpoint, the next run resumes from it (in the middle of an epoch too), and the job ends
-    bit-identical to one never interrupted."""
-    case = reliability.make_case(bundle, tmp_path / "data")
+    bit-identical to one never interrupted (every run of the job with one thread)."""
+    case = reliability.make_case(bundle, tmp_path / "data", seed=shifted_seed(0))
     faults = FAULTS_PER_BUNDLE[bundle]
-    result = reliability.fault_sequence(case, tmp_path, seed=ALL_BUNDLES.index(bundle), faults=faults)
+    result = reliability.fault_sequence(case, tmp_path, seed=shifted_seed(ALL_BUNDLES.index(bundle)), faults=faults)
     steps = {s.fault.split(" at ")[0]: s for s in result["steps"]}
     assert [s.ok for s in result["steps"]] == [True] * (len(faults) + 1), result["steps"]
     assert result["identical"], result["differing"]
@@ -68,15 +69,19 @@ def test_every_trainer_is_guarded_and_checkpointed(bundle):
 def test_epoch_order_and_augmentation_depend_only_on_seed_epoch_and_item():
     from monai.transforms import Compose, RandGaussianNoised
 
-    sampler = EpochSampler(6, seed=3)
+    seed = shifted_seed(3)
+    sampler = EpochSampler(6, seed=seed)
     first, second = list(sampler), list(sampler)
     assert sorted(first) == list(range(6)) and sorted(second) == list(range(6, 12))  # the epoch is in the index
-    assert first != [i - 6 for i in second]
+    later = [[i - 6 * epoch for i in list(sampler)] for epoch in range(2, 10)]
+    # the order changes with the epoch (ten epochs, not two: two orders of 6 items agree by chance 1 time in 720)
+    assert len({tuple(order) for order in [first, [i - 6 for i in second], *later]}) > 1
     sampler.resume(1, 4)
-    assert list(sampler) == second[4:] and list(sampler) == _epoch(3, 2)
+    assert list(sampler) == second[4:] and list(sampler) == _epoch(seed, 2)
+    assert [_epoch(seed, epoch) for epoch in range(2, 10)] == [[i + 6 * e for i in o] for e, o in enumerate(later, 2)]
 
     data = [{"image": torch.zeros(1, 4, 4, 4)} for _ in range(3)]
-    dataset = ItemSeededDataset(_Listed(data, Compose([RandGaussianNoised("image", prob=1.0)])), seed=5)
+    dataset = ItemSeededDataset(_Listed(data, Compose([RandGaussianNoised("image", prob=1.0)])), seed=shifted_seed(5))
     forward = [dataset[i]["image"] for i in range(6)]
     backward = [dataset[i]["image"] for i in reversed(range(6))][::-1]
     assert all(torch.equal(a, b) for a, b in zip(forward, backward))  # access order does not matter
@@ -104,23 +109,37 @@ def test_two_process_job_survives_a_nan_on_one_rank_and_a_killed_rank(tmp_path):
     """torchrun, 2 CPU processes: a NaN on rank 1 stops both ranks; the same command re-run resumes, rank 1 is
     SIGKILLed under ``--max_restarts 1`` and the restarted job resumes again; the result is bit-identical to an
     uninterrupted job (the report also SIGKILLs rank 0 of a job without restarts)."""
-    case = reliability.make_case("autoencoder_3d", tmp_path / "data").distributed()  # 8 iterations on 2 ranks
-    result = reliability.distributed_sequence(case, tmp_path, seed=3, kill_rank_0=False)
+    case = reliability.make_case("autoencoder_3d", tmp_path / "data", seed=shifted_seed(0)).distributed()  # 8 on 2
+    result = reliability.distributed_sequence(case, tmp_path, seed=shifted_seed(3), kill_rank_0=False)
     assert [s.ok for s in result["steps"]] == [True] * 2, result["steps"]
     assert result["steps"][0].returncode != 0 and result["steps"][1].returncode == 0
     assert "non-finite loss" in result["steps"][0].message
     assert result["identical"], result["differing"]
 
 
+#: the collective timeout of a job whose rank 1 dies: far longer than rank 0 takes to notice a closed connection
+KILL_TIMEOUT_S = 120
+#: the collective timeout of a job whose rank 1 stalls, and a bound far above it for rank 0 to exit by
+STALL_TIMEOUT_S = 5
+HANG_BOUND_S = 120
+
+
 @pytest.mark.parametrize("mode", ["kill", "stall"])
-def test_the_surviving_rank_exits_within_the_timeout_and_says_why(mode, tmp_path):
-    case = reliability.make_case("autoencoder_3d", tmp_path / "data").distributed()
-    result = reliability.peer_failure(case, tmp_path, mode=mode, at=3, timeout_s=5)
+def test_the_surviving_rank_exits_for_the_right_reason_and_says_why(mode, tmp_path):
+    """A dead rank closes its connections: rank 0 fails at once, long before a large collective timeout. A stalled
+    rank keeps them open: rank 0 fails when its collective times out, not before (and does not hang)."""
+    case = reliability.make_case("autoencoder_3d", tmp_path / "data", seed=shifted_seed(0)).distributed()
+    timeout = KILL_TIMEOUT_S if mode == "kill" else STALL_TIMEOUT_S
+    result = reliability.peer_failure(case, tmp_path, mode=mode, at=3, timeout_s=timeout)
     assert result["returncode"] == 1, result
-    assert result["seconds"] < (5 if mode == "kill" else 5 + 20), result
     assert "rank 0 of 2 lost contact with the other ranks" in result["message"], result
-    expected = "a collective timed out" if mode == "stall" else "a connection to another rank failed"
-    assert expected in result["message"] and "is intact: re-run the same command" in result["message"]
+    assert "is intact: re-run the same command" in result["message"], result
+    if mode == "kill":
+        assert "a connection to another rank failed" in result["message"], result
+        assert result["seconds"] < KILL_TIMEOUT_S, result  # it did not wait for the timeout
+    else:
+        assert "a collective timed out" in result["message"], result
+        assert STALL_TIMEOUT_S - 1 <= result["seconds"] < STALL_TIMEOUT_S + HANG_BOUND_S, result
 
 
 # ----------------------------------------------------------------------------------------- refused writes
@@ -314,18 +333,26 @@ def test_oversized_text_inputs_are_refused_before_reading(tmp_path, monkeypatch)
 
 
 def test_fuzzed_inputs_are_accepted_or_refused_clearly_with_bounded_memory(tmp_path):
-    outcomes = reliability.fuzz(cases=40, seed=1, workdir=str(tmp_path))
+    outcomes = reliability.fuzz(cases=40, seed=shifted_seed(1), workdir=str(tmp_path))
     assert [o.family for o in outcomes] == ["nifti", "dicom", "csv", "json"]
     for outcome in outcomes:
         assert outcome.crashes == [], (outcome.family, outcome.crashes[:3])
-        assert outcome.cases == outcome.refused + outcome.accepted > 0
-        assert outcome.refused > 0, outcome.family  # the fuzzing does reach the error paths
-        assert outcome.peak_mib < 64, (outcome.family, outcome.peak_mib)
+        assert outcome.valid == "accepted" and outcome.known_bad == "refused", outcome
+        assert outcome.cases == outcome.refused + outcome.accepted == 1 + (10 if outcome.family == "dicom" else 40)
+        # traced after a valid input has warmed up the imports, so this is what the inputs cost: the checks read a
+        # volume one slab at a time, so even a header declaring gigabytes costs at most a slab
+        assert outcome.peak_mib < SLAB_BYTES / 2**20 + 32, (outcome.family, outcome.peak_mib)
 
 
 # ----------------------------------------------------------------------------------------- a long run
+@pytest.mark.skipif(not Path("/proc/self/status").is_file(), reason="reads the process's memory from /proc")
 def test_long_run_with_smartcache_keeps_memory_and_file_handles_flat(tmp_path):
-    result = reliability.soak(iterations=160, workdir=str(tmp_path), interval_s=0.5)
-    assert result["returncode"] == 0 and result["iterations"] == 160
-    assert result["rss_drift_mib"] < 64, result
-    assert result["fds_end"] <= result["fds_start"] + 4 and result["fds_max"] <= result["fds_start"] + 16, result
+    """The training process samples itself at the end of every epoch (the same point of the loop each time);
+    from a third of the iterations on (after caching and many validations and cache replacements) neither its
+    memory nor its open files grow."""
+    result = reliability.soak(iterations=160, workdir=str(tmp_path), every=2, seed=shifted_seed(0))
+    assert result["returncode"] == 0 and result["iterations"] == 160, result
+    assert [s[0] for s in result["samples"]] == list(range(2, 161, 2)), result
+    assert result["rss_growth_mib"] < 32, result  # a leak rises with the iterations; this is the second half's rise
+    assert result["fds_end"] <= result["fds_start"], result  # no file is left open
+    assert result["fds_max"] <= result["fds_start"] + 8, result

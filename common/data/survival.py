@@ -620,8 +620,8 @@ def check_cohort(
 
     Raises:
         CohortError: listing every problem: an empty training split or one without events, an empty validation
-            split, invalid horizons or horizons at or beyond follow-up (naming the horizon, the split and its
-            largest time), invalid cut points.
+            split or one without events, invalid horizons or horizons at or beyond follow-up (naming the horizon,
+            the split and its largest time), no horizon inside the validation follow-up window, invalid cut points.
     """
     problems = []
     training = list(sections.get("training") or [])
@@ -632,12 +632,29 @@ def check_cohort(
             f"the training split has no events (all {len(training)} cases are censored); a survival model needs at "
             "least one event to learn from"
         )
-    if not sections.get("validation"):
+    validation = list(sections.get("validation") or [])
+    if not validation:
         problems.append(
             "the validation split is empty; set val_fraction > 0 or mark validation rows in the split column"
         )
+    elif not any(entry["event"] == 1 for entry in validation):
+        problems.append(
+            f"the validation split has no events (all {len(validation)} cases are censored); the C-index, td-AUC "
+            "and Brier scores of the validation need at least one event"
+        )
     good, horizon_problems = _validated_horizons(horizons)
     problems += horizon_problems
+    if validation and training and good:
+        # the validation metrics use the horizons in [earliest, latest) follow-up of the validation split, cut at
+        # the training split's latest time (common.metrics.survival.followup_window): none there, no metric at all
+        first = min(float(entry["time"]) for entry in validation)
+        last = min(max(float(entry["time"]) for entry in split) for split in (validation, training))
+        if not any(first <= h < last for h in good):
+            problems.append(
+                f"no horizon of {[float(h) for h in good]} lies in the follow-up window of the validation split "
+                f"[{first:.4g}, {last:.4g}) years (its earliest follow-up time to the largest one of the validation "
+                "and training splits), so no validation metric could be computed; use horizons in that window"
+            )
     max_times = {
         name: max(float(entry["time"]) for entry in sections[name])
         for name in SECTIONS

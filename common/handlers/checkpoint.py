@@ -401,7 +401,7 @@ class BestCheckpointSaver:
             return
         state = clean_state_dict(unwrap(self.network).state_dict())
         step = int(self.global_step_transform(engine))
-        path = save_checkpoint(state, self.save_dir / f"model_{self.metric_name}={value:.6g}_step={step}.pt")
+        path = save_checkpoint(state, self.save_dir / f"model_{self.metric_name}={_exact(value)}_step={step}.pt")
         if not ranked or self._better(value, ranked[0][0]):
             save_checkpoint(state, self.save_dir / self.filename)
             logger.info(f"new best {self.metric_name}={value:.6g} at step {step}: {self.save_dir / self.filename}")
@@ -411,6 +411,14 @@ class BestCheckpointSaver:
         for _, stale in ranked[self.n_saved :]:
             with contextlib.suppress(OSError):
                 stale.unlink()
+
+
+def _exact(value: float) -> str:
+    """``value`` as 6 significant digits when they read back exactly, otherwise every digit (``repr``): the ranking
+    read back from the file names on a later validation or after a resume compares exact values, so a tie or a
+    difference in the 7th digit never replaces ``model.pt`` with a model that is not better."""
+    short = f"{value:.6g}"
+    return short if float(short) == value else repr(value)
 
 
 def _randomizable(transform: Any, _seen: set[int] | None = None) -> list[Any]:

@@ -24,7 +24,15 @@ from common.engines.survival import prepare_survival_batch
 from common.metrics.survival import SurvivalPredictionCollector, followup_window, survival_metrics
 from common.utils import autocast, get_rank, write_text_atomic
 
-__all__ = ["SurvivalCalibration", "SurvivalMetricsHandler", "SurvivalReport", "usable_horizons"]
+__all__ = [
+    "SurvivalCalibration",
+    "SurvivalMetricsHandler",
+    "SurvivalReport",
+    "describe_risk_groups",
+    "draw_km_by_group",
+    "risk_group_table",
+    "usable_horizons",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -95,8 +103,10 @@ class SurvivalMetricsHandler:
 
     Attach it before the handlers that read the metrics (recorder, best checkpoint). After each run
     ``engine.state.survival`` holds ``predictions`` (``case_id``, ``risk_score``, ``risk_percentile``,
-    ``risk_group`` labels, ``p_event`` per horizon, ``time``, ``event``) and, with outcomes, ``metrics`` (every
-    value of :func:`common.metrics.survival.survival_metrics`, tables included) and ``horizons`` (those used).
+    ``risk_group`` labels, ``p_event`` per horizon, ``time``, ``event``), ``group_labels`` and ``group_thresholds``
+    (the predictor's) and, with outcomes, ``metrics`` (every value of
+    :func:`common.metrics.survival.survival_metrics`, tables included, the Kaplan-Meier curves of the predicted risk
+    groups among them) and ``horizons`` (those used).
 
     Float metrics: ``harrell_c`` and ``uno_c`` with ``_lo``/``_hi`` (95% CI), ``auc_<h>``, ``auc_mean``,
     ``brier_<h>``, ``ibs``, ``calibration_ici``, ``logrank_p`` (risk groups by the training thresholds).
@@ -161,7 +171,11 @@ class SurvivalMetricsHandler:
             "time": g["time"].tolist(),
             "event": g["event"].tolist(),
         }
-        engine.state.survival = {"predictions": predictions}
+        engine.state.survival = {
+            "predictions": predictions,
+            "group_labels": labels,
+            "group_thresholds": [float(t) for t in self.predictor.group_thresholds.tolist()],
+        }
         has_outcomes = len(g["time"]) > 0 and np.isfinite(g["time"]).all() and np.isfinite(g["event"]).all()
         if not (self.compute and has_outcomes):
             return
@@ -192,9 +206,9 @@ class SurvivalMetricsHandler:
             surv_at_horizons=g["surv_at_horizons"][:, columns],
             train_time=self.train_time,
             train_event=self.train_event,
-            group_thresholds=self.predictor.group_thresholds.tolist(),
             calibration_horizon=calibration_horizon,
             n_bins=self.n_bins,
+            groups=predictions["risk_group"],
             **kwargs,
         )
         engine.state.survival.update({"metrics": metrics, "horizons": usable})
@@ -216,13 +230,99 @@ def _json_safe(value: Any) -> Any:
     return value
 
 
+def risk_group_table(
+    predictions: dict, labels: Sequence[str], thresholds: Sequence[float], km: dict | None = None
+) -> list[dict[str, Any]]:
+    """One row per risk group, lowest risk first, a group without cases included.
+
+    Args:
+        predictions: per-case ``risk_group`` labels, with ``time`` and ``event`` when the outcomes are known.
+        labels: every group name, lowest risk first.
+        thresholds: the ``len(labels) - 1`` risk thresholds between the groups.
+        km: :func:`common.metrics.survival.km_by_group` of these cases, when computed (its notes are used).
+
+    Returns:
+        ``{"risk_group", "risk_score_from", "risk_score_to", "cases"[, "events"], "note"}`` per group: the group
+        holds risk scores in ``[risk_score_from, risk_score_to)``; ``events`` only when every case has an
+        outcome; ``note`` says when a group is empty.
+
+    Raises:
+        ValueError: when ``thresholds`` does not have one value fewer than ``labels``.
+    """
+    if len(thresholds) != len(labels) - 1:
+        raise ValueError(
+            f"{len(labels)} risk groups {list(labels)!r} need {len(labels) - 1} thresholds, got {thresholds!r}."
+        )
+    bounds = [-math.inf, *[float(t) for t in thresholds], math.inf]
+    group = list(predictions["risk_group"])
+    times = list(predictions.get("time") or [])
+    outcomes = len(times) == len(group) > 0 and all(math.isfinite(t) for t in times)
+    rows = []
+    for g, label in enumerate(labels):
+        members = [i for i, x in enumerate(group) if x == label]
+        row: dict[str, Any] = {
+            "risk_group": label,
+            "risk_score_from": bounds[g],
+            "risk_score_to": bounds[g + 1],
+            "cases": len(members),
+        }
+        if outcomes:
+            row["events"] = int(sum(predictions["event"][i] for i in members))
+        note = (km or {}).get(label, {}).get("note", "")
+        if not members and not note:
+            note = f"empty: no case is in {label}"
+        rows.append({**row, "note": note})
+    return rows
+
+
+def describe_risk_groups(rows: Sequence[dict], km: dict | None = None) -> str:
+    """One line on the risk groups (every group named, empty ones said) and, with ``km``, the log-rank test."""
+    parts = []
+    for row in rows:
+        text = f"{row['risk_group']} {row['cases']} case(s)"
+        if "events" in row:
+            text += f", {row['events']} event(s)"
+        parts.append(text + (" (empty)" if row["cases"] == 0 else ""))
+    line = "risk groups: " + "; ".join(parts)
+    if km is not None:
+        p = km.get("logrank_p")
+        line += f"; {km['logrank_note']}" + (f": p = {p:.3g}" if p is not None and math.isfinite(p) else "")
+    return line
+
+
+def draw_km_by_group(ax, km: dict, labels: Sequence[str]) -> None:
+    """Kaplan-Meier curves of ``km`` (:func:`common.metrics.survival.km_by_group`) on a matplotlib axis: one step
+    curve per group, and for an empty group a legend entry saying so (no curve); the title gives the log-rank p or
+    says why it is not computable."""
+    for label in labels:
+        curve = km[label]
+        if curve["n"] == 0:
+            ax.plot([], [], label=f"{label} (n=0: empty)")
+            continue
+        ax.step(
+            [0.0, *curve["times"]],
+            [1.0, *curve["survival"]],
+            where="post",
+            label=f"{label} (n={curve['n']}, {curve['events']} event(s))",
+        )
+    p = km.get("logrank_p")
+    computable = p is not None and math.isfinite(p)
+    ax.set(xlabel="years", ylabel="event-free survival", ylim=(0, 1.02))
+    ax.set_title(
+        "Kaplan-Meier by risk group" + (f" (log-rank p = {p:.3g})" if computable else " (log-rank: not computable)")
+    )
+    ax.legend(loc="lower left", fontsize=8)
+
+
 class SurvivalReport:
     """Write what an evaluation or inference run produced (rank 0, after :class:`SurvivalMetricsHandler`).
 
     ``<output_dir>/<csv_name>``: one row per case, ``case_id, risk_score, risk_percentile, p_mace_<h>`` for each
-    horizon, ``risk_group`` (and ``time, event`` when known). With outcomes also ``report.json`` (every metric with
-    its 95% CI, the calibration table, the Kaplan-Meier curves by risk group and the log-rank test) and the plots
-    ``km_by_risk_group.png`` and ``calibration.png``.
+    horizon, ``risk_group`` (and ``time, event`` when known). ``risk_groups.csv``: one row per risk group, every
+    group even without cases (:func:`risk_group_table`); the log has the same line. With outcomes also
+    ``report.json`` (every metric with its 95% CI, the calibration table, the Kaplan-Meier curves by risk group,
+    every group listed, and the log-rank test over the groups with cases) and the plots ``km_by_risk_group.png``
+    and ``calibration.png``.
 
     Args:
         output_dir: destination folder (created).
@@ -251,18 +351,23 @@ class SurvivalReport:
         if get_rank() != 0 or not result:
             return
         self.output_dir.mkdir(parents=True, exist_ok=True)
-        self._write_csv(result["predictions"])
-        if "metrics" in result:
+        predictions, metrics = result["predictions"], result.get("metrics")
+        self._write_csv(predictions)
+        km = None if metrics is None else metrics["km"]
+        groups = risk_group_table(predictions, result["group_labels"], result["group_thresholds"], km)
+        self._write_groups(groups)
+        if metrics is not None:
             report = {
                 "horizons_years": result["horizons"],
-                "n_cases": len(result["predictions"]["case_id"]),
-                "n_events": int(sum(result["predictions"]["event"])),
-                **result["metrics"],
+                "n_cases": len(predictions["case_id"]),
+                "n_events": int(sum(predictions["event"])),
+                **metrics,
             }
             write_text_atomic(self.output_dir / "report.json", json.dumps(_json_safe(report), indent=2))
             if self.plots:
-                self._plot(result["metrics"])
-        logger.info(f"survival predictions of {len(result['predictions']['case_id'])} case(s) in {self.output_dir}")
+                self._plot(metrics, result["group_labels"])
+        logger.info(describe_risk_groups(groups, km))
+        logger.info(f"survival predictions of {len(predictions['case_id'])} case(s) in {self.output_dir}")
 
     def _write_csv(self, predictions: dict) -> None:
         horizons = list(predictions["p_event"])
@@ -283,7 +388,7 @@ class SurvivalReport:
         for i, case in enumerate(predictions["case_id"]):
             row = [
                 case,
-                f"{predictions['risk_score'][i]:.6g}",
+                f"{predictions['risk_score'][i]:.9g}",  # float32 round trip: no ties made by formatting
                 f"{predictions['risk_percentile'][i]:.2f}",
                 *[f"{predictions['p_event'][h][i]:.6f}" for h in horizons],
                 predictions["risk_group"][i],
@@ -293,27 +398,22 @@ class SurvivalReport:
             writer.writerow(row)
         write_text_atomic(self.output_dir / self.csv_name, buffer.getvalue())
 
-    def _plot(self, metrics: dict) -> None:
+    def _write_groups(self, rows: list[dict]) -> None:
+        buffer = io.StringIO()
+        writer = csv.DictWriter(buffer, fieldnames=list(rows[0]))
+        writer.writeheader()
+        for row in rows:
+            writer.writerow({k: f"{v:.6g}" if isinstance(v, float) else v for k, v in row.items()})
+        write_text_atomic(self.output_dir / "risk_groups.csv", buffer.getvalue())
+
+    def _plot(self, metrics: dict, labels: Sequence[str]) -> None:
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
 
-        km = metrics.get("km") or {}
         fig, ax = plt.subplots(figsize=(5.5, 4))
-        for label, curve in km.items():
-            if not isinstance(curve, dict) or "times" not in curve:
-                continue
-            ax.step(
-                [0.0, *curve["times"]],
-                [1.0, *curve["survival"]],
-                where="post",
-                label=f"{label} (n={curve['n']}, {curve['events']} events)",
-            )
-        p = metrics.get("logrank_p")
-        ax.set(xlabel="years", ylabel="event-free survival", ylim=(0, 1.02))
-        ax.set_title("Kaplan-Meier by risk group" + (f" (log-rank p = {p:.3g})" if p is not None else ""))
-        ax.legend(loc="lower left", fontsize=8)
+        draw_km_by_group(ax, metrics["km"], labels)
         fig.tight_layout()
         fig.savefig(self.output_dir / "km_by_risk_group.png", dpi=120)
         plt.close(fig)

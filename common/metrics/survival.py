@@ -69,7 +69,7 @@ __all__ = [
 ]
 
 DEFAULT_GROUP_LABELS = ("low", "intermediate", "high")
-_LOGRANK_KEYS = ("logrank_p", "logrank_statistic")
+_LOGRANK_KEYS = ("logrank_p", "logrank_statistic", "logrank_groups", "empty_groups", "logrank_note")
 TIED_TOL = 1e-8  # risks closer than this are tied (scikit-survival's and torchsurv's default)
 ArrayLike = torch.Tensor | np.ndarray | Sequence[float]
 
@@ -581,7 +581,11 @@ def kaplan_meier_at(time: ArrayLike, event: ArrayLike, at: ArrayLike) -> np.ndar
 
 
 def risk_groups(risk: ArrayLike, thresholds: ArrayLike, labels: Sequence[str] = DEFAULT_GROUP_LABELS) -> list[str]:
-    """Risk group of each case: a case with ``risk > thresholds[i]`` is in group ``i + 1`` or above.
+    """Risk group of each case: a case with ``risk >= thresholds[i]`` is in group ``i + 1`` or above.
+
+    The rule of :class:`common.networks.survival.SurvivalPredictor` (group ``g`` holds risks in
+    ``[thresholds[g - 1], thresholds[g])``; a risk equal to a threshold goes to the higher group), so the groups of
+    a report are those of the model's predictions.
 
     Args:
         risk: risk score per case.
@@ -600,27 +604,40 @@ def risk_groups(risk: ArrayLike, thresholds: ArrayLike, labels: Sequence[str] = 
         raise ValueError(f"{cuts.size} thresholds need {cuts.size + 1} labels, got {list(labels)!r}.")
     if np.any(np.diff(cuts) < 0):
         raise ValueError(f"thresholds must be non-decreasing, got {cuts.tolist()}.")
-    index = np.searchsorted(cuts, risk_a, side="left")  # number of thresholds strictly below the risk
+    index = np.searchsorted(cuts, risk_a, side="right")  # number of thresholds at or below the risk
     return [labels[i] for i in index]
+
+
+def _join(names: Sequence[str]) -> str:
+    """``a``, ``a and b``, ``a, b and c``."""
+    names = list(names)
+    return names[0] if len(names) == 1 else ", ".join(names[:-1]) + " and " + names[-1]
 
 
 def km_by_group(
     groups: Sequence[str], time: ArrayLike, event: ArrayLike, labels: Sequence[str] | None = None
 ) -> dict[str, Any]:
-    """Kaplan-Meier curve of each risk group and the multi-group log-rank test.
+    """Kaplan-Meier curve of each group and the multi-group log-rank test over the groups that have cases.
+
+    Every label of ``labels`` is in the result, also a group without cases: it has ``n = 0``, ``events = 0``, no
+    curve (empty ``times`` and ``survival``) and a ``note`` saying it is empty, so a reader never wonders whether
+    a group was lost.
 
     Args:
         groups: group label per case (e.g. from :func:`risk_groups`).
         time: follow-up time per case.
         event: 1 for an event, 0 for censored.
-        labels: the order of the groups in the result (groups without cases are left out); default: sorted.
+        labels: every group, in the order of the result; default: the groups present, sorted.
 
     Returns:
-        ``{label: {"times": [...], "survival": [...], "n": int, "events": int}, ..., "logrank_p": float,
-        "logrank_statistic": float}``: the curve is the step function's values at each distinct time of the
-        group (right-continuous: ``survival[k]`` holds on ``[times[k], times[k + 1])``, 1 before ``times[0]``).
-        The test is lifelines' ``multivariate_logrank_test`` (chi-square with groups - 1 degrees of freedom);
-        ``nan`` with fewer than 2 groups or without events.
+        ``{label: {"times": [...], "survival": [...], "n": int, "events": int[, "note": str]}, ..., "logrank_p":
+        float, "logrank_statistic": float, "logrank_groups": [...], "empty_groups": [...], "logrank_note": str}``:
+        the curve is the step function's values at each distinct time of the group (right-continuous:
+        ``survival[k]`` holds on ``[times[k], times[k + 1])``, 1 before ``times[0]``). The test is lifelines'
+        ``multivariate_logrank_test`` (chi-square with groups - 1 degrees of freedom) over ``logrank_groups``, the
+        groups with cases; ``empty_groups`` are left out of it and named in ``logrank_note``. With fewer than 2
+        groups with cases, or without events, the test is not computable: ``logrank_p`` and
+        ``logrank_statistic`` are ``nan`` and ``logrank_note`` says why.
 
     Raises:
         ValueError: for malformed input, a group label used as a result key, or a case whose group is not in
@@ -633,9 +650,9 @@ def km_by_group(
     group_a = np.asarray([str(g) for g in groups], dtype=object)
     if group_a.size != time_a.size:
         raise ValueError(f"groups has {group_a.size} entries but there are {time_a.size} cases.")
-    present = sorted(set(group_a.tolist()))
-    order = present if labels is None else [str(label) for label in labels if str(label) in present]
-    missing = sorted(set(present) - set(order))
+    present = set(group_a.tolist())
+    order = sorted(present) if labels is None else list(dict.fromkeys(str(label) for label in labels))
+    missing = sorted(present - set(order))
     if missing:
         raise ValueError(f"groups {missing!r} are not among labels {list(labels or [])!r}.")
     clash = set(order) & set(_LOGRANK_KEYS)
@@ -644,6 +661,9 @@ def km_by_group(
     out: dict[str, Any] = {}
     for label in order:
         mask = group_a == label
+        if not mask.any():
+            out[label] = {"times": [], "survival": [], "n": 0, "events": 0, "note": f"empty: no case is in {label}"}
+            continue
         times, surv, _ = _km_curve(time_a[mask], event_a[mask] == 1.0)
         out[label] = {
             "times": times.tolist(),
@@ -651,11 +671,28 @@ def km_by_group(
             "n": int(mask.sum()),
             "events": int(event_a[mask].sum()),
         }
+    compared = [label for label in order if out[label]["n"] > 0]
+    empty = [label for label in order if out[label]["n"] == 0]
     stat = p = math.nan
-    if len(order) >= 2 and event_a.any():
+    empty_text = f"{_join(empty)} {'is' if len(empty) == 1 else 'are'} empty" if empty else ""
+    if len(compared) < 2:
+        note = f"not computable: {'only ' + compared[0] + ' has' if compared else 'no group has'} cases"
+        note += f" ({empty_text})" if empty else ""
+    elif not event_a.any():
+        note = "not computable: no event among these cases"
+    else:
         result = multivariate_logrank_test(time_a, group_a, event_a.astype(int))
         stat, p = float(result.test_statistic), float(result.p_value)
-    out["logrank_p"], out["logrank_statistic"] = p, stat
+        note = f"over {_join(compared)}" + (f"; {empty_text}" if empty else "")
+    out.update(
+        {
+            "logrank_p": p,
+            "logrank_statistic": stat,
+            "logrank_groups": compared,
+            "empty_groups": empty,
+            "logrank_note": f"log-rank test {note}",
+        }
+    )
     return out
 
 
@@ -736,6 +773,7 @@ def survival_metrics(
     group_thresholds: ArrayLike | None = None,
     calibration_horizon: float | None = None,
     n_bins: int = 10,
+    groups: Sequence[str] | None = None,
 ) -> dict[str, Any]:
     """Every survival metric of one evaluation.
 
@@ -754,12 +792,15 @@ def survival_metrics(
             ``risk``.
         calibration_horizon: horizon of the calibration table (one of ``horizons``); default the middle horizon.
         n_bins: calibration bins.
+        groups: the risk group of each case (one of :data:`DEFAULT_GROUP_LABELS`), e.g. the model's own
+            predictions; default: :func:`risk_groups` of ``risk`` by ``group_thresholds``.
 
     Returns:
         Floats under ``harrell_c``, ``harrell_c_lo``, ``harrell_c_hi``, ``uno_c``, ``uno_c_lo``, ``uno_c_hi``,
         ``auc_<h>`` per horizon (``f"{h:g}"``), ``auc_mean`` (scikit-survival's ``mean_auc``: the AUCs weighted
         by the Kaplan-Meier probability mass of each horizon; torchsurv leaves out horizons without mass, where
-        scikit-survival gives ``nan``), ``logrank_p``; ``brier_<h>`` and ``calibration_ici`` when
+        scikit-survival gives ``nan``), ``logrank_p`` (``nan`` where the test is not computable:
+        ``km["logrank_note"]`` says why); ``brier_<h>`` and ``calibration_ici`` when
         ``surv_at_horizons`` is given; ``ibs`` when ``surv_grid`` and ``grid`` are, with ``ibs_km``, the integrated
         Brier score of predicting the Kaplan-Meier curve of the training cohort (of this cohort without one) for
         every case: the reference a model must beat. Non-float entries: ``km``
@@ -806,8 +847,10 @@ def survival_metrics(
         # the reference of a model without images or covariates: the (training) Kaplan-Meier curve for every case
         null = kaplan_meier_at(train_t, train_e, grid)
         out["ibs_km"] = integrated_brier_score(np.tile(null, (time_a.size, 1)), grid, time_a, event_a, **train_kw)
-    thresholds = np.quantile(risk_a, [1 / 3, 2 / 3]) if group_thresholds is None else group_thresholds
-    out["km"] = km_by_group(risk_groups(risk_a, thresholds), time_a, event_a, labels=DEFAULT_GROUP_LABELS)
+    if groups is None:
+        thresholds = np.quantile(risk_a, [1 / 3, 2 / 3]) if group_thresholds is None else group_thresholds
+        groups = risk_groups(risk_a, thresholds)
+    out["km"] = km_by_group(groups, time_a, event_a, labels=DEFAULT_GROUP_LABELS)
     out["logrank_p"] = out["km"]["logrank_p"]
     return out
 
