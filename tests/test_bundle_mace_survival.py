@@ -10,6 +10,7 @@ from __future__ import annotations
 import csv
 import json
 import math
+import re
 import subprocess
 from pathlib import Path
 
@@ -134,6 +135,11 @@ def test_training_outputs(trained, cohort):
     assert f"effective batch: {BATCH} sample(s) per rank and iteration x 1 rank(s)" in log
     assert f"calibrated on {n_train} training case(s)" in log
     assert "uno_c" in (trained / "metrics.csv").read_text()
+    # every validation logs its risk groups, each of the three named whether or not it has cases
+    lines = [line for line in log.splitlines() if "risk groups: " in line]
+    assert len(lines) == EPOCHS
+    for line in lines:
+        assert re.search(r"risk groups: low \d+ case.*; intermediate \d+ case.*; high \d+ case.*; log-rank test", line)
 
 
 @pytest.fixture(scope="module")

@@ -106,7 +106,8 @@ class SurvivalMetricsHandler:
     ``risk_group`` labels, ``p_event`` per horizon, ``time``, ``event``), ``group_labels`` and ``group_thresholds``
     (the predictor's) and, with outcomes, ``metrics`` (every value of
     :func:`common.metrics.survival.survival_metrics`, tables included, the Kaplan-Meier curves of the predicted risk
-    groups among them) and ``horizons`` (those used).
+    groups among them) and ``horizons`` (those used). Rank 0 logs one line on the risk groups (every group, empty
+    ones said; the log-rank test with outcomes): :func:`describe_risk_groups`.
 
     Float metrics: ``harrell_c`` and ``uno_c`` with ``_lo``/``_hi`` (95% CI), ``auc_<h>``, ``auc_mean``,
     ``brier_<h>``, ``ibs``, ``calibration_ici``, ``logrank_p`` (risk groups by the training thresholds).
@@ -171,14 +172,24 @@ class SurvivalMetricsHandler:
             "time": g["time"].tolist(),
             "event": g["event"].tolist(),
         }
-        engine.state.survival = {
-            "predictions": predictions,
-            "group_labels": labels,
-            "group_thresholds": [float(t) for t in self.predictor.group_thresholds.tolist()],
-        }
+        thresholds = [float(t) for t in self.predictor.group_thresholds.tolist()]
+        engine.state.survival = {"predictions": predictions, "group_labels": labels, "group_thresholds": thresholds}
         has_outcomes = len(g["time"]) > 0 and np.isfinite(g["time"]).all() and np.isfinite(g["event"]).all()
-        if not (self.compute and has_outcomes):
-            return
+        metrics, usable = (
+            self._metrics(g, horizons, predictions["risk_group"]) if self.compute and has_outcomes else (None, [])
+        )
+        if metrics is not None:
+            engine.state.survival.update({"metrics": metrics, "horizons": usable})
+            engine.state.metrics.update(
+                {k: float(v) for k, v in metrics.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+            )
+        if get_rank() == 0:
+            km = None if metrics is None else metrics["km"]
+            logger.info(describe_risk_groups(risk_group_table(predictions, labels, thresholds, km), km))
+
+    def _metrics(self, g: dict, horizons: list[float], groups: list[str]) -> tuple[dict[str, Any] | None, list[float]]:
+        """The survival metrics of the gathered cases and the usable horizons among ``horizons``; no metrics (with a
+        warning) without a usable horizon or an event."""
         usable = usable_horizons(horizons, g["time"], self.train_time)
         if len(usable) < len(horizons):
             first, last, _ = followup_window(g["time"], self.train_time)
@@ -188,7 +199,7 @@ class SurvivalMetricsHandler:
             )
         if not usable or not np.any(g["event"] > 0):
             logger.warning("no usable horizon or no event among these cases: no survival metrics.")
-            return
+            return None, usable
         columns = [horizons.index(h) for h in usable]
         kwargs: dict[str, Any] = {}
         if self.grid is not None and g.get("surv_grid") is not None:
@@ -208,13 +219,10 @@ class SurvivalMetricsHandler:
             train_event=self.train_event,
             calibration_horizon=calibration_horizon,
             n_bins=self.n_bins,
-            groups=predictions["risk_group"],
+            groups=groups,
             **kwargs,
         )
-        engine.state.survival.update({"metrics": metrics, "horizons": usable})
-        engine.state.metrics.update(
-            {k: float(v) for k, v in metrics.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
-        )
+        return metrics, usable
 
 
 def _json_safe(value: Any) -> Any:
@@ -319,10 +327,10 @@ class SurvivalReport:
 
     ``<output_dir>/<csv_name>``: one row per case, ``case_id, risk_score, risk_percentile, p_mace_<h>`` for each
     horizon, ``risk_group`` (and ``time, event`` when known). ``risk_groups.csv``: one row per risk group, every
-    group even without cases (:func:`risk_group_table`); the log has the same line. With outcomes also
-    ``report.json`` (every metric with its 95% CI, the calibration table, the Kaplan-Meier curves by risk group,
-    every group listed, and the log-rank test over the groups with cases) and the plots ``km_by_risk_group.png``
-    and ``calibration.png``.
+    group even without cases (:func:`risk_group_table`; :class:`SurvivalMetricsHandler` logs the same line). With
+    outcomes also ``report.json`` (every metric with its 95% CI, the calibration table, the Kaplan-Meier curves by
+    risk group, every group listed, and the log-rank test over the groups with cases) and the plots
+    ``km_by_risk_group.png`` and ``calibration.png``.
 
     Args:
         output_dir: destination folder (created).
@@ -366,7 +374,6 @@ class SurvivalReport:
             write_text_atomic(self.output_dir / "report.json", json.dumps(_json_safe(report), indent=2))
             if self.plots:
                 self._plot(metrics, result["group_labels"])
-        logger.info(describe_risk_groups(groups, km))
         logger.info(f"survival predictions of {len(predictions['case_id'])} case(s) in {self.output_dir}")
 
     def _write_csv(self, predictions: dict) -> None:
