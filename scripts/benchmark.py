@@ -20,6 +20,8 @@ whole-volume reconstruction cost.
     python scripts/benchmark.py xray_throughput                    # xray2ct_cascade trainer vs a plain loop
     python scripts/benchmark.py xray_quality                       # equal budgets: diffusion vs direct vs baseline
     python scripts/benchmark.py xray_memory                        # peak memory of one training step per stage
+    python scripts/benchmark.py campaign --plan                    # the GPU campaign: what it runs, minutes each
+    python scripts/benchmark.py campaign --minutes 25 --output campaign.json   # every GPU measurement, best first
 
 ``throughput`` runs, in one process and alternating, (a) the plain loop of MONAI's 3D latent-diffusion tutorial
 (CPU ``CacheDataset`` + ``DataLoader``, fp32, the same AutoencoderKL + PatchDiscriminator, L1 + KL + least-squares
@@ -72,7 +74,9 @@ from scripts.benchmark_tools import (  # noqa: E402
 )
 
 
-def _settings(patch_size, channels, batch_size, num_samples, device) -> dict:
+def _settings(patch_size, channels, batch_size, num_samples, device, amp=None, compile=False) -> dict:
+    from common.utils import default_amp
+
     small = list(channels) != [32, 64, 64]
     return {
         "patch_size": list(patch_size),
@@ -82,7 +86,8 @@ def _settings(patch_size, channels, batch_size, num_samples, device) -> dict:
         "num_samples": num_samples,
         "d_channels": 16 if small else 32,
         "device": device,
-        "amp": "none" if device.type == "cpu" else "bf16",
+        "amp": amp or default_amp(device),
+        "compile": bool(compile),
     }
 
 
@@ -97,9 +102,20 @@ def _vqgan_network(**overrides) -> dict:
 
 
 def _vqgan_settings(
-    patch_size, network: dict, disc_channels, disc_layers, batch_size, patches_per_volume, micro_batch_size, device
+    patch_size,
+    network: dict,
+    disc_channels,
+    disc_layers,
+    batch_size,
+    patches_per_volume,
+    micro_batch_size,
+    device,
+    amp=None,
+    compile=False,
 ) -> dict:
     """Settings of a ``vqgan_3d`` throughput run; loss weights, optimizer and clipping come from ``train.json``."""
+    from common.utils import default_amp
+
     config = train_config("vqgan_3d")
     return {
         "patch_size": list(patch_size),
@@ -120,7 +136,8 @@ def _vqgan_settings(
         "grad_clip": float(config["grad_clip"]),
         "intensity": config["demo_intensity"],
         "device": device,
-        "amp": "none" if device.type == "cpu" else "bf16",
+        "amp": amp or default_amp(device),
+        "compile": bool(compile),
     }
 
 
@@ -190,6 +207,7 @@ def _autoencoder_overrides(s: dict) -> dict:
         "num_samples": s["num_samples"],
         "d_channels": s["d_channels"],
         "adv_warmup_iterations": 0,
+        "compile": s.get("compile", False),
     }
 
 
@@ -205,6 +223,7 @@ def _vqgan_overrides(s: dict) -> dict:
         "discriminator_iter_start": 0,
         # a dataset_dir other than the bundle's own demo_data would select the CT window
         "intensity": s["intensity"],
+        "compile": s.get("compile", False),
     }
 
 
@@ -349,6 +368,8 @@ def throughput(
     warmup: int = 5,
     repeats: int = 2,
     device: str = "auto",
+    amp: str | None = None,
+    compile: bool = False,
     baseline_workers: int | None = None,
     num_threads: int | None = None,
     output: str | None = None,
@@ -364,18 +385,22 @@ def throughput(
         warmup: untimed steps at the start of each run.
         repeats: runs of each side; the median is reported.
         device: ``auto``, ``cpu`` or ``cuda``.
+        amp: the bundle's autocast, ``bf16``/``fp16``/``none`` (default: bf16 on GPUs, none on CPUs); the plain
+            loop runs in fp32, as the tutorial does.
+        compile: ``torch.compile`` the bundle's networks (its ``compile`` id); compilation happens in the warm-up.
         baseline_workers: DataLoader workers of the plain loop (default: 4 on GPU machines, 0 on 2-core CPUs).
         num_threads: torch CPU threads.
         output: JSON file for the results.
     """
     dev, workers = setup(device, num_threads, baseline_workers)
-    s = _settings(patch_size, channels, batch_size, num_samples, dev)
+    s = _settings(patch_size, channels, batch_size, num_samples, dev, amp, compile)
     summary = {
         "device": device_name(dev),
         "patch_size": list(patch_size),
         "channels": list(channels),
         "batch": f"{batch_size}x{num_samples}",
         "amp": s["amp"],
+        "compile": s["compile"],
         "timed_iterations": iterations,
         **alternate(
             s, "autoencoder_3d", _plain_loop, iterations, warmup, repeats, workers, extra=_autoencoder_overrides(s)
@@ -389,6 +414,7 @@ def throughput(
             "channels": list(channels),
             "batch": summary["batch"],
             "amp": s["amp"],
+            "compile": s["compile"],
         },
     )
     if output:
@@ -410,6 +436,8 @@ def vqgan_throughput(
     warmup: int = 5,
     repeats: int = 2,
     device: str = "auto",
+    amp: str | None = None,
+    compile: bool = False,
     baseline_workers: int | None = None,
     num_threads: int | None = None,
     output: str | None = None,
@@ -438,6 +466,9 @@ def vqgan_throughput(
         warmup: untimed steps at the start of each run.
         repeats: runs of each side; the median is reported.
         device: ``auto``, ``cpu`` or ``cuda``.
+        amp: the bundle's autocast, ``bf16``/``fp16``/``none`` (default: bf16 on GPUs, none on CPUs); the plain
+            loop runs in fp32.
+        compile: ``torch.compile`` the bundle's networks (its ``compile`` id).
         baseline_workers: DataLoader workers of the plain loop (default: 4 on GPU machines, 0 on 2-core CPUs).
         num_threads: torch CPU threads.
         output: JSON file for the results.
@@ -445,7 +476,16 @@ def vqgan_throughput(
     dev, workers = setup(device, num_threads, baseline_workers)
     network = _vqgan_network(n_hiddens=n_hiddens, n_codes=n_codes, embedding_dim=embedding_dim)
     s = _vqgan_settings(
-        patch_size, network, disc_channels, disc_layers, batch_size, patches_per_volume, micro_batch_size, dev
+        patch_size,
+        network,
+        disc_channels,
+        disc_layers,
+        batch_size,
+        patches_per_volume,
+        micro_batch_size,
+        dev,
+        amp,
+        compile,
     )
     summary = {
         "device": device_name(dev),
@@ -455,6 +495,7 @@ def vqgan_throughput(
         "batch": f"{batch_size}x{patches_per_volume}",
         "micro_batch_size": s["micro_batch_size"],
         "amp": s["amp"],
+        "compile": s["compile"],
         "timed_iterations": iterations,
         **alternate(s, "vqgan_3d", _vqgan_plain_loop, iterations, warmup, repeats, workers, extra=_vqgan_overrides(s)),
     }
@@ -468,6 +509,7 @@ def vqgan_throughput(
             "batch": summary["batch"],
             "micro-batch": s["micro_batch_size"],
             "amp": s["amp"],
+            "compile": s["compile"],
         },
     )
     if output:
@@ -542,32 +584,35 @@ def memory(
 ) -> list[dict]:
     """Peak memory of training steps (bundle trainer, generator + discriminator) per patch size.
 
-    Each size runs in a fresh subprocess so the CPU figure (peak resident set size) is not inherited.
+    Each size runs in a fresh subprocess so the CPU figure (peak resident set size) is not inherited; a size that
+    fails (e.g. out of memory) gives a row with its ``error`` and the other sizes are still measured.
     """
-    rows = [
-        _run_probe(
-            "_memory_probe",
-            patch_size=list(patch),
-            channels=list(channels),
-            batch_size=batch_size,
-            num_samples=num_samples,
-            device=device,
-            amp=amp,
-            use_checkpoint=bool(use_checkpoint),
-        )
-        for patch in patch_sizes
-    ]
+    rows = []
+    for patch in patch_sizes:
+        settings = {
+            "patch_size": list(patch),
+            "channels": list(channels),
+            "batch_size": batch_size,
+            "num_samples": num_samples,
+            "device": device,
+            "amp": amp,
+            "use_checkpoint": bool(use_checkpoint),
+        }
+        try:
+            rows.append(_run_probe("_memory_probe", **settings))
+        except RuntimeError as exc:  # e.g. out of memory: keep the other rows (a larger patch would not fit)
+            rows.append({**settings, "batch": batch_size * num_samples, "error": str(exc)[-500:]})
     print_table(
         ["device", "patch", "channels", "batch", "amp", "gradient checkpointing", "peak mem (GiB)"],
         [
             [
-                r["device"],
+                r.get("device", device),
                 "x".join(map(str, r["patch_size"])),
                 r["channels"],
                 r["batch"],
                 r["amp"],
                 r["use_checkpoint"],
-                f"{r['peak_mem_gib']:.2f}",
+                "failed: " + r["error"].strip().splitlines()[-1][:80] if "error" in r else f"{r['peak_mem_gib']:.2f}",
             ]
             for r in rows
         ],
@@ -1173,12 +1218,14 @@ def vqgan_reconstruction(
 if __name__ == "__main__":
     import fire
 
+    from scripts.benchmark_campaign import campaign
     from scripts.benchmark_diffusion import ddpm_quality, ddpm_sampling, ddpm_throughput
     from scripts.benchmark_survival import mace_smartcache, mace_throughput
     from scripts.benchmark_xray import xray_memory, xray_quality, xray_throughput
 
     fire.Fire(
         {
+            "campaign": campaign,
             "ddpm_quality": ddpm_quality,
             "ddpm_sampling": ddpm_sampling,
             "ddpm_throughput": ddpm_throughput,

@@ -1,8 +1,9 @@
 # Copyright (c) the 3D MONAI bundle collection contributors.
 # Licensed under the Apache License, Version 2.0.
 """What every benchmark of ``scripts/benchmark.py`` shares: device names and synchronisation, Markdown tables, the
-bundle's own trainer built from its ``train.json``, timed plain loops, and the alternating bundle-vs-plain-loop
-throughput comparison."""
+bundle's own trainer built from its ``train.json``, timed plain loops, the alternating bundle-vs-plain-loop
+throughput comparison, and model FLOPs utilisation (FLOPs counted by ``torch.utils.flop_counter``, divided by the
+step time and the device's dense bf16 peak from :data:`PEAK_BF16_TFLOPS`)."""
 
 from __future__ import annotations
 
@@ -28,15 +29,19 @@ import torch  # noqa: E402
 __all__ = [
     "BUNDLES",
     "GIB",
+    "PEAK_BF16_TFLOPS",
     "REPO_ROOT",
     "alternate",
     "bundle_command",
     "bundle_trainer",
+    "count_flops",
     "device_name",
+    "peak_bf16_tflops",
     "print_table",
     "print_throughput",
     "run_command",
     "setup",
+    "step_flops",
     "sync",
     "time_engine",
     "timed_loop",
@@ -45,6 +50,26 @@ __all__ = [
 
 BUNDLES = REPO_ROOT / "bundles"
 GIB = 2**30
+
+# Dense (no sparsity) bf16 tensor-core peak in TFLOP/s from the vendors' data sheets, matched in order against the
+# CUDA device name; the first key contained in the name wins, so the specific variants come first.
+PEAK_BF16_TFLOPS = {
+    "H100 PCIe": 756.0,
+    "H100 NVL": 835.0,
+    "H100": 989.4,  # SXM5 (e.g. "NVIDIA H100 80GB HBM3")
+    "GH200": 989.4,
+    "H200": 989.4,
+    "H800": 989.4,
+    "B200": 2250.0,
+    "A100": 312.0,
+    "A800": 312.0,
+    "L40S": 362.1,
+    "L40": 181.0,
+    "L4": 121.0,
+    "A10G": 70.0,
+    "A10": 125.0,
+    "RTX 6000 Ada": 364.2,
+}
 
 
 def train_config(bundle: str) -> dict:
@@ -56,6 +81,43 @@ def device_name(device: torch.device) -> str:
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
     return f"CPU ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)"
+
+
+def peak_bf16_tflops(device: torch.device | str) -> float | None:
+    """The dense bf16 peak (TFLOP/s) of a CUDA ``device`` (or a device name such as ``"NVIDIA H100 PCIe"``) from
+    :data:`PEAK_BF16_TFLOPS`, or None for CPUs and GPUs not in the table."""
+    if isinstance(device, torch.device):
+        if device.type != "cuda":
+            return None
+        device = torch.cuda.get_device_name(device)
+    return next((peak for key, peak in PEAK_BF16_TFLOPS.items() if key in device), None)
+
+
+def count_flops(fn: Callable[[], Any]) -> int:
+    """Model FLOPs of calling ``fn`` (forward and backward passes alike): matrix products, convolutions and
+    attention as :class:`torch.utils.flop_counter.FlopCounterMode` counts them (2 per multiply-add); element-wise
+    work (normalisation, activations, optimizer updates) is not counted, as in the usual MFU definition."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    counter = FlopCounterMode(display=False)
+    with counter:
+        fn()
+    return int(counter.get_total_flops())
+
+
+def step_flops(s: dict, bundle: str, overrides: dict, output_dir: str) -> int:
+    """Model FLOPs of one training iteration of ``bundle``'s trainer at the run's settings: a fresh trainer
+    (``compile`` off, so the count sees every operation) runs two iterations and the second one is counted, from
+    ``ITERATION_STARTED`` to ``ITERATION_COMPLETED`` (data loading excluded, as in the timed runs)."""
+    from ignite.engine import Events
+    from torch.utils.flop_counter import FlopCounterMode
+
+    trainer, _ = bundle_trainer(s, 2, output_dir, {**overrides, "compile": False}, bundle)
+    counter = FlopCounterMode(display=False)
+    trainer.add_event_handler(Events.ITERATION_STARTED(once=2), lambda _: counter.__enter__())
+    trainer.add_event_handler(Events.ITERATION_COMPLETED(once=2), lambda _: counter.__exit__(None, None, None))
+    trainer.run()
+    return int(counter.get_total_flops())
 
 
 def sync(device: torch.device) -> None:
@@ -71,15 +133,22 @@ def print_table(header: Sequence[str], rows: Sequence[Sequence]) -> None:
         print("| " + " | ".join(str(cell) for cell in row) + " |")
 
 
+def _fixed(value: float | None, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
 def print_throughput(summary: dict, leading: dict[str, Any]) -> None:
     """Print a throughput comparison as a Markdown table: the ``leading`` columns describing the run, then the
     plain loop's and the bundle's samples/s, their ratio, the bundle's data-wait fraction and peak memory."""
     results = {
-        "plain loop (samples/s)": f"{summary['plain_samples_per_s']:.2f}",
+        "plain loop (samples/s)": _fixed(summary["plain_samples_per_s"], ".2f"),
         "bundle (samples/s)": f"{summary['bundle_samples_per_s']:.2f}",
-        "bundle / plain": f"{summary['speedup']:.3f}",
+        "bundle / plain": _fixed(summary["speedup"], ".3f"),
         "data wait": f"{summary['bundle_data_wait']:.1%}",
         "peak mem (GiB)": f"{summary['bundle_peak_mem_gib']:.2f}",
+        "step TFLOP": f"{summary['step_flops'] / 1e12:.3f}",
+        "bundle TFLOP/s": f"{summary['bundle_tflops']:.2f}",
+        "MFU (bf16 peak)": "n/a" if summary["mfu"] is None else f"{summary['mfu']:.1%}",
     }
     print_table([*leading, *results], [[*leading.values(), *results.values()]])
 
@@ -160,7 +229,7 @@ def timed_loop(
 def alternate(
     s: dict,
     bundle: str,
-    plain: Callable,
+    plain: Callable | None,
     iterations: int,
     warmup: int,
     repeats: int,
@@ -173,6 +242,7 @@ def alternate(
     """Run ``plain`` and the bundle's trainer alternately ``repeats`` times on a demo data set.
 
     Args:
+        plain: the plain loop, or None to time the bundle alone (sizes the plain loop cannot hold).
         make_data: builds the data set in a folder and returns its datalist (default: the MNI demo set of
             :func:`common.data.demo.make_demo_dataset`).
         keys: the datalist keys holding volumes.
@@ -183,7 +253,9 @@ def alternate(
 
     Returns:
         Medians of samples/s of each side and of the bundle's data-wait fraction, their ratio (bundle / plain),
-        the largest peak memory and every run under ``runs``.
+        the largest peak memory, the model FLOPs of one bundle training step, the bundle's achieved TFLOP/s and its
+        model FLOPs utilisation (``mfu``: achieved / the device's dense bf16 peak; None where the peak is unknown)
+        and every run under ``runs``.
     """
     from common.data.datalist import load_datalist
     from common.data.demo import make_demo_dataset
@@ -196,7 +268,8 @@ def alternate(
             data, located = load_data(built)
         runs = {"plain": [], "bundle": [], "data_wait": [], "peak_mem_gib": []}
         for r in range(int(repeats)):
-            runs["plain"].append(plain(s, data, iterations + warmup, warmup, workers))
+            if plain is not None:
+                runs["plain"].append(plain(s, data, iterations + warmup, warmup, workers))
             if s["device"].type == "cuda":  # the bundle's peak memory, not the plain loop's
                 torch.cuda.empty_cache()
                 torch.cuda.reset_peak_memory_stats(s["device"])
@@ -206,13 +279,21 @@ def alternate(
             runs["bundle"].append(steps * s["batch_size"] * s["num_samples"] / elapsed)
             runs["data_wait"].append(monitor.history[-1]["data_wait"] if monitor.history else float("nan"))
             runs["peak_mem_gib"].append(monitor.history[-1]["peak_mem_gib"] if monitor.history else float("nan"))
-    plain_rate, bundle_rate = statistics.median(runs["plain"]), statistics.median(runs["bundle"])
+        flops = step_flops(s, bundle, {**located, **(extra or {})}, str(Path(tmp) / "flops"))
+    plain_rate = statistics.median(runs["plain"]) if runs["plain"] else None
+    bundle_rate = statistics.median(runs["bundle"])
+    achieved = flops * bundle_rate / (s["batch_size"] * s["num_samples"]) / 1e12
+    peak = peak_bf16_tflops(s["device"])
     return {
         "plain_samples_per_s": plain_rate,
         "bundle_samples_per_s": bundle_rate,
-        "speedup": bundle_rate / plain_rate,
+        "speedup": bundle_rate / plain_rate if plain_rate else None,
         "bundle_data_wait": statistics.median(runs["data_wait"]),
         "bundle_peak_mem_gib": max(runs["peak_mem_gib"]),
+        "step_flops": flops,
+        "bundle_tflops": achieved,
+        "peak_bf16_tflops": peak,
+        "mfu": achieved / peak if peak else None,
         "runs": runs,
     }
 

@@ -220,6 +220,8 @@ def xray_throughput(
     vit_heads: int | None = None,
     amp: str | None = None,
     compile: bool = False,
+    gradient_checkpointing: bool = False,
+    plain: bool = True,
     num_threads: int | None = None,
     baseline_workers: int | None = None,
     seed: int = 0,
@@ -250,6 +252,9 @@ def xray_throughput(
         amp: the bundle's autocast, ``bf16``/``fp16``/``none`` (default: bf16 on GPUs, none on CPUs); the plain
             loop always runs in fp32, as the public scripts do.
         compile: ``torch.compile`` the bundle's denoiser (its ``compile`` id).
+        gradient_checkpointing: the bundle's ``gradient_checkpointing`` (recompute the U-Net blocks in backward).
+        plain: run the plain loop too; ``False`` times the bundle alone (e.g. stage 3 at 256^3, which the fp32
+            plain loop without checkpointing does not fit).
         num_threads: torch CPU threads.
         baseline_workers: DataLoader workers of the plain loop (default: 4 on GPU machines, 0 on CPUs).
         seed: seed of the phantoms, the earlier stages' random weights, the plain loop and the bundle's runs.
@@ -317,6 +322,7 @@ def xray_throughput(
             "lr": lr,
             "lr_scaling": "none",
             "compile": bool(compile),
+            "gradient_checkpointing": bool(gradient_checkpointing),
             "outputs_root": tmp,
             "init_from_previous": False,
             "previous_ckpts": _random_previous_stages(Path(tmp), stage, view, network_settings, int(seed)) or None,
@@ -331,7 +337,16 @@ def xray_throughput(
             seed=int(seed),
         )
         result = alternate(
-            s, BUNDLE, _xray_plain_loop, iterations, warmup, repeats, workers, make_data, ("image",), extra
+            s,
+            BUNDLE,
+            _xray_plain_loop if plain else None,
+            iterations,
+            warmup,
+            repeats,
+            workers,
+            make_data,
+            ("image",),
+            extra,
         )
     summary = {
         "device": device_name(dev),
@@ -344,6 +359,7 @@ def xray_throughput(
         "batch": batch,
         "amp": s["amp"],
         "compile": bool(compile),
+        "gradient_checkpointing": bool(gradient_checkpointing),
         "timed_iterations": iterations,
         "warmup": warmup,
         "repeats": repeats,

@@ -1,0 +1,675 @@
+# Copyright (c) the 3D MONAI bundle collection contributors.
+# Licensed under the Apache License, Version 2.0.
+"""One measurement campaign that turns whatever GPU is present into figures, most valuable first.
+
+    python scripts/benchmark.py campaign --plan                         # what it would run, minutes of each
+    python scripts/benchmark.py campaign --minutes 25 --output campaign.json
+    python scripts/benchmark.py campaign --minutes 9 --output campaign.json --only "[gpu_tests,bf16]"
+    python scripts/benchmark.py campaign --report campaign.json                           # Markdown on stdout
+    python scripts/benchmark.py campaign --report campaign.json --markdown docs/benchmarks.md  # into the doc
+    python scripts/benchmark.py campaign --report docs/campaigns/a.json,docs/campaigns/b.json  # several runs
+    python scripts/benchmark.py campaign --tiny True --output /tmp/c.json                 # CPU, seconds per item
+
+Each item is one command of ``scripts/benchmark.py`` (or the GPU tests, ``pytest -m gpu``) run in a fresh
+process with a deadline: an item starts only when its estimate fits in the time left, is stopped (its process
+group killed) when the campaign's time is up, and every finished item is written to ``--output`` at once
+(atomically), so a campaign cut short keeps what it measured. The order is the value order:
+
+    (a) the GPU tests (train -> evaluate of every bundle on CUDA, bf16, GPU cache);
+    (b) every bundle's trainer vs a plain PyTorch loop at a realistic size in bf16, then fp32, then bf16 + compile:
+        samples/s, the ratio, data wait, peak memory and model FLOPs utilisation (MFU: FLOPs of one step counted
+        by ``torch.utils.flop_counter``, divided by the step time and the device's dense bf16 peak of
+        :data:`scripts.benchmark_tools.PEAK_BF16_TFLOPS`);
+    (c) the VQ-GAN whole-volume reconstruction of a 512x512x604 CT at ``sw_batch_size`` 1, 2 and 4;
+    (d) one xray2ct stage 3 (256^3) training step with gradient checkpointing and bf16;
+    (e) the largest patch and micro-batch that fit for the autoencoder and the VQ-GAN;
+    (f) the fast_ddpm equal-budget quality comparison (fast vs the 1000-step DDPM);
+    then the GPU tests with ``torch.compile``.
+
+``--tiny True`` runs the same items on the CPU at toy sizes (a few iterations each, skipping the GPU tests) so the
+machinery and the output schema are exercised without a GPU.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+__all__ = ["ITEMS", "SCHEMA_VERSION", "Item", "campaign", "render_report"]
+
+SCHEMA_VERSION = 1
+# seconds kept in hand at the end of a campaign for writing the output and stopping a process group
+MARGIN_S = 20.0
+REPORT_START = "<!-- campaign:start (rendered by `python scripts/benchmark.py campaign --report`) -->"
+REPORT_END = "<!-- campaign:end -->"
+
+
+@dataclass(frozen=True)
+class Item:
+    """One measurement of the campaign.
+
+    Attributes:
+        name: unique name (``--only`` selects by name or by tag).
+        section: the issue's letter of the measurement: ``a`` GPU tests, ``b`` throughput, ``c`` reconstruction,
+            ``d`` stage 3 step, ``e`` largest fit, ``f`` quality.
+        what: one line for ``--plan`` and the report.
+        minutes: estimated minutes on an H100 (``--plan`` and the start rule use it).
+        gpu: arguments after ``python scripts/benchmark.py`` on a GPU (``pytest ...`` for the GPU tests).
+        tiny: the CPU toy version (None: not run in tiny mode).
+        tags: further names ``--only`` accepts (``bf16``, ``fp32``, ``compile``, the bundle name).
+    """
+
+    name: str
+    section: str
+    what: str
+    minutes: float
+    gpu: tuple[str, ...]
+    tiny: tuple[str, ...] | None
+    tags: tuple[str, ...] = field(default_factory=tuple)
+
+
+def _args(command: str, **kwargs: Any) -> tuple[str, ...]:
+    """``command --key value ...`` with values written as Python literals, which fire reads back exactly."""
+    from common.bundle_tools.launch import format_overrides
+
+    return (command, *format_overrides(kwargs))
+
+
+_AE_GPU = {"patch_size": [128, 128, 128], "channels": [32, 64, 64], "batch_size": 1, "num_samples": 2}
+_AE_TINY = {"patch_size": [32, 32, 32], "channels": [16, 32, 32], "batch_size": 1, "num_samples": 1}
+_VQ_GPU = {"patch_size": [128, 128, 128], "n_hiddens": 16, "n_codes": 16384, "disc_channels": 64, "disc_layers": 3}
+_VQ_GPU.update({"batch_size": 1, "patches_per_volume": 2, "micro_batch_size": 2})
+_VQ_TINY = {"patch_size": [32, 32, 32], "n_hiddens": 8, "n_codes": 64, "disc_channels": 8, "disc_layers": 2}
+_VQ_TINY.update({"batch_size": 1, "patches_per_volume": 1, "micro_batch_size": 1})
+_DDPM_GPU = {"patch_size": [96, 96, 96], "unet_channels": [32, 64, 128, 256]}
+_DDPM_GPU.update({"attention_levels": [False, False, False, True], "norm_num_groups": 16, "num_head_channels": 32})
+_DDPM_GPU.update({"batch_size": 1, "patches_per_volume": 2})
+_DDPM_TINY = {"patch_size": [16, 16, 16], "batch_size": 1, "patches_per_volume": 1}
+_MACE_TINY = {"image_size": [24, 24, 16], "backbone": "resnet10", "batch_size": 4, "n_cases": 24}
+_XRAY_TINY = {"stage_sizes": [[16, 16, 16], [32, 32, 32]], "view_size": [32, 32], "n_cases": 3, "batch_size": 1}
+_XRAY_TINY.update({"vit_patch_size": 8, "vit_hidden_size": 32, "vit_mlp_dim": 64, "vit_layers": 1, "vit_heads": 2})
+_XRAY_TINY.update({"unet_channels": [8, 16, 32], "attention_levels": [False, False, True], "norm_num_groups": 8})
+_XRAY_TINY.update({"num_head_channels": 8})
+_GPU_RUN = {"device": "cuda", "iterations": 20, "warmup": 5, "repeats": 1}
+_TINY_RUN = {"device": "cpu", "iterations": 2, "warmup": 1, "repeats": 1, "num_threads": 1}
+
+# (name, bundle, benchmark command, GPU settings, tiny settings)
+_THROUGHPUT = (
+    ("autoencoder_3d", "throughput", _AE_GPU, _AE_TINY),
+    ("vqgan_3d", "vqgan_throughput", _VQ_GPU, _VQ_TINY),
+    ("fast_ddpm_3d", "ddpm_throughput", _DDPM_GPU, _DDPM_TINY),
+    ("mace_survival", "mace_throughput", {}, _MACE_TINY),
+    ("xray2ct_stage1", "xray_throughput", {"stage": 1, "n_cases": 4}, {"stage": 1, **_XRAY_TINY}),
+    ("xray2ct_stage2", "xray_throughput", {"stage": 2, "n_cases": 4}, {"stage": 2, **_XRAY_TINY}),
+)
+_PRECISIONS = (("bf16", {"amp": "bf16"}, 1.0), ("fp32", {"amp": "none"}, 1.2), ("compile", {"amp": "bf16"}, 2.5))
+
+
+def _throughput_items() -> list[Item]:
+    items = []
+    for label, precision, minutes in _PRECISIONS:
+        compiled = {"compile": True} if label == "compile" else {}
+        for name, command, gpu, tiny in _THROUGHPUT:
+            tiny_amp = {} if label == "bf16" else precision  # bf16 autocast on a CPU is slow and not the point
+            items.append(
+                Item(
+                    name=f"throughput_{name}_{label}",
+                    section="b",
+                    what=f"{name}: bundle vs plain loop, {label}" + (" (bf16 + torch.compile)" if compiled else ""),
+                    minutes=minutes * (1.5 if name.startswith("xray2ct_stage2") else 1.0),
+                    gpu=_args(command, **_GPU_RUN, **gpu, **precision, **compiled),
+                    tiny=_args(command, **_TINY_RUN, **tiny, **tiny_amp, **compiled) if label != "compile" else None,
+                    tags=(label, name.split("_stage")[0]),
+                )
+            )
+    return items
+
+
+ITEMS: tuple[Item, ...] = (
+    Item(
+        "gpu_tests",
+        "a",
+        "pytest -m gpu: train -> evaluate of every bundle on CUDA (bf16, cuDNN benchmark, GPU cache), sync count",
+        3.0,
+        ("pytest", "-m", "gpu and not compile"),
+        None,
+        ("gpu_tests",),
+    ),
+    *[i for i in _throughput_items() if i.tags[0] == "bf16"],
+    Item(
+        "vqgan_reconstruction_512",
+        "c",
+        "vqgan_3d: whole-volume reconstruction of 512x512x604 at sw_batch_size 1, 2, 4 (bf16)",
+        2.5,
+        _args("vqgan_reconstruction", shape=[512, 512, 604], sw_batch_sizes=[1, 2, 4], device="cuda", amp="bf16"),
+        _args(
+            "vqgan_reconstruction",
+            shape=[32, 32, 40],
+            patch_size=[32, 32, 32],
+            sw_batch_sizes=[1],
+            n_hiddens=8,
+            n_codes=64,
+            repeats=1,
+            device="cpu",
+            amp="none",
+        ),
+        ("vqgan_3d",),
+    ),
+    Item(
+        "xray2ct_stage3_step",
+        "d",
+        "xray2ct_cascade: stage 3 (256^3) training steps, gradient checkpointing + bf16, bundle alone",
+        2.0,
+        _args(
+            "xray_throughput",
+            stage=3,
+            device="cuda",
+            amp="bf16",
+            gradient_checkpointing=True,
+            plain=False,
+            n_cases=2,
+            batch_size=1,
+            iterations=4,
+            warmup=2,
+            repeats=1,
+        ),
+        _args(
+            "xray_throughput",
+            **{**_XRAY_TINY, "stage_sizes": [[16, 16, 16], [16, 16, 16], [32, 32, 32]]},
+            stage=3,
+            device="cpu",
+            gradient_checkpointing=True,
+            plain=False,
+            iterations=2,
+            warmup=1,
+            repeats=1,
+            num_threads=1,
+        ),
+        ("xray2ct",),
+    ),
+    Item(
+        "autoencoder_largest_patch",
+        "e",
+        "autoencoder_3d: peak memory of training steps at 128^3 .. 224^3 patches (bf16), largest that fits",
+        2.0,
+        _args(
+            "memory",
+            patch_sizes=[[128, 128, 128], [160, 160, 160], [192, 192, 192], [224, 224, 224]],
+            device="cuda",
+            amp="bf16",
+        ),
+        _args("memory", patch_sizes=[[32, 32, 32]], channels=[8, 16, 16], device="cpu", amp="none"),
+        ("autoencoder_3d",),
+    ),
+    Item(
+        "vqgan_largest_micro_batch",
+        "e",
+        "vqgan_3d: peak memory of training steps at 128^3, micro-batch 1, 2, 4, 8 (bf16), largest that fits",
+        2.5,
+        _args(
+            "vqgan_memory",
+            patch_sizes=[[128, 128, 128]],
+            micro_batch_sizes=[1, 2, 4, 8],
+            extra_runs=[],
+            device="cuda",
+            amp="bf16",
+        ),
+        _args(
+            "vqgan_memory",
+            patch_sizes=[[16, 16, 16]],
+            micro_batch_sizes=[1],
+            extra_runs=[],
+            steps=2,
+            device="cpu",
+            n_hiddens=8,
+            n_codes=64,
+            disc_channels=8,
+            disc_layers=2,
+        ),
+        ("vqgan_3d",),
+    ),
+    *[i for i in _throughput_items() if i.tags[0] == "fp32"],
+    *[i for i in _throughput_items() if i.tags[0] == "compile"],
+    Item(
+        "ddpm_quality",
+        "f",
+        "fast_ddpm_3d: equal training budgets, fast (10-step grid) vs the 1000-step DDPM, whole-volume metrics",
+        12.0,
+        _args("ddpm_quality", device="cuda", iterations=1500),
+        None,
+        ("fast_ddpm_3d",),
+    ),
+    Item(
+        "gpu_tests_compile",
+        "a",
+        "pytest -m gpu: the same train -> evaluate with --compile True",
+        6.0,
+        ("pytest", "-m", "gpu and compile"),
+        None,
+        ("gpu_tests", "compile"),
+    ),
+)
+
+
+def _now() -> str:
+    return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+
+
+def _selected(only: Sequence[str] | str | None, tiny: bool) -> list[Item]:
+    names = [only] if isinstance(only, str) else list(only or [])
+    known = {i.name for i in ITEMS} | {t for i in ITEMS for t in i.tags} | {i.section for i in ITEMS}
+    unknown = [n for n in names if n not in known]
+    if unknown:
+        raise SystemExit(f"campaign --only: unknown item or tag {unknown}; known: {sorted(known)}")
+    items = [i for i in ITEMS if not names or i.name in names or i.section in names or set(i.tags) & set(names)]
+    return [i for i in items if i.tiny is not None] if tiny else items
+
+
+def _command(item: Item, tiny: bool, result_file: Path) -> list[str]:
+    args = list(item.tiny if tiny else item.gpu)
+    if args[0] == "pytest":
+        junit = result_file.with_suffix(".xml")
+        return [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *args[1:], "tests/test_gpu.py",
+                f"--junitxml={junit}"]  # fmt: skip
+    return [sys.executable, str(REPO_ROOT / "scripts" / "benchmark.py"), *args, "--output", str(result_file)]
+
+
+def _junit_summary(path: Path) -> dict:
+    """Counts and per-test outcomes of a pytest JUnit XML file."""
+    import xml.etree.ElementTree as ET
+
+    root = ET.parse(path).getroot()
+    suite = root if root.tag == "testsuite" else root.find("testsuite")
+    tests = []
+    for case in suite.iter("testcase"):
+        outcome = "passed"
+        for tag in ("failure", "error", "skipped"):
+            node = case.find(tag)
+            if node is not None:
+                outcome = {"failure": "failed", "error": "error", "skipped": "skipped"}[tag]
+                message = (node.get("message") or "")[:500]
+                break
+        else:
+            message = ""
+        tests.append(
+            {"test": case.get("name"), "outcome": outcome, "seconds": float(case.get("time", 0)), "message": message}
+        )
+    counts = {k: sum(t["outcome"] == k for t in tests) for k in ("passed", "failed", "error", "skipped")}
+    return {**counts, "tests": tests}
+
+
+def _run_item(item: Item, tiny: bool, budget_s: float, workdir: Path) -> dict:
+    """Run one item in its own process group for at most ``budget_s`` seconds."""
+    result_file = workdir / f"{item.name}.json"
+    cmd = _command(item, tiny, result_file)
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    env["PYTHONUNBUFFERED"] = "1"
+    log = workdir / f"{item.name}.log"
+    print(f"[campaign] {item.name}: {' '.join(cmd[1:])}", flush=True)
+    start = time.perf_counter()
+    with open(log, "w") as out:
+        proc = subprocess.Popen(
+            cmd, cwd=REPO_ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+        )
+        try:
+            rc = proc.wait(timeout=max(budget_s, 1.0))
+            status = "ok" if rc == 0 else "failed"
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            rc, status = None, "timed_out"
+    seconds = time.perf_counter() - start
+    tail = log.read_text(errors="replace")[-4000:]
+    row: dict[str, Any] = {
+        "name": item.name,
+        "section": item.section,
+        "what": item.what,
+        "tags": list(item.tags),
+        "command": ["python", *cmd[1:]],
+        "status": status,
+        "returncode": rc,
+        "seconds": round(seconds, 1),
+        "estimated_minutes": item.minutes,
+        "result": None,
+        "log_tail": tail,
+    }
+    junit = result_file.with_suffix(".xml")
+    if junit.exists():
+        row["result"] = _junit_summary(junit)
+        if status == "failed" and row["result"]["failed"] + row["result"]["error"] == 0:
+            status = row["status"] = "ok" if rc == 5 else status  # 5: no test collected (no CUDA: all skipped)
+    elif result_file.exists():
+        row["result"] = json.loads(result_file.read_text())
+    if status == "ok" and row["result"] is None:
+        row["status"] = "failed"
+        row["reason"] = "the command ended without writing its result"
+    print(f"[campaign] {item.name}: {row['status']} in {seconds:.0f} s", flush=True)
+    return row
+
+
+def _device_summary() -> dict:
+    import torch
+
+    from scripts.benchmark_tools import device_name, peak_bf16_tflops
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    summary = {"device": device_name(device), "peak_bf16_tflops": peak_bf16_tflops(device), "torch": torch.__version__}
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        summary.update(memory_gib=round(props.total_memory / 2**30, 1), cuda=torch.version.cuda)
+    return summary
+
+
+def _write(path: Path | None, doc: dict) -> None:
+    if path is None:
+        return
+    from common.utils import write_text_atomic
+
+    write_text_atomic(path, json.dumps(doc, indent=2, default=str))
+
+
+def _plan_rows(items: Sequence[Item], minutes: float, tiny: bool) -> list[dict]:
+    """What a campaign of ``minutes`` would run, in order, with each item's estimate and whether it fits."""
+    rows, used = [], 0.0
+    for item in items:
+        fits = used + item.minutes <= minutes or tiny
+        used += item.minutes if fits else 0.0
+        rows.append({"name": item.name, "section": item.section, "minutes": item.minutes, "fits": fits,
+                     "what": item.what})  # fmt: skip
+    return rows
+
+
+def campaign(
+    minutes: float = 25.0,
+    output: str | None = "campaign.json",
+    plan: bool = False,
+    report: str | Sequence[str] | None = None,
+    markdown: str | None = None,
+    tiny: bool = False,
+    only: Sequence[str] | str | None = None,
+    workdir: str | None = None,
+) -> dict | str:
+    """Run the GPU measurement campaign (see the module docstring), print its plan, or render a report.
+
+    Args:
+        minutes: wall-clock budget; no item starts whose estimate does not fit in the time left, and a running item
+            is stopped at the deadline or after twice its estimate (at least 2 minutes more), whichever comes first
+            (its row says ``timed_out``).
+        output: JSON file, rewritten atomically after every item.
+        plan: print the items, their estimated minutes and which fit in ``minutes``; run nothing.
+        report: campaign JSON file(s) (a list, or names joined by commas) to render as Markdown tables instead of
+            measuring.
+        markdown: with ``report``, the Markdown file whose campaign section (between the campaign markers,
+            appended when absent) is replaced by the tables.
+        tiny: the CPU toy version of each item (the machinery and the schema, not figures).
+        only: item names, tags (``bf16``, ``fp32``, ``compile``, a bundle) or section letters to run.
+        workdir: where the items' logs and raw results go (default: a temporary folder).
+    """
+    if report is not None:
+        files = report.split(",") if isinstance(report, str) else list(report)
+        text = render_report([json.loads(Path(f).read_text()) for f in files])
+        if markdown is not None:
+            _insert_report(Path(markdown), text)
+            print(f"campaign tables written into {markdown}")
+        else:
+            print(text)
+        return text
+    items = _selected(only, bool(tiny))
+    if plan:
+        rows = _plan_rows(items, float(minutes), bool(tiny))
+        print(f"campaign plan for {float(minutes):g} minutes ({'tiny, CPU' if tiny else 'GPU'}):")
+        total = 0.0
+        for r in rows:
+            total += r["minutes"] if r["fits"] else 0.0
+            mark = f"{total:6.1f}" if r["fits"] else "  skip"
+            print(f"  {mark}  ({r['section']}) {r['name']:<36} ~{r['minutes']:.1f} min  {r['what']}")
+        return {"plan": rows}
+    deadline = time.monotonic() + float(minutes) * 60.0
+    out = Path(output).resolve() if output else None
+    doc: dict[str, Any] = {
+        "schema": SCHEMA_VERSION,
+        "started": _now(),
+        "finished": None,
+        "minutes": float(minutes),
+        "tiny": bool(tiny),
+        **_device_summary(),
+        "items": [],
+    }
+    if not tiny and doc["device"].startswith("CPU"):
+        print("[campaign] no CUDA device: the GPU items will measure the CPU or fail; use --tiny True on CPUs")
+    _write(out, doc)
+    with tempfile.TemporaryDirectory(dir=workdir) as tmp:
+        for item in items:
+            left = deadline - time.monotonic() - MARGIN_S
+            if left <= 0 or (not tiny and item.minutes * 60.0 > left):
+                doc["items"].append({"name": item.name, "section": item.section, "what": item.what,
+                                     "tags": list(item.tags), "status": "skipped",
+                                     "reason": f"estimated {item.minutes:.1f} min, {max(left, 0) / 60:.1f} min left"})  # fmt: skip
+                _write(out, doc)
+                continue
+            cap = left if tiny else min(left, max(2.0 * item.minutes, item.minutes + 2.0) * 60.0)
+            doc["items"].append(_run_item(item, bool(tiny), cap, Path(tmp)))
+            _write(out, doc)
+    doc["finished"] = _now()
+    _write(out, doc)
+    done = sum(r["status"] == "ok" for r in doc["items"])
+    print(f"[campaign] {done} of {len(doc['items'])} items measured; results in {out}")
+    return doc
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# report
+
+
+def _f(value: Any, spec: str, scale: float = 1.0) -> str:
+    if value is None or (isinstance(value, float) and value != value):
+        return "-"
+    return format(value * scale, spec)
+
+
+def _throughput_rows(doc: dict) -> list[list[str]]:
+    rows = []
+    for r in doc["items"]:
+        if r["section"] != "b" or r["status"] != "ok":
+            continue
+        res = r["result"]
+        size = res.get("patch_size") or res.get("volume_size") or res.get("image_size")
+        rows.append(
+            [
+                res["device"],
+                r["name"].removeprefix("throughput_").rsplit("_", 1)[0],
+                "x".join(map(str, size)) if size else "-",
+                str(res.get("batch", "-")),
+                res.get("amp", "-"),
+                "yes" if res.get("compile") else "no",
+                _f(res.get("plain_samples_per_s"), ".2f"),
+                _f(res.get("bundle_samples_per_s"), ".2f"),
+                _f(res.get("speedup"), ".2f"),
+                _f(res.get("bundle_data_wait"), ".1%"),
+                _f(res.get("bundle_peak_mem_gib"), ".2f"),
+                _f(res.get("step_flops"), ".2f", 1e-12),
+                _f(res.get("bundle_tflops"), ".1f"),
+                _f(res.get("mfu"), ".1%"),
+            ]
+        )
+    return rows
+
+
+def _table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def _reconstruction_rows(doc: dict) -> list[list[str]]:
+    rows = []
+    for r in doc["items"]:
+        if r["section"] != "c" or r["status"] != "ok":
+            continue
+        net = r["result"]["network"]
+        for m in r["result"]["measurements"]:
+            shares = m.get("stage_time_share", {})
+            rows.append(
+                [
+                    m["device"],
+                    "x".join(map(str, m["shape"])),
+                    "x".join(map(str, m["patch_size"])),
+                    f"{net['n_hiddens']}, {net['n_codes']}x{net['embedding_dim']}",
+                    m["amp"],
+                    str(m["sw_batch_size"]),
+                    str(m["windows"]),
+                    _f(m["seconds_per_volume"], ".2f"),
+                    " / ".join(_f(shares.get(k), ".0%") for k in ("encoder", "quantizer", "decoder")),
+                    _f(m["peak_mem_gib"], ".2f"),
+                ]
+            )
+    return rows
+
+
+def _step_rows(doc: dict) -> list[list[str]]:
+    rows = []
+    for r in doc["items"]:
+        if r["section"] != "d" or r["status"] != "ok":
+            continue
+        res = r["result"]
+        rate = res["bundle_samples_per_s"]
+        rows.append(
+            [
+                res["device"],
+                str(res["stage"]),
+                "x".join(map(str, res["volume_size"])),
+                str(res["batch"]),
+                res["amp"],
+                "yes" if res.get("gradient_checkpointing") else "no",
+                _f(res["batch"] / rate if rate else None, ".2f"),
+                _f(res["bundle_peak_mem_gib"], ".2f"),
+                _f(res.get("step_flops"), ".2f", 1e-12),
+                _f(res.get("mfu"), ".1%"),
+            ]
+        )
+    return rows
+
+
+def _fit_rows(doc: dict) -> list[list[str]]:
+    rows = []
+    for r in doc["items"]:
+        if r["section"] != "e" or r["status"] not in ("ok", "failed") or r.get("result") is None:
+            continue
+        res = r["result"]
+        for m in res["rows"] if isinstance(res, dict) else res:
+            failed = m.get("error", "").strip().splitlines()[-1][:80] if m.get("error") else None
+            rows.append(
+                [
+                    m.get("device", doc["device"]),
+                    r["name"].split("_")[0],
+                    "x".join(map(str, m["patch_size"])),
+                    str(m.get("micro_batch_size", m.get("batch", "-"))),
+                    str(m.get("amp", "-")),
+                    "does not fit: " + failed if failed else _f(m.get("peak_mem_gib"), ".2f"),
+                    _f(m.get("seconds_per_step"), ".2f"),
+                ]
+            )
+    return rows
+
+
+def render_report(docs: dict | Sequence[dict]) -> str:
+    """Markdown tables of one or more campaign JSON documents, the device named in every row."""
+    docs = [docs] if isinstance(docs, dict) else list(docs)
+    for doc in docs:
+        if doc.get("schema") != SCHEMA_VERSION:
+            raise ValueError(f"campaign report: schema {doc.get('schema')!r} is not {SCHEMA_VERSION}")
+    parts = []
+    for doc in docs:
+        parts.append(
+            f"- {doc['started']}: {doc['device']} (torch {doc.get('torch', '?')}, dense bf16 peak "
+            f"{_f(doc.get('peak_bf16_tflops'), '.1f')} TFLOP/s), budget {doc['minutes']:g} min"
+            + (", tiny CPU mode (a check of the machinery, not figures)" if doc.get("tiny") else "")
+        )
+    items = [(doc, r) for doc in docs for r in doc["items"]]
+    parts += [
+        "",
+        _table(
+            ["device", "item", "status", "seconds", "what"],
+            [
+                [
+                    doc["device"],
+                    r["name"],
+                    r["status"] + (f" ({r['reason']})" if r.get("reason") else ""),
+                    _f(r.get("seconds"), ".0f"),
+                    r["what"],
+                ]
+                for doc, r in items
+                if r["status"] != "skipped"
+            ],  # fmt: skip
+        ),
+    ]
+    ran = {r["name"] for _, r in items if r["status"] != "skipped"}
+    skipped = list(dict.fromkeys(r["name"] for _, r in items if r["status"] == "skipped" and r["name"] not in ran))
+    if skipped:
+        parts += ["", f"Not run yet (no time left in these campaigns): {', '.join(skipped)}."]
+    for doc, r in items:
+        if r["section"] == "a" and isinstance(r.get("result"), dict):
+            res = r["result"]
+            parts += ["", f"GPU tests ({r['name']}): {res['passed']} passed, {res['failed']} failed, {res['error']} "
+                      f"errors, {res['skipped']} skipped.", ""]  # fmt: skip
+            parts.append(
+                _table(
+                    ["device", "test", "outcome", "seconds", "message"],
+                    [
+                        [
+                            doc["device"],
+                            t["test"],
+                            t["outcome"],
+                            f"{t['seconds']:.1f}",
+                            t["message"].replace("|", "/").replace("\n", " ")[:160],
+                        ]
+                        for t in res["tests"]
+                    ],  # fmt: skip
+                )
+            )
+    sections = (
+        (_throughput_rows, "Training throughput, bundle vs plain loop (plain: fp32, no compile; MFU: model FLOPs per "
+         "step x steps/s / dense bf16 peak)",
+         ["device", "bundle", "size", "batch", "amp", "compile", "plain (samples/s)", "bundle (samples/s)",
+          "bundle / plain", "data wait", "peak mem (GiB)", "TFLOP / step", "TFLOP/s", "MFU"]),
+        (_reconstruction_rows, "VQ-GAN whole-volume reconstruction (Gaussian-blended sliding windows, overlap 0.25)",
+         ["device", "volume", "window", "VQGAN (hiddens, codes x dim)", "amp", "sw batch", "windows",
+          "s / volume", "time in encoder / quantizer / decoder", "peak mem (GiB)"]),
+        (_step_rows, "xray2ct training step, bundle alone",
+         ["device", "stage", "volume", "batch", "amp", "gradient checkpointing", "s / step", "peak mem (GiB)",
+          "TFLOP / step", "MFU"]),
+        (_fit_rows, "Largest size that fits (peak memory of training steps)",
+         ["device", "bundle", "patch", "batch / micro-batch", "amp", "peak mem (GiB)", "s / step"]),
+    )  # fmt: skip
+    for rows_of, title, header in sections:
+        rows = [row for doc in docs for row in rows_of(doc)]
+        if rows:
+            parts += ["", f"{title}:", "", _table(header, rows)]
+    return "\n".join(parts) + "\n"
+
+
+def _insert_report(path: Path, text: str) -> None:
+    from common.utils import write_text_atomic
+
+    doc = path.read_text() if path.exists() else ""
+    block = f"{REPORT_START}\n\n{text}\n{REPORT_END}"
+    if REPORT_START in doc and REPORT_END in doc:
+        head, rest = doc.split(REPORT_START, 1)
+        tail = rest.split(REPORT_END, 1)[1]
+        doc = head + block + tail
+    else:
+        doc = doc.rstrip("\n") + "\n\n## GPU campaign\n\n" + block + "\n"
+    write_text_atomic(path, doc)

@@ -1,0 +1,164 @@
+# Copyright (c) the 3D MONAI bundle collection contributors.
+# Licensed under the Apache License, Version 2.0.
+"""The GPU campaign's machinery on the CPU: FLOP counting against a hand count, the peak table, the plan, the
+deadline (an item cut short keeps what came before), the tiny CPU mode's output schema, and the report that
+``docs/benchmarks.md`` carries, rendered from the stored campaign files."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+
+import pytest
+import torch
+
+from scripts import benchmark_campaign as bc
+from scripts.benchmark_tools import count_flops, peak_bf16_tflops
+from tests.helpers import REPO_ROOT
+
+CAMPAIGNS = sorted((REPO_ROOT / "docs" / "campaigns").glob("*.json"))
+
+
+def test_flop_count_matches_a_hand_count():
+    """Conv3d (2 -> 4 channels, 3^3 kernel, 8^3 output, batch 2) then Linear (2048 -> 5), forward and backward.
+    The first convolution's input needs no gradient, so its backward computes the weight gradient only."""
+    torch.manual_seed(0)
+    conv, linear = torch.nn.Conv3d(2, 4, 3, padding=1), torch.nn.Linear(4 * 8**3, 5)
+    x = torch.randn(2, 2, 8, 8, 8)
+
+    def step():
+        linear(conv(x).flatten(1)).sum().backward()
+
+    conv_fwd = 2 * 2 * 4 * 27 * 8**3 * 2  # 2 flops per multiply-add x C_in x C_out x k^3 x output voxels x batch
+    linear_fwd = 2 * 2 * (4 * 8**3) * 5
+    expected = conv_fwd * 2 + linear_fwd * 3  # conv: forward + weight grad; linear: forward + input + weight grad
+    assert count_flops(step) == expected
+
+
+@pytest.mark.parametrize(
+    "name, peak",
+    [
+        ("NVIDIA H100 80GB HBM3", 989.4),
+        ("NVIDIA H100 PCIe", 756.0),
+        ("NVIDIA H100 NVL", 835.0),
+        ("NVIDIA H200", 989.4),
+        ("NVIDIA A100-SXM4-80GB", 312.0),
+        ("NVIDIA L40S", 362.1),
+        ("NVIDIA L4", 121.0),
+        ("NVIDIA A10G", 70.0),
+        ("Tesla T4", None),
+    ],
+)
+def test_peak_table_matches_device_names(name, peak):
+    assert peak_bf16_tflops(name) == peak
+
+
+def test_peak_of_a_cpu_is_unknown():
+    assert peak_bf16_tflops(torch.device("cpu")) is None
+
+
+def test_plan_orders_by_value_and_marks_what_fits(capsys):
+    result = bc.campaign(plan=True, minutes=10)
+    rows = result["plan"]
+    assert [r["name"] for r in rows] == [i.name for i in bc.ITEMS]
+    assert rows[0]["name"] == "gpu_tests" and rows[1]["name"].endswith("_bf16")
+    fitting = [r for r in rows if r["fits"]]
+    assert sum(r["minutes"] for r in fitting) <= 10 < sum(r["minutes"] for r in rows)
+    assert "skip" in capsys.readouterr().out
+
+
+def test_unknown_selection_is_refused():
+    with pytest.raises(SystemExit, match="unknown item or tag.*'nope'"):
+        bc.campaign(plan=True, only=["nope"])
+
+
+def _fake_items(monkeypatch, commands: dict[str, str], minutes: dict[str, float] | None = None):
+    """Replace the campaign's items by ones that run ``commands`` (Python source; ``OUT`` is the result file)."""
+    items = tuple(
+        bc.Item(name, "b", f"fake {name}", (minutes or {}).get(name, 0.01), ("x",), ("x",)) for name in commands
+    )
+    monkeypatch.setattr(bc, "ITEMS", items)
+    monkeypatch.setattr(
+        bc,
+        "_command",
+        lambda item, tiny, out: [sys.executable, "-c", f"OUT = {str(out)!r}\n" + commands[item.name]],
+    )
+
+
+def test_deadline_stops_an_item_and_keeps_the_finished_ones(monkeypatch, tmp_path):
+    write = "import json; json.dump({'value': 1.5}, open(OUT, 'w'))"
+    _fake_items(monkeypatch, {"first": write, "slow": "import time; time.sleep(60)", "third": write})
+    monkeypatch.setattr(bc, "MARGIN_S", 0.0)
+    out = tmp_path / "c.json"
+    start = time.monotonic()
+    doc = bc.campaign(minutes=0.1, output=str(out), tiny=True, workdir=str(tmp_path))
+    assert time.monotonic() - start < 30
+    stored = json.loads(out.read_text())
+    assert stored == json.loads(json.dumps(doc, default=str))
+    status = {r["name"]: r["status"] for r in stored["items"]}
+    assert status == {"first": "ok", "slow": "timed_out", "third": "skipped"}
+    assert stored["items"][0]["result"] == {"value": 1.5}
+    assert stored["finished"] is not None
+
+
+def test_items_whose_estimate_does_not_fit_are_skipped_without_running(monkeypatch, tmp_path):
+    marker = tmp_path / "ran"
+    _fake_items(
+        monkeypatch,
+        {"long": f"open({str(marker)!r}, 'w')", "short": "import json; json.dump({}, open(OUT, 'w'))"},
+        {"long": 5.0, "short": 0.01},
+    )
+    doc = bc.campaign(minutes=1.0, output=str(tmp_path / "c.json"), workdir=str(tmp_path))
+    long, short = doc["items"]
+    assert long["status"] == "skipped" and "estimated 5.0 min" in long["reason"] and not marker.exists()
+    assert short["status"] == "ok"
+
+
+def test_a_failing_item_is_reported_with_its_output(monkeypatch, tmp_path):
+    _fake_items(monkeypatch, {"broken": "raise ValueError('no such patch size')"})
+    doc = bc.campaign(minutes=1.0, output=None, tiny=True, workdir=str(tmp_path))
+    (row,) = doc["items"]
+    assert row["status"] == "failed" and row["returncode"] == 1
+    assert "ValueError: no such patch size" in row["log_tail"]
+
+
+def test_tiny_campaign_measures_and_reports(tmp_path):
+    """The real items of one bundle at toy sizes on the CPU: every row has the schema the report reads."""
+    out = tmp_path / "campaign.json"
+    doc = bc.campaign(minutes=10, output=str(out), tiny=True, only=["autoencoder_3d"], workdir=str(tmp_path))
+    names = [r["name"] for r in doc["items"]]
+    assert names == [i.name for i in bc.ITEMS if "autoencoder_3d" in i.tags and i.tiny is not None]
+    assert all(r["status"] == "ok" for r in doc["items"]), [(r["name"], r["log_tail"][-800:]) for r in doc["items"]]
+    assert doc["schema"] == bc.SCHEMA_VERSION and doc["tiny"] is True and doc["device"].startswith("CPU")
+    for r in doc["items"]:
+        if r["section"] == "b":
+            res = r["result"]
+            assert res["step_flops"] > 0 and res["mfu"] is None and res["peak_bf16_tflops"] is None
+            assert res["bundle_samples_per_s"] > 0 and res["speedup"] == pytest.approx(
+                res["bundle_samples_per_s"] / res["plain_samples_per_s"]
+            )
+    text = bc.render_report(json.loads(out.read_text()))
+    rows = [line for line in text.splitlines() if line.startswith("| ") and not line.startswith("| device")]
+    assert rows and all(line.startswith(f"| {doc['device']}") for line in rows)
+    assert "Training throughput" in text and "Largest size that fits" in text
+
+
+@pytest.mark.skipif(not CAMPAIGNS, reason="no stored campaign")
+def test_benchmarks_doc_carries_the_rendered_campaigns(tmp_path):
+    """The campaign block of docs/benchmarks.md is exactly the report of the stored campaign files, so its
+    figures are rendered, never typed; rendering it again into a copy changes nothing."""
+    docs = [json.loads(p.read_text()) for p in CAMPAIGNS]
+    text = bc.render_report(docs)
+    page = (REPO_ROOT / "docs" / "benchmarks.md").read_text()
+    block = page.split(bc.REPORT_START, 1)[1].split(bc.REPORT_END, 1)[0]
+    assert block.strip() == text.strip()
+    copy = tmp_path / "benchmarks.md"
+    copy.write_text(page)
+    bc.campaign(report=[str(p) for p in CAMPAIGNS], markdown=str(copy))
+    assert copy.read_text() == page
+
+
+def test_report_refuses_another_schema():
+    with pytest.raises(ValueError, match="schema"):
+        bc.render_report({"schema": 99, "items": []})

@@ -1,0 +1,121 @@
+# Copyright (c) the 3D MONAI bundle collection contributors.
+# Licensed under the Apache License, Version 2.0.
+"""GPU tests (``pytest -m gpu``; skipped with a reason where no CUDA device is visible): every bundle trains and
+evaluates on CUDA with its GPU defaults (bf16 autocast, cuDNN benchmark, flash attention where it has attention)
+and the cache on the GPU, once more with ``torch.compile``; the autoencoder's training step keeps no host
+synchronisation beyond the documented ones. The campaign (``python scripts/benchmark.py campaign``) runs these
+first."""
+
+from __future__ import annotations
+
+import math
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (none visible)"),
+]
+
+# Brief runs at the CPU demo sizes (the point is the CUDA code paths, not the model): a few epochs, validated
+# every 2, adversarial/discriminator terms switched on early, the cache on the GPU.
+BRIEF = {
+    "autoencoder_3d": {"max_epochs": 4, "val_interval": 2, "adv_warmup_iterations": 2, "log_interval": 1},
+    "vqgan_3d": {"max_epochs": 4, "val_interval": 2, "discriminator_iter_start": 2, "log_interval": 1},
+    "fast_ddpm_3d": {"max_epochs": 6, "val_interval": 3, "log_interval": 1},
+    "mace_survival": {"max_epochs": 4, "val_interval": 2, "log_interval": 1},
+    "xray2ct_cascade": {"stage_iterations": [4, 4], "val_interval": 1, "log_interval": 1},
+}
+
+# Host synchronisations a training iteration is documented to make: the non-finite loss guard reads the loss and
+# gradient check of every optimizer step (one per step; the autoencoder-GAN makes two steps per iteration).
+DOCUMENTED_SYNCS_PER_STEP = 1
+
+
+def _brief_run(bundle: str, tmp_path: Path, **extra) -> dict:
+    import scripts.demo as demo
+
+    overrides = {**demo.PROFILES[bundle]["cpu"], **BRIEF[bundle], "cache_device": "cuda", **extra}
+    overrides.pop("num_threads", None)
+    return demo.main(bundle=bundle, output_dir=str(tmp_path / bundle), device="cuda", **overrides)
+
+
+def _assert_finite(metrics: dict, bundle: str) -> None:
+    import scripts.demo as demo
+
+    keys = [k for k in demo.REPORTED.get(bundle, demo.IMAGE_METRICS) if k != "logrank_p"]
+    assert keys and all(k in metrics for k in keys), f"{bundle}: evaluation lacks {keys}: {sorted(metrics)}"
+    bad = {k: metrics[k] for k in keys if not math.isfinite(float(metrics[k]))}
+    assert not bad, f"{bundle}: non-finite evaluation metrics on CUDA: {bad}"
+
+
+@pytest.mark.parametrize("bundle", sorted(BRIEF))
+def test_bundle_trains_and_evaluates_on_cuda(bundle, tmp_path):
+    metrics = _brief_run(bundle, tmp_path)
+    _assert_finite(metrics, bundle)
+    run = tmp_path / bundle / ("stage2" if bundle == "xray2ct_cascade" else "")
+    assert (run / "models" / "model.pt").is_file() and (run / "models" / "last.pt").is_file()
+    state = torch.load(run / "models" / "last.pt", map_location="cpu", weights_only=True)
+    assert all("cuda" in rank["global"] for rank in state["rng"]), "the CUDA RNG state of a rank is not saved"
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("bundle", sorted(BRIEF))
+def test_bundle_trains_and_evaluates_compiled(bundle, tmp_path):
+    _assert_finite(_brief_run(bundle, tmp_path, compile=True), bundle)
+
+
+def test_autoencoder_step_host_synchronisations(tmp_path):
+    """Count the synchronising CUDA calls inside training iterations 3-6 (from ``ITERATION_STARTED`` to
+    ``ITERATION_COMPLETED``: the step and the per-iteration handlers; a loader thread prefetching the next batch at
+    the same time is counted too, under its own calling lines) with ``torch.cuda.set_sync_debug_mode``: at most the documented one per optimizer step (generator + discriminator:
+    two per iteration). The failure message lists the calling lines."""
+    import collections
+
+    from ignite.engine import Events
+
+    from common.data.demo import write_phantom_dataset
+    from scripts.benchmark_tools import bundle_trainer
+
+    datalist = write_phantom_dataset(tmp_path / "data", n_train=4, n_val=1, shape=(32, 32, 32), seed=0)
+    s = {"device": torch.device("cuda"), "amp": "bf16"}
+    extra = {
+        "dataset_dir": str(datalist.parent),
+        "patch_size": [32, 32, 32],
+        "channels": [16, 32, 32],
+        "norm_num_groups": 8,
+        "d_channels": 16,
+        "batch_size": 2,
+        "num_samples": 2,
+        "adv_warmup_iterations": 0,
+    }
+    trainer, _ = bundle_trainer(s, 6, str(tmp_path / "run"), extra)
+    counted = range(3, 7)
+
+    def start(engine) -> None:
+        if engine.state.iteration in counted:
+            torch.cuda.synchronize()
+            torch.cuda.set_sync_debug_mode("warn")
+
+    def stop(engine) -> None:
+        torch.cuda.set_sync_debug_mode(0)
+
+    trainer.add_event_handler(Events.ITERATION_STARTED, start)
+    trainer.add_event_handler(Events.ITERATION_COMPLETED, stop)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            trainer.run()
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    sites = collections.Counter(
+        f"{Path(w.filename).name}:{w.lineno}" for w in caught if "called a synchronizing" in str(w.message)
+    )
+    total = sum(sites.values())
+    assert total <= 2 * DOCUMENTED_SYNCS_PER_STEP * len(counted), (
+        f"{total} synchronising calls in {len(counted)} iterations (documented: {2 * DOCUMENTED_SYNCS_PER_STEP} per "
+        f"iteration), by calling line: {sites.most_common(12)}"
+    )
