@@ -226,6 +226,8 @@ def setup_runtime(
     torch.backends.cudnn.benchmark = bool(cudnn_benchmark) and not deterministic
     if deterministic:
         torch.backends.cudnn.deterministic = True
+        # deterministic cuBLAS needs a fixed workspace, set before the first cuBLAS call (else matmuls raise)
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     if torch.cuda.is_available():
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True

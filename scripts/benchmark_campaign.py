@@ -15,7 +15,8 @@ process with a deadline: an item starts only when its estimate fits in the time 
 group killed) when the campaign's time is up, and every finished item is written to ``--output`` at once
 (atomically), so a campaign cut short keeps what it measured. The order is the value order:
 
-    (a) the GPU tests (train -> evaluate of every bundle on CUDA, bf16, GPU cache);
+    (a) the GPU tests (train -> evaluate of every bundle on CUDA in bf16 with the GPU cache, the autoencoder with
+        gradient checkpointing, resume after a kill on CUDA, host synchronisations of a step, 2-GPU NCCL);
     (b) every bundle's trainer vs a plain PyTorch loop at a realistic size in bf16, then fp32, then bf16 + compile:
         samples/s, the ratio, data wait, peak memory and model FLOPs utilisation (MFU: FLOPs of one step counted
         by ``torch.utils.flop_counter``, divided by the step time and the device's dense bf16 peak of
@@ -141,8 +142,8 @@ ITEMS: tuple[Item, ...] = (
     Item(
         "gpu_tests",
         "a",
-        "pytest -m gpu: train -> evaluate of every bundle on CUDA (bf16, cuDNN benchmark, GPU cache), sync count",
-        3.0,
+        "pytest -m gpu: train -> evaluate of every bundle on CUDA (bf16, GPU cache), checkpointing, resume, syncs",
+        6.0,
         ("pytest", "-m", "gpu and not compile"),
         None,
         ("gpu_tests",),
@@ -202,11 +203,11 @@ ITEMS: tuple[Item, ...] = (
     Item(
         "autoencoder_largest_patch",
         "e",
-        "autoencoder_3d: peak memory of training steps at 128^3 .. 224^3 patches (bf16), largest that fits",
+        "autoencoder_3d: peak memory of training steps at 128^3 .. 256^3 patches (bf16), largest that fits",
         2.0,
         _args(
             "memory",
-            patch_sizes=[[128, 128, 128], [160, 160, 160], [192, 192, 192], [224, 224, 224]],
+            patch_sizes=[[128, 128, 128], [160, 160, 160], [192, 192, 192], [224, 224, 224], [256, 256, 256]],
             device="cuda",
             amp="bf16",
         ),
@@ -585,6 +586,30 @@ def _fit_rows(doc: dict) -> list[list[str]]:
     return rows
 
 
+def _quality_rows(doc: dict) -> list[list[str]]:
+    """fast_ddpm equal-budget rows; a run cut short after its first mode still gives that mode's row."""
+    rows = []
+    for r in doc["items"]:
+        if r["section"] != "f" or not isinstance(r.get("result"), dict):
+            continue
+        res = r["result"]
+        for mode, m in res.get("modes", {}).items():
+            rows.append(
+                [
+                    doc["device"],
+                    res["task"],
+                    mode,
+                    str(res["iterations"]),
+                    _f(m["train_seconds"], ".1f", 1 / 60),
+                    _f(m["eval_seconds"], ".0f"),
+                    _f(m.get("val_psnr"), ".2f"),
+                    _f(m.get("val_ssim"), ".4f"),
+                    _f(m.get("val_ms_ssim"), ".4f"),
+                ]
+            )
+    return rows
+
+
 def render_report(docs: dict | Sequence[dict]) -> str:
     """Markdown tables of one or more campaign JSON documents, the device named in every row."""
     docs = [docs] if isinstance(docs, dict) else list(docs)
@@ -653,6 +678,9 @@ def render_report(docs: dict | Sequence[dict]) -> str:
           "TFLOP / step", "MFU"]),
         (_fit_rows, "Largest size that fits (peak memory of training steps)",
          ["device", "bundle", "patch", "batch / micro-batch", "amp", "peak mem (GiB)", "s / step"]),
+        (_quality_rows, "fast_ddpm_3d after equal training budgets (final EMA weights, whole validation volumes)",
+         ["device", "task", "mode", "iterations", "training (min)", "evaluation (s)", "PSNR (dB)", "SSIM",
+          "MS-SSIM"]),
     )  # fmt: skip
     for rows_of, title, header in sections:
         rows = [row for doc in docs for row in rows_of(doc)]

@@ -162,3 +162,50 @@ def test_benchmarks_doc_carries_the_rendered_campaigns(tmp_path):
 def test_report_refuses_another_schema():
     with pytest.raises(ValueError, match="schema"):
         bc.render_report({"schema": 99, "items": []})
+
+
+def test_report_keeps_what_a_cut_short_item_measured_and_names_failed_sizes():
+    """A quality item stopped after its first mode still gives that mode's row; a size that did not fit is named."""
+    doc = {
+        "schema": bc.SCHEMA_VERSION,
+        "started": "2026-01-01T00:00:00+00:00",
+        "minutes": 5.0,
+        "device": "NVIDIA H100 80GB HBM3",
+        "items": [
+            {
+                "name": "ddpm_quality",
+                "section": "f",
+                "what": "quality",
+                "status": "timed_out",
+                "seconds": 300.0,
+                "result": {
+                    "task": "synthesis",
+                    "iterations": 1500,
+                    "modes": {
+                        "fast": {
+                            "train_seconds": 120.0,
+                            "eval_seconds": 9.0,
+                            "val_psnr": 21.5,
+                            "val_ssim": 0.61,
+                            "val_ms_ssim": 0.83,
+                        }
+                    },  # fmt: skip
+                },
+            },
+            {
+                "name": "autoencoder_largest_patch",
+                "section": "e",
+                "what": "fit",
+                "status": "ok",
+                "seconds": 60.0,
+                "result": [
+                    {"patch_size": [128] * 3, "batch": 1, "amp": "bf16", "peak_mem_gib": 20.25},
+                    {"patch_size": [256] * 3, "batch": 1, "amp": "bf16", "error": "...\ntorch.OutOfMemoryError: CUDA"},
+                ],
+            },
+        ],
+    }
+    text = bc.render_report(doc)
+    assert "| NVIDIA H100 80GB HBM3 | synthesis | fast | 1500 | 2.0 | 9 | 21.50 | 0.6100 | 0.8300 |" in text
+    assert "| 128x128x128 | 1 | bf16 | 20.25 |" in text
+    assert "does not fit: torch.OutOfMemoryError: CUDA" in text
