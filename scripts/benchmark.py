@@ -26,8 +26,10 @@ whole-volume reconstruction cost.
 ``throughput`` runs, in one process and alternating, (a) the plain loop of MONAI's 3D latent-diffusion tutorial
 (CPU ``CacheDataset`` + ``DataLoader``, fp32, the same AutoencoderKL + PatchDiscriminator, L1 + KL + least-squares
 adversarial losses, batch and patch) and (b) the bundle's own trainer built from ``train.json`` with every
-handler it normally has. It reports samples/s of each, their ratio, the bundle's data-wait fraction and peak
-memory. ``memory`` measures peak memory of training steps at each patch size, each in a fresh subprocess.
+handler it normally has. It reports samples/s of each, their ratio, the bundle's data-wait fraction, peak
+memory, and the model FLOPs of one bundle step with the model FLOPs utilisation they give against the device's bf16
+peak (every ``*_throughput`` benchmark does). ``campaign`` (``scripts/benchmark_campaign.py``) runs every GPU
+measurement in value order with a deadline. ``memory`` measures peak memory of training steps at each patch size, each in a fresh subprocess.
 ``vqgan_throughput`` does what ``throughput`` does for ``vqgan_3d``: a plain loop with TATS' VQ-GAN losses
 (``l1_weight`` x L1 + commitment + 2D/3D hinge generator terms + ``gan_feat_weight`` x feature matching; hinge
 discriminator loss; Adam betas (0.5, 0.9)) against the bundle's trainer, both micro-batched alike and adversarial
