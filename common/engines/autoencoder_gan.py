@@ -5,11 +5,11 @@
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
-from monai.engines.utils import IterationEvents, default_metric_cmp_fn
+from monai.engines.utils import IterationEvents
 from monai.utils import CommonKeys as Keys
 from torch import nn
 from torch.optim import Optimizer
@@ -82,9 +82,6 @@ class AutoencoderGANTrainer(StepTrainer):
     (of the last micro-batch), backward and after the whole step.
 
     Args:
-        device: the device of this rank.
-        max_epochs: number of epochs.
-        train_data_loader: loader yielding dicts with an ``image`` key.
         network: the autoencoder as called for training (may be DDP/compile-wrapped).
         optimizer: generator optimizer.
         recon_loss: pixel loss between reconstruction and input (default L1).
@@ -101,23 +98,16 @@ class AutoencoderGANTrainer(StepTrainer):
         quantization_weight: weight of the codebook/commitment loss returned by VQ-VAE style networks.
         perceptual_loss: optional perceptual criterion ``loss(pred, target)``.
         perceptual_weight: its weight (the loss is skipped when 0 or ``perceptual_loss`` is ``None``).
-        amp: ``bf16``, ``fp16`` or ``none``.
-        accumulation_steps: iterations accumulated before each optimizer step.
         micro_batch_size: samples forwarded at once within an iteration (``None``: the whole batch).
-        grad_clip: max gradient norm for both networks (``None``/0 disables clipping).
-        nonfinite: ``stop`` or ``skip``: what a NaN/Inf loss does (see :class:`StepTrainer`).
-        epoch_length: iterations per epoch (default ``len(train_data_loader)``).
-        non_blocking: non-blocking host-to-device copies.
-        prepare_batch: ``(batchdata, device, non_blocking, **kwargs) -> (image, target)``.
-        postprocessing, key_train_metric, additional_metrics, metric_cmp_fn, train_handlers, event_names,
-        event_to_attr, decollate, to_kwargs: as in ``monai.engines.SupervisedTrainer``.
+        settings: ``device``, ``max_epochs``, ``train_data_loader``, ``amp``, ``accumulation_steps``, ``grad_clip``
+            (for both networks), ``nonfinite`` and the other settings of :class:`StepTrainer`; ``prepare_batch``
+            defaults to :func:`prepare_image_batch`.
     """
+
+    default_prepare_batch = staticmethod(prepare_image_batch)
 
     def __init__(
         self,
-        device: torch.device | str,
-        max_epochs: int,
-        train_data_loader: Iterable,
         network: nn.Module,
         optimizer: Optimizer,
         recon_loss: Callable | None = None,
@@ -132,51 +122,14 @@ class AutoencoderGANTrainer(StepTrainer):
         quantization_weight: float = 1.0,
         perceptual_loss: Callable | None = None,
         perceptual_weight: float = 0.0,
-        amp: str = "none",
-        accumulation_steps: int = 1,
         micro_batch_size: int | None = None,
-        grad_clip: float | None = None,
-        nonfinite: str = "stop",
-        epoch_length: int | None = None,
-        non_blocking: bool = False,
-        prepare_batch: Callable = prepare_image_batch,
-        postprocessing: Callable | None = None,
-        key_train_metric: dict | None = None,
-        additional_metrics: dict | None = None,
-        metric_cmp_fn: Callable = default_metric_cmp_fn,
-        train_handlers: Sequence | None = None,
-        event_names: list | None = None,
-        event_to_attr: dict | None = None,
-        decollate: bool = True,
-        to_kwargs: dict | None = None,
+        **settings: Any,
     ) -> None:
         if discriminator is not None and d_optimizer is None:
             raise ValueError("a discriminator was given without d_optimizer.")
         if micro_batch_size is not None and int(micro_batch_size) < 1:
             raise ValueError(f"micro_batch_size must be >= 1 or None, got {micro_batch_size!r}.")
-        super().__init__(
-            device=device,
-            max_epochs=max_epochs,
-            train_data_loader=train_data_loader,
-            prepare_batch=prepare_batch,
-            amp=amp,
-            accumulation_steps=accumulation_steps,
-            grad_clip=grad_clip,
-            nonfinite=nonfinite,
-            epoch_length=epoch_length,
-            non_blocking=non_blocking,
-            postprocessing=postprocessing,
-            key_train_metric=key_train_metric,
-            additional_metrics=additional_metrics,
-            metric_cmp_fn=metric_cmp_fn,
-            train_handlers=train_handlers,
-            event_names=event_names,
-            event_to_attr=event_to_attr,
-            decollate=decollate,
-            to_kwargs=to_kwargs,
-        )
-        self.network = network
-        self.optimizer = optimizer
+        super().__init__(network=network, optimizer=optimizer, **settings)
         self.recon_loss = recon_loss if recon_loss is not None else nn.L1Loss()
         self.discriminator = discriminator
         self.d_optimizer = d_optimizer

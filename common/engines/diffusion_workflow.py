@@ -34,7 +34,7 @@ from common.engines.diffusion import (
     fast_ddpm_grid,
 )
 from common.engines.trainer import StepTrainer
-from common.utils import autocast, get_rank, get_world_size
+from common.utils import get_rank, get_world_size, inference_autocast
 
 __all__ = [
     "DIFFUSION_MODES",
@@ -177,9 +177,6 @@ class DiffusionTrainer(StepTrainer):
     ``timestep_mean``.
 
     Args:
-        device: the device of this rank.
-        max_epochs: number of epochs.
-        train_data_loader: loader of dicts with an ``image`` key (``B, C, *spatial``).
         network: the denoiser as called for training (may be DDP/compile-wrapped).
         optimizer: its optimizer.
         schedule: the noise schedule.
@@ -188,15 +185,17 @@ class DiffusionTrainer(StepTrainer):
         prediction_type: ``epsilon`` or ``v_prediction``.
         latent_codec: a :class:`common.networks.latent.LatentCodec` whose ``scale`` normalises raw latents.
         seed: base seed of the time-step draws.
-        amp, accumulation_steps, grad_clip, nonfinite, epoch_length, non_blocking, prepare_batch, train_handlers,
-        decollate, to_kwargs: see :class:`common.engines.trainer.StepTrainer`.
+        settings: ``device``, ``max_epochs``, ``train_data_loader`` (of dicts with an ``image`` key,
+            ``B, C, *spatial``), ``amp``, ``accumulation_steps``, ``grad_clip`` and the other settings of
+            :class:`common.engines.trainer.StepTrainer`; ``prepare_batch`` defaults to
+            :func:`prepare_diffusion_batch`, ``decollate`` to False.
     """
+
+    default_prepare_batch = staticmethod(prepare_diffusion_batch)
+    default_decollate = False
 
     def __init__(
         self,
-        device: torch.device | str,
-        max_epochs: int,
-        train_data_loader: Iterable,
         network: nn.Module,
         optimizer: Optimizer,
         schedule: DiffusionSchedule,
@@ -205,38 +204,13 @@ class DiffusionTrainer(StepTrainer):
         prediction_type: str = "epsilon",
         latent_codec: nn.Module | None = None,
         seed: int = 0,
-        amp: str = "none",
-        accumulation_steps: int = 1,
-        grad_clip: float | None = None,
-        nonfinite: str = "stop",
-        epoch_length: int | None = None,
-        non_blocking: bool = False,
-        prepare_batch: Callable = prepare_diffusion_batch,
-        train_handlers: Sequence | None = None,
-        decollate: bool = False,
-        to_kwargs: dict | None = None,
+        **settings: Any,
     ) -> None:
         if prediction_type not in PREDICTIONS:
             raise ValueError(f"prediction_type must be one of {PREDICTIONS}, got {prediction_type!r}.")
         if not list(target_channels):
             raise ValueError("target_channels must name at least one channel.")
-        super().__init__(
-            device=device,
-            max_epochs=max_epochs,
-            train_data_loader=train_data_loader,
-            prepare_batch=prepare_batch,
-            amp=amp,
-            accumulation_steps=accumulation_steps,
-            grad_clip=grad_clip,
-            nonfinite=nonfinite,
-            epoch_length=epoch_length,
-            non_blocking=non_blocking,
-            train_handlers=train_handlers,
-            decollate=decollate,
-            to_kwargs=to_kwargs,
-        )
-        self.network = network
-        self.optimizer = optimizer
+        super().__init__(network=network, optimizer=optimizer, **settings)
         self.schedule = schedule
         self.timesteps = torch.as_tensor(timesteps, dtype=torch.long).cpu()
         self.target_channels = [int(c) for c in target_channels]
@@ -251,44 +225,29 @@ class DiffusionTrainer(StepTrainer):
         steps = antithetic_timesteps(self.timesteps, batch_size * world, generator)
         return steps[rank * batch_size : (rank + 1) * batch_size]
 
-    def _iteration(self, engine: DiffusionTrainer, batchdata: dict[str, torch.Tensor]) -> dict[str, Any]:
-        if batchdata is None:
-            raise ValueError("Must provide batch data for current iteration.")
+    def prepare_step(self, engine: DiffusionTrainer, batchdata: dict[str, torch.Tensor]) -> dict[str, Any]:
         image, _ = engine.prepare_batch(batchdata, engine.state.device, engine.non_blocking, **engine.to_kwargs)
         image = _plain(image).float()
         self.log_effective_batch(image.shape[0])
         if self.latent_codec is not None:
             image = image * self.latent_codec.scale.to(image.device)
-        zero_grad, do_step = self._accumulation_flags(engine)
         x0 = image[:, self.target_channels]
         t = self.draw_timesteps(image.shape[0], engine.state.iteration).to(image.device)
         noise = torch.randn_like(x0)
         x_t = self.schedule.add_noise(x0, noise, t)
         target = noise if self.prediction_type == "epsilon" else self.schedule.velocity(x0, noise, t)
         inputs = insert_target(image, x_t, self.target_channels, image.shape[1])
-        output: dict[str, Any] = {Keys.IMAGE: image}
-        engine.state.output = output
+        return {
+            "args": (inputs, t),
+            "output": {Keys.IMAGE: image},
+            "target": target,
+            "stats": {"timestep_mean": t.float().mean()},
+        }
 
-        engine.network.train()
-        if zero_grad:
-            engine.optimizer.zero_grad(set_to_none=True)
-        with self._sync_context(engine.network, do_step):
-            with autocast(self.state.device, self.amp_mode):
-                prediction = engine.network(inputs, t)
-                output[Keys.PRED] = prediction
-                engine.fire_event(IterationEvents.FORWARD_COMPLETED)
-            loss = F.mse_loss(prediction.float(), target.float())
-            output[Keys.LOSS] = loss
-            engine.fire_event(IterationEvents.LOSS_COMPLETED)
-            self._backward(loss)
-        engine.fire_event(IterationEvents.BACKWARD_COMPLETED)
-        if do_step:
-            self._step_and_update(engine, output)
-        output[Keys.LOSS] = loss.detach()
-        output[Keys.PRED] = prediction.detach()
-        output["timestep_mean"] = t.float().mean()
-        engine.fire_event(IterationEvents.MODEL_COMPLETED)
-        return engine.state.output
+    def compute_loss(
+        self, engine: DiffusionTrainer, step: dict[str, Any], prediction: torch.Tensor
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        return F.mse_loss(prediction.float(), step["target"].float()), {}
 
 
 class DiffusionEvaluator(SupervisedEvaluator):
@@ -383,7 +342,7 @@ class DiffusionEvaluator(SupervisedEvaluator):
         engine.state.output = output
         with (
             engine.mode(sampler),
-            autocast(self.state.device, self.amp_mode if self.state.device.type == "cuda" else "none"),
+            inference_autocast(self.state.device, self.amp_mode),
         ):
             samples = torch.cat(
                 [

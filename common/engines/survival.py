@@ -27,7 +27,7 @@ from common.data.survival import TIME_UNITS
 from common.engines.trainer import StepTrainer
 from common.losses.survival import cox_loss, logistic_hazard_loss
 from common.networks.survival import BACKBONES, HEADS
-from common.utils import autocast, get_world_size
+from common.utils import get_world_size, inference_autocast
 
 __all__ = [
     "SurvivalEvaluator",
@@ -115,62 +115,35 @@ class SurvivalTrainer(StepTrainer):
     per sample in this rank's batch) and ``pred`` (the network output, detached).
 
     Args:
-        device: the device of this rank.
-        max_epochs: number of epochs.
-        train_data_loader: loader of survival batches.
         network: the survival network as called for training (may be DDP/compile-wrapped).
         optimizer: its optimizer.
         head: ``logistic_hazard`` or ``cox``.
         cut_points: the K + 1 interval boundaries in years (``logistic_hazard``).
         prepare_covariates: maps raw covariates ``(B, n)`` to network inputs (``None``: passed unchanged).
         global_risk_set: gather the risk set over all ranks (``cox``).
-        amp, accumulation_steps, grad_clip, nonfinite, epoch_length, non_blocking, prepare_batch, train_handlers,
-        decollate, to_kwargs: see :class:`common.engines.trainer.StepTrainer`.
+        settings: ``device``, ``max_epochs``, ``train_data_loader`` (of survival batches), ``amp``,
+            ``accumulation_steps``, ``grad_clip`` and the other settings of :class:`common.engines.trainer.StepTrainer`;
+            ``prepare_batch`` defaults to :func:`prepare_survival_batch`, ``decollate`` to False.
     """
+
+    default_prepare_batch = staticmethod(prepare_survival_batch)
+    default_decollate = False
 
     def __init__(
         self,
-        device: torch.device | str,
-        max_epochs: int,
-        train_data_loader: Iterable,
         network: nn.Module,
         optimizer: Optimizer,
         head: str = "logistic_hazard",
         cut_points: Sequence[float] | torch.Tensor | None = None,
         prepare_covariates: Callable[[torch.Tensor], torch.Tensor] | None = None,
         global_risk_set: bool = True,
-        amp: str = "none",
-        accumulation_steps: int = 1,
-        grad_clip: float | None = None,
-        nonfinite: str = "stop",
-        epoch_length: int | None = None,
-        non_blocking: bool = False,
-        prepare_batch: Callable = prepare_survival_batch,
-        train_handlers: Sequence | None = None,
-        decollate: bool = False,
-        to_kwargs: dict | None = None,
+        **settings: Any,
     ) -> None:
         if head not in HEADS:
             raise ValueError(f"'survival_head' must be one of {HEADS}, got {head!r}.")
         if head == "logistic_hazard" and cut_points is None:
             raise ValueError("a logistic hazard head needs cut_points (K + 1 interval boundaries in years).")
-        super().__init__(
-            device=device,
-            max_epochs=max_epochs,
-            train_data_loader=train_data_loader,
-            prepare_batch=prepare_batch,
-            amp=amp,
-            accumulation_steps=accumulation_steps,
-            grad_clip=grad_clip,
-            nonfinite=nonfinite,
-            epoch_length=epoch_length,
-            non_blocking=non_blocking,
-            train_handlers=train_handlers,
-            decollate=decollate,
-            to_kwargs=to_kwargs,
-        )
-        self.network = network
-        self.optimizer = optimizer
+        super().__init__(network=network, optimizer=optimizer, **settings)
         self.head = head
         self.cut_points = None if cut_points is None else torch.as_tensor(cut_points, dtype=torch.float32)
         self.prepare_covariates = prepare_covariates
@@ -184,38 +157,24 @@ class SurvivalTrainer(StepTrainer):
         # the cut points stay on the CPU: their checks then need no device synchronisation; the loss moves them
         return logistic_hazard_loss(output, time, event, self.cut_points)
 
-    def _iteration(self, engine: SurvivalTrainer, batchdata: dict[str, Any]) -> dict[str, Any]:
-        if batchdata is None:
-            raise ValueError("Must provide batch data for current iteration.")
+    def prepare_step(self, engine: SurvivalTrainer, batchdata: dict[str, Any]) -> dict[str, Any]:
         image, targets = engine.prepare_batch(batchdata, engine.state.device, engine.non_blocking, **engine.to_kwargs)
         self.log_effective_batch(image.shape[0])
         covariates = targets["covariates"]
         if self.prepare_covariates is not None:
             covariates = self.prepare_covariates(covariates)
-        zero_grad, do_step = self._accumulation_flags(engine)
-        output: dict[str, Any] = {Keys.IMAGE: image}
-        engine.state.output = output
+        return {
+            "args": (image, covariates if covariates.shape[1] else None),
+            "output": {Keys.IMAGE: image},
+            "targets": targets,
+            "stats": {"event_rate": targets["event"].mean()},
+        }
 
-        engine.network.train()
-        if zero_grad:
-            engine.optimizer.zero_grad(set_to_none=True)
-        with self._sync_context(engine.network, do_step):
-            with autocast(self.state.device, self.amp_mode):
-                prediction = engine.network(image, covariates if covariates.shape[1] else None)
-                output[Keys.PRED] = prediction
-                engine.fire_event(IterationEvents.FORWARD_COMPLETED)
-            loss = self.loss(prediction, targets["time"], targets["event"])
-            output[Keys.LOSS] = loss
-            engine.fire_event(IterationEvents.LOSS_COMPLETED)
-            self._backward(loss)
-        engine.fire_event(IterationEvents.BACKWARD_COMPLETED)
-        if do_step:
-            self._step_and_update(engine, output)
-        output[Keys.LOSS] = loss.detach()
-        output[Keys.PRED] = prediction.detach()
-        output["event_rate"] = targets["event"].mean()
-        engine.fire_event(IterationEvents.MODEL_COMPLETED)
-        return engine.state.output
+    def compute_loss(
+        self, engine: SurvivalTrainer, step: dict[str, Any], prediction: torch.Tensor
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        targets = step["targets"]
+        return self.loss(prediction, targets["time"], targets["event"]), {}
 
 
 class SurvivalEvaluator(SupervisedEvaluator):
@@ -269,8 +228,7 @@ class SurvivalEvaluator(SupervisedEvaluator):
         image, targets = engine.prepare_batch(batchdata, engine.state.device, engine.non_blocking, **engine.to_kwargs)
         predictor = engine.network
         covariates = targets["covariates"]
-        amp = self.amp_mode if self.state.device.type == "cuda" else "none"
-        with engine.mode(predictor), autocast(self.state.device, amp):
+        with engine.mode(predictor), inference_autocast(self.state.device, self.amp_mode):
             predicted = predictor.predict(image, covariates if covariates.shape[1] else None, times=self.grid)
         output: dict[str, Any] = {
             "case_id": batch_case_ids(batchdata, image.shape[0]),

@@ -1,7 +1,9 @@
 # Copyright (c) the 3D MONAI bundle collection contributors.
 # Licensed under the Apache License, Version 2.0.
-"""The step mechanics every trainer of the collection shares, on top of ``monai.engines.Trainer``: mixed precision
-with a kept GradScaler, gradient accumulation over iterations with DDP ``no_sync``, and gradient-norm clipping."""
+"""The training loop every trainer of the collection shares, on top of ``monai.engines.Trainer``: mixed precision
+with a kept GradScaler, gradient accumulation over iterations with DDP ``no_sync``, the non-finite guard agreed
+across ranks, gradient-norm clipping, and (for one network and one optimizer) the whole iteration, into which a
+model plugs :meth:`StepTrainer.prepare_step` and :meth:`StepTrainer.compute_loss`."""
 
 from __future__ import annotations
 
@@ -9,16 +11,18 @@ import contextlib
 import logging
 import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from monai.engines import Trainer
-from monai.engines.utils import default_metric_cmp_fn
+from monai.engines.utils import IterationEvents, default_metric_cmp_fn, default_prepare_batch
 from monai.engines.workflow import Workflow
+from monai.utils import CommonKeys as Keys
 from torch import nn
 from torch.optim import Optimizer
 
-from common.utils import amp_dtype, get_world_size, make_grad_scaler
+from common.utils import amp_dtype, autocast, get_world_size, make_grad_scaler
 
 __all__ = ["NONFINITE_POLICIES", "NonFiniteLossError", "StepTrainer"]
 
@@ -33,9 +37,18 @@ class NonFiniteLossError(FloatingPointError):
 
 
 class StepTrainer(Trainer):
-    """Base of the collection's trainers: subclasses implement ``_iteration`` with the helpers below.
+    """Base of the collection's trainers: the training iteration of one network and one optimizer, and the helpers
+    a trainer with several networks (:class:`common.engines.autoencoder_gan.AutoencoderGANTrainer`) builds its own
+    iteration from.
 
-    ``_accumulation_flags`` says whether an iteration zeroes gradients and whether it steps the optimizers
+    The iteration (:meth:`_iteration`), in this order: prepare the batch and the step's inputs
+    (:meth:`prepare_step`, the model's hook: data on the device, noise, time steps); train mode; zero the gradients
+    when an accumulation window starts; forward under autocast and, outside DDP's all-reduce until the window's last
+    iteration (``no_sync``), the loss (:meth:`compute_loss`, the model's hook) and backward; then, on the window's
+    last iteration, the non-finite guard, clipping and the optimizer step; the events of
+    ``monai.engines.SupervisedTrainer`` fire at the same points (forward, loss, backward, model completed).
+
+    Helpers: ``_accumulation_flags`` says whether an iteration zeroes gradients and whether it steps the optimizers
     (every ``accumulation_steps`` iterations and at the end of an epoch); ``_sync_context`` wraps forward and
     backward passes that must not all-reduce; ``_backward`` scales a loss by its micro-batch fraction, the
     accumulation steps and the fp16 GradScaler; ``_step`` unscales, clips and steps one optimizer;
@@ -48,25 +61,40 @@ class StepTrainer(Trainer):
     step is dropped (gradients zeroed, counted in ``engine.state.skipped_steps``) and training continues. Under DDP
     the decision is agreed by all ranks, so the replicas stay identical.
 
+    Subclasses take their own arguments and pass every setting below on as keywords (``**settings``), so a
+    setting is declared here only; a subclass's default batch preparation and decollation are its class attributes
+    ``default_prepare_batch`` and ``default_decollate``.
+
     Args:
         device: the device of this rank.
         max_epochs: number of epochs.
         train_data_loader: the training loader.
+        network: the network trained by :meth:`_iteration` (may be DDP/compile-wrapped); None for trainers with
+            their own iteration.
+        optimizer: its optimizer.
+        prepare_batch: batch -> inputs on the device (default: the class's ``default_prepare_batch``).
         amp: ``bf16``, ``fp16`` (with a GradScaler) or ``none``.
         accumulation_steps: iterations accumulated before each optimizer step.
         grad_clip: max gradient norm (``None``/0 disables clipping).
         nonfinite: ``stop`` or ``skip``: what a NaN/Inf loss does (see above).
-        epoch_length, non_blocking, prepare_batch, postprocessing, key_train_metric, additional_metrics,
-        metric_cmp_fn, train_handlers, event_names, event_to_attr, decollate, to_kwargs: as in
-        ``monai.engines.SupervisedTrainer``.
+        decollate: decollate the outputs for MONAI handlers (default: the class's ``default_decollate``).
+        epoch_length, non_blocking, postprocessing, key_train_metric, additional_metrics, metric_cmp_fn,
+        train_handlers, event_names, event_to_attr, to_kwargs: as in ``monai.engines.SupervisedTrainer``.
     """
+
+    default_prepare_batch: Callable = staticmethod(default_prepare_batch)
+    default_decollate: bool = True
+    # whether the iteration's output keeps the network's prediction (``pred``, detached)
+    output_prediction: bool = True
 
     def __init__(
         self,
         device: torch.device | str,
         max_epochs: int,
         train_data_loader: Iterable,
-        prepare_batch: Callable,
+        network: nn.Module | None = None,
+        optimizer: Optimizer | None = None,
+        prepare_batch: Callable | None = None,
         amp: str = "none",
         accumulation_steps: int = 1,
         grad_clip: float | None = None,
@@ -80,7 +108,7 @@ class StepTrainer(Trainer):
         train_handlers: Sequence | None = None,
         event_names: list | None = None,
         event_to_attr: dict | None = None,
-        decollate: bool = True,
+        decollate: bool | None = None,
         to_kwargs: dict | None = None,
     ) -> None:
         if int(accumulation_steps) < 1:
@@ -95,7 +123,7 @@ class StepTrainer(Trainer):
             data_loader=train_data_loader,
             epoch_length=epoch_length,
             non_blocking=non_blocking,
-            prepare_batch=prepare_batch,
+            prepare_batch=self.default_prepare_batch if prepare_batch is None else prepare_batch,
             iteration_update=None,
             postprocessing=postprocessing,
             key_metric=key_train_metric,
@@ -105,15 +133,67 @@ class StepTrainer(Trainer):
             amp=False,
             event_names=event_names,
             event_to_attr=event_to_attr,
-            decollate=decollate,
+            decollate=self.default_decollate if decollate is None else decollate,
             to_kwargs=to_kwargs,
         )
+        self.network = network
+        self.optimizer = optimizer
         self.accumulation_steps = int(accumulation_steps)
         self.grad_clip = float(grad_clip) if grad_clip else None
         self.nonfinite = nonfinite
         self.scaler = make_grad_scaler(self.state.device, self.amp_mode)
         self.state.skipped_steps = 0
         self._batch_logged = False
+
+    def prepare_step(self, engine: Trainer, batchdata: dict[str, Any]) -> dict[str, Any]:
+        """The model's hook: the inputs of one training step from a batch, drawn before any gradient work.
+
+        Returns:
+            A dict with ``args`` (the network's positional inputs), ``output`` (the iteration's output so far, e.g.
+            ``{"image": ...}``) and anything :meth:`compute_loss` needs; ``stats`` (optional) holds per-iteration
+            values added to the output after the step (e.g. the mean time step).
+        """
+        raise NotImplementedError(f"{type(self).__name__} must implement prepare_step (or its own _iteration).")
+
+    def compute_loss(
+        self, engine: Trainer, step: dict[str, Any], prediction: torch.Tensor
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """The model's hook: ``(loss, terms)`` of the network's ``prediction``; ``terms`` are further loss values
+        put into the output (detached) before the optimizer step, so the non-finite guard checks them too."""
+        raise NotImplementedError(f"{type(self).__name__} must implement compute_loss (or its own _iteration).")
+
+    def _iteration(self, engine: Trainer, batchdata: dict[str, Any]) -> dict[str, Any]:
+        """One training iteration of ``engine.network`` with ``engine.optimizer`` (see the class docstring)."""
+        if batchdata is None:
+            raise ValueError("Must provide batch data for current iteration.")
+        step = self.prepare_step(engine, batchdata)
+        zero_grad, do_step = self._accumulation_flags(engine)
+        output: dict[str, Any] = step["output"]
+        engine.state.output = output
+
+        engine.network.train()
+        if zero_grad:
+            engine.optimizer.zero_grad(set_to_none=True)
+        with self._sync_context(engine.network, do_step):
+            with autocast(self.state.device, self.amp_mode):
+                prediction = engine.network(*step["args"])
+                if self.output_prediction:
+                    output[Keys.PRED] = prediction
+                engine.fire_event(IterationEvents.FORWARD_COMPLETED)
+            loss, terms = self.compute_loss(engine, step, prediction)
+            output[Keys.LOSS] = loss
+            engine.fire_event(IterationEvents.LOSS_COMPLETED)
+            self._backward(loss)
+        engine.fire_event(IterationEvents.BACKWARD_COMPLETED)
+        output.update({name: value.detach() for name, value in terms.items()})
+        if do_step:
+            self._step_and_update(engine, output)
+        output[Keys.LOSS] = loss.detach()
+        if self.output_prediction:
+            output[Keys.PRED] = prediction.detach()
+        output.update(step.get("stats", {}))
+        engine.fire_event(IterationEvents.MODEL_COMPLETED)
+        return engine.state.output
 
     def log_effective_batch(self, batch_size: int) -> None:
         """Log, once per run, the effective batch of an optimizer step: samples per rank and iteration x ranks x

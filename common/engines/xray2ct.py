@@ -29,7 +29,7 @@ from common.engines.diffusion_workflow import DiffusionTrainer, volume_seed
 from common.losses.projection import PHYSICS_WEIGHTINGS, ProjectionLoss, physics_noise_weight
 from common.networks.wrappers import unwrap
 from common.networks.xray2ct import MODES, SAMPLER_MODES, degrade_to_previous
-from common.utils import autocast
+from common.utils import inference_autocast
 
 __all__ = [
     "DIRECT_LOSSES",
@@ -109,14 +109,16 @@ class XrayCTTrainer(DiffusionTrainer):
         direct_loss: ``l1`` or ``mse`` (direct mode).
         previous_size: the previous stage's volume size (``None`` for stage 1).
         previous_noise: maximum standard deviation of the conditioning noise.
-        others: see :class:`common.engines.diffusion_workflow.DiffusionTrainer`.
+        network, optimizer, schedule, timesteps, prediction_type, seed, settings: see
+            :class:`common.engines.diffusion_workflow.DiffusionTrainer` (``prepare_batch`` defaults to
+            :func:`prepare_xray_batch`).
     """
+
+    default_prepare_batch = staticmethod(prepare_xray_batch)
+    output_prediction = False
 
     def __init__(
         self,
-        device: torch.device | str,
-        max_epochs: int,
-        train_data_loader: Iterable,
         network: nn.Module,
         optimizer: Optimizer,
         schedule: DiffusionSchedule,
@@ -130,13 +132,7 @@ class XrayCTTrainer(DiffusionTrainer):
         previous_size: Sequence[int] | None = None,
         previous_noise: float = 0.1,
         seed: int = 0,
-        amp: str = "none",
-        accumulation_steps: int = 1,
-        grad_clip: float | None = None,
-        nonfinite: str = "stop",
-        epoch_length: int | None = None,
-        non_blocking: bool = False,
-        train_handlers: Sequence | None = None,
+        **settings: Any,
     ) -> None:
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}.")
@@ -144,9 +140,6 @@ class XrayCTTrainer(DiffusionTrainer):
             raise ValueError(f"direct_loss must be one of {DIRECT_LOSSES}, got {direct_loss!r}.")
         physics_noise_weight(torch.ones(1), physics_weighting)  # validates the name
         super().__init__(
-            device=device,
-            max_epochs=max_epochs,
-            train_data_loader=train_data_loader,
             network=network,
             optimizer=optimizer,
             schedule=schedule,
@@ -154,14 +147,7 @@ class XrayCTTrainer(DiffusionTrainer):
             target_channels=[0],
             prediction_type=prediction_type,
             seed=seed,
-            amp=amp,
-            accumulation_steps=accumulation_steps,
-            grad_clip=grad_clip,
-            nonfinite=nonfinite,
-            epoch_length=epoch_length,
-            non_blocking=non_blocking,
-            prepare_batch=prepare_xray_batch,
-            train_handlers=train_handlers,
+            **settings,
         )
         self.mode = mode
         self.projection_loss = ProjectionLoss(projector)
@@ -185,51 +171,43 @@ class XrayCTTrainer(DiffusionTrainer):
         target = noise if self.prediction_type == "epsilon" else self.schedule.velocity(x0, noise, t)
         return x_t, t, target, self.schedule.alpha_bar(t, x0).reshape(-1).float()
 
-    def _iteration(self, engine: XrayCTTrainer, batchdata: dict[str, torch.Tensor]) -> dict[str, Any]:
-        if batchdata is None:
-            raise ValueError("Must provide batch data for current iteration.")
+    def prepare_step(self, engine: XrayCTTrainer, batchdata: dict[str, torch.Tensor]) -> dict[str, Any]:
         image, xray = engine.prepare_batch(batchdata, engine.state.device, engine.non_blocking, **engine.to_kwargs)
         if image is None:
             raise ValueError(f"training needs the CT as {Keys.IMAGE!r} in every batch.")
         x0, xray = _plain(image).float(), _plain(xray).float()
         self.log_effective_batch(x0.shape[0])
-        zero_grad, do_step = self._accumulation_flags(engine)
         previous = None
         if self.previous_size is not None:
             previous = degrade_to_previous(x0, self.previous_size, self.previous_noise)
         x_t, t, target, alpha_bar = self._inputs(x0, engine.state.iteration)
-        output: dict[str, Any] = {Keys.IMAGE: x0}
-        engine.state.output = output
+        return {
+            "args": (x_t, t, xray, previous),
+            "output": {Keys.IMAGE: x0},
+            "x0": x0,
+            "x_t": x_t,
+            "t": t,
+            "xray": xray,
+            "target": target,
+            "alpha_bar": alpha_bar,
+            "stats": {"timestep_mean": t.float().mean()},
+        }
 
-        engine.network.train()
-        if zero_grad:
-            engine.optimizer.zero_grad(set_to_none=True)
-        with self._sync_context(engine.network, do_step):
-            with autocast(self.state.device, self.amp_mode):
-                prediction = engine.network(x_t, t, xray, previous)
-                engine.fire_event(IterationEvents.FORWARD_COMPLETED)
-            prediction = prediction.float()
-            if self.mode == "direct":
-                x0_hat = prediction
-                recon = F.l1_loss(prediction, x0) if self.direct_loss == "l1" else F.mse_loss(prediction, x0)
-            else:
-                x0_hat = self.schedule.split(x_t, prediction, t, self.prediction_type)[0].float()
-                recon = F.mse_loss(prediction, target.float())
-            physics = self.projection_loss(x0_hat, xray)
-            weights = physics_noise_weight(alpha_bar, self.physics_weighting)
-            loss = recon + self.physics_weight * (weights * physics).mean() if self.physics_weight else recon
-            output[Keys.LOSS] = loss
-            engine.fire_event(IterationEvents.LOSS_COMPLETED)
-            self._backward(loss)
-        engine.fire_event(IterationEvents.BACKWARD_COMPLETED)
-        output["recon_loss"] = recon.detach()
-        output["physics_loss"] = physics.detach().mean()
-        if do_step:
-            self._step_and_update(engine, output)
-        output[Keys.LOSS] = loss.detach()
-        output["timestep_mean"] = t.float().mean()
-        engine.fire_event(IterationEvents.MODEL_COMPLETED)
-        return engine.state.output
+    def compute_loss(
+        self, engine: XrayCTTrainer, step: dict[str, Any], prediction: torch.Tensor
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """The v-prediction (or direct) reconstruction loss plus the noise-weighted projection loss."""
+        prediction, x0, x_t, t = prediction.float(), step["x0"], step["x_t"], step["t"]
+        if self.mode == "direct":
+            x0_hat = prediction
+            recon = F.l1_loss(prediction, x0) if self.direct_loss == "l1" else F.mse_loss(prediction, x0)
+        else:
+            x0_hat = self.schedule.split(x_t, prediction, t, self.prediction_type)[0].float()
+            recon = F.mse_loss(prediction, step["target"].float())
+        physics = self.projection_loss(x0_hat, step["xray"])
+        weights = physics_noise_weight(step["alpha_bar"], self.physics_weighting)
+        loss = recon + self.physics_weight * (weights * physics).mean() if self.physics_weight else recon
+        return loss, {"recon_loss": recon, "physics_loss": physics.mean()}
 
 
 class XrayCTEvaluator(SupervisedEvaluator):
@@ -300,10 +278,9 @@ class XrayCTEvaluator(SupervisedEvaluator):
         image, xray = engine.prepare_batch(batchdata, engine.state.device, engine.non_blocking, **engine.to_kwargs)
         xray = _plain(xray).float()
         sampler = engine.network
-        amp = self.amp_mode if self.state.device.type == "cuda" else "none"
         modules = [sampler] + ([self.previous] if self.previous is not None else [])
         predictions = []
-        with engine.mode(*modules), autocast(self.state.device, amp):
+        with engine.mode(*modules), inference_autocast(self.state.device, self.amp_mode):
             for i in range(xray.shape[0]):
                 generator = torch.Generator().manual_seed(volume_seed(batchdata, i, self.seed))
                 case = xray[i : i + 1]
