@@ -88,7 +88,7 @@ def check_settings_or_exit(check: Callable[..., Any], **settings: Any) -> Any:
     Returns:
         What ``check`` returns.
     """
-    from common.handlers.checkpoint import CheckpointError
+    from common.checkpoint_io import CheckpointError
 
     try:
         return check(**settings)

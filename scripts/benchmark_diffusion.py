@@ -246,8 +246,8 @@ def ddpm_quality(
         output_dir: where the runs are kept (default: a temporary folder).
         output: JSON file for the results.
     """
+    from common.checkpoint_io import load_checkpoint, save_checkpoint
     from common.data.demo import write_brats_phantom_dataset
-    from common.handlers.checkpoint import load_checkpoint, save_checkpoint
 
     work = Path(output_dir) if output_dir else Path(tempfile.mkdtemp(prefix="ddpm_quality_"))
     data = work / "data"

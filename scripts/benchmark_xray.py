@@ -393,7 +393,7 @@ _run = run_command  # a module attribute, so tests can run the commands in-proce
 def _final_ema_as_model(models: Path) -> int:
     """Write the final EMA weights of ``last.pt`` as the stage's ``model.pt`` (what the next stage and evaluation
     load); returns the iteration ``last.pt`` was saved at."""
-    from common.handlers.checkpoint import load_checkpoint, save_checkpoint
+    from common.checkpoint_io import load_checkpoint, save_checkpoint
 
     last = load_checkpoint(models / "last.pt")
     save_checkpoint({k: v for k, v in last["ema"].items() if k != "n_averaged"}, models / "model.pt")

@@ -36,7 +36,7 @@ from common.bundle_tools.export import (  # noqa: E402
     format_results,
     run_export,
 )
-from common.handlers.checkpoint import CheckpointError  # noqa: E402
+from common.checkpoint_io import CheckpointError  # noqa: E402
 
 __all__ = ["all_formats", "bundles", "main", "onnx", "shape", "torchscript"]
 

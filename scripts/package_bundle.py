@@ -19,7 +19,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from common.bundle_tools.package import default_checkpoint, file_hash, package_bundle  # noqa: E402
-from common.handlers.checkpoint import CheckpointError  # noqa: E402
+from common.checkpoint_io import CheckpointError  # noqa: E402
 
 __all__ = ["main"]
 

@@ -332,7 +332,7 @@ def run_case(
 
 def saved_iteration(path: Path) -> int | None:
     """The iteration of a ``last`` checkpoint, or ``None`` when it is missing or unreadable."""
-    from common.handlers.checkpoint import CheckpointError, load_checkpoint
+    from common.checkpoint_io import CheckpointError, load_checkpoint
 
     try:
         return int(load_checkpoint(path)["trainer"]["iteration"])

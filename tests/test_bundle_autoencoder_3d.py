@@ -221,7 +221,7 @@ def test_ckpt_export_trace_matches_pytorch(trained, tmp_path):
 
     from monai.networks.nets import AutoencoderKL
 
-    from common.handlers.checkpoint import load_network_weights
+    from common.checkpoint_io import load_network_weights
     from common.networks.wrappers import ReconstructionNetwork
 
     ae = AutoencoderKL(
@@ -390,7 +390,7 @@ def test_compile_saves_clean_keys(phantoms, tmp_path):
     run_bundle(BUNDLE, ["train.json"], args=args, timeout=900)
     from monai.networks.nets import AutoencoderKL
 
-    from common.handlers.checkpoint import load_network_weights
+    from common.checkpoint_io import load_network_weights
 
     last = torch.load(out / "models" / "last.pt", weights_only=True)
     assert not any("_orig_mod" in k or k.startswith("module.") for k in last["autoencoder"])

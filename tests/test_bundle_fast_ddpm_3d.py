@@ -47,7 +47,7 @@ def inference_parts(**settings):
     ``run_bundle`` shifts it."""
     from monai.bundle import ConfigParser
 
-    from common.handlers.checkpoint import load_network_weights
+    from common.checkpoint_io import load_network_weights
 
     parser = ConfigParser()
     parser.read_config([str(BUNDLES / BUNDLE / "configs" / name) for name in INFERENCE])

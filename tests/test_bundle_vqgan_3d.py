@@ -121,8 +121,8 @@ def _reconstruction_in_hu(model_path: Path, series: Path, source: np.ndarray) ->
     window in HU."""
     from monai.inferers import SlidingWindowInferer
 
+    from common.checkpoint_io import load_network_weights
     from common.data.pipeline import volume_transforms
-    from common.handlers.checkpoint import load_network_weights
     from common.networks.vqgan import VQGAN
     from common.networks.wrappers import ReconstructionNetwork
 

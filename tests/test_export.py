@@ -28,7 +28,7 @@ from common.bundle_tools.export import (
     random_input,
     run_export,
 )
-from common.handlers.checkpoint import CheckpointError
+from common.checkpoint_io import CheckpointError
 from tests.helpers import BUNDLES, REPO_ROOT, bundle_env, shifted_seed
 
 BUNDLE_NAMES = bundle_names()

@@ -29,18 +29,12 @@ from monai.utils import set_determinism
 from torch import nn
 
 import common.handlers.checkpoint as ckpt
+from common.checkpoint_io import CheckpointError, load_checkpoint, load_network_weights, save_checkpoint
 from common.data.demo import write_phantom_dataset
 from common.data.pipeline import make_dataset, make_loader
 from common.engines.autoencoder_gan import AutoencoderGANTrainer
 from common.engines.schedulers import warmup_cosine
-from common.handlers.checkpoint import (
-    BestCheckpointSaver,
-    CheckpointError,
-    CheckpointManager,
-    load_checkpoint,
-    load_network_weights,
-    save_checkpoint,
-)
+from common.handlers.checkpoint import BestCheckpointSaver, CheckpointManager
 from tests.helpers import tiny_autoencoder, tiny_discriminator
 
 SIDE = 16

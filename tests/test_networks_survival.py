@@ -15,7 +15,7 @@ import pytest
 import torch
 from monai.networks.nets import resnet
 
-from common.handlers.checkpoint import CheckpointError
+from common.checkpoint_io import CheckpointError
 from common.networks.survival import (
     CALIBRATION_BUFFERS,
     SurvivalExportView,

@@ -11,9 +11,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from common.checkpoint_io import CheckpointError, save_checkpoint
 from common.data.drr import DRRProjector
 from common.engines.diffusion import DiffusionSchedule, fast_ddpm_grid
-from common.handlers.checkpoint import CheckpointError, save_checkpoint
 from common.networks.xray2ct import (
     CheckpointedBlock,
     XrayCTCascade,

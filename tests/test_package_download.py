@@ -33,7 +33,7 @@ from common.bundle_tools.package import (
     package_bundle,
     verify_large_files,
 )
-from common.handlers.checkpoint import CheckpointError
+from common.checkpoint_io import CheckpointError
 from tests.helpers import BUNDLES, REPO_ROOT, bundle_env, seed_args, shifted_seed
 
 BUNDLE_NAMES = sorted(p.parent.parent.name for p in BUNDLES.glob("*/configs/metadata.json"))

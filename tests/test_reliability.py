@@ -147,7 +147,7 @@ def test_the_surviving_rank_exits_for_the_right_reason_and_says_why(mode, tmp_pa
     "code, cause", [(errno.ENOSPC, "the disk is full"), (errno.EROFS, "the file system is read-only")]
 )
 def test_refused_write_names_file_and_cause_and_keeps_the_previous_file(tmp_path, monkeypatch, code, cause):
-    from common.handlers.checkpoint import save_checkpoint
+    from common.checkpoint_io import save_checkpoint
     from common.utils import OutputWriteError, write_text_atomic
 
     path = tmp_path / "last.pt"

@@ -42,7 +42,7 @@ import torch
 from torch import nn
 
 from common.bundle import bundle_root
-from common.handlers.checkpoint import load_network_weights
+from common.checkpoint_io import load_network_weights
 
 __all__ = [
     "EXPORT_FORMATS",

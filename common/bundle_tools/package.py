@@ -170,10 +170,10 @@ def check_checkpoint(path: str | os.PathLike) -> int:
         path: the checkpoint file.
 
     Raises:
-        common.handlers.checkpoint.CheckpointError: for a missing, corrupt or pickled (code-carrying) file, or one
+        common.checkpoint_io.CheckpointError: for a missing, corrupt or pickled (code-carrying) file, or one
             holding no tensors.
     """
-    from common.handlers.checkpoint import CheckpointError, load_checkpoint
+    from common.checkpoint_io import CheckpointError, load_checkpoint
 
     content = load_checkpoint(path)
     count = _count_tensors(content)
@@ -370,7 +370,7 @@ def package_bundle(
     Raises:
         FileNotFoundError: for a missing bundle, checkpoint or required bundle file.
         ValueError: for a version mismatch, a version without changelog entry or a symlink in the bundle.
-        common.handlers.checkpoint.CheckpointError: for a corrupt or pickled checkpoint.
+        common.checkpoint_io.CheckpointError: for a corrupt or pickled checkpoint.
     """
     bundle_dir = _resolve_bundle(name_or_dir)
     name = bundle_dir.name

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from common.handlers.checkpoint import CheckpointError, load_checkpoint
+from common.checkpoint_io import CheckpointError, load_checkpoint
 from common.networks.wrappers import LatentDecoder, LatentEncoder, blended_windows, clean_state_dict, unwrap
 from common.utils import rng_state, set_rng_state
 

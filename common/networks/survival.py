@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from monai.networks.nets import resnet
 from torch import nn
 
-from common.handlers.checkpoint import CheckpointError, load_checkpoint
+from common.checkpoint_io import CheckpointError, load_checkpoint
 from common.losses.survival import check_cut_points
 from common.networks.wrappers import clean_state_dict, unwrap
 

@@ -24,9 +24,9 @@ from monai.networks.nets import DiffusionModelUNet, ViT
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from common.checkpoint_io import CheckpointError
 from common.data.drr import DRRProjector
 from common.engines.diffusion import DiffusionSchedule, grid_ddim_sample
-from common.handlers.checkpoint import CheckpointError
 from common.networks.wrappers import _InferenceView, clean_state_dict, unwrap
 
 __all__ = [
@@ -515,7 +515,7 @@ def load_cascade(cascade: XrayCTCascade, checkpoints: str | os.PathLike | Sequen
     Raises:
         CheckpointError: naming the file that is missing, unreadable or belongs to another stage/architecture.
     """
-    from common.handlers.checkpoint import load_checkpoint
+    from common.checkpoint_io import load_checkpoint
 
     if isinstance(checkpoints, (str, os.PathLike)):
         state = load_checkpoint(checkpoints)
@@ -540,7 +540,7 @@ def load_cascade(cascade: XrayCTCascade, checkpoints: str | os.PathLike | Sequen
 
 def save_cascade(cascade: XrayCTCascade, path: str | os.PathLike) -> Path:
     """Write the combined cascade checkpoint (what a packaged bundle ships as ``models/model.pt``)."""
-    from common.handlers.checkpoint import save_checkpoint
+    from common.checkpoint_io import save_checkpoint
 
     return save_checkpoint(cascade.state_dict(), path)
 
