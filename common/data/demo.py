@@ -35,6 +35,7 @@ __all__ = [
     "TISSUES",
     "TISSUE_CONTRAST",
     "TRANSLATION_VOLUMES",
+    "existing_datalist",
     "make_brain_tumour_phantom",
     "make_ct_phantom",
     "make_diffusion_demo",
@@ -44,6 +45,7 @@ __all__ = [
     "make_demo_dataset",
     "make_phantom",
     "mni_template_paths",
+    "validate_triple",
     "write_brats_phantom_dataset",
     "write_nifti",
     "write_phantom_dataset",
@@ -93,7 +95,7 @@ def mni_template_paths() -> dict[str, Path]:
     return paths
 
 
-def _validate_triple(name: str, value: float | Sequence[float], positive_int: bool = False) -> tuple:
+def validate_triple(name: str, value: float | Sequence[float], positive_int: bool = False) -> tuple:
     """Return ``value`` as 3 positive numbers (a single number is repeated).
 
     Raises:
@@ -283,7 +285,7 @@ def _demo_volumes(
     return blocks
 
 
-def _existing_datalist(
+def existing_datalist(
     datalist: Path, keys: Sequence[str] = ("image",), counts: Mapping[str, int] | None = None
 ) -> bool:
     """Whether ``datalist`` exists and every file it lists under ``keys`` exists.
@@ -341,10 +343,10 @@ def make_demo_dataset(
         FileNotFoundError: when nilearn (which ships the templates) is not installed.
         ValueError: when ``spacing`` is not 3 positive numbers or is too coarse for two blocks.
     """
-    spacing = _validate_triple("spacing", spacing)
+    spacing = validate_triple("spacing", spacing)
     out = Path(os.path.expanduser(os.fspath(output_dir))).absolute()
     datalist = out / "datalist.json"
-    if not overwrite and _existing_datalist(datalist):
+    if not overwrite and existing_datalist(datalist):
         return datalist
     sections: dict[str, list[dict]] = {}
     for section, volumes in _demo_volumes(spacing).items():
@@ -384,7 +386,7 @@ def make_phantom(shape: Sequence[int] = (32, 32, 32), seed: int = 0, kind: str =
     """
     if kind not in PHANTOM_KINDS:
         raise ValueError(f"kind must be one of {PHANTOM_KINDS}, got {kind!r}")
-    shape = _validate_triple("shape", shape, positive_int=True)
+    shape = validate_triple("shape", shape, positive_int=True)
     rng = np.random.default_rng(seed)
     axes = [np.linspace(-1.0, 1.0, s, dtype=np.float32) for s in shape]
     grid = np.stack(np.meshgrid(*axes, indexing="ij"), axis=-1)  # (X, Y, Z, 3) in [-1, 1]
@@ -427,7 +429,7 @@ def make_ct_phantom(shape: Sequence[int] = (64, 64, 64), seed: int = 0, noise_hu
     """
     from scipy.ndimage import gaussian_filter
 
-    shape = _validate_triple("shape", shape, positive_int=True)
+    shape = validate_triple("shape", shape, positive_int=True)
     rng = np.random.default_rng(seed)
     x, y, z = np.meshgrid(*[np.linspace(-1.0, 1.0, s, dtype=np.float32) for s in shape], indexing="ij")
     hu = np.full(shape, -1000.0, dtype=np.float32)
@@ -506,7 +508,7 @@ def write_dicom_series(
         raise FileExistsError(f"{folder} already holds files; a series needs its own folder")
     folder.mkdir(parents=True, exist_ok=True)
     array = np.ascontiguousarray(np.clip(np.round(volume), -32768, 32767).astype(np.int16).transpose(2, 1, 0))
-    sx, sy, sz = _validate_triple("spacing", spacing)
+    sx, sy, sz = validate_triple("spacing", spacing)
     # DICOM patient space is LPS: the array's +X (right to left in RAS terms, -L) and +Y (anterior, -P) give row
     # and column cosines (-1, 0, 0) and (0, -1, 0); every slice carries its own position along Z
     series_uid = f"1.2.826.0.1.3680043.8.498.{abs(hash((str(folder), volume.shape))) % 10**12}"
@@ -565,8 +567,8 @@ def write_phantom_dataset(
     if int(n_train) < 1 or int(n_val) < 0:
         raise ValueError(f"n_train must be >= 1 and n_val >= 0, got n_train={n_train!r}, n_val={n_val!r}")
     n_train, n_val = int(n_train), int(n_val)
-    spacing = _validate_triple("spacing", spacing)
-    shape = _validate_triple("shape", shape, positive_int=True)
+    spacing = validate_triple("spacing", spacing)
+    shape = validate_triple("shape", shape, positive_int=True)
     out = Path(os.path.expanduser(os.fspath(output_dir))).absolute()
     affine = np.diag([*spacing, 1.0])
     seeds = np.random.SeedSequence(int(seed)).generate_state(n_train + n_val)
@@ -688,7 +690,7 @@ def make_brain_tumour_phantom(
     """
     from scipy.ndimage import gaussian_filter
 
-    shape = _validate_triple("shape", shape, positive_int=True)
+    shape = validate_triple("shape", shape, positive_int=True)
     if min(shape) < PHANTOM_MIN_SIZE:
         raise ValueError(f"shape must be at least {PHANTOM_MIN_SIZE} voxels per axis, got {shape!r}")
     rng = np.random.default_rng(seed)
@@ -793,15 +795,15 @@ def write_brats_phantom_dataset(
     if n_val < 0:
         raise ValueError(f"n_val must be 0 or more, got {n_val!r}")
     n_train, n_val = int(n_train), int(n_val)
-    shape = _validate_triple("shape", shape, positive_int=True)
+    shape = validate_triple("shape", shape, positive_int=True)
     if min(shape) < PHANTOM_MIN_SIZE:
         raise ValueError(f"shape must be at least {PHANTOM_MIN_SIZE} voxels per axis, got {shape!r}")
-    spacing = _validate_triple("spacing", spacing)
+    spacing = validate_triple("spacing", spacing)
     out = Path(os.path.expanduser(os.fspath(output_dir))).absolute()
     datalist = out / "datalist.json"
     keys = (*BRATS_MODALITIES, "label")
     counts = {"training": n_train, **({"validation": n_val} if n_val else {})}
-    if not overwrite and _existing_datalist(datalist, keys=keys, counts=counts):
+    if not overwrite and existing_datalist(datalist, keys=keys, counts=counts):
         return datalist
     affine = np.diag([*spacing, 1.0])
     case_ids = []
@@ -861,10 +863,10 @@ def make_translation_demo(
             raise ValueError(f"{role} must be one of {TRANSLATION_VOLUMES}, got {name!r}")
     if source == target:
         raise ValueError(f"source and target must differ, got {source!r} for both")
-    spacing = _validate_triple("spacing", spacing)
+    spacing = validate_triple("spacing", spacing)
     out = Path(os.path.expanduser(os.fspath(output_dir))).absolute()
     datalist = out / "datalist.json"
-    if not overwrite and _existing_datalist(datalist, keys=(source, target), counts={"training": 1, "validation": 1}):
+    if not overwrite and existing_datalist(datalist, keys=(source, target), counts={"training": 1, "validation": 1}):
         return datalist
     names = {"training": (source, target), "validation": (source, target)}
     sections: dict[str, list[dict]] = {}

@@ -59,6 +59,7 @@ __all__ = [
     "make_dataset",
     "make_loader",
     "partition_for_rank",
+    "spatial_steps",
     "volume_transforms",
 ]
 
@@ -94,7 +95,7 @@ def intensity_transform(keys: Sequence[str], intensity: Mapping[str, Any], chann
     raise ValueError(f"intensity mode must be 'ct', 'mri' or 'none', got {mode!r}.")
 
 
-def _spatial_steps(
+def spatial_steps(
     keys: Sequence[str], orientation: str | None, spacing: Sequence[float] | None, stack_as: str | None = None
 ) -> list:
     """Load -> channel first (-> stack ``keys`` as the channels of ``stack_as``) -> orientation -> spacing."""
@@ -155,7 +156,7 @@ def volume_transforms(
             validation and inference keeps them consistent (inference undoes it with ``Invertd``).
     """
     keys = list(keys)
-    transforms = _spatial_steps(keys, orientation, spacing)
+    transforms = spatial_steps(keys, orientation, spacing)
     norm = intensity_transform(keys, intensity or {"mode": "mri"})
     if norm is not None:
         transforms.append(norm)
@@ -316,7 +317,7 @@ def diffusion_transforms(
     if train and patch_size is None:
         raise ValueError("patch_size is required for training transforms.")
     image = Keys.IMAGE
-    transforms = [*_spatial_steps(keys, orientation, spacing, stack_as=image), CaseMetad(image)]
+    transforms = [*spatial_steps(keys, orientation, spacing, stack_as=image), CaseMetad(image)]
     intensity = intensity or {"mode": "mri"}
     norm = intensity_transform([image], intensity, channel_wise=True)
     if norm is not None:
@@ -385,7 +386,7 @@ def survival_transforms(
     image = Keys.IMAGE
     size = tuple(int(s) for s in image_size)
     keep = SelectItemsd([image, "case_id", "time", "event", "covariates"], allow_missing_keys=True)
-    transforms = [keep, *_spatial_steps([image], orientation, spacing), CaseMetad(image)]
+    transforms = [keep, *spatial_steps([image], orientation, spacing), CaseMetad(image)]
     norm = intensity_transform([image], intensity or {"mode": "mri"})
     if norm is not None:
         transforms.append(norm)

@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from common.data.demo import _validate_triple, write_nifti
+from common.data.demo import validate_triple, write_nifti
 from common.data.survival import SPLIT_NAMES, read_cohort_csv, split_cohort
 from common.utils import write_text_atomic
 
@@ -96,7 +96,7 @@ def _grid(shape: tuple[int, int, int]) -> tuple[np.ndarray, np.ndarray, np.ndarr
 
 
 def _validate_shape(shape: Sequence[int]) -> tuple[int, int, int]:
-    shape = _validate_triple("shape", shape, positive_int=True)
+    shape = validate_triple("shape", shape, positive_int=True)
     if min(shape) < PHANTOM_MIN_SIZE:
         raise ValueError(f"shape must be at least {PHANTOM_MIN_SIZE} voxels per axis, got {shape!r}")
     return shape
@@ -392,7 +392,7 @@ def make_mace_cohort(
         ValueError: for invalid arguments.
     """
     shape = _validate_shape(shape)
-    spacing = _validate_triple("spacing", spacing)
+    spacing = validate_triple("spacing", spacing)
     _validate_cohort_args(n_cases, censoring, median_followup_years, event_fraction, dropout_rate)
     if isinstance(val_fraction, bool) or not isinstance(val_fraction, (int, float)) or not 0 < val_fraction < 1:
         raise ValueError(f"val_fraction must be a number in (0, 1), got {val_fraction!r}")

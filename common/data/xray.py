@@ -35,7 +35,7 @@ from monai.transforms import (
 )
 
 from common.data.drr import DRRProjector
-from common.data.pipeline import CaseMetad, _spatial_steps
+from common.data.pipeline import CaseMetad, spatial_steps
 from common.data.preflight import PreflightError
 
 __all__ = [
@@ -265,7 +265,7 @@ def xray2ct_transforms(
     steps: list = []
     if with_image:
         spacing = [f / s for f, s in zip(projector.fov_mm, source)]
-        steps += [*_spatial_steps([image], orientation, spacing), CaseMetad(image)]
+        steps += [*spatial_steps([image], orientation, spacing), CaseMetad(image)]
         steps += [
             ScaleIntensityRanged(
                 image, a_min=projector.hu_min, a_max=projector.hu_max, b_min=0.0, b_max=1.0, clip=True
@@ -298,12 +298,12 @@ def make_xray2ct_demo(
     fat layer, lungs, heart with a blood pool and pulmonary arteries, spine, ribs; sizes and positions vary,
     :func:`common.data.demo.make_ct_phantom`) of ``shape`` voxels over a ``fov_mm`` cube, as NIfTI files and a
     datalist. Returns the datalist path; an existing complete demo is reused unless ``overwrite``."""
-    from common.data.demo import _existing_datalist, write_phantom_dataset
+    from common.data.demo import existing_datalist, write_phantom_dataset
 
     out = Path(os.path.expanduser(os.fspath(output_dir))).absolute()
     datalist = out / "datalist.json"
     counts = {"training": int(n_train), "validation": int(n_val)} if int(n_val) else {"training": int(n_train)}
-    if not overwrite and _existing_datalist(datalist, counts=counts):
+    if not overwrite and existing_datalist(datalist, counts=counts):
         return datalist
     spacing = [float(fov_mm) / int(s) for s in shape]
     return write_phantom_dataset(out, n_train=n_train, n_val=n_val, shape=shape, seed=seed, spacing=spacing, kind="ct")

@@ -11,14 +11,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from common.engines.diffusion import DiffusionSchedule, grid_ddim_sample
-from common.networks.wrappers import _InferenceView, blended_windows, clean_state_dict, unwrap
+from common.networks.wrappers import InferenceView, blended_windows, clean_state_dict, unwrap
 
 __all__ = ["DiffusionSampler"]
 
 LATENT_SCALE_KEY = "latent_scale"
 
 
-class DiffusionSampler(_InferenceView):
+class DiffusionSampler(InferenceView):
     """``forward(image)`` -> a sample of the target channels: DDIM over exactly the points of ``timesteps``.
 
     ``image`` holds every input channel of the denoiser in its channel layout: the condition channels (source

@@ -13,6 +13,7 @@ from monai.inferers import sliding_window_inference
 from torch import nn
 
 __all__ = [
+    "InferenceView",
     "LatentDecoder",
     "LatentEncoder",
     "ReconstructionNetwork",
@@ -129,7 +130,7 @@ def split_autoencoder_output(output) -> tuple[torch.Tensor, dict[str, torch.Tens
     )
 
 
-class _InferenceView(nn.Module):
+class InferenceView(nn.Module):
     """Base of inference views: checkpoints of the wrapped network load and save without a prefix.
 
     A view starts in eval mode: MONAI evaluators run the network inside ``eval_mode``, which afterwards calls
@@ -150,7 +151,7 @@ class _InferenceView(nn.Module):
         return unwrap(self.network).load_state_dict(clean_state_dict(state_dict), strict=strict, assign=assign)
 
 
-class ReconstructionNetwork(_InferenceView):
+class ReconstructionNetwork(InferenceView):
     """Inference view of an autoencoder: ``forward(x)`` returns only the reconstruction tensor.
 
     For a variational autoencoder the deterministic path (decode the posterior mean) is used, so validation
@@ -167,7 +168,7 @@ class ReconstructionNetwork(_InferenceView):
         return split_autoencoder_output(self.network(x))[0]
 
 
-class LatentEncoder(_InferenceView):
+class LatentEncoder(InferenceView):
     """Inference view of an autoencoder's encoder: ``forward(x)`` returns the latent map.
 
     ``AutoencoderKL`` gives the posterior mean (deterministic), VQ-VAE style networks the quantized latent
@@ -191,7 +192,7 @@ class LatentEncoder(_InferenceView):
         return encoded[0] if isinstance(encoded, (tuple, list)) else encoded
 
 
-class LatentDecoder(_InferenceView):
+class LatentDecoder(InferenceView):
     """Inference view of an autoencoder's decoder: ``forward(latent)`` returns the decoded image.
 
     Args:

@@ -27,7 +27,7 @@ from torch.utils.checkpoint import checkpoint
 from common.checkpoint_io import CheckpointError
 from common.data.drr import DRRProjector
 from common.engines.diffusion import DiffusionSchedule, grid_ddim_sample
-from common.networks.wrappers import _InferenceView, clean_state_dict, unwrap
+from common.networks.wrappers import InferenceView, clean_state_dict, unwrap
 
 __all__ = [
     "MODES",
@@ -318,7 +318,7 @@ def init_from_previous(network: nn.Module, state_dict: Mapping[str, torch.Tensor
     return {"copied": copied, "partial": partial, "new": kept}
 
 
-class XrayCTSampler(_InferenceView):
+class XrayCTSampler(InferenceView):
     """``forward(xray, previous=None)`` -> a CT volume in ``[-1, 1]`` of ``volume_size``.
 
     ``diffusion``: DDIM over exactly the points of ``timesteps`` from seeded start noise (one network evaluation
