@@ -389,7 +389,7 @@ def _plan_rows(items: Sequence[Item], minutes: float, tiny: bool) -> list[dict]:
         fits = used + item.minutes <= minutes or tiny
         used += item.minutes if fits else 0.0
         rows.append({"name": item.name, "section": item.section, "minutes": item.minutes, "fits": fits,
-                     "what": item.what})  # fmt: skip
+                     "cumulative": used, "what": item.what})  # fmt: skip
     return rows
 
 
@@ -432,10 +432,8 @@ def campaign(
     if plan:
         rows = _plan_rows(items, float(minutes), bool(tiny))
         print(f"campaign plan for {float(minutes):g} minutes ({'tiny, CPU' if tiny else 'GPU'}):")
-        total = 0.0
         for r in rows:
-            total += r["minutes"] if r["fits"] else 0.0
-            mark = f"{total:6.1f}" if r["fits"] else "  skip"
+            mark = f"{r['cumulative']:6.1f}" if r["fits"] else "  skip"
             print(f"  {mark}  ({r['section']}) {r['name']:<36} ~{r['minutes']:.1f} min  {r['what']}")
         return {"plan": rows}
     deadline = time.monotonic() + float(minutes) * 60.0
@@ -467,7 +465,7 @@ def campaign(
     doc["finished"] = _now()
     _write(out, doc)
     done = sum(r["status"] == "ok" for r in doc["items"])
-    print(f"[campaign] {done} of {len(doc['items'])} items measured; results in {out}")
+    print(f"[campaign] {done} of {len(doc['items'])} items measured" + (f"; results in {out}" if out else ""))
     return doc
 
 

@@ -105,7 +105,8 @@ def count_flops(fn: Callable[[], Any]) -> int:
 def step_flops(s: dict, bundle: str, overrides: dict, output_dir: str) -> int:
     """Model FLOPs of one training iteration of ``bundle``'s trainer at the run's settings: a fresh trainer
     (``compile`` off, so the count sees every operation) runs two iterations and the second one is counted, from
-    ``ITERATION_STARTED`` to ``ITERATION_COMPLETED`` (data loading excluded, as in the timed runs)."""
+    ``ITERATION_STARTED`` to ``ITERATION_COMPLETED`` (the loading of the batch, which does no model FLOPs, is left
+    out)."""
     from ignite.engine import Events
     from torch.utils.flop_counter import FlopCounterMode
 

@@ -65,6 +65,7 @@ def test_plan_orders_by_value_and_marks_what_fits(capsys):
     assert rows[0]["name"] == "gpu_tests" and rows[1]["name"].endswith("_bf16")
     fitting = [r for r in rows if r["fits"]]
     assert sum(r["minutes"] for r in fitting) <= 10 < sum(r["minutes"] for r in rows)
+    assert fitting[-1]["cumulative"] == pytest.approx(sum(r["minutes"] for r in fitting))
     assert "skip" in capsys.readouterr().out
 
 

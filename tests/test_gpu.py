@@ -103,8 +103,7 @@ def test_two_gpus_nccl_replicas_stay_identical(tmp_path):
     probe.write_text(json.dumps({"finalize": [save, "$common.utils.destroy_distributed()"]}))
     args = overrides(
         dataset_dir=str(datalist.parent),
-        output_dir=str(out),
-        device="cuda",
+        output_dir=str(out),  # no device override: multi_gpu_train.json puts each rank on cuda:LOCAL_RANK
         max_epochs=2,
         val_interval=1,
         adv_warmup_iterations=1,
