@@ -7,8 +7,9 @@ from __future__ import annotations
 
 import ast
 import difflib
+import importlib
 import sys
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -18,8 +19,8 @@ __all__ = [
     "check_run",
     "check_settings_or_exit",
     "command_line_overrides",
+    "demo_generator",
     "find_checkpoint",
-    "flag_problems",
 ]
 
 # arguments of ``monai.bundle.scripts.run`` that are not config overrides
@@ -55,6 +56,29 @@ def bundle_root(name: str) -> str:
     raise FileNotFoundError(f"bundle {name!r} not found; looked in {[str(c) for c in candidates]}.")
 
 
+
+def demo_generator(path: str) -> Callable[..., Any]:
+    """The demo-data generator at the dotted ``path`` (``common.demo.<module>.<function>``), imported when a config
+    asks for demo data: the generators live in ``common/demo``, which a packaged bundle does not carry.
+
+    Raises:
+        RuntimeError: when ``common.demo`` is not there (a packaged bundle): the message says to point
+            ``dataset_dir`` at the data to use.
+        AttributeError: when the module has no such function.
+    """
+    module, _, name = str(path).rpartition(".")
+    try:
+        found = importlib.import_module(module)
+    except ModuleNotFoundError as e:
+        if e.name is None or not module.startswith(e.name):
+            raise
+        raise RuntimeError(
+            f"demo data was requested ('dataset_dir' is the bundle's demo_data folder) but {module} is not here: a "
+            "packaged bundle carries no demo-data generators. Pass --dataset_dir with your own data (a folder with "
+            "datalist.json, see the model card), or run the demo from the repository."
+        ) from e
+    return getattr(found, name)
+
 def find_checkpoint(output_dir: str, bundle_root: str, name: str = "model.pt") -> str:
     """The weights an evaluation/inference config loads by default.
 
@@ -82,7 +106,7 @@ def check_settings_or_exit(check: Callable[..., Any], **settings: Any) -> Any:
 
     Args:
         check: a function raising ``ValueError`` for invalid settings, e.g.
-            ``common.networks.vqgan.check_vqgan_settings``.
+            ``common.vqgan.networks.check_vqgan_settings``.
         settings: the config values, passed to ``check`` by name.
 
     Returns:
@@ -95,16 +119,6 @@ def check_settings_or_exit(check: Callable[..., Any], **settings: Any) -> Any:
     except (ValueError, TypeError, CheckpointError) as exc:
         print(f"configuration error: {exc}", file=sys.stderr, flush=True)
         raise SystemExit(1) from None
-
-
-def flag_problems(flags: Mapping[str, Any] | None) -> list[str]:
-    """A problem line for every on/off config id in ``flags`` (id -> value) whose value is not a boolean: the
-    command line reads ``true``/``false`` as strings, and the string ``"false"`` is true."""
-    return [
-        f"{name!r} must be True or False (write True/False on the command line), got {value!r}."
-        for name, value in (flags or {}).items()
-        if not isinstance(value, bool)
-    ]
 
 
 def command_line_overrides(argv: Sequence[str] | None = None) -> dict[str, Any] | None:

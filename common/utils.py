@@ -13,7 +13,7 @@ import os
 import random
 import sys
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 __all__ = [
+    "flag_problems",
     "AMP_MODES",
     "OutputWriteError",
     "PeerFailureError",
@@ -466,3 +467,13 @@ def write_text_atomic(path: str | os.PathLike, text: str) -> Path:
         The path written.
     """
     return write_atomic(path, lambda handle: handle.write(text.encode("utf-8")))
+
+
+def flag_problems(flags: Mapping[str, Any] | None) -> list[str]:
+    """A problem line for every on/off config id in ``flags`` (id -> value) whose value is not a boolean: the
+    command line reads ``true``/``false`` as strings, and the string ``"false"`` is true."""
+    return [
+        f"{name!r} must be True or False (write True/False on the command line), got {value!r}."
+        for name, value in (flags or {}).items()
+        if not isinstance(value, bool)
+    ]

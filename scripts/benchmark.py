@@ -169,7 +169,7 @@ def _networks(s: dict, use_checkpoint: bool = False, flash_attention: bool | Non
 
 def _vqgan(network: dict, device: torch.device):
     """The bundle's VQGAN (codebook EMA decay, commitment cost and restart threshold from ``train.json``)."""
-    from common.networks.vqgan import VQGAN
+    from common.vqgan.networks import VQGAN
 
     config = train_config("vqgan_3d")
     return VQGAN(
@@ -186,7 +186,7 @@ def _vqgan(network: dict, device: torch.device):
 
 def _vqgan_networks(s: dict):
     """The VQGAN and the bundle's SliceVolumeDiscriminator (2D slice + 3D volume heads) at the run's widths."""
-    from common.networks.discriminators import SliceVolumeDiscriminator
+    from common.autoencoder.discriminators import SliceVolumeDiscriminator
 
     disc = SliceVolumeDiscriminator(
         in_channels=1,
@@ -264,7 +264,7 @@ def _plain_loop(s: dict, data: list[dict], iterations: int, warmup: int, workers
     """The training loop of MONAI's 3D latent-diffusion tutorial (fp32, CPU CacheDataset + DataLoader)."""
     from monai.losses import PatchAdversarialLoss
 
-    from common.losses.autoencoder import kl_divergence
+    from common.autoencoder.losses import kl_divergence
 
     loader = _plain_loader(s, data, workers)
     ae, disc = _networks(s, flash_attention=False)
@@ -307,7 +307,7 @@ def _vqgan_plain_loop(s: dict, data: list[dict], iterations: int, warmup: int, w
     with weights ``len(chunk) / len(batch)``, one Adam(betas 0.5, 0.9) step per network per batch, gradient
     norm clipped as in ``train.json``. One generator forward per chunk serves both steps (TATS repeats it).
     """
-    from common.losses.adversarial import HingeAdversarialLoss, feature_matching_loss
+    from common.autoencoder.adversarial import HingeAdversarialLoss, feature_matching_loss
 
     loader = _plain_loader(s, data, workers)
     vqgan, disc = _vqgan_networks(s)
@@ -541,7 +541,7 @@ def _memory_probe(patch_size, channels, batch_size, num_samples, device, amp, us
     """One measurement (run in a fresh process): peak memory of three full training steps."""
     from monai.losses import PatchAdversarialLoss
 
-    from common.engines.autoencoder_gan import AutoencoderGANTrainer
+    from common.autoencoder.engines import AutoencoderGANTrainer
     from common.handlers.monitor import peak_memory_gib
     from common.utils import resolve_device
 
@@ -702,7 +702,7 @@ def _vqgan_memory_probe(
     """
     from ignite.engine import Events
 
-    from common.data.demo import write_phantom_dataset
+    from common.demo.images import write_phantom_dataset
     from common.handlers.monitor import peak_memory_gib
     from common.utils import resolve_device
 

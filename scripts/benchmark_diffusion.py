@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from common.data.demo import make_diffusion_demo
+from common.demo.images import make_diffusion_demo
 from scripts.benchmark_tools import (
     alternate,
     bundle_command,
@@ -126,8 +126,8 @@ def ddpm_sampling(
         seed: seed of the network's weights and the input volume.
         output: JSON file for the results.
     """
-    from common.engines.diffusion_workflow import DIFFUSION_MODES, sampling_grid
-    from common.networks.diffusion import DiffusionSampler
+    from common.diffusion.engines import DIFFUSION_MODES, sampling_grid
+    from common.diffusion.networks import DiffusionSampler
     from common.utils import autocast, default_amp
 
     dev, _ = setup(device, num_threads, 0)
@@ -247,7 +247,7 @@ def ddpm_quality(
         output: JSON file for the results.
     """
     from common.checkpoint_io import load_checkpoint, save_checkpoint
-    from common.data.demo import write_brats_phantom_dataset
+    from common.demo.images import write_brats_phantom_dataset
 
     work = Path(output_dir) if output_dir else Path(tempfile.mkdtemp(prefix="ddpm_quality_"))
     data = work / "data"
@@ -326,7 +326,7 @@ def _ddpm_plain_loop(s: dict, data: list[dict], iterations: int, warmup: int, wo
         SpatialPadd,
     )
 
-    from common.engines.diffusion import DiffusionSchedule, fast_ddpm_grid
+    from common.diffusion.schedule import DiffusionSchedule, fast_ddpm_grid
 
     keys = ["t1", "gm"]
     transforms = Compose(

@@ -61,7 +61,7 @@ def _make_cohort(
     seed: int = 0,
     censoring: str = "uniform",
 ) -> Path:
-    from common.data.survival_demo import make_mace_cohort
+    from common.demo.survival import make_mace_cohort
 
     return make_mace_cohort(
         folder,
@@ -75,7 +75,7 @@ def _make_cohort(
 
 def _sections(csv: Path) -> dict[str, list[dict]]:
     """The cohort's splits as the bundle reads them (the split column decides)."""
-    from common.data.survival import read_cohort_csv, split_cohort
+    from common.survival.cohort import read_cohort_csv, split_cohort
 
     return split_cohort(read_cohort_csv(csv, time_unit="days"))
 
@@ -96,7 +96,7 @@ def followup_horizons(csv: Path, horizons: Sequence[float] | None = None) -> lis
 def cohort_intervals(csv: Path, num_intervals: int) -> int:
     """The logistic-hazard intervals of the bundle on ``csv``: ``num_intervals``, or fewer when tied quantiles of
     the training event times merge cut points (the bundle refuses the requested number then)."""
-    from common.data.survival import cut_points_from_quantiles
+    from common.survival.cohort import cut_points_from_quantiles
 
     training = _sections(csv)["training"]
     times, events = [e["time"] for e in training], [e["event"] for e in training]
@@ -126,9 +126,9 @@ def _mace_plain_loop(s: dict, data: list[dict], iterations: int, warmup: int, wo
         ScaleIntensityRanged,
     )
 
-    from common.data.survival import cut_points_from_quantiles
-    from common.losses.survival import logistic_hazard_loss
-    from common.networks.survival import SurvivalNet
+    from common.survival.cohort import cut_points_from_quantiles
+    from common.survival.losses import logistic_hazard_loss
+    from common.survival.networks import SurvivalNet
 
     size = tuple(s["image_size"])
     transforms = Compose(

@@ -242,7 +242,7 @@ def alternate(
     Args:
         plain: the plain loop, or None to time the bundle alone (sizes the plain loop cannot hold).
         make_data: builds the data set in a folder and returns its datalist (default: the MNI demo set of
-            :func:`common.data.demo.make_demo_dataset`).
+            :func:`common.demo.images.make_demo_dataset`).
         keys: the datalist keys holding volumes.
         extra: further bundle overrides.
         load_data: maps what ``make_data`` returned to ``(training entries of the plain loop, bundle overrides
@@ -256,7 +256,7 @@ def alternate(
         and every run under ``runs``.
     """
     from common.data.datalist import load_datalist
-    from common.data.demo import make_demo_dataset
+    from common.demo.images import make_demo_dataset
 
     with tempfile.TemporaryDirectory() as tmp:
         built = (make_data or make_demo_dataset)(Path(tmp) / "demo")

@@ -10,7 +10,7 @@
     python scripts/benchmark.py xray_memory --stages "[1,2]"      # peak memory of one training step per stage
 
 ``xray_throughput`` alternates, in one process, (a) a plain loop written as public X-ray -> CT scripts are (CPU
-``CacheDataset`` of the same transforms + ``DataLoader``, fp32, the same :class:`common.networks.xray2ct.XrayCTDenoiser`
+``CacheDataset`` of the same transforms + ``DataLoader``, fp32, the same :class:`common.xray2ct.networks.XrayCTDenoiser`
 built from the same settings, the same v-prediction MSE + projection loss, AdamW with gradient clipping, no EMA and
 no handlers; from stage 2 on the same degraded stand-in for the previous stage) and (b) the bundle's
 ``train#trainer`` with all its handlers, for one stage. It reports samples/s of each, their ratio, the bundle's
@@ -114,7 +114,7 @@ def _with_stage_size(sizes: list[list[int]], stage: int, size: Sequence[int]) ->
 
 def _projector(view_size: Sequence[int]):
     """The bundle's projector (``train.json``'s geometry and window) at ``view_size``."""
-    from common.data.drr import DRRProjector
+    from common.xray2ct.drr import DRRProjector
 
     config = train_config(BUNDLE)
     return DRRProjector(
@@ -137,10 +137,10 @@ def _xray_plain_loop(s: dict, data: list[dict], iterations: int, warmup: int, wo
     the alpha-bar weighted projection loss, AdamW with gradient clipping; no EMA, no handlers."""
     from monai.data import CacheDataset, DataLoader
 
-    from common.data.xray import xray2ct_transforms
-    from common.engines.diffusion import DiffusionSchedule, fast_ddpm_grid
-    from common.losses.projection import ProjectionLoss
-    from common.networks.xray2ct import XrayCTDenoiser, degrade_to_previous
+    from common.diffusion.schedule import DiffusionSchedule, fast_ddpm_grid
+    from common.xray2ct.data import xray2ct_transforms
+    from common.xray2ct.losses import ProjectionLoss
+    from common.xray2ct.networks import XrayCTDenoiser, degrade_to_previous
 
     config = train_config(BUNDLE)
     projector = _projector(s["view_size"])
@@ -185,7 +185,7 @@ def _random_previous_stages(
 ) -> list[str]:
     """Randomly initialised denoisers of stages ``1 .. stage - 1`` (weights seeded by ``seed``) saved as state dicts
     (the bundle's config loads the earlier stages for validation, which the throughput runs never reach)."""
-    from common.networks.xray2ct import XrayCTDenoiser
+    from common.xray2ct.networks import XrayCTDenoiser
 
     projector = _projector(view_size)
     paths = []
@@ -263,9 +263,9 @@ def xray_throughput(
     The phantoms are written at the stage's volume size; both sides resample them to the last stage's size
     (``source_size``), make the X-rays there and average the CT down to the stage's size, as the bundle does.
     """
-    from common.data.xray import make_xray2ct_demo
-    from common.engines.xray2ct import stage_value
+    from common.demo.images import make_xray2ct_demo
     from common.utils import default_amp
+    from common.xray2ct.engines import stage_value
 
     dev, workers = setup(device, num_threads, baseline_workers)
     torch.manual_seed(int(seed))
@@ -440,8 +440,8 @@ def xray_quality(
     Raises:
         ValueError: for an unknown mode, ``stages``/``iterations`` below 1, or an override the benchmark sets itself.
     """
-    from common.networks.xray2ct import MODES
     from common.utils import resolve_device
+    from common.xray2ct.networks import MODES
 
     modes = [modes] if isinstance(modes, str) else list(modes)
     if not modes or any(m not in MODES for m in modes) or len(set(modes)) != len(modes):
@@ -546,10 +546,10 @@ _MEMORY_STEP = r"""
 import json, resource, sys, time
 import torch
 import torch.nn.functional as F
-from common.data.drr import DRRProjector
-from common.engines.diffusion import DiffusionSchedule
-from common.losses.projection import ProjectionLoss
-from common.networks.xray2ct import XrayCTDenoiser, degrade_to_previous
+from common.xray2ct.drr import DRRProjector
+from common.diffusion.schedule import DiffusionSchedule
+from common.xray2ct.losses import ProjectionLoss
+from common.xray2ct.networks import XrayCTDenoiser, degrade_to_previous
 
 cfg = json.loads(sys.argv[1])
 torch.set_num_threads(int(cfg["num_threads"]))

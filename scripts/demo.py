@@ -211,8 +211,8 @@ def _run(cmd: list[str], env: dict[str, str]) -> None:
 def _survival_oracle(csv_path: Path) -> dict[str, float]:
     """Harrell's and Uno's C of the demo cohort's true log-hazard on its validation cases (the ceiling a model can
     reach), with the training cases' censoring weighting Uno's C as in the bundle's evaluation."""
-    from common.data.survival import read_cohort_csv, split_cohort
-    from common.metrics.survival import harrell_c, uno_c
+    from common.survival.cohort import read_cohort_csv, split_cohort
+    from common.survival.metrics import harrell_c, uno_c
 
     sections = split_cohort(read_cohort_csv(csv_path, covariates=("true_risk",), time_unit="days"))
     val, train = sections["validation"], sections["training"]

@@ -209,7 +209,7 @@ def make_case(bundle: str, root: str | os.PathLike, seed: int = 0) -> BundleCase
     seed = int(seed)
     common = {"deterministic": True, "ckpt_interval": 2, "num_threads": 1}
     if bundle == "autoencoder_3d":
-        from common.data.demo import write_phantom_dataset
+        from common.demo.images import write_phantom_dataset
 
         write_phantom_dataset(root, n_train=4, n_val=2, shape=(24, 24, 24), seed=seed)
         args = {"dataset_dir": str(root), "max_epochs": 4, "val_interval": 2, "adv_warmup_iterations": 3}
@@ -222,7 +222,7 @@ def make_case(bundle: str, root: str | os.PathLike, seed: int = 0) -> BundleCase
             extra={"batch_size": 1},
         )
     if bundle == "vqgan_3d":
-        from common.data.demo import write_phantom_dataset
+        from common.demo.images import write_phantom_dataset
 
         write_phantom_dataset(
             root, n_train=4, n_val=2, shape=(24, 24, 22), kind="ct", spacing=(1.5, 1.5, 2.0), seed=seed
@@ -237,7 +237,7 @@ def make_case(bundle: str, root: str | os.PathLike, seed: int = 0) -> BundleCase
             extra={"max_cases": 4},
         )
     if bundle == "fast_ddpm_3d":
-        from common.data.demo import write_brats_phantom_dataset
+        from common.demo.images import write_brats_phantom_dataset
 
         write_brats_phantom_dataset(root, n_train=4, n_val=2, shape=(24, 24, 20), spacing=(1.5, 1.5, 2.0), seed=seed)
         args = {"dataset_dir": str(root), "max_cases": 2, "max_epochs": 4, "val_interval": 4}
@@ -250,7 +250,7 @@ def make_case(bundle: str, root: str | os.PathLike, seed: int = 0) -> BundleCase
         args = {"csv_path": str(csv_path), "horizons": list(MACE_HORIZONS), "max_epochs": 3, "val_interval": 3}
         return BundleCase(bundle, ["train.json", "tiny.json"], {**args, **common, "seed": seed}, weights=("predictor",))
     if bundle == "xray2ct_cascade":
-        from common.data.xray import make_xray2ct_demo
+        from common.demo.images import make_xray2ct_demo
 
         make_xray2ct_demo(root, n_train=4, n_val=2, shape=(24, 24, 24), fov_mm=350.0, seed=seed)
         args = {"dataset_dir": str(root), "stage": 1, "stage_batch_size": [1, 1], "max_epochs": 2, "val_interval": 2}
@@ -277,7 +277,13 @@ def mace_cohort_problems(
     checks of the bundle's ``cohort_or_exit`` on the CSV's own split (:func:`check_cohort`: events in both splits,
     ``horizons`` below every split's largest follow-up time and one inside the validation follow-up) and
     ``num_intervals`` distinct cut points from the training event times."""
-    from common.data.survival import CohortError, check_cohort, cut_points_from_quantiles, read_cohort_csv, split_cohort
+    from common.survival.cohort import (
+        CohortError,
+        check_cohort,
+        cut_points_from_quantiles,
+        read_cohort_csv,
+        split_cohort,
+    )
 
     sections = split_cohort(read_cohort_csv(csv_path), use_split_column=True)
     problems = []
@@ -304,7 +310,7 @@ def mace_cohort(root: str | os.PathLike, seed: int = 0, tries: int = 100) -> tup
     Raises:
         RuntimeError: when none of ``tries`` consecutive seeds gives a usable cohort.
     """
-    from common.data.survival_demo import make_mace_cohort
+    from common.demo.survival import make_mace_cohort
 
     problems: list[str] = []
     for cohort_seed in range(int(seed), int(seed) + tries):
@@ -672,7 +678,7 @@ def _volume_case(folder: Path, name: str, content: bytes) -> Callable[[], tuple[
 
 
 def _dicom_seed(folder: Path, seed: int = 0) -> list[bytes]:
-    from common.data.demo import write_phantom_dataset
+    from common.demo.images import write_phantom_dataset
 
     write_phantom_dataset(folder, n_train=1, n_val=0, shape=(16, 16, 6), kind="ct", dicom=True, seed=seed)
     return [p.read_bytes() for p in sorted(folder.rglob("*.dcm"))]
@@ -760,7 +766,7 @@ def fuzz(cases: int = 200, seed: int = 0, workdir: str | None = None) -> list[Fu
     from hypothesis import strategies as st
 
     from common.data.datalist import DatalistError, parse_datalist_section
-    from common.data.survival import CohortError, read_cohort_csv
+    from common.survival.cohort import CohortError, read_cohort_csv
 
     root = Path(workdir or tempfile.mkdtemp(prefix="fuzz_"))
     root.mkdir(parents=True, exist_ok=True)
@@ -1008,7 +1014,7 @@ def soak(iterations: int = 2000, workdir: str | None = None, every: int = 2, see
         descriptors in the second third), "fds_end" (the fewest in the last third), "fds_max" (the most from a
         third on), "seconds", "returncode"}``.
     """
-    from common.data.demo import write_phantom_dataset
+    from common.demo.images import write_phantom_dataset
 
     root = Path(workdir or tempfile.mkdtemp(prefix="soak_"))
     write_phantom_dataset(root / "data", n_train=8, n_val=2, shape=(20, 20, 20), seed=seed)

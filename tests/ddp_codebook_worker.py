@@ -1,6 +1,6 @@
 # Copyright (c) the 3D MONAI bundle collection contributors.
 # Licensed under the Apache License, Version 2.0.
-"""Worker of the 2-process (gloo, CPU) codebook synchronisation test in ``tests/test_networks_vqgan.py``.
+"""Worker of the 2-process (gloo, CPU) codebook synchronisation test in ``tests/test_vqgan_networks.py``.
 
 Run as ``torchrun --nproc_per_node=2 tests/ddp_codebook_worker.py OUTDIR``. Every rank seeds its RNGs with
 ``SEED + rank`` (``SEED`` shifted by ``BUNDLE_TEST_SEED``, so the initialisation/restart candidates each rank draws
@@ -28,9 +28,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from common.metrics.codebook import CodebookMetric
-from common.networks.vqgan import EMAVectorQuantizer
 from common.utils import assert_replicas_equal
+from common.vqgan.metrics import CodebookMetric
+from common.vqgan.networks import EMAVectorQuantizer
 from tests.helpers import shifted_seed
 
 N_CODES, DIM, STEPS, DECAY = 16, 4, 4, 0.9

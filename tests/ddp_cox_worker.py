@@ -1,10 +1,10 @@
 # Copyright (c) the 3D MONAI bundle collection contributors.
 # Licensed under the Apache License, Version 2.0.
-"""Worker of the 2-process (gloo, CPU) Cox-loss test in ``tests/test_losses_survival.py``.
+"""Worker of the 2-process (gloo, CPU) Cox-loss test in ``tests/test_survival_losses.py``.
 
 Run as ``torchrun --nproc_per_node=2 tests/ddp_cox_worker.py OUTDIR``. Every scenario builds the same tiny linear
 model (:func:`make_model`), wraps it in ``DistributedDataParallel``, gives each rank its rows of the shared batch
-(:func:`full_batch`, tied times), runs one forward/backward of :func:`common.losses.survival.cox_loss` and records
+(:func:`full_batch`, tied times), runs one forward/backward of :func:`common.survival.losses.cox_loss` and records
 the loss and the parameter gradient. Scenarios (name -> (rows of rank 0, rows of rank 1, global risk set,
 events kept)) are in :data:`SCENARIOS`. Each rank saves ``OUTDIR/rank{r}.pt``.
 
@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from common.losses.survival import cox_loss
+from common.survival.losses import cox_loss
 
 N, FEATURES = 12, 5
 WEIGHT = (0.6, -0.4, 0.3, 0.2, -0.5)

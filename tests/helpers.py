@@ -179,7 +179,7 @@ TINY_XRAY_NETWORK = {
 
 def xray_projector(view_size=(16, 16)):
     """A DRR projector over an anisotropic field of view (so the two views differ in their path lengths)."""
-    from common.data.drr import DRRProjector
+    from common.xray2ct.drr import DRRProjector
 
     return DRRProjector(fov_mm=(160.0, 200.0, 240.0), view_size=view_size)
 
@@ -197,7 +197,7 @@ def randomise_zero_parameters(network: torch.nn.Module, seed: int = 0) -> torch.
 
 def tiny_xray_denoiser(seed: int = 0, with_previous: bool = False, **kwargs):
     """A seeded tiny ``XrayCTDenoiser`` (see :func:`randomise_zero_parameters`)."""
-    from common.networks.xray2ct import XrayCTDenoiser
+    from common.xray2ct.networks import XrayCTDenoiser
 
     torch.manual_seed(seed)
     net = XrayCTDenoiser(xray_projector(), with_previous=with_previous, **{**TINY_XRAY_NETWORK, **kwargs})

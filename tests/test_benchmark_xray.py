@@ -71,7 +71,7 @@ def in_process(monkeypatch):
 
 
 def test_quality_trains_each_mode_for_its_budget_and_evaluates_every_stage(tmp_path, in_process):
-    from common.data.xray import make_xray2ct_demo
+    from common.demo.images import make_xray2ct_demo
 
     data = tmp_path / "data"
     make_xray2ct_demo(data, n_train=4, n_val=2, shape=(16, 16, 16), seed=shifted_seed(0))

@@ -43,7 +43,7 @@ TINY = dict(
 
 @pytest.fixture(scope="module")
 def phantoms(tmp_path_factory) -> Path:
-    from common.data.demo import write_phantom_dataset
+    from common.demo.images import write_phantom_dataset
 
     root = tmp_path_factory.mktemp("phantoms")
     write_phantom_dataset(root, n_train=4, n_val=2, shape=(24, 24, 24), seed=shifted_seed(0))

@@ -64,7 +64,7 @@ def sample_in_process(sampler, batch, seed: int) -> torch.Tensor:
     """One sample per volume of ``batch`` in ``[0, 1]`` as the bundle's evaluator draws it: start noise at the
     target channels from a generator seeded by ``volume_seed`` of the case and ``seed``, then the sampler, with this
     suite's thread count (the subprocesses' too)."""
-    from common.engines.diffusion_workflow import insert_target, volume_seed
+    from common.diffusion.engines import insert_target, volume_seed
 
     image = batch["image"].as_tensor().float()
     threads = torch.get_num_threads()
@@ -90,7 +90,7 @@ SAMPLE_ATOL = 160 * 16 * float(np.finfo(np.float32).eps)
 @pytest.fixture(scope="module")
 def brats_tree(tmp_path_factory) -> Path:
     """Six phantom cases in the BraTS 2023 layout, listed by ``scripts/make_datalist.py --brats``."""
-    from common.data.demo import write_brats_phantom_dataset
+    from common.demo.images import write_brats_phantom_dataset
 
     root = tmp_path_factory.mktemp("brats")
     write_brats_phantom_dataset(root, n_train=4, n_val=2, shape=SHAPE, spacing=(1.5, 1.5, 2.0), seed=shifted_seed(0))

@@ -71,7 +71,7 @@ def _followup_design(csv_path: Path) -> Path:
 def cohort(tmp_path_factory) -> Path:
     """32 chest phantoms of 24x24x20 voxels, split by the generator (stratified by its events: 24/8 or 23/9
     training/validation cases, depending on the seed), with the follow-up of :func:`_followup_design`."""
-    from common.data.survival_demo import make_mace_cohort
+    from common.demo.survival import make_mace_cohort
 
     generated = make_mace_cohort(
         tmp_path_factory.mktemp("cohort"), n_cases=32, shape=(24, 24, 20), spacing=(14, 14, 16), seed=shifted_seed(0)
@@ -104,7 +104,7 @@ def trained(cohort, tmp_path_factory) -> Path:
 
 
 def test_training_outputs(trained, cohort):
-    from common.data.survival import cut_points_from_quantiles, read_cohort_csv, split_cohort
+    from common.survival.cohort import cut_points_from_quantiles, read_cohort_csv, split_cohort
 
     n_train = len(_split(cohort, "training"))
     per_epoch = n_train // BATCH  # the training loader drops the last incomplete batch (train.json: drop_last)
@@ -304,7 +304,7 @@ def test_bad_csv_is_reported_per_row_before_anything_is_written(cohort, tmp_path
 
 
 def test_bad_settings_are_refused_before_anything_is_written(cohort, tmp_path):
-    """Invalid settings, each named by its config id (horizons beyond follow-up: tests/test_data_survival.py)."""
+    """Invalid settings, each named by its config id (horizons beyond follow-up: tests/test_survival_cohort.py)."""
     out = tmp_path / "out"
     result = run_bundle(
         BUNDLE,
@@ -326,7 +326,7 @@ def test_bad_settings_are_refused_before_anything_is_written(cohort, tmp_path):
 
 def test_cox_head_with_covariates(cohort, tmp_path):
     """Cox head: Breslow baseline hazard in model.pt; covariates standardised with the training statistics."""
-    from common.data.survival import covariate_stats, read_cohort_csv, split_cohort
+    from common.survival.cohort import covariate_stats, read_cohort_csv, split_cohort
 
     out = tmp_path / "cox"
     args = _args(cohort, out, survival_head="cox", covariates=["age", "sex"], max_epochs=1)
@@ -374,7 +374,7 @@ def test_torchrun_two_processes_share_the_risk_set_and_keep_identical_replicas(c
 
 def test_total_batch_must_divide_by_the_processes():
     from common.bundle_tools.launch import LaunchError, build_plan
-    from common.engines.survival import per_rank_batch_size
+    from common.survival.engines import per_rank_batch_size
 
     with pytest.raises(LaunchError, match="batch_size 6 is the total batch across all processes .* 4 process"):
         build_plan(BUNDLE, nproc_per_node=4, cpu=True, overrides={"csv_path": "/data/c.csv", "batch_size": 6})

@@ -39,7 +39,7 @@ SHAPE = (24, 24, 22)  # 22 slices: not a multiple of the downsampling, padded to
 @pytest.fixture(scope="module")
 def ct_series(tmp_path_factory) -> Path:
     """Six chest CT phantoms in HU as DICOM series folders, listed by ``scripts/make_datalist.py --dicom``."""
-    from common.data.demo import write_phantom_dataset
+    from common.demo.images import write_phantom_dataset
 
     root = tmp_path_factory.mktemp("ct_dicom")
     write_phantom_dataset(
@@ -123,8 +123,8 @@ def _reconstruction_in_hu(model_path: Path, series: Path, source: np.ndarray) ->
 
     from common.checkpoint_io import load_network_weights
     from common.data.pipeline import volume_transforms
-    from common.networks.vqgan import VQGAN
     from common.networks.wrappers import ReconstructionNetwork
+    from common.vqgan.networks import VQGAN
 
     config = json.loads((BUNDLES / BUNDLE / "configs" / "inference.json").read_text())
     window = config["ct_window"]
@@ -218,8 +218,8 @@ def test_inference_reconstruct_encode_decode_round_trip(trained, ct_series, tmp_
 def test_stitched_reconstruction_equals_single_pass_when_the_volume_fits():
     from monai.inferers import SlidingWindowInferer
 
-    from common.networks.vqgan import VQGAN
     from common.networks.wrappers import LatentEncoder, ReconstructionNetwork
+    from common.vqgan.networks import VQGAN
 
     torch.manual_seed(shifted_seed(0))
     net = VQGAN(n_hiddens=4, downsample=(4, 4, 4), embedding_dim=4, n_codes=32, norm_num_groups=4)

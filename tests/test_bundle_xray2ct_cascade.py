@@ -39,7 +39,7 @@ RESUMABLE = {"deterministic": True, "ckpt_interval": 1}  # a checkpoint every it
 @pytest.fixture(scope="module")
 def phantoms(tmp_path_factory) -> Path:
     """Four training and two validation chest CT phantoms at 24^3 (resampled to the tiny 16^3 source grid)."""
-    from common.data.xray import make_xray2ct_demo
+    from common.demo.images import make_xray2ct_demo
 
     root = tmp_path_factory.mktemp("chest")
     make_xray2ct_demo(root, n_train=4, n_val=2, shape=(24, 24, 24), fov_mm=FOV, seed=shifted_seed(0))
@@ -125,8 +125,8 @@ def _validation_inputs(phantoms: Path, stage: int = 2) -> tuple[object, list[tup
 def test_backprojection_baseline_needs_no_weights(phantoms, tmp_path):
     """The untrained baseline's metrics are those of the mean back-projection of the validation X-rays, recomputed
     here from the same inputs with the bundle's metrics."""
-    from common.losses.projection import ProjectionLoss
     from common.metrics.image import image_quality_metrics
+    from common.xray2ct.losses import ProjectionLoss
 
     run_bundle(
         BUNDLE,
@@ -154,8 +154,8 @@ def test_packed_cascade_runs_on_png_and_nifti_radiographs(cascade, evaluated, ph
     the projector from the validation CTs: from exact NIfTI views (``phantom_val_000``) it gives the CT that evaluation
     made from the same CT; 16-bit PNG views (``phantom_val_001``) read back within half a quantisation step of the
     radiograph."""
-    from common.data.drr import DRRProjector
-    from common.data.xray import read_view, save_view_nifti, save_view_png
+    from common.xray2ct.data import read_view, save_view_nifti, save_view_png
+    from common.xray2ct.drr import DRRProjector
 
     packaged = tmp_path / "bundle"
     shutil.copytree(BUNDLES / BUNDLE / "configs", packaged / "configs")
@@ -249,8 +249,8 @@ def test_bad_settings_are_refused_before_anything_is_written(phantoms, tmp_path)
 def test_bad_data_is_reported_per_case_before_training(phantoms, tmp_path):
     """X-ray files per case (``view_files``): a missing view, a transposed and a wrongly sized one, and a CT smaller
     than the stage's volume size are all reported at once, before anything is written."""
-    from common.data.demo import write_nifti
-    from common.data.xray import save_view_nifti, save_view_png
+    from common.data.io import write_nifti
+    from common.xray2ct.data import save_view_nifti, save_view_png
 
     data = tmp_path / "data"
     shutil.copytree(phantoms, data)

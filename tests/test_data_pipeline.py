@@ -13,7 +13,7 @@ import torch
 from monai.data import CacheDataset, MetaTensor, SmartCacheDataset, ThreadDataLoader
 from monai.transforms import Compose
 
-from common.data.demo import make_phantom, write_nifti
+from common.data.io import write_nifti
 from common.data.pipeline import (
     LatentAffined,
     inference_postprocessing,
@@ -24,6 +24,7 @@ from common.data.pipeline import (
     raise_no_inputs,
     volume_transforms,
 )
+from common.demo.images import make_phantom
 
 
 @pytest.fixture
@@ -324,7 +325,7 @@ def test_raise_no_inputs_message():
 
 # ---------------------------------------------------------------------------------------------- VQ codes / decode
 def _codebook(n_codes: int = 8, dim: int = 3, seed: int = 0):
-    from common.networks.vqgan import EMAVectorQuantizer
+    from common.vqgan.networks import EMAVectorQuantizer
 
     quantizer = EMAVectorQuantizer(n_codes, dim)
     with torch.no_grad():
@@ -374,7 +375,7 @@ def test_vq_codes_replace_the_latent_with_codebook_vectors_and_add_codes():
 
 def test_vq_codes_accept_a_vqgan_and_a_codes_key():
     from common.data.pipeline import VQCodesd
-    from common.networks.vqgan import VQGAN
+    from common.vqgan.networks import VQGAN
 
     torch.manual_seed(0)
     model = VQGAN(n_hiddens=4, norm_num_groups=4, downsample=[2, 2, 2], embedding_dim=3, n_codes=8).eval()
@@ -500,7 +501,7 @@ def test_vqcodesd_never_updates_a_training_mode_codebook():
     from monai.data import MetaTensor
 
     from common.data.pipeline import VQCodesd
-    from common.networks.vqgan import EMAVectorQuantizer
+    from common.vqgan.networks import EMAVectorQuantizer
 
     torch.manual_seed(0)
     quantizer = EMAVectorQuantizer(8, 3)

@@ -74,7 +74,7 @@ CODE_GAP = 1e-3
 
 def _code_gap(network: nn.Module, x: torch.Tensor) -> float:
     """The smallest top-2 squared-distance gap over the latent vectors of ``x`` (``inf`` without a quantizer)."""
-    from common.networks.vqgan import VQGAN
+    from common.vqgan.networks import VQGAN
 
     vqgan = next((m for m in network.modules() if isinstance(m, VQGAN)), None)
     if vqgan is None:

@@ -90,7 +90,7 @@ def test_two_gpus_nccl_replicas_stay_identical(tmp_path):
     import json
     import subprocess
 
-    from common.data.demo import write_phantom_dataset
+    from common.demo.images import write_phantom_dataset
     from tests.helpers import REPO_ROOT, bundle_env, config_arg, overrides, torchrun_cmd
 
     datalist = write_phantom_dataset(tmp_path / "data", n_train=4, n_val=2, shape=(32, 32, 32), seed=0)
@@ -137,7 +137,7 @@ def test_autoencoder_step_host_synchronisations(tmp_path):
 
     from ignite.engine import Events
 
-    from common.data.demo import write_phantom_dataset
+    from common.demo.images import write_phantom_dataset
     from scripts.benchmark_tools import bundle_trainer
 
     datalist = write_phantom_dataset(tmp_path / "data", n_train=4, n_val=1, shape=(32, 32, 32), seed=0)

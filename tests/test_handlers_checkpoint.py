@@ -29,11 +29,11 @@ from monai.utils import set_determinism
 from torch import nn
 
 import common.handlers.checkpoint as ckpt
+from common.autoencoder.engines import AutoencoderGANTrainer
 from common.checkpoint_io import CheckpointError, load_checkpoint, load_network_weights, save_checkpoint
-from common.data.demo import write_phantom_dataset
 from common.data.pipeline import make_dataset, make_loader
-from common.engines.autoencoder_gan import AutoencoderGANTrainer
-from common.engines.schedulers import warmup_cosine
+from common.demo.images import write_phantom_dataset
+from common.engines.lr_schedule import warmup_cosine
 from common.handlers.checkpoint import BestCheckpointSaver, CheckpointManager
 from tests.helpers import tiny_autoencoder, tiny_discriminator
 

@@ -258,8 +258,8 @@ def test_inference_views_do_not_leave_the_network_in_training_mode():
     """MONAI's ``eval_mode`` calls ``train()`` afterwards on modules that were training when it started."""
     from monai.networks.utils import eval_mode
 
-    from common.networks.vqgan import VQGAN
     from common.networks.wrappers import LatentDecoder, LatentEncoder, ReconstructionNetwork
+    from common.vqgan.networks import VQGAN
 
     net = VQGAN(n_hiddens=4, downsample=(4, 4, 4), embedding_dim=4, n_codes=8, norm_num_groups=4)
     for view in (ReconstructionNetwork(net), LatentEncoder(net), LatentDecoder(net)):

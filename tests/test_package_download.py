@@ -195,9 +195,10 @@ def test_package_layout(name, packages):
         common = {
             f"common/{p.relative_to(REPO_ROOT / 'common').as_posix()}"
             for p in (REPO_ROOT / "common").rglob("*.py")
-            if "__pycache__" not in p.parts
+            if "__pycache__" not in p.parts and p.relative_to(REPO_ROOT / "common").parts[0] != "demo"
         }
         assert {r for r in rel if r.startswith("common/")} == common
+        assert "common/bundle.py" in common and not any(r.startswith("common/demo/") for r in rel)
         assert not any("__pycache__" in r or r.endswith(".pyc") for r in rel)
         assert not any(r.startswith(("outputs/", "demo_data/")) for r in rel)
 

@@ -29,7 +29,7 @@ def _stem(path: str) -> str:
 
 
 def test_mni_training_run_keeps_the_best_validated_model(tmp_path):
-    from common.data.demo import make_demo_dataset
+    from common.demo.images import make_demo_dataset
 
     datalist = make_demo_dataset(tmp_path / "demo")
     listed = json.loads(datalist.read_text())

@@ -265,7 +265,7 @@ def test_bad_command_line_is_refused_before_anything_is_written(tmp_path):
 # ----------------------------------------------------------------------------------------- hostile input
 def test_paths_leaving_the_dataset_root_are_refused(tmp_path):
     from common.data.datalist import parse_datalist_section
-    from common.data.survival import CohortError, read_cohort_csv
+    from common.survival.cohort import CohortError, read_cohort_csv
 
     root = tmp_path / "root"
     (root / "sub").mkdir(parents=True)
@@ -321,7 +321,7 @@ def test_headers_declaring_absurd_sizes_or_more_data_than_the_file_are_refused_u
 def test_oversized_text_inputs_are_refused_before_reading(tmp_path, monkeypatch):
     from common.data import datalist as datalist_module
     from common.data.datalist import DatalistError, read_datalist_json
-    from common.data.survival import CohortError, read_cohort_csv
+    from common.survival.cohort import CohortError, read_cohort_csv
 
     monkeypatch.setattr(datalist_module, "MAX_TEXT_BYTES", 100)
     (tmp_path / "d.json").write_text(json.dumps({"training": ["a" * 200]}))

@@ -265,7 +265,7 @@ def test_init_distributed_without_launcher_is_a_clear_error(no_dist_env):
 # ---------------------------------------------------------------------------------------------- replica check
 def test_assert_replicas_equal_without_a_process_group_compares_nothing(no_dist_env):
     """Single process: no collective, nothing compared (the 2-rank behaviour is tested under torchrun in
-    ``test_networks_vqgan.py``)."""
+    ``test_vqgan_networks.py``)."""
     import torch.distributed as dist
 
     from common.utils import assert_replicas_equal

@@ -4,9 +4,9 @@
 bundle zip with extraction that refuses unsafe archives before anything is written.
 
 A packaged bundle ``<name>_v<version>.zip`` holds one folder ``<name>/`` with ``configs/``, ``docs/``, ``LICENSE``,
-``large_files.yml``, ``models/model.pt`` and a copy of the collection's ``common/`` package (Python files only), so
-``python -m monai.bundle run --config_file configs/inference.json ...`` run from that folder needs only the
-requirements installed: ``python -m`` puts the working directory, which holds ``common/``, on ``sys.path``.
+``large_files.yml``, ``models/model.pt`` and a copy of the collection's ``common/`` package (Python files only,
+without the demo-data generators of ``common/demo``), so ``python -m monai.bundle run --config_file
+configs/inference.json ...`` run from that folder needs only the requirements installed: ``python -m`` puts the working directory, which holds ``common/``, on ``sys.path``.
 
 ``large_files.yml`` of a package lists ``models/model.pt`` with its sha256. With a ``url`` the entry says where
 the weights can be downloaded again; without one the entry has ``url: ""``: MONAI's ``download_large_files``
@@ -26,7 +26,7 @@ import shutil
 import stat
 import tempfile
 import zipfile
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path, PurePosixPath
 from typing import Any
 
@@ -55,6 +55,8 @@ logger = logging.getLogger(__name__)
 
 COMMON_DIR = Path(__file__).resolve().parents[1]
 DEFAULT_BUNDLES_DIR = COMMON_DIR.parent / "bundles"
+# folders of ``common/`` a trained bundle does not need: the demo-data generators
+UNPACKAGED_COMMON = ("demo",)
 PACKAGED_ITEMS = ("configs", "docs", "LICENSE")
 REQUIRED_FILES = ("configs/metadata.json", "configs/inference.json", "docs/README.md")
 LARGE_FILES = "large_files.yml"
@@ -291,11 +293,14 @@ def _packaged_large_files(bundle_dir: Path, model_hash: str, url: str | None) ->
 
 
 # ------------------------------------------------------------------------------------------------- packaging
-def _tree_files(root: Path, rel_root: str, python_only: bool = False) -> Iterator[tuple[str, Path]]:
-    """``(relative posix path, file)`` for the regular files under ``root``; caches and hidden files skipped."""
+def _tree_files(
+    root: Path, rel_root: str, python_only: bool = False, skip: Sequence[str] = ()
+) -> Iterator[tuple[str, Path]]:
+    """``(relative posix path, file)`` for the regular files under ``root``; caches, hidden files and the top-level
+    folders named in ``skip`` left out."""
     for path in sorted(root.rglob("*")):
         rel = path.relative_to(root)
-        if any(part == "__pycache__" or part.startswith(".") for part in rel.parts):
+        if any(part == "__pycache__" or part.startswith(".") for part in rel.parts) or rel.parts[0] in skip:
             continue
         if path.is_symlink():
             raise ValueError(f"{str(path)!r} is a symbolic link; a packaged bundle holds regular files only.")
@@ -317,7 +322,7 @@ def _package_members(bundle_dir: Path, ckpt: Path, large_files: bytes) -> dict[s
     for required in REQUIRED_FILES:
         if required not in members:
             raise FileNotFoundError(f"bundle {bundle_dir.name!r} lacks {required!r} (looked in {str(bundle_dir)!r}).")
-    members.update(_tree_files(COMMON_DIR, "common", python_only=True))
+    members.update(_tree_files(COMMON_DIR, "common", python_only=True, skip=UNPACKAGED_COMMON))
     members[LARGE_FILES] = large_files
     members[MODEL_FILE] = ckpt
     return members
@@ -350,8 +355,8 @@ def package_bundle(
 
     The zip holds one folder ``<name>/``: ``configs/`` and ``docs/`` (every file but hidden ones), ``LICENSE``,
     ``large_files.yml`` (the bundle's entries plus ``models/model.pt`` with its sha256 and ``url`` or ``""``),
-    ``models/model.pt`` and the ``common/`` package (``.py`` files only). Entries are sorted, dated 1980-01-01
-    with mode 0644 and deflated, so the same inputs give the same bytes (with the same zlib). The file is
+    ``models/model.pt`` and the ``common/`` package (``.py`` files only, ``common/demo`` left out). Entries are
+    sorted, dated 1980-01-01 with mode 0644 and deflated, so the same inputs give the same bytes (with the same zlib). The file is
     written atomically.
 
     Args:

@@ -14,7 +14,6 @@ from monai.data import CacheDataset, MetaTensor, SmartCacheDataset, ThreadDataLo
 from monai.transforms import (
     Compose,
     ConcatItemsd,
-    CropForegroundd,
     DeleteItemsd,
     DivisiblePadd,
     EnsureChannelFirstd,
@@ -23,14 +22,10 @@ from monai.transforms import (
     LoadImaged,
     MapTransform,
     Orientationd,
-    RandAffined,
-    RandGaussianNoised,
     RandSpatialCropSamplesd,
-    ResizeWithPadOrCropd,
     SaveImaged,
     ScaleIntensityRanged,
     ScaleIntensityRangePercentilesd,
-    SelectItemsd,
     Spacingd,
     SpatialPadd,
 )
@@ -45,20 +40,17 @@ __all__ = [
     "ItemSeededDataset",
     "CaseMetad",
     "batch_case_ids",
-    "CopyChannelsd",
-    "EncodeLatentd",
     "LatentAffined",
     "VQCodesd",
     "case_name_formatter",
-    "diffusion_transforms",
-    "generation_items",
     "inference_postprocessing",
-    "sample_postprocessing",
     "intensity_transform",
-    "survival_transforms",
     "make_dataset",
     "make_loader",
     "partition_for_rank",
+    "hu_window_steps",
+    "nifti_saver",
+    "pad_steps",
     "spatial_steps",
     "volume_transforms",
 ]
@@ -114,7 +106,7 @@ def spatial_steps(
     return steps
 
 
-def _pad_steps(keys: Sequence[str], patch_size: Sequence[int] | None, divisible_by: Sequence[int] | int | None) -> list:
+def pad_steps(keys: Sequence[str], patch_size: Sequence[int] | None, divisible_by: Sequence[int] | int | None) -> list:
     """Zero-pad to at least ``patch_size`` and to a multiple of ``divisible_by`` (per axis)."""
     steps: list = []
     if patch_size is not None:
@@ -160,7 +152,7 @@ def volume_transforms(
     norm = intensity_transform(keys, intensity or {"mode": "mri"})
     if norm is not None:
         transforms.append(norm)
-    transforms += _pad_steps(keys, patch_size, divisible_by)
+    transforms += pad_steps(keys, patch_size, divisible_by)
     transforms.append(EnsureTyped(keys, dtype=torch.float32, device=cache_device, track_meta=not train))
     if train:
         if patch_size is None:
@@ -171,28 +163,6 @@ def volume_transforms(
             )
         )
     return Compose(transforms)
-
-
-class CopyChannelsd(MapTransform):
-    """Copy some channels of ``keys`` to a new key (e.g. the target modality of a multi-modality image as the
-    validation reference, before the image is encoded to latents).
-
-    Args:
-        keys: the source key (one).
-        channels: channel indices to copy.
-        name: the new key.
-    """
-
-    def __init__(self, keys: str | Sequence[str], channels: Sequence[int], name: str = "label") -> None:
-        super().__init__(keys)
-        self.channels = [int(c) for c in channels]
-        self.name = name
-
-    def __call__(self, data: Mapping[str, Any]) -> dict[str, Any]:
-        d = dict(data)
-        for key in self.key_iterator(d):
-            d[self.name] = d[key][self.channels].clone()
-        return d
 
 
 class CaseMetad(MapTransform):
@@ -239,182 +209,6 @@ def case_name_formatter(metadict: Mapping[str, Any] | None, saver: Any) -> dict[
     if case:
         names["subject"] = str(case)
     return names
-
-
-class EncodeLatentd(MapTransform):
-    """Replace a ``[-1, 1]`` image by the raw latents of a :class:`common.networks.latent.LatentCodec`.
-
-    The latent keeps the image's metadata and transform history (so a sample decoded from it is inverted to the
-    input grid by ``Invertd``); its affine is the image grid's, not the latent grid's. The codec's autoencoder
-    stays frozen in eval mode; the latent is returned on the image's device.
-
-    Args:
-        keys: image keys (channel first, one volume each).
-        codec: the latent codec.
-    """
-
-    def __init__(self, keys: str | Sequence[str], codec: torch.nn.Module) -> None:
-        super().__init__(keys)
-        self.codec = codec
-
-    def __call__(self, data: Mapping[str, Any]) -> dict[str, Any]:
-        d = dict(data)
-        device = self.codec.scale.device
-        for key in self.key_iterator(d):
-            image = d[key]
-            plain = image.as_tensor() if isinstance(image, MetaTensor) else torch.as_tensor(image)
-            latent = self.codec.encode(plain[None].float().to(device))[0].to(plain.device)
-            if isinstance(image, MetaTensor):
-                latent = MetaTensor(latent, meta=dict(image.meta), applied_operations=list(image.applied_operations))
-            d[key] = latent
-        return d
-
-
-def diffusion_transforms(
-    keys: Sequence[str],
-    intensity: Mapping[str, Any] | None = None,
-    spacing: Sequence[float] | None = None,
-    orientation: str | None = "RAS",
-    patch_size: Sequence[int] | None = None,
-    num_samples: int = 1,
-    cache_device: torch.device | str | None = None,
-    train: bool = True,
-    divisible_by: Sequence[int] | int | None = None,
-    label_channels: Sequence[int] | None = None,
-    latent_codec: torch.nn.Module | None = None,
-) -> Compose:
-    """Transforms of a diffusion bundle: every volume of ``keys`` (e.g. the four BraTS modalities, or a source and
-    a target image) stacked in that order as the channels of ``image``, in ``[-1, 1]``.
-
-    Load -> channel first -> stack ``keys`` as ``image`` -> orientation -> spacing -> intensity per channel
-    (``[0, 1]``, see :func:`intensity_transform`) -> zero-pad to ``patch_size`` and ``divisible_by`` -> map to
-    ``[-1, 1]`` (padding becomes -1, the background) -> [``label``: the ``label_channels`` of ``image``] ->
-    [latents of ``latent_codec``] -> ``cache_device`` -> [training: random crops of ``patch_size`` (divided by
-    the codec's downsampling in latent mode)]. The entry's ``case_id`` is kept in the metadata of ``image``.
-
-    Args:
-        keys: datalist keys of the volumes, stacked as channels in this order (inference: the sources only).
-        intensity: see :func:`intensity_transform`; with mode ``none`` the values are kept (they should already
-            be in ``[-1, 1]``).
-        spacing: target voxel size in mm (``None`` keeps the native grid).
-        orientation: axis codes (``None`` keeps the native orientation).
-        patch_size: training patch in image voxels; smaller volumes are padded.
-        num_samples: random patches per volume per visit (training only).
-        cache_device: device of the cached volumes (``None``: CPU).
-        train: add the random crop.
-        divisible_by: pad every spatial size to a multiple of this, e.g. the U-Net's (times the autoencoder's)
-            downsampling, so whole volumes can be sampled.
-        label_channels: channels of ``image`` copied to ``label`` (validation: the clean target, kept in image
-            space in latent mode); ``None``: no label.
-        latent_codec: a :class:`common.networks.latent.LatentCodec`: ``image`` becomes its raw latents.
-
-    Raises:
-        ValueError: without ``keys``, or without ``patch_size`` for training.
-    """
-    keys = list(keys)
-    if not keys:
-        raise ValueError("diffusion_transforms needs at least one image key.")
-    if train and patch_size is None:
-        raise ValueError("patch_size is required for training transforms.")
-    image = Keys.IMAGE
-    transforms = [*spatial_steps(keys, orientation, spacing, stack_as=image), CaseMetad(image)]
-    intensity = intensity or {"mode": "mri"}
-    norm = intensity_transform([image], intensity, channel_wise=True)
-    if norm is not None:
-        transforms.append(norm)
-    transforms += _pad_steps([image], patch_size, divisible_by)
-    if norm is not None:
-        transforms.append(ScaleIntensityRanged(image, a_min=0.0, a_max=1.0, b_min=-1.0, b_max=1.0))
-    out_keys = [image]
-    if label_channels is not None:
-        transforms.append(CopyChannelsd(image, label_channels, name=Keys.LABEL))
-        out_keys.append(Keys.LABEL)
-    if latent_codec is not None:
-        transforms.append(EncodeLatentd(image, latent_codec))
-    transforms.append(EnsureTyped(out_keys, dtype=torch.float32, device=cache_device, track_meta=not train))
-    if train:
-        factors = list(latent_codec.downsample) if latent_codec is not None else [1] * len(patch_size)
-        crop = tuple(int(p) // int(f) for p, f in zip(patch_size, factors))
-        transforms.append(
-            RandSpatialCropSamplesd(image, roi_size=crop, num_samples=int(num_samples), random_size=False)
-        )
-    return Compose(transforms)
-
-
-class _AboveThreshold:
-    """``x > threshold`` (a picklable foreground selector for ``CropForegroundd``)."""
-
-    def __init__(self, threshold: float) -> None:
-        self.threshold = float(threshold)
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return x > self.threshold
-
-
-def survival_transforms(
-    image_size: Sequence[int],
-    intensity: Mapping[str, Any] | None = None,
-    spacing: Sequence[float] | None = None,
-    orientation: str | None = "RAS",
-    crop_foreground: bool = True,
-    foreground_threshold: float = 0.05,
-    cache_device: torch.device | str | None = None,
-    train: bool = True,
-    augment: bool = True,
-) -> Compose:
-    """Transforms of a survival bundle: one whole volume per case at a fixed size, with its outcome as tensors.
-
-    Keep ``image``, ``case_id``, ``time``, ``event``, ``covariates`` (other entry keys, e.g. the CSV row or split,
-    are dropped) -> load -> channel first -> orientation -> spacing -> intensity to ``[0, 1]`` (see :func:`intensity_transform`;
-    e.g. a CT window) -> [crop to the body: voxels above ``foreground_threshold``] -> centred zero-pad or crop to
-    ``image_size`` -> ``time``/``event``/``covariates`` as float tensors -> ``cache_device`` -> [training with
-    ``augment``: a random affine (rotation up to 0.1 rad, scaling 10%, translation 5% of the size) and Gaussian
-    noise, on ``cache_device``, i.e. on the GPU when the cache is there]. The entry's ``case_id`` is kept in the
-    metadata of ``image``. Everything before the augmentation is deterministic and cached.
-
-    Args:
-        image_size: the network input size (voxels).
-        intensity: see :func:`intensity_transform` (default: MRI percentiles; CT uses a HU window).
-        spacing: target voxel size in mm (``None`` keeps the native grid).
-        orientation: axis codes (``None`` keeps the native orientation).
-        crop_foreground: crop to the bounding box of the body before padding/cropping to ``image_size``.
-        foreground_threshold: intensity (after normalisation) above which a voxel is body.
-        cache_device: device of the cached volumes (``None``: CPU).
-        train: training transforms (with augmentation when ``augment``).
-        augment: random affine and noise in training.
-    """
-    image = Keys.IMAGE
-    size = tuple(int(s) for s in image_size)
-    keep = SelectItemsd([image, "case_id", "time", "event", "covariates"], allow_missing_keys=True)
-    transforms = [keep, *spatial_steps([image], orientation, spacing), CaseMetad(image)]
-    norm = intensity_transform([image], intensity or {"mode": "mri"})
-    if norm is not None:
-        transforms.append(norm)
-    if crop_foreground:
-        transforms.append(
-            CropForegroundd(
-                image, source_key=image, select_fn=_AboveThreshold(foreground_threshold), allow_smaller=True
-            )
-        )
-    transforms += [
-        ResizeWithPadOrCropd(image, spatial_size=size),
-        EnsureTyped(["time", "event", "covariates"], dtype=torch.float32, allow_missing_keys=True),
-        EnsureTyped(image, dtype=torch.float32, device=cache_device, track_meta=not train),
-    ]
-    if train and augment:
-        transforms += [
-            RandAffined(
-                image,
-                prob=0.5,
-                rotate_range=(0.1, 0.1, 0.1),
-                scale_range=(0.1, 0.1, 0.1),
-                translate_range=tuple(0.05 * s for s in size),
-                padding_mode="zeros",
-                device=None if cache_device is None else torch.device(cache_device),
-            ),
-            RandGaussianNoised(image, prob=0.2, std=0.01),
-        ]
-    return Compose(transforms)
 
 
 def partition_for_rank(data: Sequence[Any], shuffle: bool = True, seed: int = 0, even_divisible: bool = True) -> list:
@@ -644,9 +438,11 @@ class VQCodesd(MapTransform):
         return d
 
 
-def _save(
+def nifti_saver(
     key: str, output_dir: str, postfix: str, dtype: Any = np.float32, name_formatter: Callable | None = None
 ) -> SaveImaged:
+    """``SaveImaged`` of ``key`` as ``<name>_<postfix>.nii.gz`` in ``output_dir`` (one flat folder, no resampling,
+    ``dtype`` on disk, names from ``name_formatter``, e.g. :func:`case_name_formatter`)."""
     return SaveImaged(
         keys=key,
         output_dir=output_dir,
@@ -659,7 +455,7 @@ def _save(
     )
 
 
-def _to_hu(key: str, intensity: Mapping[str, Any] | None) -> list:
+def hu_window_steps(key: str, intensity: Mapping[str, Any] | None) -> list:
     """For a CT window, map [0, 1] back to Hounsfield units, clipped to the window (the network only ever saw
     windowed intensities); nothing for other intensity modes."""
     if not intensity or str(intensity.get("mode", "")).lower() != "ct":
@@ -696,88 +492,24 @@ def inference_postprocessing(
                 Invertd(
                     keys=pred_key, transform=preprocessing, orig_keys="image", nearest_interp=False, to_tensor=True
                 ),
-                *_to_hu(pred_key, intensity),
-                _save(pred_key, output_dir, "recon"),
+                *hu_window_steps(pred_key, intensity),
+                nifti_saver(pred_key, output_dir, "recon"),
             ]
         )
     if mode == "encode":
         steps: list = [LatentAffined(keys=pred_key, ref_key="image")]
         if quantizer is not None:
-            steps += [VQCodesd(pred_key, quantizer), _save("codes", output_dir, "codes", np.int32)]
-        return Compose([*steps, _save(pred_key, output_dir, "latent")])
+            steps += [VQCodesd(pred_key, quantizer), nifti_saver("codes", output_dir, "codes", np.int32)]
+        return Compose([*steps, nifti_saver(pred_key, output_dir, "latent")])
     if mode == "decode":
         return Compose(
             [
                 LatentAffined(keys=pred_key, ref_key="image"),
-                *_to_hu(pred_key, intensity),
-                _save(pred_key, output_dir, "decoded"),
+                *hu_window_steps(pred_key, intensity),
+                nifti_saver(pred_key, output_dir, "decoded"),
             ]
         )
     raise ValueError(f"mode must be 'reconstruct', 'encode' or 'decode', got {mode!r}.")
-
-
-def sample_postprocessing(
-    preprocessing: Compose | None,
-    output_dir: str,
-    postfix: str,
-    pred_key: str = "pred",
-    intensity: Mapping[str, Any] | None = None,
-) -> Compose:
-    """Postprocessing of a diffusion bundle's inference: the ``[0, 1]`` sample is taken back to the input's grid
-    (padding, spacing and orientation undone with ``Invertd`` on the ``image`` history; skipped when
-    ``preprocessing`` is ``None``, e.g. unconditional generation), mapped back to Hounsfield units for a CT
-    window, and saved as ``<case_id>_<postfix>.nii.gz`` with the input's affine.
-
-    Args:
-        preprocessing: the inference transforms of ``image`` (``None``: no inversion).
-        output_dir: folder of the NIfTI files.
-        postfix: file name suffix (e.g. the generated modality, ``t2f``).
-        pred_key: key of the sample.
-        intensity: the intensity config (CT windows are mapped back to HU).
-    """
-    steps: list = []
-    if preprocessing is not None:
-        steps.append(
-            Invertd(keys=pred_key, transform=preprocessing, orig_keys=Keys.IMAGE, nearest_interp=False, to_tensor=True)
-        )
-    return Compose(
-        [
-            *steps,
-            *_to_hu(pred_key, intensity),
-            _save(pred_key, output_dir, postfix, name_formatter=case_name_formatter),
-        ]
-    )
-
-
-def generation_items(
-    num_volumes: int,
-    shape: Sequence[int],
-    spacing: Sequence[float] | None = None,
-    channels: int = 1,
-    prefix: str = "sample",
-) -> list[dict[str, Any]]:
-    """Inputs of unconditional generation: ``num_volumes`` empty volumes of ``shape`` (their content is replaced
-    by the start noise), with the affine ``diag(spacing)`` and case ids ``<prefix>_000, ...`` that seed the noise
-    and name the saved samples.
-
-    Raises:
-        ValueError: for a non-positive count, or a shape/spacing that is not 3 positive values.
-    """
-    if isinstance(num_volumes, bool) or int(num_volumes) < 1:
-        raise ValueError(f"'num_samples' must be a positive integer, got {num_volumes!r}.")
-    if len(shape) != 3 or any(int(s) < 1 for s in shape):
-        raise ValueError(f"'sample_shape' must be 3 positive integers, got {shape!r}.")
-    spacing = [1.0, 1.0, 1.0] if spacing is None else [float(s) for s in spacing]
-    if len(spacing) != 3 or any(s <= 0 for s in spacing):
-        raise ValueError(f"'spacing' must be 3 positive numbers, got {spacing!r}.")
-    affine = torch.diag(torch.tensor([*spacing, 1.0], dtype=torch.float64))
-    items = []
-    for i in range(int(num_volumes)):
-        case = f"{prefix}_{i:03d}"
-        meta = {"affine": affine.clone(), "case_id": case, "filename_or_obj": f"{case}.nii.gz"}
-        image = MetaTensor(torch.zeros(int(channels), *[int(s) for s in shape]), meta=meta)
-        items.append({Keys.IMAGE: image, "case_id": case})
-    return items
 
 
 def raise_no_inputs(dataset_dir: str, pattern: str) -> None:

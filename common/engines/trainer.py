@@ -38,7 +38,7 @@ class NonFiniteLossError(FloatingPointError):
 
 class StepTrainer(Trainer):
     """Base of the collection's trainers: the training iteration of one network and one optimizer, and the helpers
-    a trainer with several networks (:class:`common.engines.autoencoder_gan.AutoencoderGANTrainer`) builds its own
+    a trainer with several networks (:class:`common.autoencoder.engines.AutoencoderGANTrainer`) builds its own
     iteration from.
 
     The iteration (:meth:`_iteration`), in this order: prepare the batch and the step's inputs

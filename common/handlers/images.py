@@ -351,7 +351,7 @@ def projection_panel(xray: torch.Tensor | np.ndarray, predicted: torch.Tensor | 
     """A 2D panel in ``[0, 1]``: one row per view of ``input | predicted projection | |difference|`` radiographs.
 
     Args:
-        xray: input X-rays ``(V, H, W)`` as normalised line integrals (see :mod:`common.data.drr`).
+        xray: input X-rays ``(V, H, W)`` as normalised line integrals (see :mod:`common.xray2ct.drr`).
         predicted: the projections of the predicted CT, same shape.
 
     Each radiograph is shown as the intensity ``1 - exp(-p)`` with its second axis (superior) pointing up.
@@ -373,7 +373,7 @@ class XrayCTWriter:
 
     Args:
         output_dir: folder of the files (created when missing).
-        projector: the :class:`common.data.drr.DRRProjector` of the data (HU window, field of view).
+        projector: the :class:`common.xray2ct.drr.DRRProjector` of the data (HU window, field of view).
         save_volume: also write the CT volumes.
     """
 
@@ -386,7 +386,7 @@ class XrayCTWriter:
         engine.add_event_handler(Events.ITERATION_COMPLETED, self)
 
     def __call__(self, engine: Engine) -> None:
-        from common.data.demo import write_nifti
+        from common.data.io import write_nifti
         from common.data.pipeline import batch_case_ids
 
         output = engine.state.output

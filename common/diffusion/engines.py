@@ -1,0 +1,488 @@
+# Copyright (c) the 3D MONAI bundle collection contributors.
+# Licensed under the Apache License, Version 2.0.
+"""Training and evaluation engines of conditional and unconditional 3D diffusion models (Fast-DDPM and DDPM).
+
+A diffusion batch is one ``image`` tensor holding every channel of a case (e.g. the four BraTS modalities, or a
+source and a target image), in ``[-1, 1]`` (or latents of an autoencoder). ``target_channels`` are the channels the
+model generates: training replaces them by their noised version ``x_t`` and keeps the other channels as the
+condition (channel concatenation); sampling starts them from ``N(0, I)``. An unconditional model has only target
+channels.
+"""
+
+from __future__ import annotations
+
+import zlib
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from monai.data import MetaTensor
+from monai.engines import SupervisedEvaluator
+from monai.engines.utils import IterationEvents
+from monai.inferers import Inferer
+from monai.utils import CommonKeys as Keys
+from torch import nn
+from torch.optim import Optimizer
+
+from common.diffusion.schedule import (
+    GRIDS,
+    PREDICTIONS,
+    DiffusionSchedule,
+    antithetic_timesteps,
+    fast_ddpm_grid,
+)
+from common.engines.trainer import StepTrainer
+from common.utils import flag_problems, get_rank, get_world_size, inference_autocast
+
+__all__ = [
+    "DIFFUSION_MODES",
+    "TASKS",
+    "DiffusionEvaluator",
+    "DiffusionTrainer",
+    "check_diffusion_settings",
+    "expand_channels",
+    "insert_target",
+    "prepare_diffusion_batch",
+    "sampling_grid",
+    "target_channel_indices",
+    "volume_seed",
+]
+
+DIFFUSION_MODES = ("fast", "baseline")
+TASKS = ("synthesis", "translation", "unconditional")
+
+
+def sampling_grid(
+    diffusion_mode: str = "fast", grid: str = "uniform", num_grid_steps: int = 10, num_train_timesteps: int = 1000
+) -> torch.Tensor:
+    """The time steps a model is trained on and sampled over.
+
+    ``fast``: Fast-DDPM's grid (:func:`common.diffusion.schedule.fast_ddpm_grid`); ``baseline``: every step
+    ``0 .. T - 1`` of a standard DDPM.
+
+    Raises:
+        ValueError: for an unknown mode, or an invalid grid (see ``fast_ddpm_grid``).
+    """
+    if diffusion_mode not in DIFFUSION_MODES:
+        raise ValueError(f"diffusion_mode must be one of {DIFFUSION_MODES}, got {diffusion_mode!r}.")
+    fast = fast_ddpm_grid(grid, num_grid_steps, num_train_timesteps)  # validates the grid settings in both modes
+    return fast if diffusion_mode == "fast" else torch.arange(int(num_train_timesteps))
+
+
+def target_channel_indices(image_keys: Sequence[str], target_key: str, channels_per_key: int = 1) -> list[int]:
+    """Channel indices of ``target_key`` in the concatenation of ``image_keys`` (``channels_per_key`` each).
+
+    Raises:
+        ValueError: when ``target_key`` is not one of ``image_keys``.
+    """
+    keys = list(image_keys)
+    if target_key not in keys:
+        raise ValueError(f"'target_key' {target_key!r} must be one of 'image_keys' {keys}.")
+    first = keys.index(target_key) * int(channels_per_key)
+    return list(range(first, first + int(channels_per_key)))
+
+
+def expand_channels(channels: Sequence[int], factor: int) -> list[int]:
+    """Indices of image channels ``channels`` in a latent where every image channel became ``factor`` channels."""
+    return [int(c) * int(factor) + j for c in channels for j in range(int(factor))]
+
+
+def insert_target(
+    condition: torch.Tensor, target: torch.Tensor, target_channels: Sequence[int], in_channels: int
+) -> torch.Tensor:
+    """The network input: ``condition`` with ``target`` at ``target_channels``.
+
+    ``condition`` holds either all ``in_channels`` (its target channels are replaced) or only the condition
+    channels (the target channels are inserted between them, in order).
+
+    Raises:
+        ValueError: when ``condition`` has neither ``in_channels`` nor ``in_channels - len(target_channels)``
+            channels, or ``target`` does not have ``len(target_channels)``.
+    """
+    idx = list(target_channels)
+    n_cond = int(in_channels) - len(idx)
+    if target.shape[1] != len(idx):
+        raise ValueError(f"the target has {target.shape[1]} channel(s), expected {len(idx)} ({idx}).")
+    if condition.shape[1] == in_channels:
+        out = condition.clone()
+        out[:, idx] = target.to(out.dtype)
+        return out
+    if condition.shape[1] != n_cond:
+        raise ValueError(
+            f"the input has {condition.shape[1]} channel(s); the model takes {in_channels} with the target channels "
+            f"{idx} included or {n_cond} without them."
+        )
+    out = condition.new_empty((condition.shape[0], int(in_channels), *condition.shape[2:]))
+    rest = [c for c in range(int(in_channels)) if c not in idx]
+    out[:, idx] = target.to(out.dtype)
+    if rest:
+        out[:, rest] = condition
+    return out
+
+
+def volume_seed(batchdata: Any, index: int = 0, seed: int = 0) -> int:
+    """A seed for the sampling noise of one volume, from its ``case_id`` (or file name) and ``seed``.
+
+    The noise of a volume then does not depend on the batch order, the number of processes or earlier
+    validations, so metrics are comparable between validations and between single- and multi-GPU runs.
+    """
+    name = None
+    image = batchdata.get(Keys.IMAGE) if isinstance(batchdata, Mapping) else None
+    if isinstance(batchdata, Mapping) and "case_id" in batchdata:
+        name = batchdata["case_id"]
+    elif isinstance(image, MetaTensor):
+        name = image.meta.get("case_id", image.meta.get("filename_or_obj"))
+    if isinstance(name, (list, tuple)):
+        name = name[index] if index < len(name) else None
+    text = f"{seed}:{name if name is not None else index}"
+    return zlib.crc32(text.encode("utf-8")) & 0x7FFFFFFF
+
+
+def prepare_diffusion_batch(
+    batchdata: Mapping[str, torch.Tensor],
+    device: torch.device | str | None = None,
+    non_blocking: bool = False,
+    **kwargs,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``(image, label)``: every channel of the case (the network's channel layout), and the target in image
+    space when the batch has one as a tensor (validation: ``label``; ``None`` in training and inference)."""
+    image = batchdata[Keys.IMAGE].to(device=device, non_blocking=non_blocking, **kwargs)
+    label = batchdata.get(Keys.LABEL)
+    if isinstance(label, torch.Tensor):
+        label = label.to(device=device, non_blocking=non_blocking, **kwargs)
+    else:  # e.g. the file names of a datalist's segmentation ("label" of BraTS entries), not a reference image
+        label = None
+    return image, label
+
+
+def _plain(x: torch.Tensor) -> torch.Tensor:
+    return x.as_tensor() if isinstance(x, MetaTensor) else x
+
+
+class DiffusionTrainer(StepTrainer):
+    """Trains a denoiser ``network(x, timesteps)`` on the time steps of ``timesteps`` (a Fast-DDPM grid or all
+    steps of a DDPM).
+
+    Each iteration draws one time step per sample from ``timesteps`` (in antithetic pairs across the global batch
+    of all ranks: index ``i`` and ``len - 1 - i``; a function of ``seed`` and the iteration, so a resumed run draws
+    the same steps), noise ``N(0, I)``, forms ``x_t = sqrt(a_t) x0 + sqrt(1 - a_t) noise`` for the target channels,
+    and regresses the network output (``epsilon`` or ``v_prediction``) with the mean squared error. Mixed
+    precision, gradient accumulation with DDP ``no_sync`` and clipping as in
+    :class:`common.engines.trainer.StepTrainer`. With a ``latent_codec`` the batch holds raw latents, multiplied
+    by the codec's ``scale`` first.
+
+    ``engine.state.output`` (not decollated) holds ``image``, ``loss``, ``grad_norm`` (when clipping) and
+    ``timestep_mean``.
+
+    Args:
+        network: the denoiser as called for training (may be DDP/compile-wrapped).
+        optimizer: its optimizer.
+        schedule: the noise schedule.
+        timesteps: the time steps to train on.
+        target_channels: channels of ``image`` that are generated.
+        prediction_type: ``epsilon`` or ``v_prediction``.
+        latent_codec: a :class:`common.diffusion.latent.LatentCodec` whose ``scale`` normalises raw latents.
+        seed: base seed of the time-step draws.
+        settings: ``device``, ``max_epochs``, ``train_data_loader`` (of dicts with an ``image`` key,
+            ``B, C, *spatial``), ``amp``, ``accumulation_steps``, ``grad_clip`` and the other settings of
+            :class:`common.engines.trainer.StepTrainer`; ``prepare_batch`` defaults to
+            :func:`prepare_diffusion_batch`, ``decollate`` to False.
+    """
+
+    default_prepare_batch = staticmethod(prepare_diffusion_batch)
+    default_decollate = False
+
+    def __init__(
+        self,
+        network: nn.Module,
+        optimizer: Optimizer,
+        schedule: DiffusionSchedule,
+        timesteps: torch.Tensor | Sequence[int],
+        target_channels: Sequence[int],
+        prediction_type: str = "epsilon",
+        latent_codec: nn.Module | None = None,
+        seed: int = 0,
+        **settings: Any,
+    ) -> None:
+        if prediction_type not in PREDICTIONS:
+            raise ValueError(f"prediction_type must be one of {PREDICTIONS}, got {prediction_type!r}.")
+        if not list(target_channels):
+            raise ValueError("target_channels must name at least one channel.")
+        super().__init__(network=network, optimizer=optimizer, **settings)
+        self.schedule = schedule
+        self.timesteps = torch.as_tensor(timesteps, dtype=torch.long).cpu()
+        self.target_channels = [int(c) for c in target_channels]
+        self.prediction_type = prediction_type
+        self.latent_codec = latent_codec
+        self.seed = int(seed)
+
+    def draw_timesteps(self, batch_size: int, iteration: int) -> torch.Tensor:
+        """This rank's time steps of ``iteration``: antithetic pairs drawn over the global batch of all ranks."""
+        world, rank = get_world_size(), get_rank()
+        generator = torch.Generator().manual_seed(self.seed * 1_000_003 + int(iteration))
+        steps = antithetic_timesteps(self.timesteps, batch_size * world, generator)
+        return steps[rank * batch_size : (rank + 1) * batch_size]
+
+    def prepare_step(self, engine: DiffusionTrainer, batchdata: dict[str, torch.Tensor]) -> dict[str, Any]:
+        image, _ = engine.prepare_batch(batchdata, engine.state.device, engine.non_blocking, **engine.to_kwargs)
+        image = _plain(image).float()
+        self.log_effective_batch(image.shape[0])
+        if self.latent_codec is not None:
+            image = image * self.latent_codec.scale.to(image.device)
+        x0 = image[:, self.target_channels]
+        t = self.draw_timesteps(image.shape[0], engine.state.iteration).to(image.device)
+        noise = torch.randn_like(x0)
+        x_t = self.schedule.add_noise(x0, noise, t)
+        target = noise if self.prediction_type == "epsilon" else self.schedule.velocity(x0, noise, t)
+        inputs = insert_target(image, x_t, self.target_channels, image.shape[1])
+        return {
+            "args": (inputs, t),
+            "output": {Keys.IMAGE: image},
+            "target": target,
+            "stats": {"timestep_mean": t.float().mean()},
+        }
+
+    def compute_loss(
+        self, engine: DiffusionTrainer, step: dict[str, Any], prediction: torch.Tensor
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        return F.mse_loss(prediction.float(), step["target"].float()), {}
+
+
+class DiffusionEvaluator(SupervisedEvaluator):
+    """Samples whole volumes with a :class:`common.diffusion.networks.DiffusionSampler` for validation,
+    evaluation and inference.
+
+    For each volume, ``num_samples`` samples are drawn from start noise seeded by :func:`volume_seed` (so results
+    do not depend on batch order or the number of ranks). The input ``image`` holds the condition channels and,
+    for validation, the clean target channels too (these are replaced by the noise). ``engine.state.output``
+    (not decollated) holds ``image`` (the input), ``pred`` (the samples, ``B x num_samples`` volumes mapped to
+    ``[0, 1]``, a MetaTensor with the input's metadata), ``label`` (the target in ``[0, 1]``, repeated per
+    sample) when the batch has one, and ``denoise_loss`` (the held-out denoising loss per volume, see
+    ``DiffusionSampler.denoising_loss``) with ``compute_loss``.
+
+    Args:
+        device: the device of this rank.
+        val_data_loader: loader of dicts with ``image`` (and ``label`` for conditional validation).
+        network: the sampler.
+        num_samples: samples per volume (``>= 2`` to measure diversity).
+        seed: base seed of the start noise.
+        compute_loss: also compute the held-out denoising loss (needs the clean target in ``image``).
+        amp: ``bf16``/``fp16`` autocast of the network on CUDA, or ``none``.
+        inferer: calls the sampler on each volume's input (default ``SimpleInferer``; the sampler itself slides
+            its windows at every time step).
+        others: as in ``monai.engines.SupervisedEvaluator``.
+    """
+
+    def __init__(
+        self,
+        device: torch.device | str,
+        val_data_loader: Iterable,
+        network: nn.Module,
+        num_samples: int = 1,
+        seed: int = 0,
+        compute_loss: bool = False,
+        amp: str = "none",
+        inferer: Inferer | None = None,
+        epoch_length: int | None = None,
+        non_blocking: bool = False,
+        prepare_batch: Callable = prepare_diffusion_batch,
+        postprocessing: Callable | None = None,
+        key_val_metric: dict | None = None,
+        additional_metrics: dict | None = None,
+        metric_cmp_fn: Callable | None = None,
+        val_handlers: Sequence | None = None,
+        decollate: bool = False,
+    ) -> None:
+        if int(num_samples) < 1:
+            raise ValueError(f"num_samples must be >= 1, got {num_samples!r}.")
+        kwargs = {} if metric_cmp_fn is None else {"metric_cmp_fn": metric_cmp_fn}
+        super().__init__(
+            device=device,
+            val_data_loader=val_data_loader,
+            network=network,
+            epoch_length=epoch_length,
+            non_blocking=non_blocking,
+            prepare_batch=prepare_batch,
+            inferer=inferer,
+            postprocessing=postprocessing,
+            key_val_metric=key_val_metric,
+            additional_metrics=additional_metrics,
+            val_handlers=val_handlers,
+            decollate=decollate,
+            **kwargs,
+        )
+        self.num_samples = int(num_samples)
+        self.seed = int(seed)
+        self.compute_loss = bool(compute_loss)
+        self.amp_mode = str(amp).lower()
+
+    def _noise(self, image: torch.Tensor, batchdata: Any, n_target: int) -> tuple[torch.Tensor, list[torch.Generator]]:
+        """Start noise ``(B x num_samples, n_target, *spatial)`` and one seeded generator per volume."""
+        noises, generators = [], []
+        for i in range(image.shape[0]):
+            generator = torch.Generator().manual_seed(volume_seed(batchdata, i, self.seed))
+            shape = (self.num_samples, n_target, *image.shape[2:])
+            noises.append(torch.randn(shape, generator=generator))
+            generators.append(generator)
+        return torch.cat(noises).to(image.device), generators
+
+    def _iteration(self, engine: DiffusionEvaluator, batchdata: dict[str, torch.Tensor]) -> dict:
+        if batchdata is None:
+            raise ValueError("Must provide batch data for current iteration.")
+        image, label = engine.prepare_batch(batchdata, engine.state.device, engine.non_blocking, **engine.to_kwargs)
+        sampler = engine.network
+        plain = _plain(image).float()
+        noise, generators = self._noise(plain, batchdata, len(sampler.target_channels))
+        inputs = insert_target(
+            plain.repeat_interleave(self.num_samples, dim=0), noise, sampler.target_channels, sampler.in_channels
+        )
+        output: dict[str, Any] = {Keys.IMAGE: image}
+        engine.state.output = output
+        with (
+            engine.mode(sampler),
+            inference_autocast(self.state.device, self.amp_mode),
+        ):
+            samples = torch.cat(
+                [
+                    engine.inferer(chunk, sampler, generator=generators[i])
+                    for i, chunk in enumerate(inputs.split(self.num_samples))
+                ]
+            )
+            if self.compute_loss:
+                output["denoise_loss"] = torch.cat(
+                    [
+                        sampler.denoising_loss(
+                            plain[i : i + 1], torch.Generator().manual_seed(volume_seed(batchdata, i, self.seed + 1))
+                        )
+                        for i in range(plain.shape[0])
+                    ]
+                )
+        pred = ((samples.float() + 1) / 2).clamp(0, 1)
+        if isinstance(image, MetaTensor) and self.num_samples == 1:
+            pred = MetaTensor(pred, meta=image.meta, applied_operations=image.applied_operations)
+        output[Keys.PRED] = pred
+        if label is not None:
+            output[Keys.LABEL] = (
+                ((_plain(label).float() + 1) / 2).clamp(0, 1).repeat_interleave(self.num_samples, dim=0)
+            )
+        engine.fire_event(IterationEvents.FORWARD_COMPLETED)
+        engine.fire_event(IterationEvents.MODEL_COMPLETED)
+        return engine.state.output
+
+
+def check_diffusion_settings(
+    task: str,
+    image_keys: Sequence[str],
+    target_key: str,
+    diffusion_mode: str,
+    grid: str,
+    num_grid_steps: int,
+    num_train_timesteps: int,
+    prediction_type: str,
+    patch_size: Sequence[int],
+    unet_channels: Sequence[int],
+    norm_num_groups: int,
+    eta: float = 0.0,
+    ema_decay: float = 0.9999,
+    batch_size: int = 1,
+    accumulation_steps: int = 1,
+    val_num_samples: int = 1,
+    latent_downsample: Sequence[int] | None = None,
+    attention_levels: Sequence[bool] | None = None,
+    num_head_channels: int | None = None,
+    flags: Mapping[str, Any] | None = None,
+) -> None:
+    """Check a diffusion bundle's settings before anything is built or written.
+
+    Beyond the values themselves, ``attention_levels`` must hold one boolean per entry of ``unet_channels``
+    (the command line reads ``true`` as a string: a string there would silently switch attention on at full
+    resolution and exhaust the memory), and ``num_head_channels`` must divide the channels of those levels.
+    ``flags`` maps the ids of on/off switches (``latent``, ``clip_sample``, ...) to their values, which must be
+    booleans for the same reason (a string ``"false"`` is true).
+
+    Raises:
+        ValueError: listing every problem, each naming its config id and value.
+    """
+    problems = []
+    keys = list(image_keys) if isinstance(image_keys, (list, tuple)) else None
+    if task not in TASKS:
+        problems.append(f"'task' must be one of {TASKS}, got {task!r}.")
+    if not keys or not all(isinstance(k, str) and k for k in keys) or len(set(keys)) != len(keys):
+        problems.append(f"'image_keys' must be a list of distinct datalist keys, got {image_keys!r}.")
+    elif target_key not in keys:
+        problems.append(f"'target_key' {target_key!r} must be one of 'image_keys' {keys}.")
+    elif task == "unconditional" and len(keys) != 1:
+        problems.append(
+            f"task 'unconditional' generates 'target_key' alone: 'image_keys' must be [{target_key!r}], got {keys}."
+        )
+    elif task in ("synthesis", "translation") and len(keys) < 2:
+        problems.append(f"task {task!r} needs at least one source besides the target in 'image_keys', got {keys}.")
+    if diffusion_mode not in DIFFUSION_MODES:
+        problems.append(f"'diffusion_mode' must be one of {DIFFUSION_MODES}, got {diffusion_mode!r}.")
+    if grid not in GRIDS:
+        problems.append(f"'grid' must be one of {GRIDS}, got {grid!r}.")
+    total = int(num_train_timesteps) if not isinstance(num_train_timesteps, bool) else 0
+    if total < 1:
+        problems.append(f"'num_train_timesteps' must be >= 1, got {num_train_timesteps!r}.")
+    elif isinstance(num_grid_steps, bool) or not 1 <= int(num_grid_steps) <= total:
+        problems.append(f"'num_grid_steps' must be in [1, num_train_timesteps={total}], got {num_grid_steps!r}.")
+    elif grid in GRIDS:
+        try:
+            fast_ddpm_grid(grid, num_grid_steps, total)
+        except ValueError as exc:
+            problems.append(f"'num_grid_steps': {exc}")
+    if prediction_type not in PREDICTIONS:
+        problems.append(f"'prediction_type' must be one of {PREDICTIONS}, got {prediction_type!r}.")
+    if not 0.0 <= float(eta) <= 1.0:
+        problems.append(f"'eta' must be in [0, 1], got {eta!r}.")
+    if not 0.0 < float(ema_decay) < 1.0:
+        problems.append(f"'ema_decay' must be in (0, 1), got {ema_decay!r}.")
+    for name, value in (
+        ("batch_size", batch_size),
+        ("accumulation_steps", accumulation_steps),
+        ("val_num_samples", val_num_samples),
+    ):
+        if isinstance(value, bool) or int(value) < 1:
+            problems.append(f"{name!r} must be >= 1, got {value!r}.")
+    if task == "unconditional" and int(val_num_samples) < 2:
+        problems.append(
+            f"'val_num_samples' must be >= 2 for task 'unconditional' (diversity between samples), got {val_num_samples!r}."
+        )
+    problems += flag_problems(flags)
+    channels = [int(c) for c in unet_channels]
+    if attention_levels is not None:
+        levels = list(attention_levels) if isinstance(attention_levels, (list, tuple)) else None
+        if levels is None or len(levels) != len(channels) or not all(isinstance(a, bool) for a in levels):
+            problems.append(
+                f"'attention_levels' must be a list of {len(channels)} booleans (one per 'unet_channels' entry; "
+                f"write True/False on the command line), got {attention_levels!r}."
+            )
+        elif num_head_channels is not None and not isinstance(num_head_channels, bool) and int(num_head_channels) > 0:
+            # the middle block always has attention, at the last level's channels
+            bad_heads = [
+                c
+                for i, (c, a) in enumerate(zip(channels, levels))
+                if (a or i == len(channels) - 1) and c % int(num_head_channels)
+            ]
+            if bad_heads:
+                problems.append(
+                    f"'num_head_channels' {num_head_channels} must divide the channels {bad_heads} of the levels with "
+                    "attention (the last level always has it, in the middle block)."
+                )
+    if any(c % int(norm_num_groups) for c in channels):
+        problems.append(
+            f"every entry of 'unet_channels' {channels} must be divisible by 'norm_num_groups' {norm_num_groups}."
+        )
+    factor = 2 ** (len(channels) - 1)
+    latent = [int(d) for d in latent_downsample] if latent_downsample is not None else [1] * len(patch_size)
+    bad = [int(p) for p, d in zip(patch_size, latent) if int(p) % (factor * d)]
+    if len(patch_size) != 3 or any(int(p) < 1 for p in patch_size):
+        problems.append(f"'patch_size' must be 3 positive integers, got {patch_size!r}.")
+    elif bad:
+        how = f"{factor} (the U-Net halves it {len(channels) - 1} times)"
+        if latent_downsample is not None:
+            how += f" times the autoencoder's downsampling {latent}"
+        problems.append(f"'patch_size' {list(patch_size)} must be divisible by {how} on every axis.")
+    if problems:
+        raise ValueError("invalid diffusion configuration:\n  " + "\n  ".join(problems))

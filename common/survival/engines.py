@@ -1,0 +1,312 @@
+# Copyright (c) the 3D MONAI bundle collection contributors.
+# Licensed under the Apache License, Version 2.0.
+"""Training and evaluation engines of survival models (a 3D CT image, optional covariates -> the risk of an event
+over time): a discrete-time logistic hazard head or a Cox head whose partial likelihood sees the global risk set of
+all ranks.
+
+A survival batch is a dict with ``image`` (``B, C, *spatial``), ``time`` (``B``, years), ``event`` (``B``, 0/1),
+``covariates`` (``B, n``; ``n`` may be 0) and ``case_id`` (``B`` strings).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any
+
+import torch
+from monai.data import MetaTensor
+from monai.engines import SupervisedEvaluator
+from monai.engines.utils import IterationEvents
+from monai.utils import CommonKeys as Keys
+from torch import nn
+from torch.optim import Optimizer
+
+from common.data.pipeline import batch_case_ids
+from common.engines.trainer import StepTrainer
+from common.survival.cohort import TIME_UNITS
+from common.survival.losses import cox_loss, logistic_hazard_loss
+from common.survival.networks import BACKBONES, HEADS
+from common.utils import flag_problems, get_world_size, inference_autocast
+
+__all__ = [
+    "SurvivalEvaluator",
+    "SurvivalTrainer",
+    "check_survival_settings",
+    "check_training_size",
+    "per_rank_batch_size",
+    "prepare_survival_batch",
+]
+
+
+def per_rank_batch_size(batch_size: int, world_size: int | None = None) -> int:
+    """The batch of one rank when ``batch_size`` is the total batch across all ranks.
+
+    Raises:
+        ValueError: when ``batch_size`` is not a positive multiple of the number of processes.
+    """
+    world = get_world_size() if world_size is None else int(world_size)
+    if isinstance(batch_size, bool) or int(batch_size) < 1:
+        raise ValueError(f"'batch_size' (the total batch across all GPUs) must be >= 1, got {batch_size!r}.")
+    if int(batch_size) % world:
+        raise ValueError(
+            f"'batch_size' {batch_size} is the total batch across all GPUs and must be divisible by the number of "
+            f"processes ({world}): use a multiple of {world}, e.g. {world * -(-int(batch_size) // world)}."
+        )
+    return int(batch_size) // world
+
+
+def check_training_size(num_cases: int, batch_size: int) -> None:
+    """The training loader drops an incomplete last batch (a batch of one case breaks BatchNorm in training mode and
+    gives the Cox partial likelihood no risk set), so the training split must fill at least one total batch.
+
+    Raises:
+        ValueError: naming ``batch_size`` when the training split is smaller than it.
+    """
+    if int(num_cases) < int(batch_size):
+        raise ValueError(
+            f"the training split has {num_cases} case(s), fewer than 'batch_size' {batch_size} (the total batch "
+            "across all GPUs; an incomplete last batch is dropped): lower --batch_size."
+        )
+
+
+def _plain(x: Any) -> Any:
+    return x.as_tensor() if isinstance(x, MetaTensor) else x
+
+
+def prepare_survival_batch(
+    batchdata: Mapping[str, Any], device: torch.device | str | None = None, non_blocking: bool = False, **kwargs
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """``(image, targets)``: the image as a plain tensor on ``device`` and ``{"time", "event", "covariates"}``
+    as float tensors on ``device`` (``time``/``event`` are NaN when the batch has no outcomes, e.g. inference)."""
+    image = _plain(batchdata[Keys.IMAGE]).to(device=device, non_blocking=non_blocking, **kwargs)
+    n = image.shape[0]
+
+    def field(key: str, default: torch.Tensor) -> torch.Tensor:
+        value = batchdata.get(key)
+        value = default if value is None else torch.as_tensor(_plain(value))
+        return value.to(device=device, dtype=torch.float32, non_blocking=non_blocking)
+
+    nan = torch.full((n,), float("nan"))
+    targets = {
+        "time": field("time", nan).reshape(n),
+        "event": field("event", nan).reshape(n),
+        "covariates": field("covariates", torch.zeros(n, 0)).reshape(n, -1),
+    }
+    return image, targets
+
+
+class SurvivalTrainer(StepTrainer):
+    """Trains a survival network ``network(image, covariates)`` with a logistic hazard or a Cox loss.
+
+    ``logistic_hazard``: the network returns K logits (one per interval of ``cut_points``); the loss is the
+    discrete-time negative log-likelihood per sample (censored cases count only the intervals they survived), so
+    any batch size works and DDP's gradient average is the global mean. ``cox``: the network returns one
+    log-hazard; the loss is the Efron partial likelihood over the risk set of the whole global batch (all ranks'
+    log-hazards gathered with autograd, see :func:`common.survival.losses.cox_loss`), so a multi-GPU step takes the
+    gradient of one process on the full batch. With gradient accumulation the risk set is each (global) batch.
+
+    Covariates are standardised with the training statistics by ``prepare_covariates`` (normally the predictor's
+    ``standardize_covariates``) before they reach the network. Mixed precision, accumulation with DDP ``no_sync``
+    and clipping as in :class:`common.engines.trainer.StepTrainer`; the loss is computed in float32.
+
+    ``engine.state.output`` (not decollated) holds ``loss``, ``grad_norm`` (when clipping), ``event_rate`` (events
+    per sample in this rank's batch) and ``pred`` (the network output, detached).
+
+    Args:
+        network: the survival network as called for training (may be DDP/compile-wrapped).
+        optimizer: its optimizer.
+        head: ``logistic_hazard`` or ``cox``.
+        cut_points: the K + 1 interval boundaries in years (``logistic_hazard``).
+        prepare_covariates: maps raw covariates ``(B, n)`` to network inputs (``None``: passed unchanged).
+        global_risk_set: gather the risk set over all ranks (``cox``).
+        settings: ``device``, ``max_epochs``, ``train_data_loader`` (of survival batches), ``amp``,
+            ``accumulation_steps``, ``grad_clip`` and the other settings of :class:`common.engines.trainer.StepTrainer`;
+            ``prepare_batch`` defaults to :func:`prepare_survival_batch`, ``decollate`` to False.
+    """
+
+    default_prepare_batch = staticmethod(prepare_survival_batch)
+    default_decollate = False
+
+    def __init__(
+        self,
+        network: nn.Module,
+        optimizer: Optimizer,
+        head: str = "logistic_hazard",
+        cut_points: Sequence[float] | torch.Tensor | None = None,
+        prepare_covariates: Callable[[torch.Tensor], torch.Tensor] | None = None,
+        global_risk_set: bool = True,
+        **settings: Any,
+    ) -> None:
+        if head not in HEADS:
+            raise ValueError(f"'survival_head' must be one of {HEADS}, got {head!r}.")
+        if head == "logistic_hazard" and cut_points is None:
+            raise ValueError("a logistic hazard head needs cut_points (K + 1 interval boundaries in years).")
+        super().__init__(network=network, optimizer=optimizer, **settings)
+        self.head = head
+        self.cut_points = None if cut_points is None else torch.as_tensor(cut_points, dtype=torch.float32)
+        self.prepare_covariates = prepare_covariates
+        self.global_risk_set = bool(global_risk_set)
+
+    def loss(self, output: torch.Tensor, time: torch.Tensor, event: torch.Tensor) -> torch.Tensor:
+        """The survival loss of a batch of network outputs (float32)."""
+        output = output.float()
+        if self.head == "cox":
+            return cox_loss(output.reshape(-1), time, event, global_risk_set=self.global_risk_set)
+        # the cut points stay on the CPU: their checks then need no device synchronisation; the loss moves them
+        return logistic_hazard_loss(output, time, event, self.cut_points)
+
+    def prepare_step(self, engine: SurvivalTrainer, batchdata: dict[str, Any]) -> dict[str, Any]:
+        image, targets = engine.prepare_batch(batchdata, engine.state.device, engine.non_blocking, **engine.to_kwargs)
+        self.log_effective_batch(image.shape[0])
+        covariates = targets["covariates"]
+        if self.prepare_covariates is not None:
+            covariates = self.prepare_covariates(covariates)
+        return {
+            "args": (image, covariates if covariates.shape[1] else None),
+            "output": {Keys.IMAGE: image},
+            "targets": targets,
+            "stats": {"event_rate": targets["event"].mean()},
+        }
+
+    def compute_loss(
+        self, engine: SurvivalTrainer, step: dict[str, Any], prediction: torch.Tensor
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        targets = step["targets"]
+        return self.loss(prediction, targets["time"], targets["event"]), {}
+
+
+class SurvivalEvaluator(SupervisedEvaluator):
+    """Runs a :class:`common.survival.networks.SurvivalPredictor` over whole volumes for validation, evaluation and
+    inference.
+
+    ``engine.state.output`` (not decollated) holds ``case_id`` (list), ``time`` and ``event`` (NaN without
+    outcomes), and the predictor's outputs: ``risk_score``, ``risk_percentile``, ``risk_group``, ``survival``
+    (``B x horizons``), ``p_event`` (``1 - survival``) and ``survival_grid`` (``B x len(grid)``, the survival curve
+    on ``grid`` for the integrated Brier score; only when ``grid`` is given). Metrics are computed from these by
+    :class:`common.survival.handlers.SurvivalMetricsHandler` once every rank's predictions are gathered.
+
+    Args:
+        device: the device of this rank.
+        val_data_loader: loader of survival batches.
+        network: the predictor (in eval mode during the run).
+        grid: times (years) at which the survival curve is also evaluated.
+        amp: ``bf16``/``fp16`` autocast of the network on CUDA, or ``none``.
+        others: as in ``monai.engines.SupervisedEvaluator``.
+    """
+
+    def __init__(
+        self,
+        device: torch.device | str,
+        val_data_loader: Iterable,
+        network: nn.Module,
+        grid: Sequence[float] | torch.Tensor | None = None,
+        amp: str = "none",
+        epoch_length: int | None = None,
+        non_blocking: bool = False,
+        prepare_batch: Callable = prepare_survival_batch,
+        val_handlers: Sequence | None = None,
+        decollate: bool = False,
+    ) -> None:
+        super().__init__(
+            device=device,
+            val_data_loader=val_data_loader,
+            network=network,
+            epoch_length=epoch_length,
+            non_blocking=non_blocking,
+            prepare_batch=prepare_batch,
+            val_handlers=val_handlers,
+            decollate=decollate,
+        )
+        self.grid = None if grid is None else torch.as_tensor(grid, dtype=torch.float32)
+        self.amp_mode = str(amp).lower()
+
+    def _iteration(self, engine: SurvivalEvaluator, batchdata: dict[str, Any]) -> dict:
+        if batchdata is None:
+            raise ValueError("Must provide batch data for current iteration.")
+        image, targets = engine.prepare_batch(batchdata, engine.state.device, engine.non_blocking, **engine.to_kwargs)
+        predictor = engine.network
+        covariates = targets["covariates"]
+        with engine.mode(predictor), inference_autocast(self.state.device, self.amp_mode):
+            predicted = predictor.predict(image, covariates if covariates.shape[1] else None, times=self.grid)
+        output: dict[str, Any] = {
+            "case_id": batch_case_ids(batchdata, image.shape[0]),
+            "time": targets["time"],
+            "event": targets["event"],
+            **{k: v.float() if v.is_floating_point() else v for k, v in predicted.items()},
+        }
+        engine.state.output = output
+        engine.fire_event(IterationEvents.FORWARD_COMPLETED)
+        engine.fire_event(IterationEvents.MODEL_COMPLETED)
+        return engine.state.output
+
+
+def check_survival_settings(
+    survival_head: str,
+    backbone: str,
+    conv1_t_stride: int,
+    num_intervals: int | None,
+    horizons: Sequence[float],
+    batch_size: int,
+    image_size: Sequence[int],
+    val_fraction: float,
+    time_unit: str,
+    covariates: Sequence[str] = (),
+    cut_points: Sequence[float] | None = None,
+    accumulation_steps: int = 1,
+    key_metric: str = "uno_c",
+    flags: Mapping[str, Any] | None = None,
+) -> None:
+    """Check a survival bundle's settings before anything is built or written.
+
+    ``flags`` maps the ids of on/off switches (``amp`` excluded) to their values, which must be booleans (the command
+    line reads ``true`` as a string, and a string ``"false"`` is true).
+
+    Raises:
+        ValueError: listing every problem, each naming its config id and value.
+    """
+    problems = []
+    if survival_head not in HEADS:
+        problems.append(f"'survival_head' must be one of {HEADS}, got {survival_head!r}.")
+    if backbone not in BACKBONES:
+        problems.append(f"'backbone' must be one of {BACKBONES}, got {backbone!r}.")
+    if isinstance(conv1_t_stride, bool) or not isinstance(conv1_t_stride, int) or conv1_t_stride < 1:
+        problems.append(
+            f"'conv1_t_stride' must be a positive integer (2 is the usual ResNet stem; 1 costs ~8x the FLOPs), "
+            f"got {conv1_t_stride!r}."
+        )
+    if survival_head == "logistic_hazard" and cut_points is None:
+        if isinstance(num_intervals, bool) or not isinstance(num_intervals, int) or num_intervals < 1:
+            problems.append(f"'num_intervals' must be a positive integer, got {num_intervals!r}.")
+    if cut_points is not None:
+        points = list(cut_points) if isinstance(cut_points, (list, tuple)) else None
+        if not points or len(points) < 2 or any(isinstance(c, bool) or not isinstance(c, (int, float)) for c in points):
+            problems.append(f"'cut_points' must be a list of at least 2 numbers (years, from 0), got {cut_points!r}.")
+        elif points[0] != 0 or any(b <= a for a, b in zip(points, points[1:])):
+            problems.append(f"'cut_points' must start at 0 and increase strictly, got {points}.")
+    values = list(horizons) if isinstance(horizons, (list, tuple)) else None
+    if not values or any(isinstance(h, bool) or not isinstance(h, (int, float)) or not h > 0 for h in values):
+        problems.append(f"'horizons' must be a non-empty list of positive numbers of years, got {horizons!r}.")
+    elif any(b <= a for a, b in zip(values, values[1:])):
+        problems.append(f"'horizons' must increase strictly, got {values}.")
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+        problems.append(
+            f"'batch_size' (the total batch across all GPUs) must be a positive integer, got {batch_size!r}."
+        )
+    if isinstance(accumulation_steps, bool) or not isinstance(accumulation_steps, int) or accumulation_steps < 1:
+        problems.append(f"'accumulation_steps' must be a positive integer, got {accumulation_steps!r}.")
+    size = list(image_size) if isinstance(image_size, (list, tuple)) else None
+    if not size or len(size) != 3 or any(isinstance(s, bool) or not isinstance(s, int) or s < 1 for s in size):
+        problems.append(f"'image_size' must be 3 positive integers, got {image_size!r}.")
+    if isinstance(val_fraction, bool) or not isinstance(val_fraction, (int, float)) or not 0 <= val_fraction < 1:
+        problems.append(f"'val_fraction' must be in [0, 1), got {val_fraction!r}.")
+    if time_unit not in TIME_UNITS:
+        problems.append(f"'time_unit' must be one of {tuple(TIME_UNITS)}, got {time_unit!r}.")
+    names = list(covariates) if isinstance(covariates, (list, tuple)) else None
+    if names is None or not all(isinstance(c, str) and c for c in names) or len(set(names)) != len(names):
+        problems.append(f"'covariates' must be a list of distinct CSV column names, got {covariates!r}.")
+    known = ("uno_c", "harrell_c", "auc_mean", "ibs")
+    if key_metric not in known and not str(key_metric).startswith(("auc_", "brier_")):
+        problems.append(f"'key_metric' must be one of {known} or auc_<h>/brier_<h>, got {key_metric!r}.")
+    problems += flag_problems(flags)
+    if problems:
+        raise ValueError("invalid survival configuration:\n  " + "\n  ".join(problems))

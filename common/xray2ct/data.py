@@ -1,0 +1,333 @@
+# Copyright (c) the 3D MONAI bundle collection contributors.
+# Licensed under the Apache License, Version 2.0.
+"""Data of the biplanar X-ray -> CT bundle: CT transforms with X-rays made on the fly by the DRR projector, X-ray
+files per case (PNG or NIfTI), their checks before training, inference items and the chest CT phantom demo.
+
+X-ray files, one per view and case under the keys ``xray_<view>`` (``xray_ap``, ``xray_lateral``):
+
+* PNG (8 or 16 bit grey): a radiograph with bone bright, rows running from superior (top) to inferior, columns
+  along the view's first in-plane axis (AP: patient right to left as stored in RAS, lateral: posterior to
+  anterior); its grey value ``g / max`` is the intensity ``1 - exp(-p)`` of :mod:`common.xray2ct.drr`;
+* NIfTI: a 2D array of normalised line integrals ``p`` with axes ``(H, W)`` exactly as the projector makes them
+  (what :func:`save_view_nifti` writes).
+
+Both must have the projector's ``view_size`` (``H, W``); a transposed file is named as such.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from monai.data import MetaTensor
+from monai.transforms import (
+    Compose,
+    EnsureTyped,
+    MapTransform,
+    Resized,
+    ResizeWithPadOrCropd,
+    ScaleIntensityRanged,
+)
+
+from common.data.pipeline import CaseMetad, spatial_steps
+from common.data.preflight import PreflightError
+from common.xray2ct.drr import DRRProjector
+
+__all__ = [
+    "IMAGE_SUFFIXES",
+    "DRRd",
+    "LoadViewsd",
+    "check_view_files",
+    "read_view",
+    "save_view_nifti",
+    "save_view_png",
+    "view_keys",
+    "xray2ct_transforms",
+    "xray_inference_items",
+]
+
+logger = logging.getLogger(__name__)
+
+IMAGE_SUFFIXES = (".png",)
+NIFTI_SUFFIXES = (".nii", ".nii.gz")
+
+
+def view_keys(projector: DRRProjector) -> list[str]:
+    """The datalist keys of X-ray files: ``xray_<view>`` per view of ``projector``."""
+    return [f"xray_{v}" for v in projector.views]
+
+
+def _suffix(path: str | os.PathLike) -> str:
+    name = os.fspath(path).lower()
+    return ".nii.gz" if name.endswith(".nii.gz") else os.path.splitext(name)[1]
+
+
+def _view_shape(path: str | os.PathLike) -> tuple[int, ...]:
+    """The 2D shape ``(H, W)`` of an X-ray file from its header, without reading the pixels."""
+    suffix = _suffix(path)
+    if suffix in IMAGE_SUFFIXES:
+        from PIL import Image
+
+        with Image.open(path) as img:
+            width, height = img.size
+            if img.mode not in ("L", "I;16", "I;16B", "I", "F"):
+                raise ValueError(f"is a {img.mode!r} image; a grey-scale (8 or 16 bit) radiograph is required")
+        return (width, height)  # stored rows are the second in-plane axis (superior up): (H, W) = (cols, rows)
+    if suffix in NIFTI_SUFFIXES:
+        import nibabel as nib
+
+        shape = tuple(int(s) for s in nib.load(os.fspath(path)).shape)
+        squeezed = tuple(s for s in shape if s != 1)
+        if len(squeezed) != 2:
+            raise ValueError(f"has shape {shape}; a 2D X-ray is required")
+        return squeezed
+    raise ValueError(f"has the unsupported suffix {suffix!r}; use {[*IMAGE_SUFFIXES, *NIFTI_SUFFIXES]}")
+
+
+def _size_problem(shape: tuple[int, ...], view_size: Sequence[int]) -> str | None:
+    expected = tuple(int(s) for s in view_size)
+    if shape == expected:
+        return None
+    if shape == expected[::-1]:
+        return f"has size {shape}, the transpose of view_size {expected}: the view is rotated or transposed"
+    return f"has size {shape}, expected view_size {expected} (H, W)"
+
+
+def read_view(path: str | os.PathLike, view_size: Sequence[int]) -> np.ndarray:
+    """Normalised line integrals ``(H, W)`` of one X-ray file (see the module docstring).
+
+    Raises:
+        ValueError: naming the file when it cannot be read, is not 2D grey-scale or has another size.
+    """
+    try:
+        problem = _size_problem(_view_shape(path), view_size)
+        if problem:
+            raise ValueError(problem)
+        if _suffix(path) in NIFTI_SUFFIXES:
+            import nibabel as nib
+
+            data = np.asarray(nib.load(os.fspath(path)).dataobj, dtype=np.float32).squeeze()
+        else:
+            from PIL import Image
+
+            with Image.open(path) as img:
+                pixels = np.asarray(img)
+            top = 65535.0 if pixels.dtype == np.uint16 or pixels.max() > 255 else 255.0
+            intensity = torch.from_numpy(pixels.astype(np.float32) / top * 2.0 - 1.0)
+            data = DRRProjector.line_integral(intensity).numpy()[::-1].T  # rows superior->inferior -> (H, W)
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"X-ray file {os.fspath(path)!r} {exc}") from None
+    if not np.isfinite(data).all():
+        raise ValueError(f"X-ray file {os.fspath(path)!r} holds NaN or Inf values.")
+    return np.ascontiguousarray(data, dtype=np.float32)
+
+
+def save_view_png(path: str | os.PathLike, xray: torch.Tensor | np.ndarray) -> Path:
+    """Write normalised line integrals ``(H, W)`` as a 16-bit PNG radiograph (readable by :func:`read_view`)."""
+    from PIL import Image
+
+    p = torch.as_tensor(np.asarray(xray, dtype=np.float32))
+    intensity = ((DRRProjector.intensity(p) + 1.0) * 0.5).clamp(0, 1).numpy()
+    pixels = np.round(intensity.T[::-1] * 65535.0).astype(np.uint16)
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    Image.fromarray(pixels).save(path)
+    return path
+
+
+def save_view_nifti(path: str | os.PathLike, xray: torch.Tensor | np.ndarray) -> Path:
+    """Write normalised line integrals ``(H, W)`` as a 2D NIfTI file (readable by :func:`read_view`)."""
+    import nibabel as nib
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    nib.save(nib.Nifti1Image(np.asarray(xray, dtype=np.float32), np.eye(4)), os.fspath(path))
+    return path
+
+
+def check_view_files(
+    sections: Mapping[str, Sequence[Mapping[str, Any]]],
+    keys: Sequence[str],
+    view_size: Sequence[int],
+    base_dir: str | os.PathLike | None = None,
+) -> dict[str, list[dict[str, Any]]]:
+    """Check the X-ray files of every entry (present, readable header, 2D grey-scale, ``view_size``) and return the
+    entries with their X-ray paths resolved against ``base_dir``.
+
+    Raises:
+        PreflightError: listing every problem, each naming the section, entry and file.
+    """
+    problems, checked = [], {}
+    for section, entries in sections.items():
+        checked[section] = []
+        for i, entry in enumerate(entries):
+            entry = dict(entry)
+            checked[section].append(entry)
+            where = f"{section}[{i}]" + (f" (case {entry['case_id']})" if "case_id" in entry else "")
+            for key in keys:
+                path = entry.get(key)
+                if not path or not isinstance(path, str):
+                    problems.append(f"{where}: missing {key!r} (one X-ray file per view: {list(keys)})")
+                    continue
+                if base_dir is not None and not os.path.isabs(path):
+                    path = entry[key] = os.path.join(os.fspath(base_dir), path)
+                if not os.path.isfile(path):
+                    problems.append(f"{where}: {key} {path!r} does not exist")
+                    continue
+                try:
+                    problem = _size_problem(_view_shape(path), view_size)
+                except (OSError, ValueError) as exc:
+                    problem = str(exc)
+                if problem:
+                    problems.append(f"{where}: {key} {path!r} {problem}")
+    if problems:
+        raise PreflightError(problems, "the X-ray files")
+    return checked
+
+
+class DRRd(MapTransform):
+    """Adds ``xray``: the projector's X-rays of the CT under ``keys`` (``1, X, Y, Z`` in ``[-1, 1]``)."""
+
+    def __init__(self, keys: str, projector: DRRProjector, output_key: str = "xray") -> None:
+        super().__init__(keys)
+        self.projector = projector
+        self.output_key = output_key
+
+    def __call__(self, data: Mapping[str, Any]) -> dict[str, Any]:
+        d = dict(data)
+        volume = torch.as_tensor(d[self.keys[0]]).float()
+        with torch.no_grad():
+            d[self.output_key] = self.projector.xrays(volume.unsqueeze(0))[0]
+        return d
+
+
+class LoadViewsd(MapTransform):
+    """Reads the X-ray files under ``keys`` (one per view, in order) into ``xray`` ``(V, H, W)`` (a MetaTensor
+    carrying the entry's ``case_id`` and first file name), dropping the path entries."""
+
+    def __init__(self, keys: Sequence[str], view_size: Sequence[int], output_key: str = "xray") -> None:
+        super().__init__(keys)
+        self.view_size = [int(s) for s in view_size]
+        self.output_key = output_key
+
+    def __call__(self, data: Mapping[str, Any]) -> dict[str, Any]:
+        d = dict(data)
+        paths = [d.pop(k) for k in self.keys]
+        views = np.stack([read_view(p, self.view_size) for p in paths])
+        meta = {"filename_or_obj": os.fspath(paths[0])}
+        if "case_id" in d:
+            meta["case_id"] = d["case_id"]
+        d[self.output_key] = MetaTensor(torch.from_numpy(views), meta=meta)
+        return d
+
+
+def xray2ct_transforms(
+    projector: DRRProjector,
+    volume_size: Sequence[int],
+    source_size: Sequence[int] | None = None,
+    with_image: bool = True,
+    view_files: bool = False,
+    orientation: str | None = "RAS",
+    cache_device: torch.device | str | None = None,
+) -> Compose:
+    """Deterministic transforms of one stage (cache them): the CT as ``image`` and the X-rays as ``xray``.
+
+    CT: load (NIfTI or a DICOM series folder) -> channel first -> ``orientation`` -> resample to the isotropic grid
+    of ``source_size`` voxels over the projector's ``fov_mm`` -> HU window of the projector to ``[0, 1]`` -> centred
+    pad (air) or crop to ``source_size`` -> ``[-1, 1]`` -> [``xray`` made by the projector at this resolution] ->
+    area-average to the stage's ``volume_size``. X-rays from files (``view_files``) are read with
+    :class:`LoadViewsd` instead. Making the X-rays at ``source_size`` for every stage gives each stage the same
+    inputs (set it to the last stage's size); the projection loss compares at the stage's own resolution.
+
+    Args:
+        projector: the DRR projector (views, view size, FOV, HU window).
+        volume_size: the stage's volume size.
+        source_size: the grid the CT is loaded at and the X-rays are made from (default ``volume_size``).
+        with_image: load the CT (``False`` for inference from X-ray files alone).
+        view_files: read the X-rays from the ``xray_<view>`` files of each entry.
+        orientation: axis codes of the CT (``RAS`` for the projector's view axes).
+        cache_device: device of the cached tensors.
+
+    Raises:
+        ValueError: without the CT and without X-ray files.
+    """
+    if not with_image and not view_files:
+        raise ValueError("xray2ct_transforms needs the CT (with_image) or X-ray files (view_files), got neither.")
+    volume = [int(s) for s in volume_size]
+    source = [int(s) for s in (source_size or volume)]
+    image, keys = "image", []
+    steps: list = []
+    if with_image:
+        spacing = [f / s for f, s in zip(projector.fov_mm, source)]
+        steps += [*spatial_steps([image], orientation, spacing), CaseMetad(image)]
+        steps += [
+            ScaleIntensityRanged(
+                image, a_min=projector.hu_min, a_max=projector.hu_max, b_min=0.0, b_max=1.0, clip=True
+            ),
+            ResizeWithPadOrCropd(image, spatial_size=source),  # zero padding: the bottom of the window (air)
+            ScaleIntensityRanged(image, a_min=0.0, a_max=1.0, b_min=-1.0, b_max=1.0),
+        ]
+        if not view_files:
+            steps.append(DRRd(image, projector))
+        if volume != source:
+            steps.append(Resized(image, spatial_size=volume, mode="area"))
+        keys.append(image)
+    if view_files:
+        steps.append(LoadViewsd(view_keys(projector), projector.view_size))
+    keys.append("xray")
+    steps.append(EnsureTyped(keys, dtype=torch.float32, device=cache_device, track_meta=True))
+    return Compose(steps)
+
+
+def xray_inference_items(
+    dataset_dir: str | os.PathLike,
+    projector: DRRProjector,
+    datalist: str | os.PathLike | None = None,
+    section: str = "testing",
+) -> list[dict[str, Any]]:
+    """The inputs of an inference run, one entry per case with a ``case_id``: X-ray files (``xray_<view>``) or CT
+    volumes (``image``, whose X-rays the projector makes).
+
+    With ``datalist``: its ``section``. Otherwise the files under ``dataset_dir`` (recursively): X-ray pairs named
+    ``<case>_<view>.png`` / ``.nii`` / ``.nii.gz`` (e.g. ``p001_ap.png`` and ``p001_lateral.png``) when there are
+    any, else every CT volume ``*.nii*``.
+
+    Raises:
+        ValueError: naming the cases that lack a view, or a datalist mixing X-ray and CT entries.
+        FileNotFoundError: when nothing is found.
+    """
+    from common.data.datalist import inference_entries, load_datalist
+
+    keys = view_keys(projector)
+    base = Path(os.path.expanduser(os.fspath(dataset_dir)))
+    if datalist:
+        entries = load_datalist(datalist, section, base_dir=str(base))
+        kinds = {"xray" if all(k in e for k in keys) else "ct" if "image" in e else "none" for e in entries}
+        if kinds - {"xray", "ct"} or len(kinds) > 1:
+            raise ValueError(
+                f"every entry of section {section!r} of {os.fspath(datalist)!r} must hold either all of {keys} "
+                "(X-ray files) or 'image' (a CT volume), the same for all entries."
+            )
+        for entry in entries:
+            first = entry[keys[0]] if keys[0] in entry else entry["image"]
+            entry.setdefault("case_id", Path(str(first)).name.split(".")[0])
+        return entries
+    cases: dict[str, dict[str, str]] = {}
+    for path in sorted(base.rglob("*")):
+        if not path.is_file() or _suffix(path) not in (*IMAGE_SUFFIXES, *NIFTI_SUFFIXES):
+            continue
+        stem = path.name[: -len(_suffix(path))]
+        for view, key in zip(projector.views, keys):
+            if stem.endswith(f"_{view}"):
+                cases.setdefault(stem[: -len(view) - 1], {})[key] = str(path.absolute())
+    if not cases:
+        return inference_entries(base, ["image"], pattern="*.nii*")
+    incomplete = {case: sorted(set(keys) - set(found)) for case, found in cases.items() if set(found) != set(keys)}
+    if incomplete:
+        raise ValueError(f"X-ray cases under {str(base)!r} lack views (case: missing keys): {incomplete}.")
+    return [{"case_id": case, **found} for case, found in sorted(cases.items())]

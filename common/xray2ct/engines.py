@@ -1,0 +1,480 @@
+# Copyright (c) the 3D MONAI bundle collection contributors.
+# Licensed under the Apache License, Version 2.0.
+"""Training and evaluation engines of biplanar X-ray -> CT models (one stage of the progressive cascade).
+
+A batch is a dict with ``image`` (the CT at the stage's size, ``B, 1, X, Y, Z`` in ``[-1, 1]``; absent at
+inference from X-ray files) and ``xray`` (``B, V, H, W`` normalised line integrals, see
+:mod:`common.xray2ct.drr`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from monai.data import MetaTensor
+from monai.engines import SupervisedEvaluator
+from monai.engines.utils import IterationEvents
+from monai.inferers import Inferer
+from monai.utils import CommonKeys as Keys
+from torch import nn
+from torch.optim import Optimizer
+
+from common.diffusion.engines import DiffusionTrainer, volume_seed
+from common.diffusion.schedule import GRIDS, PREDICTIONS, DiffusionSchedule, fast_ddpm_grid
+from common.networks.wrappers import unwrap
+from common.utils import flag_problems, inference_autocast
+from common.xray2ct.drr import VIEW_AXES, DRRProjector, view_plane
+from common.xray2ct.losses import PHYSICS_WEIGHTINGS, ProjectionLoss, physics_noise_weight
+from common.xray2ct.networks import MODES, SAMPLER_MODES, degrade_to_previous
+
+__all__ = [
+    "DIRECT_LOSSES",
+    "XRAY_KEY",
+    "XrayCTEvaluator",
+    "XrayCTTrainer",
+    "check_xray2ct_settings",
+    "prepare_xray_batch",
+    "stage_value",
+    "xray2ct_metric_handlers",
+]
+
+XRAY_KEY = "xray"
+DIRECT_LOSSES = ("l1", "mse")
+
+
+def _plain(x: torch.Tensor) -> torch.Tensor:
+    return x.as_tensor() if isinstance(x, MetaTensor) else x
+
+
+def prepare_xray_batch(
+    batchdata: Mapping[str, torch.Tensor],
+    device: torch.device | str | None = None,
+    non_blocking: bool = False,
+    **kwargs,
+) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """``(image, xray)``: the CT (``None`` when the batch has none) and the X-rays, on ``device``."""
+    if XRAY_KEY not in batchdata:
+        raise KeyError(f"an X-ray -> CT batch needs {XRAY_KEY!r}; it has {sorted(batchdata)}.")
+    xray = batchdata[XRAY_KEY].to(device=device, non_blocking=non_blocking, **kwargs)
+    image = batchdata.get(Keys.IMAGE)
+    if isinstance(image, torch.Tensor):
+        image = image.to(device=device, non_blocking=non_blocking, **kwargs)
+    else:
+        image = None
+    return image, xray
+
+
+def stage_value(values: Sequence[Any], stage: int, name: str) -> Any:
+    """The entry of a per-stage list (``stage`` counts from 1).
+
+    Raises:
+        ValueError: naming ``name`` when the list has no entry for ``stage``.
+    """
+    if isinstance(stage, bool) or not isinstance(stage, int) or stage < 1:
+        raise ValueError(f"'stage' must be an integer >= 1, got {stage!r}.")
+    if not isinstance(values, (list, tuple)) or len(values) < stage:
+        raise ValueError(f"{name!r} must be a list with an entry for stage {stage}, got {values!r}.")
+    return values[stage - 1]
+
+
+class XrayCTTrainer(DiffusionTrainer):
+    """Trains one stage: the denoiser ``network(x, t, xray, previous)`` as a diffusion model or a ``direct``
+    regressor, plus the projection ("physics") loss.
+
+    ``diffusion``: time steps from ``timesteps`` (antithetic over the global batch, as
+    :class:`common.diffusion.engines.DiffusionTrainer`), ``x_t`` of the CT, MSE on the v (or epsilon)
+    target. ``direct``: the same network with a zero ``x_t`` channel at ``t = 0`` regresses the CT (``l1`` or
+    ``mse``). Physics: the x0 estimate (from ``x_t`` and the output in diffusion mode) is projected by the data's
+    projector and compared with the input X-rays (:class:`common.xray2ct.losses.ProjectionLoss`), weighted by
+    ``physics_weight`` and per sample by :func:`common.xray2ct.losses.physics_noise_weight` of its noise level.
+
+    From stage 2 on (``previous_size`` given), the previous stage's output is stood in for by the CT
+    area-averaged to ``previous_size`` and upsampled, with conditioning noise up to ``previous_noise``
+    (:func:`common.xray2ct.networks.degrade_to_previous`).
+
+    ``engine.state.output`` holds ``image``, ``loss``, ``recon_loss``, ``physics_loss`` (unweighted mean),
+    ``grad_norm`` (when clipping) and ``timestep_mean``.
+
+    Args:
+        projector: the projector of the data (geometry of the physics loss).
+        mode: ``diffusion`` or ``direct``.
+        physics_weight: weight of the physics loss (0 disables it).
+        physics_weighting: ``alpha_bar`` or ``none``.
+        direct_loss: ``l1`` or ``mse`` (direct mode).
+        previous_size: the previous stage's volume size (``None`` for stage 1).
+        previous_noise: maximum standard deviation of the conditioning noise.
+        network, optimizer, schedule, timesteps, prediction_type, seed, settings: see
+            :class:`common.diffusion.engines.DiffusionTrainer` (``prepare_batch`` defaults to
+            :func:`prepare_xray_batch`).
+    """
+
+    default_prepare_batch = staticmethod(prepare_xray_batch)
+    output_prediction = False
+
+    def __init__(
+        self,
+        network: nn.Module,
+        optimizer: Optimizer,
+        schedule: DiffusionSchedule,
+        timesteps: torch.Tensor | Sequence[int],
+        projector: DRRProjector,
+        mode: str = "diffusion",
+        prediction_type: str = "v_prediction",
+        physics_weight: float = 0.1,
+        physics_weighting: str = "alpha_bar",
+        direct_loss: str = "l1",
+        previous_size: Sequence[int] | None = None,
+        previous_noise: float = 0.1,
+        seed: int = 0,
+        **settings: Any,
+    ) -> None:
+        if mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {mode!r}.")
+        if direct_loss not in DIRECT_LOSSES:
+            raise ValueError(f"direct_loss must be one of {DIRECT_LOSSES}, got {direct_loss!r}.")
+        physics_noise_weight(torch.ones(1), physics_weighting)  # validates the name
+        super().__init__(
+            network=network,
+            optimizer=optimizer,
+            schedule=schedule,
+            timesteps=timesteps,
+            target_channels=[0],
+            prediction_type=prediction_type,
+            seed=seed,
+            **settings,
+        )
+        self.mode = mode
+        self.projection_loss = ProjectionLoss(projector)
+        self.physics_weight = float(physics_weight)
+        self.physics_weighting = physics_weighting
+        self.direct_loss = direct_loss
+        self.previous_size = None if previous_size is None else [int(s) for s in previous_size]
+        self.previous_noise = float(previous_noise)
+
+    def _inputs(
+        self, x0: torch.Tensor, iteration: int
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(x_t, t, target, alpha_bar)`` of this iteration."""
+        batch = x0.shape[0]
+        if self.mode == "direct":
+            t = torch.zeros(batch, dtype=torch.long, device=x0.device)
+            return torch.zeros_like(x0), t, x0, torch.ones(batch, device=x0.device)
+        t = self.draw_timesteps(batch, iteration).to(x0.device)
+        noise = torch.randn_like(x0)
+        x_t = self.schedule.add_noise(x0, noise, t)
+        target = noise if self.prediction_type == "epsilon" else self.schedule.velocity(x0, noise, t)
+        return x_t, t, target, self.schedule.alpha_bar(t, x0).reshape(-1).float()
+
+    def prepare_step(self, engine: XrayCTTrainer, batchdata: dict[str, torch.Tensor]) -> dict[str, Any]:
+        image, xray = engine.prepare_batch(batchdata, engine.state.device, engine.non_blocking, **engine.to_kwargs)
+        if image is None:
+            raise ValueError(f"training needs the CT as {Keys.IMAGE!r} in every batch.")
+        x0, xray = _plain(image).float(), _plain(xray).float()
+        self.log_effective_batch(x0.shape[0])
+        previous = None
+        if self.previous_size is not None:
+            previous = degrade_to_previous(x0, self.previous_size, self.previous_noise)
+        x_t, t, target, alpha_bar = self._inputs(x0, engine.state.iteration)
+        return {
+            "args": (x_t, t, xray, previous),
+            "output": {Keys.IMAGE: x0},
+            "x0": x0,
+            "x_t": x_t,
+            "t": t,
+            "xray": xray,
+            "target": target,
+            "alpha_bar": alpha_bar,
+            "stats": {"timestep_mean": t.float().mean()},
+        }
+
+    def compute_loss(
+        self, engine: XrayCTTrainer, step: dict[str, Any], prediction: torch.Tensor
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """The v-prediction (or direct) reconstruction loss plus the noise-weighted projection loss."""
+        prediction, x0, x_t, t = prediction.float(), step["x0"], step["x_t"], step["t"]
+        if self.mode == "direct":
+            x0_hat = prediction
+            recon = F.l1_loss(prediction, x0) if self.direct_loss == "l1" else F.mse_loss(prediction, x0)
+        else:
+            x0_hat = self.schedule.split(x_t, prediction, t, self.prediction_type)[0].float()
+            recon = F.mse_loss(prediction, step["target"].float())
+        physics = self.projection_loss(x0_hat, step["xray"])
+        weights = physics_noise_weight(step["alpha_bar"], self.physics_weighting)
+        loss = recon + self.physics_weight * (weights * physics).mean() if self.physics_weight else recon
+        return loss, {"recon_loss": recon, "physics_loss": physics.mean()}
+
+
+class XrayCTEvaluator(SupervisedEvaluator):
+    """Generates a CT per case with a :class:`common.xray2ct.networks.XrayCTSampler` (validation, evaluation,
+    inference), running the earlier stages first when ``previous`` is given.
+
+    The start noise of each case is seeded by :func:`common.diffusion.engines.volume_seed`, so results do
+    not depend on batch order or the number of ranks. ``engine.state.output`` (not decollated) holds ``pred``
+    (the CT in ``[0, 1]`` of the HU window; a MetaTensor with the input CT's metadata when there is one),
+    ``label`` (the real CT in ``[0, 1]``, when the batch has one), ``xray`` (the input X-rays),
+    ``pred_xray`` (the X-rays of the prediction, same size) and ``proj_error`` (per case: the mean absolute
+    difference of normalised line integrals between the prediction and the input X-rays at the stage's resolution).
+
+    Args:
+        device: the device of this rank.
+        val_data_loader: loader of dicts with ``xray`` (and ``image`` to score against).
+        network: the stage's sampler.
+        previous: the earlier stages (an :class:`common.xray2ct.networks.XrayCTCascade`) for stage >= 2.
+        seed: base seed of the start noise.
+        amp: ``bf16``/``fp16`` autocast on CUDA, or ``none``.
+        inferer: calls the sampler on each case's X-rays (default ``SimpleInferer``).
+        others: as in ``monai.engines.SupervisedEvaluator``.
+    """
+
+    def __init__(
+        self,
+        device: torch.device | str,
+        val_data_loader: Iterable,
+        network: nn.Module,
+        previous: nn.Module | None = None,
+        seed: int = 0,
+        amp: str = "none",
+        inferer: Inferer | None = None,
+        epoch_length: int | None = None,
+        non_blocking: bool = False,
+        postprocessing: Callable | None = None,
+        key_val_metric: dict | None = None,
+        additional_metrics: dict | None = None,
+        metric_cmp_fn: Callable | None = None,
+        val_handlers: Sequence | None = None,
+    ) -> None:
+        kwargs = {} if metric_cmp_fn is None else {"metric_cmp_fn": metric_cmp_fn}
+        super().__init__(
+            device=device,
+            val_data_loader=val_data_loader,
+            network=network,
+            epoch_length=epoch_length,
+            non_blocking=non_blocking,
+            prepare_batch=prepare_xray_batch,
+            inferer=inferer,
+            postprocessing=postprocessing,
+            key_val_metric=key_val_metric,
+            additional_metrics=additional_metrics,
+            val_handlers=val_handlers,
+            decollate=False,
+            **kwargs,
+        )
+        if network.with_previous and previous is None:
+            raise ValueError("this stage conditions on the previous stage: pass the earlier stages as 'previous'.")
+        self.previous = previous
+        self.seed = int(seed)
+        self.amp_mode = str(amp).lower()
+        self.projection_loss = ProjectionLoss(unwrap(network.network).projector)
+
+    def _iteration(self, engine: XrayCTEvaluator, batchdata: dict[str, torch.Tensor]) -> dict:
+        if batchdata is None:
+            raise ValueError("Must provide batch data for current iteration.")
+        image, xray = engine.prepare_batch(batchdata, engine.state.device, engine.non_blocking, **engine.to_kwargs)
+        xray = _plain(xray).float()
+        sampler = engine.network
+        modules = [sampler] + ([self.previous] if self.previous is not None else [])
+        predictions = []
+        with engine.mode(*modules), inference_autocast(self.state.device, self.amp_mode):
+            for i in range(xray.shape[0]):
+                generator = torch.Generator().manual_seed(volume_seed(batchdata, i, self.seed))
+                case = xray[i : i + 1]
+                previous = self.previous(case, generator=generator) if self.previous is not None else None
+                predictions.append(engine.inferer(case, sampler, previous, generator=generator).float())
+        volume = torch.cat(predictions)
+        projector = unwrap(sampler.network).projector
+        output: dict[str, Any] = {
+            XRAY_KEY: xray,
+            "pred_xray": projector.project(volume, xray.shape[-2:]),
+            "proj_error": self.projection_loss(volume, xray),
+        }
+        pred = ((volume + 1) / 2).clamp(0, 1)
+        if isinstance(image, MetaTensor):
+            pred = MetaTensor(pred, meta=image.meta, applied_operations=image.applied_operations)
+        elif isinstance(batchdata.get(XRAY_KEY), MetaTensor):
+            pred = MetaTensor(pred, meta=batchdata[XRAY_KEY].meta)
+        output[Keys.PRED] = pred
+        if image is not None:
+            output[Keys.LABEL] = ((_plain(image).float() + 1) / 2).clamp(0, 1)
+        engine.state.output = output
+        engine.fire_event(IterationEvents.FORWARD_COMPLETED)
+        engine.fire_event(IterationEvents.MODEL_COMPLETED)
+        return engine.state.output
+
+
+def _view_geometry_problems(
+    views: Sequence[str],
+    view_size: Sequence[int],
+    source: Sequence[int] | None,
+    stage_size: Sequence[int] | None,
+    view_files: bool,
+) -> list[str]:
+    """The X-rays must not be interpolated up anywhere, or the ground truth would not satisfy the projection loss:
+    made by the projector, they come from the CT at ``source_size`` (each view's plane at least ``view_size``); the
+    loss compares them at the stage's plane (at most ``view_size``)."""
+    problems = []
+    view = tuple(int(v) for v in view_size)
+    for name in views:
+        if source is not None and not view_files and any(p < v for p, v in zip(view_plane(source, name), view)):
+            problems.append(
+                f"'view_size' {list(view)} is finer than the {name} projection {list(view_plane(source, name))} of the CT "
+                f"the X-rays are made from ('source_size' {list(source)}): they would be interpolated and the ground "
+                "truth would not satisfy the projection loss; raise source_size or lower view_size."
+            )
+        if stage_size is not None and any(p > v for p, v in zip(view_plane(stage_size, name), view)):
+            problems.append(
+                f"the stage's {name} projection {list(view_plane(stage_size, name))} is finer than 'view_size' {list(view)}: "
+                "the projection loss would compare with interpolated X-rays; raise view_size."
+            )
+    return problems
+
+
+def check_xray2ct_settings(
+    stage: int,
+    stage_sizes: Sequence[Sequence[int]],
+    source_size: Sequence[int],
+    view_size: Sequence[int],
+    views: Sequence[str],
+    mode: str,
+    prediction_type: str,
+    grid: str,
+    num_grid_steps: int,
+    num_train_timesteps: int,
+    unet_channels: Sequence[int],
+    attention_levels: Sequence[bool],
+    norm_num_groups: int,
+    num_head_channels: int,
+    vit_patch_size: int,
+    vit_hidden_size: int,
+    vit_heads: int,
+    physics_weight: float,
+    physics_weighting: str,
+    direct_loss: str,
+    batch_size: int,
+    accumulation_steps: int,
+    ema_decay: float,
+    flags: Mapping[str, Any] | None = None,
+    training: bool = True,
+) -> None:
+    """Check an X-ray -> CT bundle's settings before anything is built or written (``training``: for a training
+    run, where ``mode`` must be trainable; evaluation also accepts the ``backprojection`` baseline).
+
+    Raises:
+        ValueError: listing every problem, each naming its config id and value.
+    """
+    problems: list[str] = []
+
+    def triple(name: str, value: Any, dims: int = 3) -> list[int] | None:
+        ok = isinstance(value, (list, tuple)) and len(value) == dims
+        ok = ok and all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in value)
+        if not ok:
+            problems.append(f"{name!r} must be {dims} positive integers, got {value!r}.")
+            return None
+        return [int(v) for v in value]
+
+    sizes = stage_sizes if isinstance(stage_sizes, (list, tuple)) and stage_sizes else None
+    if sizes is None:
+        problems.append(f"'stage_sizes' must be a non-empty list of volume sizes, one per stage, got {stage_sizes!r}.")
+    stage_ok = not (
+        isinstance(stage, bool) or not isinstance(stage, int) or stage < 1 or (sizes and stage > len(sizes))
+    )
+    if not stage_ok:  # the stage sizes are still checked below, all but against source_size (which stages run?)
+        problems.append(f"'stage' must be an integer in [1, {len(sizes) if sizes else '?'}], got {stage!r}.")
+    source = triple("source_size", source_size)
+    current = None
+    if sizes:
+        checked = [triple(f"stage_sizes[{i}]", s) for i, s in enumerate(sizes)]
+        factor = 2 ** (len(list(unet_channels)) - 1)
+        for i, size in enumerate(checked):
+            if size is None:
+                continue
+            if any(s % factor for s in size):
+                problems.append(
+                    f"'stage_sizes[{i}]' {size} must be divisible by {factor} on every axis (the U-Net halves it "
+                    f"{len(list(unet_channels)) - 1} times)."
+                )
+            if stage_ok and i == stage - 1:
+                current = size
+            if i and checked[i - 1] and any(a < b for a, b in zip(size, checked[i - 1])):
+                problems.append(f"'stage_sizes' must not shrink from stage {i} to {i + 1}, got {sizes!r}.")
+            if source and stage_ok and i < stage and any(s > m for s, m in zip(size, source)):
+                problems.append(
+                    f"stage {i + 1}'s size {size} is larger than 'source_size' {source}, the resolution the CT is "
+                    "loaded at: raise source_size."
+                )
+    view = triple("view_size", view_size, dims=2)
+    listed = list(views) if isinstance(views, (list, tuple)) else None
+    if not listed or any(v not in VIEW_AXES for v in listed) or len(set(listed)) != len(listed):
+        problems.append(f"'views' must be distinct names out of {sorted(VIEW_AXES)}, got {views!r}.")
+    elif view:
+        problems += _view_geometry_problems(listed, view, source, current, bool((flags or {}).get("view_files")))
+    if view and isinstance(vit_patch_size, int) and vit_patch_size > 0 and any(v % vit_patch_size for v in view):
+        problems.append(f"'vit_patch_size' {vit_patch_size} must divide 'view_size' {view}.")
+    if isinstance(vit_heads, int) and vit_heads > 0 and int(vit_hidden_size) % vit_heads:
+        problems.append(f"'vit_hidden_size' {vit_hidden_size} must be divisible by 'vit_heads' {vit_heads}.")
+    modes = MODES if training else SAMPLER_MODES
+    if mode not in modes:
+        extra = (
+            " ('backprojection' has nothing to train: evaluate it with evaluate.json)" if mode in SAMPLER_MODES else ""
+        )
+        problems.append(f"'mode' must be one of {modes}, got {mode!r}{extra}.")
+    if prediction_type not in PREDICTIONS:
+        problems.append(f"'prediction_type' must be one of {PREDICTIONS}, got {prediction_type!r}.")
+    if grid not in GRIDS:
+        problems.append(f"'grid' must be one of {GRIDS}, got {grid!r}.")
+    else:
+        try:
+            fast_ddpm_grid(grid, int(num_grid_steps), int(num_train_timesteps))
+        except (TypeError, ValueError) as exc:
+            problems.append(f"'num_grid_steps'/'num_train_timesteps': {exc}")
+    channels = [int(c) for c in unet_channels]
+    for name, value in (("num_head_channels", num_head_channels), ("norm_num_groups", norm_num_groups)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            problems.append(f"{name!r} must be an integer >= 1, got {value!r}.")
+    heads = num_head_channels if isinstance(num_head_channels, int) and num_head_channels > 0 else 1
+    groups = norm_num_groups if isinstance(norm_num_groups, int) and norm_num_groups > 0 else 1
+    levels = list(attention_levels) if isinstance(attention_levels, (list, tuple)) else None
+    if levels is None or len(levels) != len(channels) or not all(isinstance(a, bool) for a in levels):
+        problems.append(
+            f"'attention_levels' must be a list of {len(channels)} booleans (one per 'unet_channels' entry; write "
+            f"True/False on the command line), got {attention_levels!r}."
+        )
+    else:
+        bad = [c for i, (c, a) in enumerate(zip(channels, levels)) if (a or i == len(channels) - 1) and c % heads]
+        if bad:
+            problems.append(
+                f"'num_head_channels' {num_head_channels} must divide the channels {bad} of the levels with attention."
+            )
+    if any(c % groups for c in channels):
+        problems.append(
+            f"every entry of 'unet_channels' {channels} must be divisible by 'norm_num_groups' {norm_num_groups}."
+        )
+    if not float(physics_weight) >= 0:
+        problems.append(f"'physics_weight' must be >= 0, got {physics_weight!r}.")
+    if physics_weighting not in PHYSICS_WEIGHTINGS:
+        problems.append(f"'physics_weighting' must be one of {PHYSICS_WEIGHTINGS}, got {physics_weighting!r}.")
+    if direct_loss not in DIRECT_LOSSES:
+        problems.append(f"'direct_loss' must be one of {DIRECT_LOSSES}, got {direct_loss!r}.")
+    for name, value in (("batch_size", batch_size), ("accumulation_steps", accumulation_steps)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            problems.append(f"{name!r} must be an integer >= 1, got {value!r}.")
+    if not 0.0 < float(ema_decay) < 1.0:
+        problems.append(f"'ema_decay' must be in (0, 1), got {ema_decay!r}.")
+    problems += flag_problems(flags)
+    if problems:
+        raise ValueError("invalid X-ray -> CT configuration:\n  " + "\n  ".join(problems))
+
+
+def xray2ct_metric_handlers(prefix: str = "val_", save_details: bool = False) -> dict:
+    """The metrics of an X-ray -> CT model, keyed ``prefix + name``: ``psnr``, ``ssim`` and ``ms_ssim`` of the
+    generated CT against the real one on ``[0, 1]`` (the projector's HU window, so PSNR's data range is the
+    window's width in HU; see :func:`common.metrics.image.image_quality_handlers`) and ``proj_error``, the
+    evaluator's per-case projection error."""
+    from common.diffusion.metrics import output_value_handler
+    from common.metrics.image import image_quality_handlers
+
+    metrics = image_quality_handlers(prefix=prefix, save_details=save_details)
+    metrics[f"{prefix}proj_error"] = output_value_handler("proj_error", save_details=save_details)
+    return metrics

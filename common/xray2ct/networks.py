@@ -1,0 +1,576 @@
+# Copyright (c) the 3D MONAI bundle collection contributors.
+# Licensed under the Apache License, Version 2.0.
+"""Biplanar X-ray -> CT networks: a ViT encoder per view, a per-voxel 3D denoiser conditioned on back-projected
+views and X-ray tokens, its samplers (diffusion or ``direct`` regression) and the stage cascade.
+
+The denoiser is a MONAI ``DiffusionModelUNet`` that predicts at every voxel of the stage's volume (no coarse token
+grid upsampled): its input channels are the noisy volume ``x_t``, one back-projection per view
+(:meth:`common.xray2ct.drr.DRRProjector.backproject`, so each voxel sees the X-ray values on its rays) and, from stage
+2 on, the upsampled output of the previous stage; its cross-attention blocks attend to the tokens of the X-ray
+ViTs. The U-Net's time embedding is sinusoidal followed by a two-layer MLP.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from monai.networks.nets import DiffusionModelUNet, ViT
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from common.checkpoint_io import CheckpointError
+from common.diffusion.schedule import DiffusionSchedule, grid_ddim_sample
+from common.networks.wrappers import InferenceView, clean_state_dict, unwrap
+from common.xray2ct.drr import DRRProjector
+
+__all__ = [
+    "MODES",
+    "SAMPLER_MODES",
+    "CheckpointedBlock",
+    "XrayCTCascade",
+    "XrayCTDenoiser",
+    "XrayCTSampler",
+    "XrayEncoder",
+    "build_cascade",
+    "cascade_checkpoints",
+    "degrade_to_previous",
+    "init_from_previous",
+    "load_cascade",
+    "previous_stages",
+    "save_cascade",
+    "stage_checkpoint",
+    "upsample_previous",
+]
+
+logger = logging.getLogger(__name__)
+
+MODES = ("diffusion", "direct")
+SAMPLER_MODES = (*MODES, "backprojection")
+CONV_IN = "unet.conv_in.conv.weight"
+
+
+class CheckpointedBlock(nn.Module):
+    """Runs ``module`` under activation checkpointing while training with gradients (recomputed in the backward
+    pass: less memory, about a third more compute); a plain call otherwise. Keyword arguments pass through, which
+    MONAI's ``ActivationCheckpointWrapper`` (one positional input) does not allow for U-Net blocks.
+
+    The wrapper is invisible in state dicts (its ``module.`` level is removed on save and added on load, also
+    under DDP or in copies), so checkpoints load with or without checkpointing."""
+
+    def __init__(self, module: nn.Module) -> None:
+        super().__init__()
+        self.module = module
+        self._register_state_dict_hook(_drop_wrapper_level)
+        self._register_load_state_dict_pre_hook(_add_wrapper_level)
+
+    def __getattr__(self, name: str):
+        try:
+            return super().__getattr__(name)
+        except AttributeError:  # attributes of the wrapped block (e.g. ``resnets``, read by the U-Net)
+            return getattr(self._modules["module"], name)
+
+    def forward(self, *args, **kwargs):
+        if self.training and torch.is_grad_enabled():
+            return checkpoint(self.module, *args, use_reentrant=False, **kwargs)
+        return self.module(*args, **kwargs)
+
+
+def _drop_wrapper_level(module: nn.Module, state_dict: dict, prefix: str, local_metadata: dict) -> None:
+    inner = prefix + "module."
+    for key in [k for k in state_dict if k.startswith(inner)]:
+        state_dict[prefix + key[len(inner) :]] = state_dict.pop(key)
+
+
+def _add_wrapper_level(state_dict: dict, prefix: str, *args) -> None:
+    inner = prefix + "module."
+    for key in [k for k in state_dict if k.startswith(prefix) and not k.startswith(inner)]:
+        state_dict[inner + key[len(prefix) :]] = state_dict.pop(key)
+
+
+class XrayEncoder(nn.Module):
+    """One 2D MONAI ViT per view: ``(B, V, H, W)`` radiographs in ``[-1, 1]`` -> ``(B, V * N, hidden)`` tokens,
+    with a learned embedding per view added so cross-attention knows which view a token comes from.
+
+    Args:
+        num_views: number of views.
+        view_size: ``(H, W)`` of the radiographs.
+        patch_size: ViT patch size (divides ``view_size``).
+        hidden_size, mlp_dim, num_layers, num_heads: ViT settings.
+    """
+
+    def __init__(
+        self,
+        num_views: int = 2,
+        view_size: Sequence[int] = (128, 128),
+        patch_size: int = 16,
+        hidden_size: int = 256,
+        mlp_dim: int = 512,
+        num_layers: int = 4,
+        num_heads: int = 4,
+    ) -> None:
+        super().__init__()
+        self.vits = nn.ModuleList(
+            ViT(
+                in_channels=1,
+                img_size=tuple(int(s) for s in view_size),
+                patch_size=int(patch_size),
+                hidden_size=int(hidden_size),
+                mlp_dim=int(mlp_dim),
+                num_layers=int(num_layers),
+                num_heads=int(num_heads),
+                spatial_dims=2,
+                classification=False,
+                qkv_bias=True,
+            )
+            for _ in range(int(num_views))
+        )
+        for vit in self.vits:  # MONAI keeps an unused cross-attention norm in every block (DDP would wait for it)
+            for block in vit.blocks:
+                if not block.with_cross_attention:
+                    block.norm_cross_attn.requires_grad_(False)
+        self.view_embedding = nn.Parameter(torch.zeros(int(num_views), int(hidden_size)))
+        nn.init.normal_(self.view_embedding, std=0.02)
+
+    def set_gradient_checkpointing(self, enabled: bool) -> None:
+        for vit in self.vits:
+            vit.blocks = nn.ModuleList(_checkpointed(block, enabled) for block in vit.blocks)
+
+    def forward(self, radiographs: torch.Tensor) -> torch.Tensor:
+        tokens = [vit(radiographs[:, i : i + 1])[0] + self.view_embedding[i] for i, vit in enumerate(self.vits)]
+        return torch.cat(tokens, dim=1)
+
+
+def _checkpointed(module: nn.Module, enabled: bool) -> nn.Module:
+    inner = module.module if isinstance(module, CheckpointedBlock) else module
+    return CheckpointedBlock(inner) if enabled else inner
+
+
+class XrayCTDenoiser(nn.Module):
+    """``forward(x, timesteps, xray, previous=None)`` -> a per-voxel prediction (v, epsilon or x0) of the CT.
+
+    Args:
+        projector: the :class:`common.xray2ct.drr.DRRProjector` of the data (views, geometry, units).
+        with_previous: take the previous stage's upsampled output as an extra input channel (stage >= 2).
+        unet_channels, attention_levels, num_res_blocks, norm_num_groups, num_head_channels,
+            transformer_num_layers, use_flash_attention: ``DiffusionModelUNet`` settings (cross-attention at the
+            levels with attention and in the middle block).
+        vit_patch_size, vit_hidden_size, vit_mlp_dim, vit_layers, vit_heads: :class:`XrayEncoder` settings.
+        gradient_checkpointing: checkpoint the U-Net's blocks and the ViT blocks in training.
+    """
+
+    def __init__(
+        self,
+        projector: DRRProjector,
+        with_previous: bool = False,
+        unet_channels: Sequence[int] = (32, 64, 128, 256),
+        attention_levels: Sequence[bool] = (False, False, True, True),
+        num_res_blocks: int = 1,
+        norm_num_groups: int = 16,
+        num_head_channels: int = 32,
+        transformer_num_layers: int = 1,
+        use_flash_attention: bool = False,
+        vit_patch_size: int = 16,
+        vit_hidden_size: int = 256,
+        vit_mlp_dim: int = 512,
+        vit_layers: int = 4,
+        vit_heads: int = 4,
+        gradient_checkpointing: bool = False,
+    ) -> None:
+        super().__init__()
+        self.projector = projector
+        self.with_previous = bool(with_previous)
+        self.in_channels = 1 + projector.num_views + int(self.with_previous)
+        self.encoder = XrayEncoder(
+            projector.num_views,
+            projector.view_size,
+            vit_patch_size,
+            vit_hidden_size,
+            vit_mlp_dim,
+            vit_layers,
+            vit_heads,
+        )
+        self.unet = DiffusionModelUNet(
+            spatial_dims=3,
+            in_channels=self.in_channels,
+            out_channels=1,
+            channels=list(unet_channels),
+            attention_levels=list(attention_levels),
+            num_res_blocks=int(num_res_blocks),
+            norm_num_groups=int(norm_num_groups),
+            num_head_channels=int(num_head_channels),
+            with_conditioning=True,
+            transformer_num_layers=int(transformer_num_layers),
+            cross_attention_dim=int(vit_hidden_size),
+            use_flash_attention=bool(use_flash_attention),
+        )
+        self.gradient_checkpointing = False
+        self.set_gradient_checkpointing(gradient_checkpointing)
+
+    def set_gradient_checkpointing(self, enabled: bool) -> None:
+        """Switch activation checkpointing of the U-Net's down/middle/up blocks and the ViT blocks."""
+        unet = self.unet
+        unet.down_blocks = nn.ModuleList(_checkpointed(b, enabled) for b in unet.down_blocks)
+        unet.up_blocks = nn.ModuleList(_checkpointed(b, enabled) for b in unet.up_blocks)
+        unet.middle_block = _checkpointed(unet.middle_block, enabled)
+        self.encoder.set_gradient_checkpointing(enabled)
+        self.gradient_checkpointing = bool(enabled)
+
+    def load_state_dict(self, state_dict: Mapping[str, torch.Tensor], strict: bool = True, assign: bool = False):
+        state = clean_state_dict(dict(state_dict))
+        weight = state.get(CONV_IN)
+        if weight is not None and weight.ndim == 5 and weight.shape[1] != self.in_channels:
+            raise RuntimeError(
+                f"the checkpoint's denoiser takes {weight.shape[1]} input channel(s) but this one takes "
+                f"{self.in_channels} (noisy CT + {self.projector.num_views} view(s)"
+                f"{' + previous stage' if self.with_previous else ''}): it belongs to another stage or view setup."
+            )
+        return super().load_state_dict(state, strict=strict, assign=assign)
+
+    def condition(self, xray: torch.Tensor, spatial: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(back-projections, tokens)`` of ``xray`` for a volume of ``spatial`` size (reused over sampling steps)."""
+        backprojection = self.projector.backproject(xray, spatial)
+        tokens = self.encoder(self.projector.intensity(xray.float()))
+        return backprojection, tokens
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        timesteps: torch.Tensor,
+        xray: torch.Tensor,
+        previous: torch.Tensor | None = None,
+        condition: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> torch.Tensor:
+        if (previous is not None) != self.with_previous:
+            need = "needs the previous stage's upsampled output" if self.with_previous else "takes no previous stage"
+            raise ValueError(f"this denoiser {need} (with_previous={self.with_previous}).")
+        backprojection, tokens = condition if condition is not None else self.condition(xray, x.shape[2:])
+        parts = [x, backprojection.to(x.dtype)]
+        if previous is not None:
+            parts.append(previous.to(x.dtype))
+        return self.unet(torch.cat(parts, dim=1), timesteps, context=tokens)
+
+
+def upsample_previous(volume: torch.Tensor, size: Sequence[int]) -> torch.Tensor:
+    """A previous stage's volume brought to the next stage's ``size`` (trilinear)."""
+    size = tuple(int(s) for s in size)
+    if tuple(volume.shape[2:]) == size:
+        return volume
+    return F.interpolate(volume.float(), size=size, mode="trilinear", align_corners=False)
+
+
+def degrade_to_previous(
+    x0: torch.Tensor,
+    previous_size: Sequence[int],
+    noise_std: float = 0.0,
+    generator: torch.Generator | None = None,
+) -> torch.Tensor:
+    """The training stand-in for a previous stage's output: ``x0`` area-averaged to ``previous_size``, upsampled
+    back, plus Gaussian noise with a per-sample standard deviation uniform in ``[0, noise_std]`` (conditioning
+    augmentation of cascaded diffusion, Ho et al. 2022, so the stage tolerates the previous stage's errors)."""
+    low = F.adaptive_avg_pool3d(x0.float(), tuple(int(s) for s in previous_size))
+    up = upsample_previous(low, x0.shape[2:])
+    if noise_std > 0:
+        std = torch.rand(x0.shape[0], generator=generator) * float(noise_std)
+        noise = torch.randn(up.shape, generator=generator)
+        up = up + (std.view(-1, 1, 1, 1, 1) * noise).to(up.device)
+    return up
+
+
+def init_from_previous(network: nn.Module, state_dict: Mapping[str, torch.Tensor]) -> dict[str, int]:
+    """Initialise a stage's denoiser from the previous stage's checkpoint.
+
+    Tensors with the same name and shape are copied; the input convolution, which has one more channel (the
+    previous stage's output), gets the previous weights for the shared channels and zeros for the new one, so
+    the initialised stage starts as the previous stage applied at the new size. Returns the counts of copied,
+    partially copied and kept (newly initialised) tensors.
+
+    Raises:
+        RuntimeError: when no tensor matches (a different architecture).
+    """
+    target = unwrap(network)
+    own = target.state_dict()
+    copied, partial, kept = 0, 0, 0
+    new_state = {}
+    for name, value in clean_state_dict(dict(state_dict)).items():
+        if name not in own:
+            continue
+        mine = own[name]
+        if mine.shape == value.shape:
+            new_state[name] = value
+            copied += 1
+        elif name == CONV_IN and mine.shape[0] == value.shape[0] and mine.shape[2:] == value.shape[2:]:
+            n = min(mine.shape[1], value.shape[1])
+            merged = torch.zeros_like(mine)
+            merged[:, :n] = value[:, :n]
+            new_state[name] = merged
+            partial += 1
+    kept = len(own) - len(new_state)
+    if not new_state:
+        raise RuntimeError("the previous stage's checkpoint shares no tensor with this stage's network.")
+    target.load_state_dict({**own, **new_state})
+    logger.info(f"initialised from the previous stage: {copied} tensors copied, {partial} partially, {kept} new")
+    return {"copied": copied, "partial": partial, "new": kept}
+
+
+class XrayCTSampler(InferenceView):
+    """``forward(xray, previous=None)`` -> a CT volume in ``[-1, 1]`` of ``volume_size``.
+
+    ``diffusion``: DDIM over exactly the points of ``timesteps`` from seeded start noise (one network evaluation
+    per point; the X-ray back-projections and tokens are computed once). ``direct``: one deterministic
+    evaluation of the same network with a zero noisy-volume channel at ``t = 0`` (the regression baseline).
+    ``backprojection``: no network, the mean of the views' back-projections (the unlearned baseline: each voxel
+    gets the mean attenuation along its rays).
+
+    Args:
+        network: the :class:`XrayCTDenoiser` (normally the EMA copy).
+        volume_size: the stage's volume size.
+        mode: ``diffusion``, ``direct`` or ``backprojection``.
+        timesteps: ascending time steps to sample over.
+        num_train_timesteps, beta_schedule: the noise schedule of training.
+        prediction_type: ``v_prediction`` or ``epsilon``.
+        eta: DDIM eta (0: deterministic given the start noise).
+        clip_sample: clip x0 estimates to ``[-1, 1]`` (the CT window).
+        noise_seed: seed of the fixed start noise used when no generator is passed (the same noise for every
+            case, so an exported sampler is a deterministic function of the X-rays).
+    """
+
+    def __init__(
+        self,
+        network: nn.Module,
+        volume_size: Sequence[int],
+        mode: str = "diffusion",
+        timesteps: Sequence[int] | torch.Tensor = (0,),
+        num_train_timesteps: int = 1000,
+        beta_schedule: str = "cosine",
+        prediction_type: str = "v_prediction",
+        eta: float = 0.0,
+        clip_sample: bool = True,
+        noise_seed: int = 0,
+    ) -> None:
+        super().__init__(network)
+        if mode not in SAMPLER_MODES:
+            raise ValueError(f"mode must be one of {SAMPLER_MODES}, got {mode!r}.")
+        self.volume_size = [int(s) for s in volume_size]
+        self.mode = mode
+        self.timesteps = torch.as_tensor(timesteps, dtype=torch.long).cpu()
+        self.schedule = DiffusionSchedule(num_train_timesteps, beta_schedule)
+        self.prediction_type = prediction_type
+        self.eta = float(eta)
+        self.clip_sample = bool(clip_sample)
+        noise = torch.randn((1, 1, *self.volume_size), generator=torch.Generator().manual_seed(int(noise_seed)))
+        self.register_buffer("start_noise", noise, persistent=False)
+
+    @property
+    def with_previous(self) -> bool:
+        return bool(unwrap(self.network).with_previous)
+
+    @torch.no_grad()
+    def forward(
+        self, xray: torch.Tensor, previous: torch.Tensor | None = None, generator: torch.Generator | None = None
+    ) -> torch.Tensor:
+        net = self.network
+        shape = (xray.shape[0], 1, *self.volume_size)
+        if self.mode == "backprojection":
+            backprojection = unwrap(net).projector.backproject(xray, self.volume_size)
+            return backprojection.mean(1, keepdim=True).clamp(-1.0, 1.0)
+        if previous is not None:
+            previous = upsample_previous(previous, self.volume_size)
+        condition = unwrap(net).condition(xray, self.volume_size)
+        if self.mode == "direct":
+            zeros = torch.zeros(shape, device=xray.device)
+            t = torch.zeros(xray.shape[0], dtype=torch.long, device=xray.device)
+            out = net(zeros, t, xray, previous, condition=condition).float()
+            return out.clamp(-1.0, 1.0) if self.clip_sample else out
+        if generator is None:
+            noise = self.start_noise.expand(shape).to(xray.device)
+        else:
+            noise = torch.randn(shape, generator=generator).to(xray.device)
+
+        def model_fn(x_t: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+            return net(x_t, t, xray, previous, condition=condition).float()
+
+        return grid_ddim_sample(
+            model_fn,
+            noise,
+            self.timesteps,
+            self.schedule,
+            eta=self.eta,
+            prediction_type=self.prediction_type,
+            generator=generator,
+            clip_sample=self.clip_sample,
+        )
+
+
+class XrayCTCascade(nn.Module):
+    """The stages in order: stage 1 from the X-rays alone, every later stage also from the upsampled output of
+    the one before. ``forward(xray)`` returns the last stage's volume; :meth:`run` returns every stage's.
+
+    The checkpoint is one flat state dict: each stage's denoiser weights under ``stage<k>.``.
+
+    Args:
+        samplers: one :class:`XrayCTSampler` per stage, in order; stage ``k >= 2`` must take a previous stage.
+
+    Raises:
+        ValueError: when stage 1 takes a previous stage or a later one does not.
+    """
+
+    def __init__(self, samplers: Sequence[XrayCTSampler]) -> None:
+        super().__init__()
+        if not samplers:
+            raise ValueError("a cascade needs at least one stage.")
+        for i, sampler in enumerate(samplers):
+            if sampler.with_previous != (i > 0):
+                raise ValueError(
+                    f"stage {i + 1} of the cascade {'must' if i else 'must not'} take the previous stage's output "
+                    f"(with_previous={sampler.with_previous})."
+                )
+        self.stages = nn.ModuleList(samplers)
+
+    def state_dict(self, *args, keep_vars: bool = False, **kwargs):
+        return {
+            f"stage{i + 1}.{k}": v
+            for i, stage in enumerate(self.stages)
+            for k, v in stage.state_dict(keep_vars=keep_vars).items()
+        }
+
+    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+        parts: dict[str, dict[str, torch.Tensor]] = {}
+        for key, value in state_dict.items():
+            stage, _, name = key.partition(".")
+            parts.setdefault(stage, {})[name] = value
+        expected = [f"stage{i + 1}" for i in range(len(self.stages))]
+        missing = [k for k in expected if k not in parts]
+        if missing:
+            raise RuntimeError(f"the cascade checkpoint has no weights for {missing}; it holds {sorted(parts)}.")
+        if strict and set(parts) != set(expected):
+            raise RuntimeError(f"the cascade checkpoint holds {sorted(parts)}, but this cascade has {expected}.")
+        for name, stage in zip(expected, self.stages):
+            stage.load_state_dict(parts[name], strict=strict, assign=assign)
+        return None
+
+    def run(self, xray: torch.Tensor, generator: torch.Generator | None = None) -> list[torch.Tensor]:
+        outputs: list[torch.Tensor] = []
+        for stage in self.stages:
+            outputs.append(stage(xray, outputs[-1] if outputs else None, generator=generator))
+        return outputs
+
+    def forward(self, xray: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+        return self.run(xray, generator)[-1]
+
+
+def build_cascade(
+    projector: DRRProjector,
+    stage_sizes: Sequence[Sequence[int]],
+    stages: int,
+    network_settings: Mapping[str, Any],
+    sampler_settings: Mapping[str, Any],
+    device: torch.device | str = "cpu",
+) -> XrayCTCascade:
+    """The cascade of stages ``1 .. stages`` with one network architecture (``network_settings``, the keyword
+    arguments of :class:`XrayCTDenoiser` besides ``projector``/``with_previous``) and one sampler setting
+    (``sampler_settings``: :class:`XrayCTSampler` arguments besides ``network``/``volume_size``), random weights."""
+    samplers = []
+    for k in range(int(stages)):
+        network = XrayCTDenoiser(projector, with_previous=k > 0, **dict(network_settings)).to(device)
+        samplers.append(XrayCTSampler(network, stage_sizes[k], **dict(sampler_settings)))
+    return XrayCTCascade(samplers).to(device)
+
+
+def stage_checkpoint(root: str | os.PathLike, stage: int) -> str:
+    """Where training stage ``stage`` writes its best weights under the bundle's ``outputs`` folder ``root``."""
+    return str(Path(root) / f"stage{int(stage)}" / "models" / "model.pt")
+
+
+def cascade_checkpoints(
+    outputs_root: str | os.PathLike, bundle_root: str | os.PathLike, stages: int
+) -> str | list[str]:
+    """The weights of stages ``1 .. stages``: each stage's file written by training (``outputs/stage<k>/models/
+    model.pt``) when all exist, else the combined cascade file of a packaged bundle (``models/model.pt``).
+
+    Raises:
+        CheckpointError: naming every missing stage file and the combined file.
+    """
+    per_stage = [stage_checkpoint(outputs_root, k) for k in range(1, int(stages) + 1)]
+    missing = [p for p in per_stage if not os.path.isfile(p)]
+    if not missing:
+        return per_stage
+    combined = str(Path(bundle_root) / "models" / "model.pt")
+    if os.path.isfile(combined):
+        return combined
+    raise CheckpointError(
+        f"no weights for stage(s) {[per_stage.index(p) + 1 for p in missing]}: {missing} do not exist (train those "
+        f"stages first, in order: --stage 1, then --stage 2, ...) and there is no packaged cascade {combined!r}."
+    )
+
+
+def load_cascade(cascade: XrayCTCascade, checkpoints: str | os.PathLike | Sequence[str]) -> XrayCTCascade:
+    """Load a combined cascade file (keys ``stage<k>.<name>``) or one file per stage, in order.
+
+    Raises:
+        CheckpointError: naming the file that is missing, unreadable or belongs to another stage/architecture.
+    """
+    from common.checkpoint_io import load_checkpoint
+
+    if isinstance(checkpoints, (str, os.PathLike)):
+        state = load_checkpoint(checkpoints)
+        try:
+            cascade.load_state_dict(state)
+        except RuntimeError as exc:
+            raise CheckpointError(f"checkpoint {os.fspath(checkpoints)!r} does not fit the cascade: {exc}") from exc
+        return cascade
+    paths = list(checkpoints)
+    if len(paths) != len(cascade.stages):
+        raise CheckpointError(
+            f"the cascade has {len(cascade.stages)} stage(s) but {len(paths)} checkpoint(s): {paths}."
+        )
+    for k, (stage, path) in enumerate(zip(cascade.stages, paths), start=1):
+        state = load_checkpoint(path)  # names a missing or unreadable file
+        try:
+            stage.load_state_dict(state)
+        except RuntimeError as exc:
+            raise CheckpointError(f"stage {k}'s checkpoint {os.fspath(path)!r} does not fit stage {k}: {exc}") from exc
+    return cascade
+
+
+def save_cascade(cascade: XrayCTCascade, path: str | os.PathLike) -> Path:
+    """Write the combined cascade checkpoint (what a packaged bundle ships as ``models/model.pt``)."""
+    from common.checkpoint_io import save_checkpoint
+
+    return save_checkpoint(cascade.state_dict(), path)
+
+
+def previous_stages(
+    projector: DRRProjector,
+    stage_sizes: Sequence[Sequence[int]],
+    stage: int,
+    network_settings: Mapping[str, Any],
+    sampler_settings: Mapping[str, Any],
+    outputs_root: str | os.PathLike,
+    checkpoints: Sequence[str] | None = None,
+    device: torch.device | str = "cpu",
+) -> XrayCTCascade | None:
+    """The trained stages before ``stage`` (``None`` for stage 1), loaded from ``checkpoints`` (default: their
+    files under ``outputs_root``), frozen, for conditioning a later stage's validation on their real output.
+
+    Raises:
+        CheckpointError: naming every missing checkpoint (before anything is trained).
+    """
+    if int(stage) <= 1:
+        return None
+    paths = list(checkpoints) if checkpoints else [stage_checkpoint(outputs_root, k) for k in range(1, int(stage))]
+    missing = [p for p in paths if not os.path.isfile(p)]
+    if missing:
+        raise CheckpointError(
+            f"stage {stage} needs the trained weights of stage(s) 1..{int(stage) - 1}, but {missing} do not exist: "
+            f"train the earlier stages first (--stage 1, ...) or pass --previous_ckpts with their model.pt files."
+        )
+    cascade = build_cascade(projector, stage_sizes, int(stage) - 1, network_settings, sampler_settings, device)
+    load_cascade(cascade, paths)
+    cascade.requires_grad_(False)
+    return cascade.eval()

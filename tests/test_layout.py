@@ -1,0 +1,153 @@
+# Copyright (c) the 3D MONAI bundle collection contributors.
+# Licensed under the Apache License, Version 2.0.
+"""The shape of ``common/``: layers only import downwards, model families only build on the family they extend,
+no private name crosses modules, and every bundle config imports exactly the ``common`` modules it uses."""
+
+from __future__ import annotations
+
+import ast
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+from common.bundle import demo_generator
+
+REPO = Path(__file__).resolve().parents[1]
+COMMON = REPO / "common"
+
+# lower numbers are lower layers; a module may import from its own package or from a lower layer only
+LAYERS = {
+    "common.utils": 0,
+    "common.data": 1,
+    "common.networks": 1,
+    "common.metrics": 1,
+    "common.checkpoint_io": 2,
+    "common.engines": 2,
+    "common.handlers": 3,
+    "common.autoencoder": 4,
+    "common.diffusion": 4,
+    "common.survival": 4,
+    "common.vqgan": 5,
+    "common.xray2ct": 5,
+    "common.demo": 6,
+    "common.bundle": 7,
+    "common.notebooks": 7,
+    "common.bundle_tools": 8,
+}
+# a family builds on these families only (nothing else at layer 4 or 5)
+FAMILY_BASES = {"common.vqgan": {"common.autoencoder"}, "common.xray2ct": {"common.diffusion"}}
+FAMILIES = {"common.autoencoder", "common.diffusion", "common.survival", "common.vqgan", "common.xray2ct"}
+
+
+def _package(module: str) -> str:
+    parts = module.split(".")
+    return ".".join(parts[:2])
+
+
+def _module_name(path: Path) -> str:
+    name = ".".join(path.relative_to(REPO).with_suffix("").parts)
+    return name[: -len(".__init__")] if name.endswith(".__init__") else name
+
+
+def _imports(root: Path) -> list[tuple[str, str, str | None, int]]:
+    """``(module, imported module, imported name or None, line)`` for every import of ``common`` under ``root``,
+    including the ones inside functions."""
+    found = []
+    for path in sorted(root.rglob("*.py")):
+        module = _module_name(path)
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "common":
+                found += [(module, node.module, alias.name, node.lineno) for alias in node.names]
+            elif isinstance(node, ast.Import):
+                found += [(module, a.name, None, node.lineno) for a in node.names if a.name.split(".")[0] == "common"]
+    return found
+
+
+def test_every_package_has_a_layer() -> None:
+    packages = {_package(_module_name(p)) for p in COMMON.rglob("*.py")} - {"common"}
+    assert packages == set(LAYERS), f"add new packages of common/ to LAYERS: {sorted(packages ^ set(LAYERS))}"
+
+
+def test_imports_only_point_down() -> None:
+    upward = []
+    for module, target, _, line in _imports(COMMON):
+        source, dest = _package(module), _package(target)
+        if source == dest or dest == "common":
+            continue
+        if LAYERS[dest] >= LAYERS[source] and dest not in FAMILY_BASES.get(source, ()):
+            upward.append(f"{module}:{line} imports {target} (layer {LAYERS[dest]} >= {LAYERS[source]})")
+        if source in FAMILIES and dest in FAMILIES and dest not in FAMILY_BASES.get(source, ()):
+            upward.append(f"{module}:{line} imports another family, {target}")
+    assert not upward, "\n".join(upward)
+
+
+@pytest.mark.parametrize("root", ["common", "scripts", "tests", "bundles"])
+def test_no_private_name_crosses_modules(root: str) -> None:
+    crossing = [
+        f"{module}:{line} imports {name} from {target}"
+        for module, target, name, line in _imports(REPO / root)
+        if name and name.startswith("_") and not name.startswith("__") and target != module
+    ]
+    assert not crossing, "\n".join(crossing)
+
+
+_REFERENCE = re.compile(r"(?<![\w.'\"])common(?:\.[A-Za-z_]\w*)+")
+
+
+def _referenced_modules(text: str) -> set[str]:
+    """The ``common`` modules named in config text (the longest dotted prefix that is a module), ignoring quoted
+    strings inside expressions (e.g. the demo generator's path)."""
+    found = set()
+    for match in _REFERENCE.finditer(re.sub(r"'[^']*'", "''", text)):
+        parts, best = match.group(0).split("."), None
+        for k in range(2, len(parts) + 1):
+            candidate = REPO.joinpath(*parts[:k])
+            if candidate.with_suffix(".py").is_file() or (candidate / "__init__.py").is_file():
+                best = ".".join(parts[:k])
+        if best:
+            found.add(best)
+    return found
+
+
+def _config_strings(config):
+    if isinstance(config, dict):
+        for key, value in config.items():
+            if key == "imports":
+                continue
+            yield from ([f"${value}"] if key == "_target_" and isinstance(value, str) else _config_strings(value))
+    elif isinstance(config, list):
+        for value in config:
+            yield from _config_strings(value)
+    elif isinstance(config, str):
+        yield config
+
+
+@pytest.mark.parametrize("bundle", sorted(p.name for p in (REPO / "bundles").iterdir() if p.is_dir()))
+@pytest.mark.parametrize("main", ["train.json", "inference.json"])
+def test_config_imports_are_what_the_configs_use(bundle: str, main: str) -> None:
+    """``train.json``'s imports serve every config merged onto it (evaluate, multi-GPU, tiny, presets);
+    ``inference.json``'s serve it with ``tiny.json`` and presets."""
+    configs = REPO / "bundles" / bundle / "configs"
+    extra = [p for p in configs.glob("*.json") if p.name not in ("train.json", "inference.json", "metadata.json")]
+    if main == "inference.json":
+        extra = [p for p in extra if p.name not in ("evaluate.json", "multi_gpu_train.json")]
+    used: set[str] = set()
+    for path in [configs / main, *extra]:
+        used |= _referenced_modules("\n".join(_config_strings(json.loads(path.read_text()))))
+    imports = json.loads((configs / main).read_text())["imports"]
+    imported = {line.split()[-1] for line in imports if line.startswith("$import common.")}
+    assert not used - imported, f"{main} uses but does not import {sorted(used - imported)}"
+    assert not imported - used, f"{main} imports but does not use {sorted(imported - used)}"
+    assert not any("demo" in m.split(".") for m in imported), "demo generators are imported lazily (demo_generator)"
+
+
+def test_demo_generator() -> None:
+    from common.demo.images import make_demo_dataset
+
+    assert demo_generator("common.demo.images.make_demo_dataset") is make_demo_dataset
+    with pytest.raises(RuntimeError, match=r"common\.missing_demo\.images is not here: a packaged bundle"):
+        demo_generator("common.missing_demo.images.make_demo_dataset")
+    with pytest.raises(AttributeError, match="no_such_generator"):
+        demo_generator("common.demo.images.no_such_generator")

@@ -1,0 +1,42 @@
+# Copyright (c) the 3D MONAI bundle collection contributors.
+# Licensed under the Apache License, Version 2.0.
+"""One rule for which way every bundle's key metric improves."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from common.metrics.key_metric import key_metric_mode, metric_cmp_fn
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.parametrize(
+    "name", ["val_loss", "loss", "val_proj_error", "val_ibs", "ibs", "val_brier_2", "brier_1.5", "val_brier_5y"]
+)
+def test_lower_is_better(name: str) -> None:
+    assert key_metric_mode(name) == "min"
+    assert metric_cmp_fn(name)(0.1, 0.2) and not metric_cmp_fn(name)(0.2, 0.2) and not metric_cmp_fn(name)(0.3, 0.2)
+
+
+@pytest.mark.parametrize(
+    "name", ["val_psnr", "val_ssim", "val_ms_ssim", "uno_c", "harrell_c", "val_auc_2", "auc_1.5", "val_codebook_usage"]
+)
+def test_higher_is_better(name: str) -> None:
+    assert key_metric_mode(name) == "max"
+    assert metric_cmp_fn(name)(0.3, 0.2) and not metric_cmp_fn(name)(0.2, 0.2) and not metric_cmp_fn(name)(0.1, 0.2)
+
+
+def test_every_bundle_reads_the_rule_from_one_place() -> None:
+    """No bundle config writes its own min/max rule: each one that chooses a mode calls the shared function."""
+    users = []
+    for config in sorted(REPO.glob("bundles/*/configs/*.json")):
+        text = config.read_text()
+        assert "endswith('loss')" not in text and "lambda current, prev" not in text, config
+        if "key_metric_mode" in text or "metric_cmp_fn" in text:
+            json.loads(text)
+            users.append(config.parent.parent.name)
+    assert {"fast_ddpm_3d", "mace_survival", "xray2ct_cascade"} <= set(users)

@@ -1,0 +1,252 @@
+# Copyright (c) the 3D MONAI bundle collection contributors.
+# Licensed under the Apache License, Version 2.0.
+"""Tests for the parallel-beam DRR projector (analytic line integrals of water and bone cubes, linearity under area
+averaging, units, gradients, back-projection, argument checks) and the projection ("physics") loss."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from common.xray2ct.drr import VIEW_AXES, DRRProjector
+from common.xray2ct.losses import ProjectionLoss, physics_noise_weight
+
+AIR, WATER, BONE = -1.0, 0.0, 1.0  # volume values of -1000, 0 and 1000 HU in the default window (-1000, 1000)
+
+
+def cube_volume(side: int, lo: tuple[int, int, int], length: tuple[int, int, int], value: float) -> torch.Tensor:
+    """An air volume ``(1, 1, side, side, side)`` holding a box of ``value`` at ``lo`` with edge ``length``."""
+    volume = torch.full((1, 1, side, side, side), AIR)
+    (x, y, z), (a, b, c) = lo, length
+    volume[:, :, x : x + a, y : y + b, z : z + c] = value
+    return volume
+
+
+def random_volume(shape=(2, 1, 16, 16, 16), seed: int = 0) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.rand(shape, generator=gen) * 2 - 1
+
+
+# ---------------------------------------------------------------------------------------------- analytic cubes
+@pytest.mark.parametrize("fov_mm", [(160.0, 160.0, 160.0), (160.0, 240.0, 320.0)])
+def test_water_cube_gives_the_analytic_normalised_line_integral(fov_mm):
+    side, lo, length = 16, (3, 5, 2), (4, 6, 7)
+    projector = DRRProjector(fov_mm=fov_mm, view_size=(side, side), mu_water=0.2)
+    mean_fov_cm = sum(fov_mm) / 3 / 10
+    assert projector.k == pytest.approx(2.0 / (0.2 * mean_fov_cm))
+    xray = projector.project(cube_volume(side, lo, length, WATER))
+    assert xray.shape == (1, 2, side, side)
+
+    voxel_cm = [f / side / 10 for f in fov_mm]
+    # AP integrates along Y (axis 1) -> an (X, Z) image; lateral along X (axis 0) -> a (Y, Z) image
+    for channel, axis, (h_lo, h_len), (w_lo, w_len) in [
+        (0, 1, (lo[0], length[0]), (lo[2], length[2])),
+        (1, 0, (lo[1], length[1]), (lo[2], length[2])),
+    ]:
+        expected = torch.zeros(side, side)
+        path_cm = length[axis] * voxel_cm[axis]
+        expected[h_lo : h_lo + h_len, w_lo : w_lo + w_len] = projector.k * 0.2 * path_cm
+        torch.testing.assert_close(xray[0, channel], expected, rtol=1e-6, atol=1e-6)
+        outside = expected == 0
+        assert torch.equal(xray[0, channel][outside], torch.zeros(int(outside.sum())))  # air: exactly 0
+
+
+def test_water_slab_through_half_the_fov_gives_one():
+    side = 16
+    projector = DRRProjector(fov_mm=200.0, view_size=(side, side))
+    slab = torch.full((1, 1, side, side, side), AIR)
+    slab[:, :, :, : side // 2] = WATER  # half of the AP ray length is water
+    assert projector.project(slab)[0, 0] == pytest.approx(torch.ones(side, side), abs=1e-6)
+
+
+def test_bone_cube_doubles_the_water_line_integral():
+    side, lo, length = 12, (2, 3, 4), (5, 4, 3)
+    projector = DRRProjector(fov_mm=(120.0, 180.0, 150.0), view_size=(side, side))
+    water = projector.project(cube_volume(side, lo, length, WATER))
+    bone = projector.project(cube_volume(side, lo, length, BONE))
+    assert water.max() > 0
+    torch.testing.assert_close(bone, 2 * water, rtol=1e-6, atol=1e-6)
+    assert projector.attenuation(torch.tensor(BONE)).item() == pytest.approx(2 * 0.2)
+    assert projector.attenuation(torch.tensor(AIR)).item() == 0.0
+
+
+def test_hu_conversions_follow_the_window():
+    projector = DRRProjector(hu_window=(-1000.0, 2000.0))
+    hu = torch.tensor([-1000.0, 0.0, 500.0, 2000.0])
+    values = projector.from_hu(hu)
+    torch.testing.assert_close(values, torch.tensor([-1.0, -1.0 / 3.0, 0.0, 1.0]))
+    torch.testing.assert_close(projector.to_hu(values), hu)
+    torch.testing.assert_close(projector.attenuation(values), 0.2 * (1 + hu / 1000))
+
+
+# ---------------------------------------------------------------------------------------------- linearity
+def test_projection_of_an_area_averaged_volume_is_the_averaged_projection():
+    projector = DRRProjector(fov_mm=(160.0, 240.0, 320.0), view_size=(8, 8))
+    volume = random_volume()
+    low = projector.project(F.avg_pool3d(volume, 2), (8, 8))
+    high = projector.project(volume, (16, 16))
+    torch.testing.assert_close(low, F.avg_pool2d(high, 2), rtol=0, atol=1e-5)
+    # the default size (view_size) area-averages the full-resolution projection to the same values
+    torch.testing.assert_close(projector.project(volume), low, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("view", sorted(VIEW_AXES))
+def test_area_averaging_commutes_with_projection_for_non_cubic_volumes(view):
+    projector = DRRProjector(fov_mm=(200.0, 150.0, 100.0), views=(view,), view_size=(4, 4))
+    volume = random_volume((1, 1, 16, 12, 8), seed=3)
+    high = projector.project_native(volume)
+    low = projector.project_native(F.avg_pool3d(volume, 2))
+    expected_plane = {"ap": (16, 8), "lateral": (12, 8)}[view]
+    assert high.shape == (1, 1, *expected_plane)
+    torch.testing.assert_close(low, F.avg_pool2d(high, 2), rtol=0, atol=1e-5)
+
+
+def test_project_native_refuses_views_of_different_sizes():
+    projector = DRRProjector(view_size=(8, 8))
+    with pytest.raises(ValueError, match="different sizes"):
+        projector.project_native(torch.zeros(1, 1, 16, 12, 8))
+
+
+# ---------------------------------------------------------------------------------------------- intensity
+def test_intensity_and_line_integral_are_inverse():
+    p = torch.linspace(0.0, 5.0, 101)
+    intensity = DRRProjector.intensity(p)
+    assert intensity[0].item() == -1.0  # no attenuation: dark
+    assert bool((intensity < 1).all()) and bool((intensity[1:] > intensity[:-1]).all())  # monotone, below 1
+    torch.testing.assert_close(DRRProjector.line_integral(intensity), p, rtol=1e-4, atol=1e-5)
+    saturated = DRRProjector.line_integral(torch.tensor([1.0, 2.0]))  # clamped at eps: finite
+    assert bool(torch.isfinite(saturated).all())
+    torch.testing.assert_close(saturated, torch.full((2,), -torch.log(torch.tensor(1e-6)).item()))
+
+
+# ---------------------------------------------------------------------------------------------- gradients
+def test_gradients_flow_back_to_the_volume():
+    fov_mm = (160.0, 240.0, 320.0)
+    projector = DRRProjector(fov_mm=fov_mm, view_size=(8, 8))
+    volume = random_volume((1, 1, 8, 8, 8)).requires_grad_(True)
+    projector.project(volume).sum().backward()
+    grad = volume.grad
+    assert grad is not None and bool(torch.isfinite(grad).all())
+    # d p / d x of one voxel: k * voxel_cm * mu_water * (hu_max - hu_min) / 2000, summed over the two views
+    per_view = [projector.k * f / 8 / 10 * 0.2 * 2000 / 2000 for f in (fov_mm[1], fov_mm[0])]
+    torch.testing.assert_close(grad, torch.full_like(grad, sum(per_view)))
+
+
+def test_projection_passes_gradcheck():
+    projector = DRRProjector(fov_mm=(60.0, 80.0, 100.0), view_size=(2, 2))
+    volume = random_volume((1, 1, 4, 4, 4), seed=1).double().requires_grad_(True)
+    # the projector computes in float32: a linear map, so wide finite differences are exact up to float32 rounding
+    assert torch.autograd.gradcheck(lambda v: projector.project(v).double(), (volume,), eps=1e-2, atol=1e-4)
+
+
+# ---------------------------------------------------------------------------------------------- back-projection
+def test_backproject_shapes_and_rays_for_non_cubic_sizes():
+    projector = DRRProjector(fov_mm=(160.0, 240.0, 320.0), view_size=(16, 16))
+    xray = torch.rand(2, 2, 16, 16, generator=torch.Generator().manual_seed(0)) * 2
+    out = projector.backproject(xray, (8, 12, 6))
+    assert out.shape == (2, 2, 8, 12, 6)
+    ap, lateral = out[:, 0], out[:, 1]
+    # AP rays run along Y, lateral rays along X: each channel is constant along its ray axis
+    assert torch.equal(ap, ap[:, :, :1].expand_as(ap))
+    assert torch.equal(lateral, lateral[:, :1].expand_as(lateral))
+    assert not torch.equal(ap, ap[:, :1].expand_as(ap))  # but not along the other axes
+
+
+@pytest.mark.parametrize("spatial", [(16, 16, 16), (8, 12, 6), (32, 32, 32)])
+def test_backprojecting_a_uniform_volume_returns_its_value(spatial):
+    projector = DRRProjector(fov_mm=(160.0, 240.0, 320.0), view_size=(16, 16))
+    value = 0.3
+    xray = projector.xrays(torch.full((1, 1, 16, 16, 16), value))
+    out = projector.backproject(xray, spatial)
+    torch.testing.assert_close(out, torch.full((1, 2, *spatial), value), rtol=0, atol=1e-5)
+
+
+def test_backprojection_is_the_mean_along_each_ray():
+    projector = DRRProjector(fov_mm=(160.0, 240.0, 320.0), view_size=(8, 8))
+    volume = random_volume((2, 1, 8, 8, 8), seed=4)
+    out = projector.backproject(projector.project_native(volume), (8, 8, 8))
+    torch.testing.assert_close(out[:, 0:1], volume.mean(3, keepdim=True).expand_as(volume), rtol=0, atol=1e-5)
+    torch.testing.assert_close(out[:, 1:2], volume.mean(2, keepdim=True).expand_as(volume), rtol=0, atol=1e-5)
+
+
+def test_backproject_rejects_the_wrong_number_of_views():
+    projector = DRRProjector(view_size=(8, 8))
+    with pytest.raises(ValueError, match=r"\(1, 3, 8, 8\)"):
+        projector.backproject(torch.zeros(1, 3, 8, 8), (8, 8, 8))
+
+
+# ---------------------------------------------------------------------------------------------- argument checks
+@pytest.mark.parametrize(
+    "kwargs, text",
+    [
+        ({"views": ("ap", "pa")}, "'pa'"),
+        ({"views": ("ap", "ap")}, "['ap', 'ap']"),
+        ({"hu_window": (500.0, 500.0)}, "[500.0, 500.0]"),
+        ({"hu_window": (800.0, -200.0)}, "[800.0, -200.0]"),
+        ({"hu_window": (-1024.0, 1000.0)}, "-1024"),
+        ({"view_size": (0, 16)}, "(0, 16)"),
+        ({"view_size": (16,)}, "(16,)"),
+        ({"fov_mm": (100.0, -5.0, 100.0)}, "-5.0"),
+        ({"mu_water": 0.0}, "0.0"),
+    ],
+)
+def test_constructor_rejects_bad_settings_naming_the_value(kwargs, text):
+    with pytest.raises(ValueError) as info:
+        DRRProjector(**kwargs)
+    assert text in str(info.value)
+
+
+@pytest.mark.parametrize("shape", [(1, 16, 16, 16), (1, 2, 8, 8, 8)])
+def test_project_rejects_other_shapes(shape):
+    with pytest.raises(ValueError, match=str(shape).replace("(", r"\(").replace(")", r"\)")):
+        DRRProjector(view_size=(8, 8)).project(torch.zeros(shape))
+
+
+# ---------------------------------------------------------------------------------------------- projection loss
+def test_projection_loss_of_the_ground_truth_is_exactly_zero():
+    projector = DRRProjector(fov_mm=(160.0, 240.0, 320.0), view_size=(16, 16))
+    volume = random_volume((3, 1, 16, 16, 16))
+    loss = ProjectionLoss(projector)(volume, projector.xrays(volume))
+    assert loss.shape == (3,)
+    assert torch.equal(loss, torch.zeros(3))
+
+
+@pytest.mark.parametrize("view_size, source, factor", [((32, 32), 32, 2), ((16, 16), 32, 2), ((32, 32), 32, 4)])
+def test_projection_loss_of_xrays_made_from_a_finer_volume_is_zero(view_size, source, factor):
+    projector = DRRProjector(fov_mm=(160.0, 240.0, 320.0), view_size=view_size)
+    fine = random_volume((2, 1, source, source, source), seed=2)
+    coarse = F.avg_pool3d(fine, factor)
+    xray = projector.xrays(fine)
+    loss = ProjectionLoss(projector)(coarse, xray)
+    assert loss.shape == (2,)
+    # equal in exact arithmetic; in float32 the two paths sum the same attenuations in another grouping (box means
+    # of factor^3 voxels, then rays of source / factor, against rays of source voxels area-averaged per pixel), each
+    # path within about n eps32 |p| for sums of n <= source terms
+    assert float(loss.max()) < source * torch.finfo(torch.float32).eps * float(xray.abs().max())
+    assert float(ProjectionLoss(projector)(fine[:, :, ::factor, ::factor, ::factor], projector.xrays(fine)).min()) > 0
+
+
+def test_projection_loss_of_a_shifted_volume_is_known_and_has_a_gradient():
+    projector = DRRProjector(fov_mm=200.0, view_size=(8, 8))  # isotropic: k * mu_water * fov_cm = 2
+    volume = random_volume((2, 1, 8, 8, 8), seed=5)
+    xray = projector.xrays(volume)
+    shifts = torch.tensor([0.05, -0.1]).view(2, 1, 1, 1, 1)
+    perturbed = (volume + shifts).requires_grad_(True)
+    loss = ProjectionLoss(projector)(perturbed, xray)
+    # a value shift d moves mu by mu_water * d (window width 2000 HU) and p by k * mu_water * d * fov_cm = 2 d
+    torch.testing.assert_close(loss.detach(), torch.tensor([0.1, 0.2]), rtol=1e-4, atol=1e-6)
+    loss.sum().backward()
+    assert perturbed.grad is not None and float(perturbed.grad.abs().sum()) > 0
+    assert bool(torch.isfinite(perturbed.grad).all())
+    assert bool((perturbed.grad[0] > 0).all()) and bool((perturbed.grad[1] < 0).all())  # towards the truth
+
+
+def test_physics_noise_weight():
+    alpha_bar = torch.tensor([0.9, 0.5, 0.01], dtype=torch.float64).view(3, 1, 1, 1, 1)
+    weights = physics_noise_weight(alpha_bar, "alpha_bar")
+    assert weights.shape == (3,) and weights.dtype == torch.float32
+    torch.testing.assert_close(weights, torch.tensor([0.9, 0.5, 0.01]))
+    assert torch.equal(physics_noise_weight(alpha_bar, "none"), torch.ones(3))
+    with pytest.raises(ValueError, match="'snr'"):
+        physics_noise_weight(alpha_bar, "snr")
