@@ -56,7 +56,6 @@ def bundle_root(name: str) -> str:
     raise FileNotFoundError(f"bundle {name!r} not found; looked in {[str(c) for c in candidates]}.")
 
 
-
 def demo_generator(path: str) -> Callable[..., Any]:
     """The demo-data generator at the dotted ``path`` (``common.demo.<module>.<function>``), imported when a config
     asks for demo data: the generators live in ``common/demo``, which a packaged bundle does not carry.
@@ -78,6 +77,7 @@ def demo_generator(path: str) -> Callable[..., Any]:
             "datalist.json, see the model card), or run the demo from the repository."
         ) from e
     return getattr(found, name)
+
 
 def find_checkpoint(output_dir: str, bundle_root: str, name: str = "model.pt") -> str:
     """The weights an evaluation/inference config loads by default.
