@@ -13,8 +13,8 @@ import time
 import pytest
 import torch
 
-from scripts import benchmark_campaign as bc
-from scripts.benchmark_tools import count_flops, peak_bf16_tflops
+from scripts.harness import campaign as bc
+from scripts.harness.tools import count_flops, peak_bf16_tflops
 from tests.helpers import REPO_ROOT
 
 CAMPAIGNS = sorted((REPO_ROOT / "docs" / "campaigns").glob("*.json"))

@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from scripts import benchmark_diffusion as benchmark
+from scripts.harness import diffusion as benchmark
 from tests.helpers import shifted_seed
 
 TINY = {

@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from scripts import benchmark_survival as benchmark
+from scripts.harness import survival as benchmark
 from tests.helpers import shifted_seed
 
 # every case has an event (censoring "none"), so the training split always has events to place cut points at

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from scripts import benchmark
+from scripts.harness import vqgan as benchmark
 from tests.helpers import shifted_seed
 
 TINY = {"n_hiddens": 4, "downsample": [4, 4, 4], "embedding_dim": 4, "n_codes": 32, "num_res_blocks": 1}
@@ -56,7 +56,7 @@ def test_vqgan_network_defaults_come_from_train_json():
 
 
 def test_reconstruction_probe_reports_stages():
-    row = benchmark._reconstruction_probe(
+    row = benchmark.reconstruction_probe(
         [16, 16, 20], [16, 16, 16], 2, 0.25, {**TINY, "norm_num_groups": 4}, "cpu", "bf16", 0, 1, None
     )
     assert row["windows"] == 2 and row["effective_sw_batch_size"] == 2 and row["amp"] == "none"

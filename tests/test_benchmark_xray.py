@@ -16,7 +16,7 @@ import time
 import pytest
 import torch
 
-from scripts import benchmark_xray as benchmark
+from scripts.harness import xray2ct as benchmark
 from tests.helpers import TINY_XRAY_NETWORK, shifted_seed
 
 NETWORK = {k: list(v) if isinstance(v, tuple) else v for k, v in TINY_XRAY_NETWORK.items()}

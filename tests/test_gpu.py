@@ -74,7 +74,7 @@ def test_resume_on_cuda_continues_where_it_stopped(bundle, tmp_path):
     SIGKILLed at a random iteration and re-run: it resumes from its last checkpoint and ends with the weights of
     the uninterrupted run. Tolerance: none - with deterministic kernels and the saved CUDA RNG states the resumed
     run repeats the same bf16 arithmetic, so the weights must be bit-identical."""
-    from scripts.reliability import fault_sequence, make_case
+    from scripts.harness.faults import fault_sequence, make_case
 
     case = make_case(bundle, tmp_path / "data")
     case.args.update(device="cuda", amp="bf16")
@@ -138,7 +138,7 @@ def test_autoencoder_step_host_synchronisations(tmp_path):
     from ignite.engine import Events
 
     from common.demo.images import write_phantom_dataset
-    from scripts.benchmark_tools import bundle_trainer
+    from scripts.harness.tools import bundle_trainer
 
     datalist = write_phantom_dataset(tmp_path / "data", n_train=4, n_val=1, shape=(32, 32, 32), seed=0)
     s = {"device": torch.device("cuda"), "amp": "bf16"}

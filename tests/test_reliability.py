@@ -21,7 +21,7 @@ import torch
 
 from common.data.pipeline import EpochSampler, ItemSeededDataset
 from common.data.preflight import SLAB_BYTES
-from scripts import reliability
+from scripts.harness import faults as reliability
 from tests.helpers import BUNDLES, bundle_env, overrides, run_bundle, shifted_seed
 
 ALL_BUNDLES = reliability.BUNDLES

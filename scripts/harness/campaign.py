@@ -20,7 +20,7 @@ group killed) when the campaign's time is up, and every finished item is written
     (b) every bundle's trainer vs a plain PyTorch loop at a realistic size in bf16, then fp32, then bf16 + compile:
         samples/s, the ratio, data wait, peak memory and model FLOPs utilisation (MFU: FLOPs of one step counted
         by ``torch.utils.flop_counter``, divided by the step time and the device's dense bf16 peak of
-        :data:`scripts.benchmark_tools.PEAK_BF16_TFLOPS`);
+        :data:`scripts.harness.tools.PEAK_BF16_TFLOPS`);
     (c) the VQ-GAN whole-volume reconstruction of a 512x512x604 CT at ``sw_batch_size`` 1, 2 and 4;
     (d) one xray2ct stage 3 (256^3) training step with gradient checkpointing and bf16;
     (e) the largest patch and micro-batch that fit for the autoencoder and the VQ-GAN;
@@ -46,7 +46,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+REPO_ROOT = Path(__file__).resolve().parents[2]
 
 __all__ = ["ITEMS", "SCHEMA_VERSION", "Item", "campaign", "render_report"]
 
@@ -364,7 +364,7 @@ def _run_item(item: Item, tiny: bool, budget_s: float, workdir: Path) -> dict:
 def _device_summary() -> dict:
     import torch
 
-    from scripts.benchmark_tools import device_name, peak_bf16_tflops
+    from scripts.harness.tools import device_name, peak_bf16_tflops
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     summary = {"device": device_name(device), "peak_bf16_tflops": peak_bf16_tflops(device), "torch": torch.__version__}

@@ -20,14 +20,12 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
-if str(REPO_ROOT) not in sys.path:
-    sys.path.insert(0, str(REPO_ROOT))
+import torch
 
-import torch  # noqa: E402
+REPO_ROOT = Path(__file__).resolve().parents[2]
 
 __all__ = [
-    "BUNDLES",
+    "BUNDLES_DIR",
     "GIB",
     "PEAK_BF16_TFLOPS",
     "REPO_ROOT",
@@ -39,6 +37,7 @@ __all__ = [
     "peak_bf16_tflops",
     "print_table",
     "print_throughput",
+    "run_probe",
     "run_command",
     "setup",
     "step_flops",
@@ -48,7 +47,7 @@ __all__ = [
     "train_config",
 ]
 
-BUNDLES = REPO_ROOT / "bundles"
+BUNDLES_DIR = REPO_ROOT / "bundles"
 GIB = 2**30
 
 # Dense (no sparsity) bf16 tensor-core peak in TFLOP/s from the vendors' data sheets, matched in order against the
@@ -71,7 +70,7 @@ PEAK_BF16_TFLOPS = {
 
 def train_config(bundle: str) -> dict:
     """The raw ``configs/train.json`` of ``bundle`` (its literal defaults: widths, loss weights, optimizer)."""
-    return json.loads((BUNDLES / bundle / "configs" / "train.json").read_text())
+    return json.loads((BUNDLES_DIR / bundle / "configs" / "train.json").read_text())
 
 
 def device_name(device: torch.device) -> str:
@@ -173,7 +172,7 @@ def bundle_trainer(
         "cache_device": str(s["device"]),
         **(extra or {}),
     }
-    config_file = BUNDLES / bundle / "configs" / "train.json"
+    config_file = BUNDLES_DIR / bundle / "configs" / "train.json"
     workflow = ConfigWorkflow(config_file=str(config_file), workflow_type="train", **overrides)
     workflow.initialize()
     trainer = workflow.parser.get_parsed_content("train#trainer")
@@ -312,7 +311,7 @@ def bundle_command(bundle: str, run_id: str, configs: Sequence[str], overrides: 
     written so that the command line reads them back exactly."""
     from common.bundle_tools.launch import format_overrides
 
-    files = [str(BUNDLES / bundle / "configs" / c) for c in configs]
+    files = [str(BUNDLES_DIR / bundle / "configs" / c) for c in configs]
     config_file = files[0] if len(files) == 1 else json.dumps(files)
     return [
         sys.executable,
@@ -340,3 +339,21 @@ def run_command(cmd: list[str]) -> float:
     if result.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd[:6])} failed:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}")
     return time.perf_counter() - start
+
+
+def run_probe(module: str, probe: str, **kwargs: Any) -> dict:
+    """Call ``module.probe(**kwargs)`` (a function returning a JSON-able dict) in a fresh Python process started in
+    the repository root, so that its peak memory and CUDA state are its own."""
+    code = (
+        f"import json; from {module} import {probe}; print(json.dumps({probe}(**json.loads({json.dumps(kwargs)!r}))))"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        cwd=REPO_ROOT,
+        env={**os.environ, "PYTHONWARNINGS": "ignore"},
+    )
+    if result.returncode != 0:
+        raise RuntimeError(f"{probe}({kwargs}) failed:\n{result.stderr[-3000:]}")
+    return json.loads(result.stdout.strip().splitlines()[-1])

@@ -29,7 +29,8 @@ from pathlib import Path
 import torch
 
 from common.demo.images import make_diffusion_demo
-from scripts.benchmark_tools import (
+from scripts.harness.faults import RUN_SETTINGS, BundleCase
+from scripts.harness.tools import (
     alternate,
     bundle_command,
     device_name,
@@ -42,7 +43,7 @@ from scripts.benchmark_tools import (
     train_config,
 )
 
-__all__ = ["ddpm_quality", "ddpm_sampling", "ddpm_throughput"]
+__all__ = ["BENCHMARKS", "ddpm_quality", "ddpm_sampling", "ddpm_throughput", "fault_case"]
 
 BUNDLE = "fast_ddpm_3d"
 
@@ -474,3 +475,19 @@ def ddpm_throughput(
     if output:
         Path(output).write_text(json.dumps(summary, indent=2))
     return summary
+
+
+def fault_case(root: Path, seed: int) -> BundleCase:
+    """The small ``fast_ddpm_3d`` job of the fault tests (:func:`scripts.harness.faults.make_case`): the BraTS preset
+    on brain tumour phantoms, 2 cases (4 for 2 processes), 4 epochs."""
+    from common.demo.images import write_brats_phantom_dataset
+
+    write_brats_phantom_dataset(root, n_train=4, n_val=2, shape=(24, 24, 20), spacing=(1.5, 1.5, 2.0), seed=seed)
+    args = {"dataset_dir": str(root), "max_cases": 2, "max_epochs": 4, "val_interval": 4}
+    configs = ["train.json", "brats.json", "tiny.json"]
+    return BundleCase(
+        BUNDLE, configs, {**args, **RUN_SETTINGS, "seed": seed}, weights=("unet", "ema"), extra={"max_cases": 4}
+    )
+
+
+BENCHMARKS = {"ddpm_quality": ddpm_quality, "ddpm_sampling": ddpm_sampling, "ddpm_throughput": ddpm_throughput}

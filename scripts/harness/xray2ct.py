@@ -39,7 +39,10 @@ from pathlib import Path
 
 import torch
 
-from scripts.benchmark_tools import (
+from scripts.demo import PROFILES as DEMO_PROFILES
+from scripts.harness.faults import RUN_SETTINGS, BundleCase
+from scripts.harness.tools import (
+    REPO_ROOT,
     alternate,
     bundle_command,
     device_name,
@@ -50,9 +53,8 @@ from scripts.benchmark_tools import (
     timed_loop,
     train_config,
 )
-from scripts.demo import PROFILES as DEMO_PROFILES
 
-__all__ = ["xray_memory", "xray_quality", "xray_throughput"]
+__all__ = ["BENCHMARKS", "fault_case", "xray_memory", "xray_quality", "xray_throughput"]
 
 BUNDLE = "xray2ct_cascade"
 
@@ -611,7 +613,7 @@ def xray_memory(
                 "network": settings,
                 "num_threads": int(num_threads or os.cpu_count() or 1),
             }
-            env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+            env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
             result = subprocess.run(
                 [sys.executable, "-c", _MEMORY_STEP, json.dumps(cfg)], capture_output=True, text=True, env=env
             )
@@ -628,3 +630,24 @@ def xray_memory(
             if output:
                 Path(output).write_text(json.dumps(rows, indent=2))
     return rows
+
+
+def fault_case(root: Path, seed: int) -> BundleCase:
+    """The small ``xray2ct_cascade`` job of the fault tests (:func:`scripts.harness.faults.make_case`): stage 1 on
+    chest CT phantoms at 24^3, 2 epochs (4 for 2 processes)."""
+    from common.demo.images import make_xray2ct_demo
+
+    make_xray2ct_demo(root, n_train=4, n_val=2, shape=(24, 24, 24), fov_mm=350.0, seed=seed)
+    args = {"dataset_dir": str(root), "stage": 1, "stage_batch_size": [1, 1], "max_epochs": 2, "val_interval": 2}
+    return BundleCase(
+        BUNDLE,
+        ["train.json", "tiny.json"],
+        {**args, **RUN_SETTINGS, "seed": seed},
+        output_arg="outputs_root",
+        ckpt="stage1/models/last.pt",
+        weights=("network", "ema"),
+        extra={"max_epochs": 4},
+    )
+
+
+BENCHMARKS = {"xray_memory": xray_memory, "xray_quality": xray_quality, "xray_throughput": xray_throughput}

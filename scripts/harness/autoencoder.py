@@ -1,0 +1,330 @@
+# Copyright (c) the 3D MONAI bundle collection contributors.
+# Licensed under the Apache License, Version 2.0.
+"""Benchmarks of ``autoencoder_3d`` (commands of ``scripts/benchmark.py``):
+
+    python scripts/benchmark.py throughput                         # autoencoder_3d, CPU or GPU
+    python scripts/benchmark.py throughput --patch_size "[64,64,64]" --iterations 40
+    python scripts/benchmark.py memory --patch_sizes "[[32,32,32],[64,64,64]]"
+
+``throughput`` runs, in one process and alternating, (a) the plain loop of MONAI's 3D latent-diffusion tutorial
+(CPU ``CacheDataset`` + ``DataLoader``, fp32, the same AutoencoderKL + PatchDiscriminator, L1 + KL + least-squares
+adversarial losses, batch and patch) and (b) the bundle's own trainer built from ``train.json`` with every
+handler it normally has. It reports samples/s of each, their ratio, the bundle's data-wait fraction, peak
+memory, and the model FLOPs of one bundle step with the model FLOPs utilisation they give against the device's bf16
+peak (every ``*_throughput`` benchmark does). ``memory`` measures peak memory of training steps at each patch size,
+each in a fresh subprocess. Results are printed as a Markdown table and written as JSON.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from scripts.harness.faults import RUN_SETTINGS, BundleCase
+from scripts.harness.tools import (
+    alternate,
+    device_name,
+    print_table,
+    print_throughput,
+    run_probe,
+    setup,
+    timed_loop,
+)
+
+__all__ = ["BENCHMARKS", "fault_case", "memory", "memory_probe", "plain_loader", "throughput"]
+
+BUNDLE = "autoencoder_3d"
+
+
+def _settings(patch_size, channels, batch_size, num_samples, device, amp=None, compile=False) -> dict:
+    from common.utils import default_amp
+
+    small = list(channels) != [32, 64, 64]
+    return {
+        "patch_size": list(patch_size),
+        "channels": list(channels),
+        "norm_num_groups": 8 if small else 16,
+        "batch_size": batch_size,
+        "num_samples": num_samples,
+        "d_channels": 16 if small else 32,
+        "device": device,
+        "amp": amp or default_amp(device),
+        "compile": bool(compile),
+    }
+
+
+def _networks(s: dict, use_checkpoint: bool = False, flash_attention: bool | None = None):
+    """The bundle's default AutoencoderKL and PatchDiscriminator at the benchmark's channel widths.
+
+    ``flash_attention`` defaults to the bundle's choice (on for CUDA); the tutorial loop passes ``False``.
+    """
+    from monai.networks.nets import AutoencoderKL, PatchDiscriminator
+
+    device = s["device"]
+    ae = AutoencoderKL(
+        spatial_dims=3,
+        in_channels=1,
+        out_channels=1,
+        channels=s["channels"],
+        latent_channels=3,
+        num_res_blocks=1,
+        norm_num_groups=s["norm_num_groups"],
+        attention_levels=(False, False, True),
+        use_checkpoint=use_checkpoint,
+        use_flash_attention=device.type == "cuda" if flash_attention is None else flash_attention,
+    ).to(device)
+    disc = PatchDiscriminator(spatial_dims=3, num_layers_d=3, channels=s["d_channels"], in_channels=1).to(device)
+    return ae, disc
+
+
+def _autoencoder_overrides(s: dict) -> dict:
+    return {
+        "patch_size": s["patch_size"],
+        "channels": s["channels"],
+        "norm_num_groups": s["norm_num_groups"],
+        "batch_size": s["batch_size"],
+        "num_samples": s["num_samples"],
+        "d_channels": s["d_channels"],
+        "adv_warmup_iterations": 0,
+        "compile": s.get("compile", False),
+    }
+
+
+def plain_loader(s: dict, data: list[dict], workers: int):
+    """The tutorial's data path: CPU ``CacheDataset`` of whole volumes + ``DataLoader`` with random patches."""
+    from monai.data import CacheDataset, DataLoader
+    from monai.transforms import (
+        Compose,
+        EnsureChannelFirstd,
+        EnsureTyped,
+        LoadImaged,
+        Orientationd,
+        RandSpatialCropSamplesd,
+        ScaleIntensityRangePercentilesd,
+        SpatialPadd,
+    )
+
+    transforms = Compose(
+        [
+            LoadImaged("image"),
+            EnsureChannelFirstd("image"),
+            Orientationd("image", axcodes="RAS", labels=(("L", "R"), ("P", "A"), ("I", "S"))),
+            ScaleIntensityRangePercentilesd("image", lower=0.5, upper=99.5, b_min=0.0, b_max=1.0, clip=True),
+            SpatialPadd("image", spatial_size=s["patch_size"]),
+            EnsureTyped("image", dtype=torch.float32),
+            RandSpatialCropSamplesd("image", roi_size=s["patch_size"], num_samples=s["num_samples"], random_size=False),
+        ]
+    )
+    dataset = CacheDataset(data, transform=transforms, cache_rate=1.0, progress=False)
+    return DataLoader(
+        dataset, batch_size=s["batch_size"], shuffle=True, num_workers=workers, persistent_workers=workers > 0
+    )
+
+
+def _plain_loop(s: dict, data: list[dict], iterations: int, warmup: int, workers: int) -> float:
+    """The training loop of MONAI's 3D latent-diffusion tutorial (fp32, CPU CacheDataset + DataLoader)."""
+    from monai.losses import PatchAdversarialLoss
+
+    from common.autoencoder.losses import kl_divergence
+
+    loader = plain_loader(s, data, workers)
+    ae, disc = _networks(s, flash_attention=False)
+    opt_g = torch.optim.Adam(ae.parameters(), lr=1e-4)
+    opt_d = torch.optim.Adam(disc.parameters(), lr=1e-4)
+    adv = PatchAdversarialLoss(criterion="least_squares")
+    l1 = torch.nn.L1Loss()
+
+    def step(images: torch.Tensor) -> None:
+        opt_g.zero_grad(set_to_none=True)
+        recon, z_mu, z_sigma = ae(images)
+        logits_fake = disc(recon.contiguous().float())[-1]
+        loss_g = (
+            l1(recon.float(), images.float())
+            + 1e-7 * kl_divergence(z_mu, z_sigma)
+            + 0.05 * adv(logits_fake, target_is_real=True, for_discriminator=False)
+        )
+        loss_g.backward()
+        opt_g.step()
+        opt_d.zero_grad(set_to_none=True)
+        logits_fake = disc(recon.contiguous().detach())[-1]
+        logits_real = disc(images.contiguous().detach())[-1]
+        loss_d = 0.5 * (
+            adv(logits_fake, target_is_real=False, for_discriminator=True)
+            + adv(logits_real, target_is_real=True, for_discriminator=True)
+        )
+        loss_d.backward()
+        opt_d.step()
+        loss_g.item()  # the tutorial logs the loss every step
+
+    return timed_loop(s, loader, step, iterations, warmup)
+
+
+def throughput(
+    patch_size=(32, 32, 32),
+    channels=(16, 32, 32),
+    batch_size: int = 2,
+    num_samples: int = 2,
+    iterations: int = 30,
+    warmup: int = 5,
+    repeats: int = 2,
+    device: str = "auto",
+    amp: str | None = None,
+    compile: bool = False,
+    baseline_workers: int | None = None,
+    num_threads: int | None = None,
+    output: str | None = None,
+) -> dict:
+    """Bundle trainer vs the tutorial's plain loop, same network/losses/batch/patch, alternating in one process.
+
+    Args:
+        patch_size: training patch.
+        channels: AutoencoderKL channels (``[32, 64, 64]`` is the bundle default).
+        batch_size: volumes per step; each gives ``num_samples`` patches.
+        num_samples: patches per volume.
+        iterations: timed steps per run (after ``warmup``).
+        warmup: untimed steps at the start of each run.
+        repeats: runs of each side; the median is reported.
+        device: ``auto``, ``cpu`` or ``cuda``.
+        amp: the bundle's autocast, ``bf16``/``fp16``/``none`` (default: bf16 on GPUs, none on CPUs); the plain
+            loop runs in fp32, as the tutorial does.
+        compile: ``torch.compile`` the bundle's networks (its ``compile`` id); compilation happens in the warm-up.
+        baseline_workers: DataLoader workers of the plain loop (default: 4 on GPU machines, 0 on 2-core CPUs).
+        num_threads: torch CPU threads.
+        output: JSON file for the results.
+    """
+    dev, workers = setup(device, num_threads, baseline_workers)
+    s = _settings(patch_size, channels, batch_size, num_samples, dev, amp, compile)
+    summary = {
+        "device": device_name(dev),
+        "patch_size": list(patch_size),
+        "channels": list(channels),
+        "batch": f"{batch_size}x{num_samples}",
+        "amp": s["amp"],
+        "compile": s["compile"],
+        "timed_iterations": iterations,
+        **alternate(
+            s, "autoencoder_3d", _plain_loop, iterations, warmup, repeats, workers, extra=_autoencoder_overrides(s)
+        ),
+    }
+    print_throughput(
+        summary,
+        {
+            "device": summary["device"],
+            "patch": "x".join(map(str, patch_size)),
+            "channels": list(channels),
+            "batch": summary["batch"],
+            "amp": s["amp"],
+            "compile": s["compile"],
+        },
+    )
+    if output:
+        Path(output).write_text(json.dumps(summary, indent=2))
+    return summary
+
+
+def memory_probe(patch_size, channels, batch_size, num_samples, device, amp, use_checkpoint) -> dict:
+    """One measurement (run in a fresh process): peak memory of three full training steps."""
+    from monai.losses import PatchAdversarialLoss
+
+    from common.autoencoder.engines import AutoencoderGANTrainer
+    from common.handlers.monitor import peak_memory_gib
+    from common.utils import resolve_device
+
+    dev = resolve_device(device)
+    s = _settings(patch_size, channels, batch_size, num_samples, dev)
+    ae, disc = _networks(s, use_checkpoint=use_checkpoint)
+    data = [{"image": torch.rand(batch_size * num_samples, 1, *patch_size)} for _ in range(3)]
+    trainer = AutoencoderGANTrainer(
+        device=dev,
+        max_epochs=1,
+        train_data_loader=data,
+        network=ae,
+        optimizer=torch.optim.AdamW(ae.parameters()),
+        discriminator=disc,
+        d_optimizer=torch.optim.AdamW(disc.parameters()),
+        adv_loss=PatchAdversarialLoss(criterion="least_squares"),
+        amp=amp if dev.type == "cuda" else "none",
+    )
+    if dev.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(dev)
+    trainer.run()
+    return {
+        "patch_size": list(patch_size),
+        "channels": list(channels),
+        "batch": batch_size * num_samples,
+        "amp": trainer.amp_mode,
+        "use_checkpoint": use_checkpoint,
+        "peak_mem_gib": peak_memory_gib(dev),
+        "device": device_name(dev),
+    }
+
+
+def memory(
+    patch_sizes=((32, 32, 32), (64, 64, 64)),
+    channels=(32, 64, 64),
+    batch_size: int = 1,
+    num_samples: int = 1,
+    device: str = "auto",
+    amp: str = "bf16",
+    use_checkpoint: bool = False,
+    output: str | None = None,
+) -> list[dict]:
+    """Peak memory of training steps (bundle trainer, generator + discriminator) per patch size.
+
+    Each size runs in a fresh subprocess so the CPU figure (peak resident set size) is not inherited; a size that
+    fails (e.g. out of memory) gives a row with its ``error`` and the other sizes are still measured.
+    """
+    rows = []
+    for patch in patch_sizes:
+        settings = {
+            "patch_size": list(patch),
+            "channels": list(channels),
+            "batch_size": batch_size,
+            "num_samples": num_samples,
+            "device": device,
+            "amp": amp,
+            "use_checkpoint": bool(use_checkpoint),
+        }
+        try:
+            rows.append(run_probe(__name__, "memory_probe", **settings))
+        except RuntimeError as exc:  # e.g. out of memory: keep the other rows (a larger patch would not fit)
+            rows.append({**settings, "batch": batch_size * num_samples, "error": str(exc)[-500:]})
+    print_table(
+        ["device", "patch", "channels", "batch", "amp", "gradient checkpointing", "peak mem (GiB)"],
+        [
+            [
+                r.get("device", device),
+                "x".join(map(str, r["patch_size"])),
+                r["channels"],
+                r["batch"],
+                r["amp"],
+                r["use_checkpoint"],
+                "failed: " + r["error"].strip().splitlines()[-1][:80] if "error" in r else f"{r['peak_mem_gib']:.2f}",
+            ]
+            for r in rows
+        ],
+    )
+    if output:
+        Path(output).write_text(json.dumps(rows, indent=2))
+    return rows
+
+
+def fault_case(root: Path, seed: int) -> BundleCase:
+    """The small ``autoencoder_3d`` job of the fault tests (:func:`scripts.harness.faults.make_case`): 4 training and
+    2 validation phantoms at 24^3, 4 epochs, a validation every 2 so that a resumed run crosses one."""
+    from common.demo.images import write_phantom_dataset
+
+    write_phantom_dataset(root, n_train=4, n_val=2, shape=(24, 24, 24), seed=seed)
+    args = {"dataset_dir": str(root), "max_epochs": 4, "val_interval": 2, "adv_warmup_iterations": 3}
+    return BundleCase(
+        BUNDLE,
+        ["train.json", "tiny.json"],
+        {**args, **RUN_SETTINGS, "seed": seed},
+        weights=("autoencoder", "discriminator"),
+        extra={"batch_size": 1},
+    )
+
+
+BENCHMARKS = {"throughput": throughput, "memory": memory}

@@ -1,0 +1,75 @@
+# Copyright (c) the 3D MONAI bundle collection contributors.
+# Licensed under the Apache License, Version 2.0.
+"""The benchmark and fault-injection harness: one table maps each bundle to its module, each module holds that
+bundle's benchmarks and fault-test job, and the command lines are thin."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from scripts.harness.bundles import BUNDLES, FAMILY_MODULES, benchmarks, family
+from scripts.harness.faults import BundleCase
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_every_bundle_has_one_row() -> None:
+    on_disk = sorted(p.parent.parent.name for p in (REPO / "bundles").glob("*/configs/metadata.json"))
+    assert sorted(BUNDLES) == on_disk
+    assert len(set(FAMILY_MODULES.values())) == len(FAMILY_MODULES)
+
+
+@pytest.mark.parametrize("bundle", BUNDLES)
+def test_family_module_holds_its_bundle(bundle: str) -> None:
+    module = family(bundle)
+    assert module.__name__ == FAMILY_MODULES[bundle] and module.BUNDLE == bundle
+    assert callable(module.fault_case) and module.BENCHMARKS
+    assert all(callable(f) and f.__module__ == module.__name__ for f in module.BENCHMARKS.values())
+    assert {"BENCHMARKS", "fault_case"} <= set(module.__all__)
+
+
+def test_benchmarks_are_the_union_of_the_modules() -> None:
+    found = benchmarks()
+    expected = {"campaign"} | {name for b in BUNDLES for name in family(b).BENCHMARKS}
+    assert set(found) == expected and len(found) == 1 + sum(len(family(b).BENCHMARKS) for b in BUNDLES)
+    assert {"throughput", "vqgan_reconstruction", "ddpm_sampling", "mace_throughput", "xray_quality"} <= set(found)
+
+
+def test_unknown_bundle_is_named() -> None:
+    with pytest.raises(ValueError, match=r"unknown bundle 'no_such_bundle'; expected one of \('autoencoder_3d'"):
+        family("no_such_bundle")
+
+
+def test_fault_case_of_every_bundle(tmp_path: Path) -> None:
+    """Each bundle's job is built from the table (the data generation itself is covered by test_reliability)."""
+    from scripts.harness.faults import make_case
+
+    case = make_case("autoencoder_3d", tmp_path / "ae", seed=3)
+    assert isinstance(case, BundleCase) and case.bundle == "autoencoder_3d" and case.args["seed"] == 3
+    assert case.args["deterministic"] is True and case.args["ckpt_interval"] == 2
+    assert (tmp_path / "ae" / "datalist.json").is_file()
+    with pytest.raises(ValueError, match="unknown bundle"):
+        make_case("no_such_bundle", tmp_path / "x")
+    assert not (tmp_path / "x").exists()
+
+
+def test_harness_does_not_edit_sys_path() -> None:
+    offenders = [p.name for p in (REPO / "scripts" / "harness").glob("*.py") if "sys.path" in p.read_text()]
+    assert not offenders
+
+
+@pytest.mark.parametrize("script", ["benchmark.py", "reliability.py"])
+def test_command_lines_are_thin_and_run_from_anywhere(script: str, tmp_path: Path) -> None:
+    path = REPO / "scripts" / script
+    code = [line for line in path.read_text().splitlines() if line.strip() and not line.lstrip().startswith("#")]
+    body = code[code.index('"""', 3) + 1 :] if '"""' in code[3:] else code
+    assert len(body) < 20, f"{script} should only dispatch to scripts/harness"
+    args = ["campaign", "--plan", "--minutes", "1"] if script == "benchmark.py" else ["fuzz", "--help"]
+    result = subprocess.run([sys.executable, str(path), *args], cwd=tmp_path, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr[-2000:]
+    # fire writes help to stderr when it is not a terminal
+    assert "gpu_tests" in result.stdout if script == "benchmark.py" else "reliability.py fuzz" in result.stderr
