@@ -19,7 +19,7 @@ from common.autoencoder.adversarial import HingeAdversarialLoss
 from common.autoencoder.engines import AutoencoderGANTrainer, prepare_image_batch
 from common.autoencoder.losses import kl_divergence
 from common.demo.images import make_phantom
-from tests.helpers import tiny_autoencoder, tiny_discriminator
+from tests.helpers import REPO_ROOT, tiny_autoencoder, tiny_discriminator
 
 SIDE = 16
 
@@ -672,3 +672,57 @@ def test_nonfinite_gradient_with_finite_loss_is_caught():
 def test_unknown_nonfinite_policy_is_refused():
     with pytest.raises(ValueError, match="nonfinite must be one of"):
         make_trainer(ConvNet(), random_batches(1), nonfinite="ignore")
+
+
+GOOD_AUTOENCODER = dict(
+    patch_size=[32, 32, 32],
+    channels=[16, 32, 32],
+    norm_num_groups=8,
+    attention_levels=[False, False, True],
+    latent_channels=3,
+    batch_size=2,
+    num_samples=1,
+    kl_weight=1e-7,
+    adv_weight=0.05,
+    perceptual_weight=0.0,
+    adv_warmup_iterations=0,
+    intensity={"mode": "mri"},
+    flags={"compile": False},
+)
+
+
+def test_autoencoder_settings_accept_the_bundle_defaults():
+    import json
+
+    from common.autoencoder.engines import check_autoencoder_settings
+
+    check_autoencoder_settings(**GOOD_AUTOENCODER)
+    train = json.loads((REPO_ROOT / "bundles" / "autoencoder_3d" / "configs" / "train.json").read_text())
+    tiny = json.loads((REPO_ROOT / "bundles" / "autoencoder_3d" / "configs" / "tiny.json").read_text())
+    for config in (train, {**train, **tiny}):
+        names = [k for k in GOOD_AUTOENCODER if k not in ("flags",)]
+        check_autoencoder_settings(**{k: config[k] for k in names})
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({"patch_size": [24, 32, 30]}, "'patch_size' [24, 32, 30] must be divisible by 4 on every axis"),
+        ({"patch_size": [32, 32]}, "'patch_size' must be 3 positive integers"),
+        ({"channels": [16, 0]}, "'channels' must be a list of positive integers"),
+        ({"norm_num_groups": 6}, "'norm_num_groups' 6 must divide every entry of 'channels' [16, 32, 32]"),
+        ({"attention_levels": [False, True]}, "'attention_levels' must have one entry per level of 'channels' (3)"),
+        ({"latent_channels": 0}, "'latent_channels' must be an integer >= 1"),
+        ({"num_samples": True}, "'num_samples' must be an integer >= 1"),
+        ({"adv_weight": -0.1}, "'adv_weight' must be a number >= 0"),
+        ({"adv_warmup_iterations": -1}, "'adv_warmup_iterations' must be an integer >= 0"),
+        ({"intensity": {"mode": "ct", "a_min": 100, "a_max": 100}}, "HU window is inverted or empty"),
+        ({"flags": {"compile": "false"}}, "'compile' must be True or False"),
+    ],
+)
+def test_autoencoder_settings_name_the_config_id(change, message):
+    from common.autoencoder.engines import check_autoencoder_settings
+
+    with pytest.raises(ValueError, match="invalid autoencoder configuration") as info:
+        check_autoencoder_settings(**{**GOOD_AUTOENCODER, **change})
+    assert message in str(info.value)

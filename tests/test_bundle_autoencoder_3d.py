@@ -293,6 +293,22 @@ def test_preflight_refuses_bad_data_and_writes_nothing(phantoms, tmp_path):
     assert not out.exists()
 
 
+def test_bad_settings_are_refused_before_anything_is_written(phantoms, tmp_path):
+    out = tmp_path / "out"
+    # (an on/off id given as a string is refused earlier, by the command-line check: test_utils)
+    settings = {**TINY, "patch_size": [18, 16, 16], "norm_num_groups": 3, "kl_weight": -1.0}
+    settings["intensity"] = {"mode": "ct", "a_min": 400, "a_max": -1000}
+    result = run_bundle(
+        BUNDLE, ["train.json"], check=False, args=overrides(dataset_dir=str(phantoms), output_dir=str(out), **settings)
+    )
+    assert result.returncode == 1
+    text = result.stderr
+    assert "configuration error: invalid autoencoder configuration" in text and "Traceback" not in text
+    for key in ("'patch_size' [18, 16, 16]", "'norm_num_groups' 3", "'kl_weight'", "'intensity' HU window is inverted"):
+        assert key in text, key
+    assert not out.exists()
+
+
 def test_torchrun_two_processes(phantoms, tmp_path):
     """2-process gloo DDP: ranks train on different partitions and end with identical weights."""
     out = tmp_path / "ddp"
