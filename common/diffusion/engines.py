@@ -12,15 +12,12 @@ channels.
 from __future__ import annotations
 
 import zlib
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from monai.data import MetaTensor
-from monai.engines import SupervisedEvaluator
-from monai.engines.utils import IterationEvents
-from monai.inferers import Inferer
 from monai.utils import CommonKeys as Keys
 from torch import nn
 from torch.optim import Optimizer
@@ -32,8 +29,9 @@ from common.diffusion.schedule import (
     antithetic_timesteps,
     fast_ddpm_grid,
 )
+from common.engines.evaluator import StepEvaluator
 from common.engines.trainer import StepTrainer
-from common.utils import flag_problems, get_rank, get_world_size, inference_autocast
+from common.utils import flag_problems, get_rank, get_world_size
 
 __all__ = [
     "DIFFUSION_MODES",
@@ -224,6 +222,15 @@ class DiffusionTrainer(StepTrainer):
         steps = antithetic_timesteps(self.timesteps, batch_size * world, generator)
         return steps[rank * batch_size : (rank + 1) * batch_size]
 
+    def noised(self, x0: torch.Tensor, iteration: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(x_t, t, target)`` of clean ``x0`` at ``iteration``: this rank's time steps (:meth:`draw_timesteps`),
+        ``x0`` noised to them, and the regression target (the noise, or the velocity for ``v_prediction``)."""
+        t = self.draw_timesteps(x0.shape[0], iteration).to(x0.device)
+        noise = torch.randn_like(x0)
+        x_t = self.schedule.add_noise(x0, noise, t)
+        target = noise if self.prediction_type == "epsilon" else self.schedule.velocity(x0, noise, t)
+        return x_t, t, target
+
     def prepare_step(self, engine: DiffusionTrainer, batchdata: dict[str, torch.Tensor]) -> dict[str, Any]:
         image, _ = engine.prepare_batch(batchdata, engine.state.device, engine.non_blocking, **engine.to_kwargs)
         image = _plain(image).float()
@@ -231,10 +238,7 @@ class DiffusionTrainer(StepTrainer):
         if self.latent_codec is not None:
             image = image * self.latent_codec.scale.to(image.device)
         x0 = image[:, self.target_channels]
-        t = self.draw_timesteps(image.shape[0], engine.state.iteration).to(image.device)
-        noise = torch.randn_like(x0)
-        x_t = self.schedule.add_noise(x0, noise, t)
-        target = noise if self.prediction_type == "epsilon" else self.schedule.velocity(x0, noise, t)
+        x_t, t, target = self.noised(x0, engine.state.iteration)
         inputs = insert_target(image, x_t, self.target_channels, image.shape[1])
         return {
             "args": (inputs, t),
@@ -249,7 +253,7 @@ class DiffusionTrainer(StepTrainer):
         return F.mse_loss(prediction.float(), step["target"].float()), {}
 
 
-class DiffusionEvaluator(SupervisedEvaluator):
+class DiffusionEvaluator(StepEvaluator):
     """Samples whole volumes with a :class:`common.diffusion.networks.DiffusionSampler` for validation,
     evaluation and inference.
 
@@ -268,11 +272,13 @@ class DiffusionEvaluator(SupervisedEvaluator):
         num_samples: samples per volume (``>= 2`` to measure diversity).
         seed: base seed of the start noise.
         compute_loss: also compute the held-out denoising loss (needs the clean target in ``image``).
-        amp: ``bf16``/``fp16`` autocast of the network on CUDA, or ``none``.
-        inferer: calls the sampler on each volume's input (default ``SimpleInferer``; the sampler itself slides
-            its windows at every time step).
-        others: as in ``monai.engines.SupervisedEvaluator``.
+        settings: ``amp``, ``inferer`` (calls the sampler on each volume's input; default ``SimpleInferer``, the
+            sampler itself slides its windows at every time step) and the other arguments of
+            :class:`common.engines.evaluator.StepEvaluator` (``prepare_batch`` defaults to
+            :func:`prepare_diffusion_batch`).
     """
+
+    default_prepare_batch = staticmethod(prepare_diffusion_batch)
 
     def __init__(
         self,
@@ -282,40 +288,14 @@ class DiffusionEvaluator(SupervisedEvaluator):
         num_samples: int = 1,
         seed: int = 0,
         compute_loss: bool = False,
-        amp: str = "none",
-        inferer: Inferer | None = None,
-        epoch_length: int | None = None,
-        non_blocking: bool = False,
-        prepare_batch: Callable = prepare_diffusion_batch,
-        postprocessing: Callable | None = None,
-        key_val_metric: dict | None = None,
-        additional_metrics: dict | None = None,
-        metric_cmp_fn: Callable | None = None,
-        val_handlers: Sequence | None = None,
-        decollate: bool = False,
+        **settings: Any,
     ) -> None:
         if int(num_samples) < 1:
             raise ValueError(f"num_samples must be >= 1, got {num_samples!r}.")
-        kwargs = {} if metric_cmp_fn is None else {"metric_cmp_fn": metric_cmp_fn}
-        super().__init__(
-            device=device,
-            val_data_loader=val_data_loader,
-            network=network,
-            epoch_length=epoch_length,
-            non_blocking=non_blocking,
-            prepare_batch=prepare_batch,
-            inferer=inferer,
-            postprocessing=postprocessing,
-            key_val_metric=key_val_metric,
-            additional_metrics=additional_metrics,
-            val_handlers=val_handlers,
-            decollate=decollate,
-            **kwargs,
-        )
+        super().__init__(device=device, val_data_loader=val_data_loader, network=network, **settings)
         self.num_samples = int(num_samples)
         self.seed = int(seed)
         self.compute_loss = bool(compute_loss)
-        self.amp_mode = str(amp).lower()
 
     def _noise(self, image: torch.Tensor, batchdata: Any, n_target: int) -> tuple[torch.Tensor, list[torch.Generator]]:
         """Start noise ``(B x num_samples, n_target, *spatial)`` and one seeded generator per volume."""
@@ -327,10 +307,9 @@ class DiffusionEvaluator(SupervisedEvaluator):
             generators.append(generator)
         return torch.cat(noises).to(image.device), generators
 
-    def _iteration(self, engine: DiffusionEvaluator, batchdata: dict[str, torch.Tensor]) -> dict:
-        if batchdata is None:
-            raise ValueError("Must provide batch data for current iteration.")
-        image, label = engine.prepare_batch(batchdata, engine.state.device, engine.non_blocking, **engine.to_kwargs)
+    def evaluate_step(
+        self, engine: DiffusionEvaluator, batchdata: dict[str, Any], image: torch.Tensor, label: torch.Tensor | None
+    ) -> dict:
         sampler = engine.network
         plain = _plain(image).float()
         noise, generators = self._noise(plain, batchdata, len(sampler.target_channels))
@@ -338,11 +317,7 @@ class DiffusionEvaluator(SupervisedEvaluator):
             plain.repeat_interleave(self.num_samples, dim=0), noise, sampler.target_channels, sampler.in_channels
         )
         output: dict[str, Any] = {Keys.IMAGE: image}
-        engine.state.output = output
-        with (
-            engine.mode(sampler),
-            inference_autocast(self.state.device, self.amp_mode),
-        ):
+        with self.inference():
             samples = torch.cat(
                 [
                     engine.inferer(chunk, sampler, generator=generators[i])
@@ -366,9 +341,7 @@ class DiffusionEvaluator(SupervisedEvaluator):
             output[Keys.LABEL] = (
                 ((_plain(label).float() + 1) / 2).clamp(0, 1).repeat_interleave(self.num_samples, dim=0)
             )
-        engine.fire_event(IterationEvents.FORWARD_COMPLETED)
-        engine.fire_event(IterationEvents.MODEL_COMPLETED)
-        return engine.state.output
+        return output
 
 
 def check_diffusion_settings(

@@ -15,18 +15,17 @@ from typing import Any
 
 import torch
 from monai.data import MetaTensor
-from monai.engines import SupervisedEvaluator
-from monai.engines.utils import IterationEvents
 from monai.utils import CommonKeys as Keys
 from torch import nn
 from torch.optim import Optimizer
 
 from common.data.pipeline import batch_case_ids
+from common.engines.evaluator import StepEvaluator
 from common.engines.trainer import StepTrainer
 from common.survival.cohort import TIME_UNITS
 from common.survival.losses import cox_loss, logistic_hazard_loss
 from common.survival.networks import BACKBONES, HEADS
-from common.utils import flag_problems, get_world_size, inference_autocast
+from common.utils import flag_problems, get_world_size
 
 __all__ = [
     "SurvivalEvaluator",
@@ -175,7 +174,7 @@ class SurvivalTrainer(StepTrainer):
         return self.loss(prediction, targets["time"], targets["event"]), {}
 
 
-class SurvivalEvaluator(SupervisedEvaluator):
+class SurvivalEvaluator(StepEvaluator):
     """Runs a :class:`common.survival.networks.SurvivalPredictor` over whole volumes for validation, evaluation and
     inference.
 
@@ -190,9 +189,11 @@ class SurvivalEvaluator(SupervisedEvaluator):
         val_data_loader: loader of survival batches.
         network: the predictor (in eval mode during the run).
         grid: times (years) at which the survival curve is also evaluated.
-        amp: ``bf16``/``fp16`` autocast of the network on CUDA, or ``none``.
-        others: as in ``monai.engines.SupervisedEvaluator``.
+        settings: ``amp`` and the other arguments of :class:`common.engines.evaluator.StepEvaluator`
+            (``prepare_batch`` defaults to :func:`prepare_survival_batch`).
     """
+
+    default_prepare_batch = staticmethod(prepare_survival_batch)
 
     def __init__(
         self,
@@ -200,44 +201,24 @@ class SurvivalEvaluator(SupervisedEvaluator):
         val_data_loader: Iterable,
         network: nn.Module,
         grid: Sequence[float] | torch.Tensor | None = None,
-        amp: str = "none",
-        epoch_length: int | None = None,
-        non_blocking: bool = False,
-        prepare_batch: Callable = prepare_survival_batch,
-        val_handlers: Sequence | None = None,
-        decollate: bool = False,
+        **settings: Any,
     ) -> None:
-        super().__init__(
-            device=device,
-            val_data_loader=val_data_loader,
-            network=network,
-            epoch_length=epoch_length,
-            non_blocking=non_blocking,
-            prepare_batch=prepare_batch,
-            val_handlers=val_handlers,
-            decollate=decollate,
-        )
+        super().__init__(device=device, val_data_loader=val_data_loader, network=network, **settings)
         self.grid = None if grid is None else torch.as_tensor(grid, dtype=torch.float32)
-        self.amp_mode = str(amp).lower()
 
-    def _iteration(self, engine: SurvivalEvaluator, batchdata: dict[str, Any]) -> dict:
-        if batchdata is None:
-            raise ValueError("Must provide batch data for current iteration.")
-        image, targets = engine.prepare_batch(batchdata, engine.state.device, engine.non_blocking, **engine.to_kwargs)
+    def evaluate_step(
+        self, engine: SurvivalEvaluator, batchdata: dict[str, Any], image: torch.Tensor, targets: dict
+    ) -> dict:
         predictor = engine.network
         covariates = targets["covariates"]
-        with engine.mode(predictor), inference_autocast(self.state.device, self.amp_mode):
+        with self.inference():
             predicted = predictor.predict(image, covariates if covariates.shape[1] else None, times=self.grid)
-        output: dict[str, Any] = {
+        return {
             "case_id": batch_case_ids(batchdata, image.shape[0]),
             "time": targets["time"],
             "event": targets["event"],
             **{k: v.float() if v.is_floating_point() else v for k, v in predicted.items()},
         }
-        engine.state.output = output
-        engine.fire_event(IterationEvents.FORWARD_COMPLETED)
-        engine.fire_event(IterationEvents.MODEL_COMPLETED)
-        return engine.state.output
 
 
 def check_survival_settings(

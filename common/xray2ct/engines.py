@@ -9,23 +9,21 @@ inference from X-ray files) and ``xray`` (``B, V, H, W`` normalised line integra
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from monai.data import MetaTensor
-from monai.engines import SupervisedEvaluator
-from monai.engines.utils import IterationEvents
-from monai.inferers import Inferer
 from monai.utils import CommonKeys as Keys
 from torch import nn
 from torch.optim import Optimizer
 
 from common.diffusion.engines import DiffusionTrainer, volume_seed
 from common.diffusion.schedule import GRIDS, PREDICTIONS, DiffusionSchedule, fast_ddpm_grid
+from common.engines.evaluator import StepEvaluator
 from common.networks.wrappers import unwrap
-from common.utils import flag_problems, inference_autocast
+from common.utils import flag_problems
 from common.xray2ct.drr import VIEW_AXES, DRRProjector, view_plane
 from common.xray2ct.losses import PHYSICS_WEIGHTINGS, ProjectionLoss, physics_noise_weight
 from common.xray2ct.networks import MODES, SAMPLER_MODES, degrade_to_previous
@@ -162,10 +160,7 @@ class XrayCTTrainer(DiffusionTrainer):
         if self.mode == "direct":
             t = torch.zeros(batch, dtype=torch.long, device=x0.device)
             return torch.zeros_like(x0), t, x0, torch.ones(batch, device=x0.device)
-        t = self.draw_timesteps(batch, iteration).to(x0.device)
-        noise = torch.randn_like(x0)
-        x_t = self.schedule.add_noise(x0, noise, t)
-        target = noise if self.prediction_type == "epsilon" else self.schedule.velocity(x0, noise, t)
+        x_t, t, target = self.noised(x0, iteration)
         return x_t, t, target, self.schedule.alpha_bar(t, x0).reshape(-1).float()
 
     def prepare_step(self, engine: XrayCTTrainer, batchdata: dict[str, torch.Tensor]) -> dict[str, Any]:
@@ -207,7 +202,7 @@ class XrayCTTrainer(DiffusionTrainer):
         return loss, {"recon_loss": recon, "physics_loss": physics.mean()}
 
 
-class XrayCTEvaluator(SupervisedEvaluator):
+class XrayCTEvaluator(StepEvaluator):
     """Generates a CT per case with a :class:`common.xray2ct.networks.XrayCTSampler` (validation, evaluation,
     inference), running the earlier stages first when ``previous`` is given.
 
@@ -224,10 +219,12 @@ class XrayCTEvaluator(SupervisedEvaluator):
         network: the stage's sampler.
         previous: the earlier stages (an :class:`common.xray2ct.networks.XrayCTCascade`) for stage >= 2.
         seed: base seed of the start noise.
-        amp: ``bf16``/``fp16`` autocast on CUDA, or ``none``.
-        inferer: calls the sampler on each case's X-rays (default ``SimpleInferer``).
-        others: as in ``monai.engines.SupervisedEvaluator``.
+        settings: ``amp``, ``inferer`` (calls the sampler on each case's X-rays; default ``SimpleInferer``) and the
+            other arguments of :class:`common.engines.evaluator.StepEvaluator` (``prepare_batch`` defaults to
+            :func:`prepare_xray_batch`).
     """
+
+    default_prepare_batch = staticmethod(prepare_xray_batch)
 
     def __init__(
         self,
@@ -236,48 +233,23 @@ class XrayCTEvaluator(SupervisedEvaluator):
         network: nn.Module,
         previous: nn.Module | None = None,
         seed: int = 0,
-        amp: str = "none",
-        inferer: Inferer | None = None,
-        epoch_length: int | None = None,
-        non_blocking: bool = False,
-        postprocessing: Callable | None = None,
-        key_val_metric: dict | None = None,
-        additional_metrics: dict | None = None,
-        metric_cmp_fn: Callable | None = None,
-        val_handlers: Sequence | None = None,
+        **settings: Any,
     ) -> None:
-        kwargs = {} if metric_cmp_fn is None else {"metric_cmp_fn": metric_cmp_fn}
-        super().__init__(
-            device=device,
-            val_data_loader=val_data_loader,
-            network=network,
-            epoch_length=epoch_length,
-            non_blocking=non_blocking,
-            prepare_batch=prepare_xray_batch,
-            inferer=inferer,
-            postprocessing=postprocessing,
-            key_val_metric=key_val_metric,
-            additional_metrics=additional_metrics,
-            val_handlers=val_handlers,
-            decollate=False,
-            **kwargs,
-        )
+        super().__init__(device=device, val_data_loader=val_data_loader, network=network, **settings)
         if network.with_previous and previous is None:
             raise ValueError("this stage conditions on the previous stage: pass the earlier stages as 'previous'.")
         self.previous = previous
         self.seed = int(seed)
-        self.amp_mode = str(amp).lower()
         self.projection_loss = ProjectionLoss(unwrap(network.network).projector)
 
-    def _iteration(self, engine: XrayCTEvaluator, batchdata: dict[str, torch.Tensor]) -> dict:
-        if batchdata is None:
-            raise ValueError("Must provide batch data for current iteration.")
-        image, xray = engine.prepare_batch(batchdata, engine.state.device, engine.non_blocking, **engine.to_kwargs)
+    def evaluate_step(
+        self, engine: XrayCTEvaluator, batchdata: dict[str, Any], image: torch.Tensor | None, xray: torch.Tensor
+    ) -> dict:
         xray = _plain(xray).float()
         sampler = engine.network
         modules = [sampler] + ([self.previous] if self.previous is not None else [])
         predictions = []
-        with engine.mode(*modules), inference_autocast(self.state.device, self.amp_mode):
+        with self.inference(*modules):
             for i in range(xray.shape[0]):
                 generator = torch.Generator().manual_seed(volume_seed(batchdata, i, self.seed))
                 case = xray[i : i + 1]
@@ -298,10 +270,7 @@ class XrayCTEvaluator(SupervisedEvaluator):
         output[Keys.PRED] = pred
         if image is not None:
             output[Keys.LABEL] = ((_plain(image).float() + 1) / 2).clamp(0, 1)
-        engine.state.output = output
-        engine.fire_event(IterationEvents.FORWARD_COMPLETED)
-        engine.fire_event(IterationEvents.MODEL_COMPLETED)
-        return engine.state.output
+        return output
 
 
 def _view_geometry_problems(
