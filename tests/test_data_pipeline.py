@@ -77,8 +77,8 @@ def test_default_is_mri_and_none_keeps_values():
     "config, match",
     [
         ({"mode": "pet"}, "'pet'"),
-        ({"mode": "ct", "a_min": 100, "a_max": -100}, "a_min must be < a_max, got 100.0 and -100.0"),
-        ({"mode": "ct", "a_min": 5, "a_max": 5}, "got 5.0 and 5.0"),
+        ({"mode": "ct", "a_min": 100, "a_max": -100}, "a_min=100.0 must be < a_max=-100.0"),
+        ({"mode": "ct", "a_min": 5, "a_max": 5}, "a_min=5.0 must be < a_max=5.0"),
         ({"mode": "mri", "lower": 99, "upper": 1}, "got 99.0 and 1.0"),
         ({"mode": "mri", "lower": 0, "upper": 101}, "got 0.0 and 101.0"),
     ],

@@ -16,6 +16,7 @@ from torch.optim import Optimizer
 
 from common.autoencoder.adversarial import feature_matching_loss
 from common.autoencoder.losses import kl_divergence
+from common.data.pipeline import intensity_problems
 from common.engines.trainer import StepTrainer
 from common.networks.wrappers import split_autoencoder_output, unwrap
 from common.utils import autocast, flag_problems
@@ -353,8 +354,9 @@ def check_autoencoder_settings(
         ValueError: naming the config id and the value, for: ``channels`` not positive integers, ``attention_levels``
             of another length, ``norm_num_groups`` not dividing every channel count, ``patch_size`` not 3 positive
             integers or not divisible by the total downsampling, ``latent_channels``/``batch_size``/``num_samples``
-            below 1, a negative loss weight or ``adv_warmup_iterations``, an inverted HU window (``intensity``
-            ``a_min >= a_max``), and on/off settings in ``flags`` (id -> value) that are not booleans.
+            below 1, a negative loss weight or ``adv_warmup_iterations``, an invalid ``intensity``
+            (:func:`common.data.pipeline.intensity_problems`), and on/off settings in ``flags`` (id -> value) that are
+            not booleans.
     """
     problems = []
     channels = list(channels) if isinstance(channels, (list, tuple)) else []
@@ -392,10 +394,7 @@ def check_autoencoder_settings(
         or adv_warmup_iterations < 0
     ):
         problems.append(f"'adv_warmup_iterations' must be an integer >= 0 (iterations), got {adv_warmup_iterations!r}.")
-    if intensity and str(intensity.get("mode", "")).lower() == "ct":
-        a_min, a_max = float(intensity.get("a_min", -1000)), float(intensity.get("a_max", 1000))
-        if a_min >= a_max:
-            problems.append(f"'intensity' HU window is inverted or empty: a_min={a_min} must be < a_max={a_max}.")
+    problems += intensity_problems(intensity)
     problems += flag_problems(flags)
     if problems:
         raise ValueError("invalid autoencoder configuration:\n  " + "\n  ".join(problems))

@@ -44,6 +44,7 @@ __all__ = [
     "VQCodesd",
     "case_name_formatter",
     "inference_postprocessing",
+    "intensity_problems",
     "intensity_transform",
     "make_dataset",
     "make_loader",
@@ -58,6 +59,25 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 
+def intensity_problems(intensity: Mapping[str, Any] | None) -> list[str]:
+    """Why the config ``intensity`` (see :func:`intensity_transform`) is invalid, one line per problem naming the
+    config id: an unknown mode, an inverted or empty CT window, MRI percentiles outside ``0 <= lower < upper <= 100``
+    (empty: it is valid)."""
+    intensity = intensity or {}
+    mode = str(intensity.get("mode", "mri")).lower()
+    if mode == "ct":
+        a_min, a_max = float(intensity.get("a_min", -1000)), float(intensity.get("a_max", 1000))
+        if a_min >= a_max:
+            return [f"'intensity' HU window is inverted or empty: a_min={a_min} must be < a_max={a_max}."]
+    elif mode == "mri":
+        lower, upper = float(intensity.get("lower", 0.5)), float(intensity.get("upper", 99.5))
+        if not 0 <= lower < upper <= 100:
+            return [f"'intensity' percentiles: need 0 <= lower < upper <= 100, got {lower} and {upper}."]
+    elif mode != "none":
+        return [f"'intensity' mode must be 'ct', 'mri' or 'none', got {mode!r}."]
+    return []
+
+
 def intensity_transform(keys: Sequence[str], intensity: Mapping[str, Any], channel_wise: bool = False):
     """Intensity normalisation to [0, 1] from a config mapping.
 
@@ -67,24 +87,22 @@ def intensity_transform(keys: Sequence[str], intensity: Mapping[str, Any], chann
     the values.
 
     Raises:
-        ValueError: for an unknown mode or a window with ``a_min >= a_max``.
+        ValueError: for an unknown mode, a window with ``a_min >= a_max`` or bad percentiles
+            (:func:`intensity_problems`).
     """
+    problems = intensity_problems(intensity)
+    if problems:
+        raise ValueError(problems[0])
     mode = str(intensity.get("mode", "mri")).lower()
     if mode == "ct":
         a_min, a_max = float(intensity.get("a_min", -1000)), float(intensity.get("a_max", 1000))
-        if a_min >= a_max:
-            raise ValueError(f"intensity: a_min must be < a_max, got {a_min} and {a_max}.")
         return ScaleIntensityRanged(keys, a_min=a_min, a_max=a_max, b_min=0.0, b_max=1.0, clip=True)
     if mode == "mri":
         lower, upper = float(intensity.get("lower", 0.5)), float(intensity.get("upper", 99.5))
-        if not 0 <= lower < upper <= 100:
-            raise ValueError(f"intensity: need 0 <= lower < upper <= 100, got {lower} and {upper}.")
         return ScaleIntensityRangePercentilesd(
             keys, lower=lower, upper=upper, b_min=0.0, b_max=1.0, clip=True, channel_wise=channel_wise
         )
-    if mode == "none":
-        return None
-    raise ValueError(f"intensity mode must be 'ct', 'mri' or 'none', got {mode!r}.")
+    return None
 
 
 def spatial_steps(

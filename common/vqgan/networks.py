@@ -25,6 +25,8 @@ from monai.networks.blocks import Convolution
 from monai.networks.nets.autoencoderkl import AEKLResBlock
 from torch import nn
 
+from common.data.pipeline import intensity_problems
+
 __all__ = [
     "EMAVectorQuantizer",
     "VQGAN",
@@ -454,8 +456,8 @@ def check_vqgan_settings(
     Raises:
         ValueError: naming the config id and the value, for: ``downsample`` not powers of two, ``patch_size``
             not divisible by ``downsample`` on every axis, ``n_codes < 2``, negative ``discriminator_iter_start``,
-            an inverted HU window (``intensity`` ``a_min >= a_max``), ``patches_per_volume < 1`` or
-            ``micro_batch_size < 1``.
+            an invalid ``intensity`` (:func:`common.data.pipeline.intensity_problems`: an inverted HU window, bad
+            percentiles, an unknown mode), ``patches_per_volume < 1`` or ``micro_batch_size < 1``.
     """
     problems = []
     try:
@@ -473,10 +475,7 @@ def check_vqgan_settings(
         problems.append(f"'n_codes' must be >= 2, got {n_codes!r}.")
     if isinstance(discriminator_iter_start, bool) or int(discriminator_iter_start) < 0:
         problems.append(f"'discriminator_iter_start' must be >= 0 (iterations), got {discriminator_iter_start!r}.")
-    if intensity and str(intensity.get("mode", "")).lower() == "ct":
-        a_min, a_max = float(intensity.get("a_min", -1000)), float(intensity.get("a_max", 1000))
-        if a_min >= a_max:
-            problems.append(f"'intensity' HU window is inverted or empty: a_min={a_min} must be < a_max={a_max}.")
+    problems += intensity_problems(intensity)
     if int(patches_per_volume) < 1:
         problems.append(f"'patches_per_volume' must be >= 1, got {patches_per_volume!r}.")
     if micro_batch_size is not None and int(micro_batch_size) < 1:
