@@ -7,10 +7,11 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
+
+from common.utils import write_text_atomic
 
 __all__ = [
     "BRATS_MODALITIES",
@@ -314,7 +315,7 @@ def write_datalist(
     base_dir: str | os.PathLike | None = None,
     keys: Sequence[str] = ("image",),
 ) -> Path:
-    """Write a datalist JSON file atomically (temporary file in the same folder, then ``os.replace``).
+    """Write a datalist JSON file atomically (:func:`common.utils.write_text_atomic`).
 
     Args:
         path: the JSON file to write; missing parent folders are created.
@@ -341,20 +342,7 @@ def write_datalist(
             elif base is not None:
                 item = {k: (_relativize(v, base) if k in keys else v) for k, v in item.items()}
             out[name].append(item)
-    file.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=file.parent, prefix=f".{file.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as handle:
-            os.chmod(tmp, 0o644)
-            json.dump(out, handle, indent=2)
-            handle.write("\n")
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp, file)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+    write_text_atomic(file, json.dumps(out, indent=2) + "\n")
     return file
 
 

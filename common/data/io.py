@@ -4,17 +4,21 @@
 
 from __future__ import annotations
 
+import gzip
 import os
-import tempfile
 from pathlib import Path
 
 import numpy as np
+
+from common.utils import write_atomic
 
 __all__ = ["write_nifti"]
 
 
 def write_nifti(path: str | os.PathLike, array: np.ndarray, affine: np.ndarray | None = None) -> Path:
-    """Write a NIfTI file atomically (temporary file in the same folder, then ``os.replace``).
+    """Write a NIfTI file atomically (:func:`common.utils.write_atomic`: a crash or a refused write leaves the
+    previous file or none, never a partial one); ``.nii.gz`` is compressed without a time stamp, so the same volume
+    gives the same bytes.
 
     Args:
         path: destination ending in ``.nii`` or ``.nii.gz``; missing parent folders are created.
@@ -26,6 +30,7 @@ def write_nifti(path: str | os.PathLike, array: np.ndarray, affine: np.ndarray |
 
     Raises:
         ValueError: when the suffix is not ``.nii``/``.nii.gz`` or the affine is not 4x4.
+        common.utils.OutputWriteError: when the file system refuses the write.
     """
     import nibabel as nib
 
@@ -40,15 +45,8 @@ def write_nifti(path: str | os.PathLike, array: np.ndarray, affine: np.ndarray |
     img.header.set_xyzt_units("mm")
     img.set_qform(affine, code=1)
     img.set_sform(affine, code=1)
-    file.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=file.parent, prefix=f".{file.name[: -len(suffix)]}.", suffix=suffix)
-    os.close(fd)
-    try:
-        nib.save(img, tmp)
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, file)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+    payload = img.to_bytes()
+    if suffix == ".nii.gz":
+        payload = gzip.compress(payload, compresslevel=6, mtime=0)
+    write_atomic(file, lambda handle: handle.write(payload))
     return file
