@@ -74,7 +74,11 @@ BROKEN: dict[str, tuple[Callable[[Path], None], Callable[[Path], list[str]]]] = 
     ),
     "version_not_in_changelog": (
         lambda b: _edit_json(b / "configs" / "metadata.json", lambda m: m.update(version="9.9.9")),
-        lambda b: ["configs/metadata.json: version '9.9.9' is not in changelog (has '0.1.2', '0.1.1', '0.1.0')"],
+        lambda b: [
+            "configs/metadata.json: version '9.9.9' is not in changelog (has "
+            + ", ".join(repr(v) for v in json.loads((b / "configs" / "metadata.json").read_text())["changelog"])
+            + ")"
+        ],
     ),
     "no_authors": (
         lambda b: _edit_json(b / "configs" / "metadata.json", lambda m: m.pop("authors")),
