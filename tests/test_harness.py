@@ -44,8 +44,9 @@ def test_unknown_bundle_is_named() -> None:
         family("no_such_bundle")
 
 
-def test_fault_case_of_every_bundle(tmp_path: Path) -> None:
-    """Each bundle's job is built from the table (the data generation itself is covered by test_reliability)."""
+def test_make_case_goes_through_the_table(tmp_path: Path) -> None:
+    """``make_case`` builds a bundle's job with its module's ``fault_case`` (every bundle's job and data are run by
+    test_reliability)."""
     from scripts.harness.faults import make_case
 
     case = make_case("autoencoder_3d", tmp_path / "ae", seed=3)

@@ -11,8 +11,6 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from common.utils import write_text_atomic
-
 __all__ = [
     "BRATS_MODALITIES",
     "DatalistError",
@@ -342,6 +340,8 @@ def write_datalist(
             elif base is not None:
                 item = {k: (_relativize(v, base) if k in keys else v) for k, v in item.items()}
             out[name].append(item)
+    from common.utils import write_text_atomic  # imported here: common.utils imports torch, this module does not
+
     write_text_atomic(file, json.dumps(out, indent=2) + "\n")
     return file
 

@@ -10,8 +10,6 @@ from pathlib import Path
 
 import numpy as np
 
-from common.utils import write_atomic
-
 __all__ = ["write_nifti"]
 
 
@@ -33,6 +31,8 @@ def write_nifti(path: str | os.PathLike, array: np.ndarray, affine: np.ndarray |
         common.utils.OutputWriteError: when the file system refuses the write.
     """
     import nibabel as nib
+
+    from common.utils import write_atomic  # imported here: common.utils imports torch, this module does not
 
     file = Path(os.path.expanduser(os.fspath(path)))
     suffix = ".nii.gz" if file.name.endswith(".nii.gz") else ".nii" if file.name.endswith(".nii") else None
