@@ -5,7 +5,6 @@ checks every bundle's settings share."""
 
 from __future__ import annotations
 
-import ast
 import difflib
 import importlib
 import sys
@@ -13,30 +12,17 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from common.errors import MissingInputError, install_user_error_hook
+from common.runs import RUN_ARGUMENTS, command_line, config_file_list
+
 __all__ = [
     "bundle_root",
     "check_command_line",
     "check_run",
     "check_settings_or_exit",
-    "command_line_overrides",
     "demo_generator",
     "find_checkpoint",
 ]
-
-# arguments of ``monai.bundle.scripts.run`` that are not config overrides
-_RUN_ARGUMENTS = (
-    "run_id",
-    "init_id",
-    "final_id",
-    "meta_file",
-    "config_file",
-    "logging_file",
-    "tracking",
-    "args_file",
-    "workflow_name",
-    "workflow_type",
-    "properties_path",
-)
 
 
 def bundle_root(name: str) -> str:
@@ -86,13 +72,13 @@ def find_checkpoint(output_dir: str, bundle_root: str, name: str = "model.pt") -
     (where a packaged or downloaded bundle keeps its weights).
 
     Raises:
-        FileNotFoundError: naming both places when neither exists.
+        MissingInputError: naming both places when neither exists.
     """
     candidates = [Path(output_dir) / "models" / name, Path(bundle_root) / "models" / name]
     for candidate in candidates:
         if candidate.is_file():
             return str(candidate)
-    raise FileNotFoundError(
+    raise MissingInputError(
         f"no trained weights: looked for {[str(c) for c in candidates]}; train first or pass --ckpt_path."
     )
 
@@ -119,50 +105,6 @@ def check_settings_or_exit(check: Callable[..., Any], **settings: Any) -> Any:
     except (ValueError, TypeError, CheckpointError) as exc:
         print(f"configuration error: {exc}", file=sys.stderr, flush=True)
         raise SystemExit(1) from None
-
-
-def command_line_overrides(argv: Sequence[str] | None = None) -> dict[str, Any] | None:
-    """The ``--id value`` arguments of a ``python -m monai.bundle run ...`` command line, values parsed as ``fire``
-    parses them; ``None`` when the process is not that command (a notebook, a test, another script).
-
-    Args:
-        argv: the command line (default ``sys.argv``).
-    """
-    from fire.parser import DefaultParseValue
-
-    argv = list(sys.argv if argv is None else argv)
-    if not argv or not argv[0].replace("\\", "/").endswith("monai/bundle/__main__.py") or argv[1:2] != ["run"]:
-        return None
-    found: dict[str, Any] = {}
-    args, i = argv[2:], 0
-    while i < len(args):
-        arg = args[i]
-        i += 1
-        if not arg.startswith("--"):
-            continue  # the positional run id
-        name, has_value, value = arg[2:].partition("=")
-        if not has_value:
-            if i < len(args) and not args[i].startswith("--"):
-                value, i = args[i], i + 1
-            else:
-                value = "True"  # a bare flag
-        found[name.replace("-", "_")] = DefaultParseValue(value)
-    return found
-
-
-def _config_files(value: Any) -> list[str]:
-    """The files of a ``--config_file`` value: a list, a list literal or comma-separated names."""
-    if isinstance(value, str):
-        text = value.strip()
-        if text.startswith("["):
-            try:
-                value = ast.literal_eval(text)
-            except (ValueError, SyntaxError):
-                value = text.strip("[]").split(",")
-        else:
-            value = text.split(",")
-    items = value if isinstance(value, (list, tuple)) else [value]
-    return [str(v).strip().strip("'\"") for v in items if str(v).strip()]
 
 
 def _kind_problem(name: str, default: Any, value: Any) -> str | None:
@@ -211,14 +153,14 @@ def check_command_line(argv: Sequence[str] | None = None) -> list[str]:
     """
     from monai.bundle import ConfigParser
 
-    overrides = command_line_overrides(argv)
+    overrides = command_line(argv)
     if not overrides or "config_file" not in overrides:
         return []
     parser = ConfigParser()
-    parser.read_config(_config_files(overrides["config_file"]))
+    parser.read_config(config_file_list(overrides["config_file"]))
     known = [k for k in parser.get() if isinstance(k, str)]
     problems = []
-    checked = [k for k in overrides if k not in _RUN_ARGUMENTS]
+    checked = [k for k in overrides if k not in RUN_ARGUMENTS]
     for name in checked:
         try:
             default = parser[name]
@@ -228,7 +170,7 @@ def check_command_line(argv: Sequence[str] | None = None) -> list[str]:
                 continue  # a new argument of an existing component (``--train#handlers#3#exec_at_start``)
             close = difflib.get_close_matches(name, known, n=3, cutoff=0.6)
             hint = f" (did you mean {', '.join(repr(c) for c in close)}?)" if close else ""
-            problems.append(f"--{name} is not an id of {_config_files(overrides['config_file'])}{hint}.")
+            problems.append(f"--{name} is not an id of {config_file_list(overrides['config_file'])}{hint}.")
             continue
         problem = _kind_problem(name, default, overrides[name])
         if problem:
@@ -247,6 +189,7 @@ def check_run(amp: str | None = None, device: Any = None, argv: Sequence[str] | 
     """
     from common.utils import check_amp
 
+    install_user_error_hook()
     problems = []
     try:
         check_command_line(argv)

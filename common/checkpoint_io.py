@@ -7,18 +7,28 @@ read and write checkpoints through this module."""
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from common.errors import UserError
 from common.networks.wrappers import clean_state_dict, unwrap
+from common.runs import RUN_FILE, command_line, default_settings, read_record, settings_differences
 from common.utils import write_atomic
 
-__all__ = ["CheckpointError", "load_checkpoint", "load_network_weights", "save_checkpoint"]
+__all__ = [
+    "CheckpointError",
+    "load_checkpoint",
+    "load_network_weights",
+    "mismatch_error",
+    "save_checkpoint",
+    "state_dict_mismatch",
+]
 
 
-class CheckpointError(RuntimeError):
+class CheckpointError(UserError, RuntimeError):
     """A checkpoint that cannot be read or does not fit the objects it should restore."""
 
 
@@ -55,17 +65,116 @@ def load_checkpoint(path: str | os.PathLike, map_location: Any = "cpu") -> dict:
         raise CheckpointError(f"checkpoint {str(path)!r} is unreadable (truncated or corrupt): {e}") from e
 
 
+def _shape(value: Any) -> tuple[int, ...] | None:
+    return tuple(value.shape) if isinstance(value, torch.Tensor) else None
+
+
+def state_dict_mismatch(network: torch.nn.Module, state: Mapping[str, Any], strict: bool = True) -> str | None:
+    """One sentence on how ``state`` does not fit ``network``: how many tensors differ in shape (with the first
+    one), are missing or unexpected; ``None`` when it fits."""
+    own = unwrap(network).state_dict()
+    shapes = [(k, _shape(state[k]), tuple(v.shape)) for k, v in own.items() if k in state]
+    shapes = [item for item in shapes if item[1] is not None and item[1] != item[2]]
+    missing = [k for k in own if k not in state] if strict else []
+    unexpected = [k for k in state if k not in own] if strict else []
+    parts = []
+    if shapes:
+        name, theirs, ours = shapes[0]
+        parts.append(
+            f"{len(shapes)} of {len(own)} tensors differ in shape (e.g. {name}: checkpoint {list(theirs)}, "
+            f"network {list(ours)})"
+        )
+    if missing:
+        parts.append(f"{len(missing)} tensors of the network are not in the checkpoint (e.g. {missing[0]})")
+    if unexpected:
+        parts.append(f"{len(unexpected)} tensors of the checkpoint are not in the network (e.g. {unexpected[0]})")
+    return "; ".join(parts) or None
+
+
+def _recorded_settings(path: Path) -> tuple[dict[str, Any] | None, Path]:
+    """The full settings of the run whose ``models/`` folder holds ``path`` (its ``train.json`` defaults updated
+    with its ``configs/run.json``), or ``None`` when that run recorded none."""
+    run_dir = path.resolve().parent.parent
+    record_path = run_dir / RUN_FILE
+    try:
+        record = read_record(run_dir)
+    except UserError:
+        return None, record_path
+    if record is None:
+        return None, record_path
+    settings: dict[str, Any] = {}
+    train_json = next(iter(record.get("config_files") or {}), None)
+    if train_json and Path(train_json).is_file():
+        settings.update(default_settings(Path(train_json).parent.parent))
+    settings.update(record["settings"])
+    return settings, record_path
+
+
+def mismatch_error(
+    network: torch.nn.Module,
+    state: Mapping[str, Any],
+    path: str | os.PathLike,
+    settings: Mapping[str, Any] | None = None,
+    strict: bool = True,
+) -> CheckpointError | None:
+    """The error for weights ``state`` (read from ``path``) that do not fit ``network``, or ``None`` when they fit.
+
+    It names the settings that differ between the run that wrote the checkpoint (its ``configs/run.json``) and
+    this config (``settings`` - the values the network was built from - updated with the command-line
+    overrides), e.g. ``channels: checkpoint [16, 32, 32], config [32, 64, 64]``, then summarises the tensors in
+    one sentence (never the whole list)."""
+    tensors = state_dict_mismatch(network, state, strict=strict)
+    if tensors is None:
+        return None
+    path = Path(path)
+    recorded, record_path = _recorded_settings(path)
+    current = {**(settings or {}), **(command_line() or {})}
+    if recorded is None:
+        hint = (
+            f"the run that wrote it recorded no settings ({str(record_path)!r} is missing): pass the network "
+            "settings it was trained with on the command line"
+        )
+    else:
+        differences = settings_differences(recorded, current)
+        hint = (
+            "settings that differ - " + "; ".join(differences) if differences else "no recorded setting differs"
+        ) + f" (the checkpoint's run: {str(record_path)!r})"
+    return CheckpointError(
+        f"checkpoint {str(path)!r} does not fit the configured {type(unwrap(network)).__name__}: {hint}. {tensors}."
+    )
+
+
 def load_network_weights(
-    network: torch.nn.Module, path: str | os.PathLike, key: str | None = None, strict: bool = True
+    network: torch.nn.Module,
+    path: str | os.PathLike,
+    key: str | None = None,
+    strict: bool = True,
+    settings: Mapping[str, Any] | None = None,
 ) -> torch.nn.Module:
-    """Load a state dict (optionally ``checkpoint[key]``) into ``network``, stripping DDP/compile prefixes."""
+    """Load a state dict (optionally ``checkpoint[key]``) into ``network``, stripping DDP/compile prefixes.
+
+    Args:
+        network: the network to fill.
+        path: the checkpoint.
+        key: the entry of the checkpoint that holds the state dict (``None``: the whole file).
+        strict: every tensor must match.
+        settings: the settings the network was built from (a config's ``@trained``), to name the ones that
+            differ from the checkpoint's run when the weights do not fit (:func:`mismatch_error`).
+
+    Raises:
+        CheckpointError: unreadable file, missing ``key``, or weights that do not fit the network.
+    """
     checkpoint = load_checkpoint(path)
     if key is not None:
         if key not in checkpoint:
             raise CheckpointError(f"checkpoint {str(path)!r} has no key {key!r}; keys: {sorted(checkpoint)}.")
         checkpoint = checkpoint[key]
+    state = clean_state_dict(checkpoint)
+    error = mismatch_error(network, state, path, settings, strict=strict)
+    if error is not None:
+        raise error
     try:
-        unwrap(network).load_state_dict(clean_state_dict(checkpoint), strict=strict)
+        unwrap(network).load_state_dict(state, strict=strict)
     except RuntimeError as e:
         raise CheckpointError(f"checkpoint {str(path)!r} does not match {type(unwrap(network)).__name__}: {e}") from e
     return network

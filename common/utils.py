@@ -21,6 +21,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from common.errors import UserError
+
 __all__ = [
     "flag_problems",
     "AMP_MODES",
@@ -388,7 +390,7 @@ def _to_plain(value: Any) -> Any:
     return value
 
 
-class OutputWriteError(OSError):
+class OutputWriteError(UserError, OSError):
     """A file could not be written (full disk, read-only file system, no permission, file size limit); the
     message names the file, the cause and says that the previous version of the file is unchanged."""
 

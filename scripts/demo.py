@@ -163,7 +163,7 @@ PROFILES["xray2ct_cascade"] = {
     },
 }
 
-# Bundles trained stage by stage into ``<outputs_root>/stage<k>``: each stage runs ``stage_iterations[k - 1]``
+# Bundles trained stage by stage into ``<output_dir>/stage<k>``: each stage runs ``stage_iterations[k - 1]``
 # iterations (one validated epoch), the evaluation runs the whole cascade.
 STAGED = ("xray2ct_cascade",)
 
@@ -171,26 +171,6 @@ STAGED = ("xray2ct_cascade",)
 REPORTED = {"mace_survival": ("uno_c", "harrell_c", "auc_mean", "ibs", "logrank_p")}
 IMAGE_METRICS = ("val_psnr", "val_ssim", "val_ms_ssim")
 REPORTED["xray2ct_cascade"] = (*IMAGE_METRICS, "val_proj_error")
-
-# Overrides that only shape training; evaluation repeats every other one (network, sampler, data settings).
-TRAIN_ONLY_KEYS = (
-    "max_epochs",
-    "epoch_length",
-    "val_interval",
-    "lr",
-    "d_lr",
-    "lr_warmup_iterations",
-    "log_interval",
-    "adv_warmup_iterations",
-    "discriminator_iter_start",
-    "num_samples",
-    "patches_per_volume",
-    "batch_size",
-    "micro_batch_size",
-    "stage_batch_size",
-    "stage_lr",
-    "stage_iterations",
-)
 
 
 def _args(overrides: dict) -> list[str]:
@@ -272,7 +252,7 @@ def main(
         print(f"removing the previous demo run in {out}")
         shutil.rmtree(out)
     staged = bundle in STAGED
-    overrides["outputs_root" if staged else "output_dir"] = str(out)
+    overrides["output_dir"] = str(out)
     if device != "auto":
         overrides["device"] = device
     if num_threads or not use_gpu:
@@ -285,7 +265,8 @@ def main(
     start = time.time()
     train_files = [str(configs / "train.json"), *(str(configs / c) for c in extra_configs)]
     config_arg = train_files[0] if len(train_files) == 1 else json.dumps(train_files)
-    evaluation = {k: v for k, v in overrides.items() if k not in TRAIN_ONLY_KEYS}
+    # evaluation reads the network and data settings from the run's configs/run.json: only where and how to run
+    evaluation = {k: overrides[k] for k in ("output_dir", "device", "num_threads") if k in overrides}
     run_dir, eval_dir = out, out / "eval"
     if staged:
         iterations = overrides.pop("stage_iterations")
@@ -328,6 +309,9 @@ def main(
         print(f"  predictions:    {eval_dir / 'predictions'} (input vs predicted X-rays as PNG per case)")
     print(f"  TensorBoard:    tensorboard --logdir {run_dir / 'tensorboard'}")
     print(f"  training log:   {run_dir / 'train.log'}")
+    infer = [*base, "--config_file", str(configs.relative_to(REPO_ROOT) / "inference.json"), "--output_dir", str(out)]
+    print("  inference (the run's settings come from its configs/run.json; add --dataset_dir <folder of volumes>):")
+    print("    " + " ".join(shlex.quote(c if c != sys.executable else "python") for c in infer))
     return metrics
 
 

@@ -112,8 +112,38 @@ def test_training_outputs(trained):
     assert "[rank 0]" in log and "saved checkpoint" in log
 
 
+def test_training_records_its_settings(trained, phantoms):
+    import hashlib
+
+    record = json.loads((trained / "configs" / "run.json").read_text())
+    assert record["bundle"] == BUNDLE
+    assert record["version"] == json.loads((BUNDLES / BUNDLE / "configs" / "metadata.json").read_text())["version"]
+    train_json = BUNDLES / BUNDLE / "configs" / "train.json"
+    assert record["config_files"] == {str(train_json): "sha256:" + hashlib.sha256(train_json.read_bytes()).hexdigest()}
+    settings = record["settings"]
+    for key, value in TINY.items():  # every override that differs from train.json, as given
+        assert settings[key] == value
+    assert settings["dataset_dir"] == str(phantoms) and settings["max_epochs"] == 3
+    assert "latent_channels" not in settings and "_meta_" not in settings  # defaults are not repeated
+    assert record["command_line"]["channels"] == TINY["channels"]
+
+
+def test_resume_with_other_network_settings_is_refused_and_keeps_the_record(trained, phantoms):
+    record = (trained / "configs" / "run.json").read_bytes()
+    last = (trained / "models" / "last.pt").read_bytes()
+    args = overrides(output_dir=str(trained), **{**TINY, "channels": [16, 32, 32]}, dataset_dir=str(phantoms))
+    result = run_bundle(BUNDLE, ["train.json"], args=args, check=False)
+    assert result.returncode == 1
+    line = result.stderr.strip().splitlines()[-1]
+    assert line.startswith("error: cannot restore 'autoencoder': checkpoint ")
+    assert "channels: checkpoint [8, 16, 16], config [16, 32, 32]" in line and "Traceback" not in result.stderr
+    assert (trained / "configs" / "run.json").read_bytes() == record  # the run's record is unchanged
+    assert (trained / "models" / "last.pt").read_bytes() == last
+
+
 def test_evaluate_matches_best_validation(trained, phantoms):
-    args = overrides(dataset_dir=str(phantoms), output_dir=str(trained), **TINY)
+    # the network, the data folder and the validation settings come from the run's configs/run.json
+    args = overrides(output_dir=str(trained), num_threads=1)
     run_bundle(BUNDLE, ["train.json", "evaluate.json"], run_id="run", args=args)
     evaluation = json.loads((trained / "eval" / "metrics.json").read_text())["latest"]
     best = json.loads((trained / "metrics.json").read_text())["best"]
@@ -126,13 +156,8 @@ def test_evaluate_matches_best_validation(trained, phantoms):
 
 
 def test_inference_reconstruct_and_encode(trained, phantoms):
-    common = dict(
-        dataset_dir=str(phantoms / "images"),
-        output_dir=str(trained),
-        patch_size=TINY["patch_size"],
-        channels=TINY["channels"],
-        norm_num_groups=TINY["norm_num_groups"],
-    )
+    # no network override: the run's settings are read from its configs/run.json
+    common = dict(dataset_dir=str(phantoms / "images"), output_dir=str(trained))
     run_bundle(BUNDLE, ["inference.json"], run_id="run", args=overrides(**common))
     run_bundle(BUNDLE, ["inference.json"], run_id="run", args=overrides(mode="encode", **common))
     source = nib.load(phantoms / "images" / "phantom_val_000.nii.gz")
@@ -152,14 +177,29 @@ def test_inference_without_inputs_fails_clearly(trained, tmp_path):
         ["inference.json"],
         run_id="run",
         check=False,
-        args=overrides(
-            dataset_dir=str(tmp_path),
-            output_dir=str(trained),
-            **{k: TINY[k] for k in ("patch_size", "channels", "norm_num_groups")},
-        ),
+        args=overrides(dataset_dir=str(tmp_path), output_dir=str(trained)),
     )
-    assert result.returncode != 0
-    assert "no input volumes match" in result.stderr and str(tmp_path) in result.stderr
+    assert result.returncode == 1
+    # a user error: its message is the last line, without a traceback
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: no input volumes match") and str(tmp_path) in last
+    assert "Traceback" not in result.stderr and "Failed to evaluate" not in result.stderr
+
+
+def test_inference_with_a_network_that_does_not_fit_names_the_settings(trained, phantoms):
+    result = run_bundle(
+        BUNDLE,
+        ["inference.json"],
+        run_id="run",
+        check=False,
+        args=overrides(dataset_dir=str(phantoms / "images"), output_dir=str(trained), channels=[16, 32, 32]),
+    )
+    assert result.returncode == 1
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: checkpoint ") and "does not fit the configured AutoencoderKL" in last
+    assert "channels: checkpoint [8, 16, 16], config [16, 32, 32]" in last
+    assert "tensors differ in shape" in last and str(trained / "configs" / "run.json") in last
+    assert "size mismatch for" not in result.stderr and "Traceback" not in result.stderr
 
 
 def test_metadata_valid_against_schema():
@@ -212,7 +252,7 @@ def test_ckpt_export_trace_matches_pytorch(trained, tmp_path):
         "True",
         "--input_shape",
         "[1,1,16,16,16]",
-        *overrides(**{k: TINY[k] for k in ("channels", "norm_num_groups")}, device="cpu"),
+        *overrides(output_dir=str(trained), device="cpu"),  # the network of the run (its configs/run.json)
     ]
     cmd += seed_args(BUNDLE, ["inference.json"], cmd)  # empty unless inference.json defines a seed
     result = subprocess.run(cmd, cwd=REPO_ROOT, env=bundle_env(), capture_output=True, text=True, timeout=300)
@@ -421,3 +461,31 @@ def test_compile_saves_clean_keys(phantoms, tmp_path):
         attention_levels=(False, False, True),
     )
     load_network_weights(ae, out / "models" / "model.pt")  # strict load of the best weights
+
+
+def test_packaged_run_carries_its_settings(trained, phantoms, tmp_path):
+    """The zip of a run's weights carries the run's settings in its ``train.json`` (locations left out) and its
+    ``run.json``; unzipped elsewhere, its inference runs with no network override."""
+    import os
+    import zipfile
+
+    from common.bundle_tools.package import package_bundle
+
+    zip_path = package_bundle(BUNDLE, trained / "models" / "model.pt", tmp_path / "dist")
+    with zipfile.ZipFile(zip_path) as zf:
+        train = json.loads(zf.read(f"{BUNDLE}/configs/train.json"))
+        record = json.loads(zf.read(f"{BUNDLE}/configs/run.json"))
+        zf.extractall(tmp_path / "anywhere")
+    assert record == json.loads((trained / "configs" / "run.json").read_text())
+    for key, value in TINY.items():
+        assert train[key] == value, key
+    assert train["dataset_dir"] == json.loads((BUNDLES / BUNDLE / "configs" / "train.json").read_text())["dataset_dir"]
+    bundle = tmp_path / "anywhere" / BUNDLE
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONSAFEPATH")}
+    env.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
+    cmd = [sys.executable, "-m", "monai.bundle", "run", "--config_file", "configs/inference.json"]
+    cmd += ["--dataset_dir", str(phantoms / "images"), "--device", "cpu"]
+    result = subprocess.run(cmd, cwd=bundle, env=env, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    recon = nib.load(bundle / "outputs" / "predictions" / "phantom_val_000_recon.nii.gz")
+    assert recon.shape == nib.load(phantoms / "images" / "phantom_val_000.nii.gz").shape

@@ -51,7 +51,7 @@ def cascade(phantoms, tmp_path_factory) -> Path:
     """``outputs`` of a trained tiny cascade: stage 1 (8^3) then stage 2 (16^3)."""
     out = tmp_path_factory.mktemp("cascade")
     for stage in (1, 2):
-        args = overrides(dataset_dir=str(phantoms), outputs_root=str(out), stage=stage, **RESUMABLE)
+        args = overrides(dataset_dir=str(phantoms), output_dir=str(out), stage=stage, **RESUMABLE)
         run_bundle(BUNDLE, TASK, args=args)
     return out
 
@@ -82,7 +82,7 @@ def evaluated(cascade, phantoms) -> Path:
         BUNDLE,
         [*TASK, "evaluate.json"],
         run_id="run",
-        args=overrides(dataset_dir=str(phantoms), outputs_root=str(cascade), stage=2, save_volumes=True),
+        args=overrides(dataset_dir=str(phantoms), output_dir=str(cascade), stage=2, save_volumes=True),
     )
     return cascade / "stage2" / "eval_diffusion"
 
@@ -132,6 +132,7 @@ def test_backprojection_baseline_needs_no_weights(phantoms, tmp_path):
         BUNDLE,
         [*TASK, "evaluate.json"],
         run_id="run",
+        # outputs_root: the older name of output_dir
         args=overrides(dataset_dir=str(phantoms), outputs_root=str(tmp_path), stage=1, mode="backprojection"),
     )
     summary = json.loads((tmp_path / "stage1" / "eval_backprojection" / "metrics.json").read_text())["latest"]
@@ -163,7 +164,7 @@ def test_packed_cascade_runs_on_png_and_nifti_radiographs(cascade, evaluated, ph
         BUNDLE,
         ["inference.json", "tiny.json"],
         run_id="pack",
-        args=overrides(bundle_root=str(packaged), outputs_root=str(cascade), stage=2),
+        args=overrides(bundle_root=str(packaged), output_dir=str(cascade), stage=2),
     )
     combined = torch.load(packaged / "models" / "model.pt", weights_only=True)
     assert {key.split(".")[0] for key in combined} == {"stage1", "stage2"}
@@ -187,7 +188,7 @@ def test_packed_cascade_runs_on_png_and_nifti_radiographs(cascade, evaluated, ph
         run_id="run",
         args=overrides(
             bundle_root=str(packaged),
-            outputs_root=str(tmp_path / "none"),
+            output_dir=str(tmp_path / "none"),
             dataset_dir=str(xrays),
             prediction_dir=str(pred),
             stage=2,
@@ -211,7 +212,7 @@ def test_packed_cascade_runs_on_png_and_nifti_radiographs(cascade, evaluated, ph
 
 def test_stage_2_without_stage_1_is_refused(phantoms, tmp_path):
     result = run_bundle(
-        BUNDLE, TASK, check=False, args=overrides(dataset_dir=str(phantoms), outputs_root=str(tmp_path), stage=2)
+        BUNDLE, TASK, check=False, args=overrides(dataset_dir=str(phantoms), output_dir=str(tmp_path), stage=2)
     )
     assert result.returncode == 1
     assert "configuration error" in result.stderr and "Traceback" not in result.stderr
@@ -226,7 +227,7 @@ def test_bad_settings_are_refused_before_anything_is_written(phantoms, tmp_path)
         TASK,
         check=False,
         args=[
-            *overrides(dataset_dir=str(phantoms), outputs_root=str(tmp_path), mode="gan", vit_patch_size=5),
+            *overrides(dataset_dir=str(phantoms), output_dir=str(tmp_path), mode="gan", vit_patch_size=5),
             "--stage_sizes",
             "[[8,8,8],[12,12,12],[8,8,8]]",
             "--source_size",
@@ -272,7 +273,7 @@ def test_bad_data_is_reported_per_case_before_training(phantoms, tmp_path):
         BUNDLE,
         TASK,
         check=False,
-        args=overrides(dataset_dir=str(data), outputs_root=str(out), view_files=True, view_size=[64, 32]),
+        args=overrides(dataset_dir=str(data), output_dir=str(out), view_files=True, view_size=[64, 32]),
     )
     assert result.returncode == 1, result.stdout[-2000:]
     text = result.stderr
@@ -303,7 +304,7 @@ def test_torchrun_two_processes_keep_identical_replicas(phantoms, tmp_path):
                 "finalize": [
                     "$torch.save({'network': @network.state_dict(), 'train': [str(d['image']) for d in "
                     "@train#dataset.data], 'iteration': @train#trainer.state.iteration}, "
-                    "@output_dir + '/rank' + str(torch.distributed.get_rank()) + '.pt')",
+                    "@stage_dir + '/rank' + str(torch.distributed.get_rank()) + '.pt')",
                     "$common.utils.assert_replicas_equal({'network': @network, 'ema': @ema.module})",
                     "$common.utils.destroy_distributed()",
                 ]
@@ -312,7 +313,7 @@ def test_torchrun_two_processes_keep_identical_replicas(phantoms, tmp_path):
     )
     configs = [*TASK, "multi_gpu_train.json", str(probe)]
     args = overrides(
-        dataset_dir=str(phantoms), outputs_root=str(out), max_epochs=1, val_interval=1, stage_batch_size=[1, 1]
+        dataset_dir=str(phantoms), output_dir=str(out), max_epochs=1, val_interval=1, stage_batch_size=[1, 1]
     )
     cmd = torchrun_cmd(
         2,

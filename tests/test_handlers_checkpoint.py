@@ -140,14 +140,19 @@ def test_load_network_weights_from_a_key_into_a_wrapped_network(tmp_path):
 
 def test_load_network_weights_mismatch_names_the_network(tmp_path):
     save_checkpoint(tiny_discriminator(seed=None).state_dict(), tmp_path / "d.pt")
-    with pytest.raises(CheckpointError, match="does not match AutoencoderKL"):
+    with pytest.raises(CheckpointError, match="does not fit the configured AutoencoderKL") as info:
         load_network_weights(tiny_autoencoder(seed=None), tmp_path / "d.pt")
+    n_ae, n_d = len(tiny_autoencoder(seed=None).state_dict()), len(tiny_discriminator(seed=None).state_dict())
+    # one sentence, never the list of tensors
+    assert f"{n_ae} tensors of the network are not in the checkpoint" in str(info.value)
+    assert f"{n_d} tensors of the checkpoint are not in the network" in str(info.value)
+    assert "recorded no settings" in str(info.value) and "\n" not in str(info.value)
     # strict=False tolerates missing keys but not mismatched shapes
     first = next(iter(tiny_discriminator(seed=None).state_dict()))
     partial = {first: tiny_discriminator(seed=None).state_dict()[first]}
     save_checkpoint(partial, tmp_path / "partial.pt")
     load_network_weights(tiny_discriminator(seed=None), tmp_path / "partial.pt", strict=False)
-    with pytest.raises(CheckpointError, match="does not match PatchDiscriminator"):
+    with pytest.raises(CheckpointError, match="does not fit the configured PatchDiscriminator"):
         load_network_weights(tiny_discriminator(seed=None), tmp_path / "partial.pt")
 
 

@@ -19,7 +19,9 @@ COMMON = REPO / "common"
 
 # lower numbers are lower layers; a module may import from its own package or from a lower layer only
 LAYERS = {
+    "common.errors": -1,
     "common.utils": 0,
+    "common.runs": 1,
     "common.data": 1,
     "common.networks": 1,
     "common.metrics": 1,

@@ -204,9 +204,10 @@ AE_TRAIN = str(BUNDLES / "autoencoder_3d" / "configs" / "train.json")
 
 
 def test_command_line_overrides_are_checked_against_the_configs():
-    from common.bundle import check_command_line, command_line_overrides
+    from common.bundle import check_command_line
+    from common.runs import command_line
 
-    assert command_line_overrides(["pytest"]) is None
+    assert command_line(["pytest"]) is None
     good = _argv("--config_file", AE_TRAIN, "--max_epochs", "3", "--lr=0.001", "--deterministic", "--seed", "$1+1")
     assert check_command_line(good) == ["max_epochs", "lr", "deterministic", "seed"]
     nested = _argv("--config_file", json.dumps([AE_TRAIN]), "--train#trainer#max_epochs", "2", "--train#trainer#x", "1")

@@ -43,6 +43,7 @@ from torch import nn
 
 from common.bundle import bundle_root
 from common.checkpoint_io import load_network_weights
+from common.runs import run_dir_of
 
 __all__ = [
     "EXPORT_FORMATS",
@@ -929,7 +930,9 @@ def run_export(
     Args:
         format: ``torchscript`` or ``onnx``.
         bundle_dir: the bundle folder, or a bundle name under ``bundles/``.
-        ckpt: checkpoint with the network's state dict (loaded with ``weights_only=True``).
+        ckpt: checkpoint with the network's state dict (loaded with ``weights_only=True``); when it lies in a
+            training run's ``models/`` folder, the network is built with that run's settings
+            (``configs/run.json``), and ``overrides`` still win.
         output: destination file.
         net_id: id of the network in ``inference.json``.
         input_shape: example input shape; default :func:`default_input_shape`.
@@ -947,8 +950,12 @@ def run_export(
     bundle = resolve_bundle(bundle_dir)
     if format == "onnx":
         device = "cpu"
+    run_dir = run_dir_of(ckpt)
+    if run_dir is not None:  # the network of the run that wrote the checkpoint (its configs/run.json)
+        overrides = [{"output_dir": str(run_dir)}, *_parse_overrides(overrides)]
     network, parser = build_network(bundle, net_id, overrides, device)
-    load_network_weights(network, ckpt, key=ckpt_key)
+    settings = parser.get_parsed_content("trained") if "trained" in parser else None
+    load_network_weights(network, ckpt, key=ckpt_key, settings=settings)
     network.eval()
     shape = _normalise_shape(input_shape) if input_shape is not None else default_input_shape(bundle, parser=parser)
     input_name, dtype, value_range = _input_description(bundle)

@@ -30,6 +30,8 @@ from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path, PurePosixPath
 from typing import Any
 
+from common.runs import LOCATION_IDS, RUN_FILE, check_record_bundle, read_record, run_dir_of
+
 __all__ = [
     "COMMON_DIR",
     "DEFAULT_BUNDLES_DIR",
@@ -48,6 +50,7 @@ __all__ = [
     "file_hash",
     "package_bundle",
     "read_large_files",
+    "run_configs",
     "verify_large_files",
 ]
 
@@ -309,6 +312,30 @@ def _tree_files(
         yield f"{rel_root}/{rel.as_posix()}", path
 
 
+def run_configs(bundle_dir: Path, ckpt: Path) -> dict[str, bytes]:
+    """When ``ckpt`` lies in a training run's ``models/`` folder: ``configs/train.json`` with the run's recorded
+    settings as its defaults (locations such as ``dataset_dir`` and ``output_dir`` left out, see
+    :data:`common.runs.LOCATION_IDS`) and the run's ``configs/run.json``, so the packaged bundle evaluates and runs
+    inference with the settings the weights were trained with, without overrides. Empty otherwise.
+
+    Raises:
+        common.runs.RunRecordError: when the run's record belongs to another bundle.
+    """
+    run_dir = run_dir_of(ckpt)
+    if run_dir is None:
+        return {}
+    record = read_record(run_dir) or {}
+    check_record_bundle(record, bundle_dir, ckpt)
+    train = json.loads((bundle_dir / "configs" / "train.json").read_text(encoding="utf-8"))
+    for key, value in record["settings"].items():
+        if "#" not in key and key not in LOCATION_IDS:
+            train[key] = value
+    return {
+        "configs/train.json": (json.dumps(train, indent=4) + "\n").encode("utf-8"),
+        "configs/run.json": (run_dir / RUN_FILE).read_bytes(),
+    }
+
+
 def _package_members(bundle_dir: Path, ckpt: Path, large_files: bytes) -> dict[str, Path | bytes]:
     members: dict[str, Path | bytes] = {}
     for item in PACKAGED_ITEMS:
@@ -325,6 +352,7 @@ def _package_members(bundle_dir: Path, ckpt: Path, large_files: bytes) -> dict[s
     members.update(_tree_files(COMMON_DIR, "common", python_only=True, skip=UNPACKAGED_COMMON))
     members[LARGE_FILES] = large_files
     members[MODEL_FILE] = ckpt
+    members.update(run_configs(bundle_dir, ckpt))
     return members
 
 
@@ -353,7 +381,9 @@ def package_bundle(
 ) -> Path:
     """Write a standalone, reproducible zip of a bundle with its trained weights.
 
-    The zip holds one folder ``<name>/``: ``configs/`` and ``docs/`` (every file but hidden ones), ``LICENSE``,
+    The zip holds one folder ``<name>/``: ``configs/`` and ``docs/`` (every file but hidden ones; for weights of a
+    training run, ``train.json`` carries the run's settings and ``configs/run.json`` its record: see
+    :func:`run_configs`), ``LICENSE``,
     ``large_files.yml`` (the bundle's entries plus ``models/model.pt`` with its sha256 and ``url`` or ``""``),
     ``models/model.pt`` and the ``common/`` package (``.py`` files only, ``common/demo`` left out). Entries are
     sorted, dated 1980-01-01 with mode 0644 and deflated, so the same inputs give the same bytes (with the same zlib). The file is

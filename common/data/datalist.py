@@ -11,6 +11,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from common.errors import MissingInputError, UserError
+
 __all__ = [
     "BRATS_MODALITIES",
     "DatalistError",
@@ -32,7 +34,7 @@ PathValue = str | list[str]
 BRATS_MODALITIES = ("t1n", "t1c", "t2w", "t2f")
 
 
-class DatalistError(ValueError):
+class DatalistError(UserError, ValueError):
     """A datalist JSON file or one of its entries is unusable; the message names the file and the problem."""
 
 
@@ -407,7 +409,7 @@ def inference_entries(
     Raises:
         DatalistError: for an invalid datalist or section (naming the entry).
         ValueError: naming every case folder that lacks one of ``keys``.
-        FileNotFoundError: when no input is found.
+        MissingInputError: when no input is found.
     """
     keys = list(keys)
     if not keys:
@@ -430,5 +432,5 @@ def inference_entries(
         how = f"section {section!r} of {datalist!r}" if datalist else f"{pattern!r} under {base!r}"
         if not datalist and len(keys) > 1:
             how = f"case folders <case>/<case>-{{{','.join(keys)}}}.nii.gz under {base!r}"
-        raise FileNotFoundError(f"no inference inputs: found nothing for {how} (set --dataset_dir or --datalist).")
+        raise MissingInputError(f"no inference inputs: found nothing for {how} (set --dataset_dir or --datalist).")
     return entries

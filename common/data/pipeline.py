@@ -32,6 +32,7 @@ from monai.transforms import (
 from monai.utils import CommonKeys as Keys
 
 from common.data.datalist import file_stem
+from common.errors import MissingInputError
 from common.utils import get_rank, get_world_size
 
 __all__ = [
@@ -531,7 +532,7 @@ def inference_postprocessing(
 
 
 def raise_no_inputs(dataset_dir: str, pattern: str) -> None:
-    """Raise the error of an inference run that found no input volume."""
-    raise FileNotFoundError(
+    """Raise the error of an inference run that found no input volume (:class:`common.errors.MissingInputError`)."""
+    raise MissingInputError(
         f"no input volumes match {pattern!r} under {dataset_dir!r} (set --dataset_dir/--input_pattern)."
     )

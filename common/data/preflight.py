@@ -27,6 +27,7 @@ from common.data.datalist import (
     parse_datalist_section,
     read_datalist_json,
 )
+from common.errors import UserError
 
 __all__ = ["PreflightError", "check_volume", "main", "preflight"]
 
@@ -37,7 +38,7 @@ MAX_VOLUME_BYTES = 16 * 1024**3  # a header declaring more voxel data than this 
 _ITK_LOCK = threading.Lock()
 
 
-class PreflightError(ValueError):
+class PreflightError(UserError, ValueError):
     """Every problem found by :func:`preflight`, one per line after a header naming the datalist.
 
     Args:

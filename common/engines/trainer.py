@@ -22,6 +22,7 @@ from monai.utils import CommonKeys as Keys
 from torch import nn
 from torch.optim import Optimizer
 
+from common.errors import UserError
 from common.utils import amp_dtype, autocast, get_world_size, make_grad_scaler
 
 __all__ = ["NONFINITE_POLICIES", "NonFiniteLossError", "StepTrainer"]
@@ -31,7 +32,7 @@ NONFINITE_POLICIES = ("stop", "skip")
 logger = logging.getLogger(__name__)
 
 
-class NonFiniteLossError(FloatingPointError):
+class NonFiniteLossError(UserError, FloatingPointError):
     """A training loss (or, without fp16 loss scaling, a gradient) became NaN/Inf; the message names the iteration
     and every loss term."""
 

@@ -20,9 +20,10 @@ import torch
 import torch.distributed as dist
 from ignite.engine import Engine, Events
 
-from common.checkpoint_io import CheckpointError, load_checkpoint, save_checkpoint
+from common.checkpoint_io import CheckpointError, load_checkpoint, mismatch_error, save_checkpoint
 from common.engines.trainer import NonFiniteLossError
 from common.networks.wrappers import clean_state_dict, unwrap
+from common.runs import RunRecord
 from common.utils import (
     OutputWriteError,
     PeerFailureError,
@@ -30,6 +31,7 @@ from common.utils import (
     describe_peer_failure,
     get_rank,
     get_world_size,
+    is_rank0,
     rng_state,
     set_rng_state,
 )
@@ -58,6 +60,10 @@ class CheckpointManager:
             from that file (an error if it does not exist).
         transform: the training transform whose random state is saved (optional).
         strict: strict state-dict loading for networks.
+        run_record: the run's settings (:func:`common.runs.make_record`), written by rank 0 into
+            ``<output_dir>/configs/run.json`` once resuming has succeeded (or there was nothing to resume), so a
+            command whose settings do not fit the run's checkpoint stops with the settings that differ and leaves
+            the run's record as it was.
     """
 
     def __init__(
@@ -69,6 +75,7 @@ class CheckpointManager:
         resume: bool | str = "auto",
         transform: Any = None,
         strict: bool = True,
+        run_record: RunRecord | None = None,
     ) -> None:
         self.save_dir = Path(save_dir)
         self.save_dict = {k: v for k, v in save_dict.items() if v is not None}
@@ -77,6 +84,7 @@ class CheckpointManager:
         self.resume = resume
         self.transform = transform
         self.strict = strict
+        self.run_record = run_record
         self.resumed_from: int | None = None
         self._saved_iteration: int | None = None
 
@@ -185,10 +193,15 @@ class CheckpointManager:
         return path
 
     def load(self, engine: Engine) -> None:
+        """Resume from the checkpoint when there is one (see ``resume``), then write the run's record."""
         self._remove_partial_writes()
         path = self._resume_path()
-        if path is None:
-            return
+        if path is not None:
+            self._resume(engine, path)
+        if self.run_record is not None and is_rank0():
+            self.run_record.write()
+
+    def _resume(self, engine: Engine, path: Path) -> None:
         checkpoint = load_checkpoint(path)
         missing = [k for k in self._objects(engine) if k not in checkpoint]
         if missing:
@@ -196,9 +209,15 @@ class CheckpointManager:
         for name, obj in self._objects(engine).items():
             try:
                 if isinstance(obj, torch.nn.Module):
+                    settings = self.run_record.full_settings() if self.run_record is not None else None
+                    error = mismatch_error(obj, checkpoint[name], path, settings, strict=self.strict)
+                    if error is not None:
+                        raise CheckpointError(f"cannot restore {name!r}: {error}")
                     unwrap(obj).load_state_dict(checkpoint[name], strict=self.strict)
                 else:
                     obj.load_state_dict(checkpoint[name])
+            except CheckpointError:
+                raise
             except (RuntimeError, KeyError, ValueError) as e:
                 raise CheckpointError(f"cannot restore {name!r} from {str(path)!r}: {e}") from e
         self._restore_engine(engine, checkpoint["trainer"], path)

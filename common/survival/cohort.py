@@ -28,6 +28,7 @@ from typing import Any
 import numpy as np
 
 from common.data.datalist import file_stem, resolve_path, text_size_problem
+from common.errors import UserError
 
 __all__ = [
     "EVENT_VALUES",
@@ -62,7 +63,7 @@ _PREFLIGHT_SECTION = "cohort"
 _PREFLIGHT_LINE = re.compile(rf"^{_PREFLIGHT_SECTION}\[(\d+)\] (.*)$", re.DOTALL)
 
 
-class CohortError(ValueError):
+class CohortError(UserError, ValueError):
     """Every problem found in a cohort, one per line after a header naming where they were found.
 
     Args:

@@ -13,13 +13,14 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from monai.networks.nets import resnet
 from torch import nn
 
-from common.checkpoint_io import CheckpointError, load_checkpoint
+from common.checkpoint_io import CheckpointError, load_checkpoint, mismatch_error
 from common.networks.wrappers import clean_state_dict, unwrap
 from common.survival.losses import check_cut_points
 
@@ -779,9 +780,12 @@ class SurvivalPredictor(nn.Module):
         return self.predict(image, covariates)
 
 
-def load_predictor(predictor: SurvivalPredictor, path: str | os.PathLike) -> SurvivalPredictor:
+def load_predictor(
+    predictor: SurvivalPredictor, path: str | os.PathLike, settings: Mapping[str, Any] | None = None
+) -> SurvivalPredictor:
     """Load ``model.pt`` (a :class:`SurvivalPredictor` state dict, or a resumable checkpoint with a ``predictor``
-    entry) into ``predictor`` and check that it holds a calibrated model.
+    entry) into ``predictor`` and check that it holds a calibrated model. ``settings`` (the config's
+    ``@trained``) name the settings that differ from the checkpoint's run when the weights do not fit.
 
     Raises:
         CheckpointError: naming the file when it is missing, unreadable, does not fit the configured predictor
@@ -792,6 +796,9 @@ def load_predictor(predictor: SurvivalPredictor, path: str | os.PathLike) -> Sur
         checkpoint = checkpoint["predictor"]
     if not isinstance(checkpoint, Mapping):
         raise CheckpointError(f"checkpoint {str(path)!r} is not a state dict, got {type(checkpoint).__name__}.")
+    error = mismatch_error(predictor, checkpoint, path, settings)
+    if error is not None:
+        raise error
     try:
         predictor.load_state_dict(checkpoint)
     except RuntimeError as exc:

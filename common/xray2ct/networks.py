@@ -27,6 +27,7 @@ from torch.utils.checkpoint import checkpoint
 from common.checkpoint_io import CheckpointError
 from common.diffusion.schedule import DiffusionSchedule, grid_ddim_sample
 from common.networks.wrappers import InferenceView, clean_state_dict, unwrap
+from common.runs import RUN_FILE, run_settings
 from common.xray2ct.drr import DRRProjector
 
 __all__ = [
@@ -39,6 +40,7 @@ __all__ = [
     "XrayEncoder",
     "build_cascade",
     "cascade_checkpoints",
+    "cascade_settings",
     "degrade_to_previous",
     "init_from_previous",
     "load_cascade",
@@ -483,8 +485,23 @@ def build_cascade(
 
 
 def stage_checkpoint(root: str | os.PathLike, stage: int) -> str:
-    """Where training stage ``stage`` writes its best weights under the bundle's ``outputs`` folder ``root``."""
+    """Where training stage ``stage`` writes its best weights under the run folder ``root``."""
     return str(Path(root) / f"stage{int(stage)}" / "models" / "model.pt")
+
+
+def cascade_settings(output_dir: str | os.PathLike, bundle_root: str | os.PathLike) -> dict[str, Any]:
+    """The settings of the cascade trained in the run folder ``output_dir``: those of its highest stage folder
+    (``stage<k>/configs/run.json``, with ``stage`` = k), or the bundle's ``train.json`` defaults when no stage was
+    recorded (a packaged bundle) - see :func:`common.runs.run_settings`."""
+    stages = sorted(
+        (int(p.parent.parent.name[len("stage") :]), p.parent.parent)
+        for p in Path(output_dir).glob(f"stage*/{RUN_FILE.as_posix()}")
+        if p.parent.parent.name[len("stage") :].isdigit()
+    )
+    if not stages:
+        return run_settings(output_dir, bundle_root)
+    stage, folder = stages[-1]
+    return {**run_settings(folder, bundle_root), "stage": stage}
 
 
 def cascade_checkpoints(

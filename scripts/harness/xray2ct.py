@@ -325,7 +325,7 @@ def xray_throughput(
             "lr_scaling": "none",
             "compile": bool(compile),
             "gradient_checkpointing": bool(gradient_checkpointing),
-            "outputs_root": tmp,
+            "output_dir": tmp,
             "init_from_previous": False,
             "previous_ckpts": _random_previous_stages(Path(tmp), stage, view, network_settings, int(seed)) or None,
             "seed": int(seed),
@@ -433,7 +433,7 @@ def xray_quality(
         stages: the stages to train and evaluate (1 .. stages).
         modes: the trained modes, ``diffusion`` and/or ``direct``; ``backprojection`` is always evaluated.
         output: JSON file for the results, rewritten after each mode.
-        work_dir: where the runs are kept, ``<work_dir>/<mode>`` being each mode's ``outputs_root`` (default: a new
+        work_dir: where the runs are kept, ``<work_dir>/<mode>`` being each mode's ``output_dir`` (default: a new
             temporary folder, printed).
         seed: the bundle's ``seed`` in every training and evaluation command.
         overrides: bundle overrides given to every training and evaluation command (``--num_threads 2``,
@@ -486,7 +486,7 @@ def xray_quality(
         root = work / mode
         results = summary["modes"][mode] = {}
         for k in range(1, stages + 1):
-            run = {**settings, "stage": k, "mode": mode, "outputs_root": str(root)}
+            run = {**settings, "stage": k, "mode": mode, "output_dir": str(root)}
             train_seconds, trained = None, 0
             if mode != "backprojection":
                 train = {
@@ -643,7 +643,6 @@ def fault_case(root: Path, seed: int) -> BundleCase:
         BUNDLE,
         ["train.json", "tiny.json"],
         {**args, **RUN_SETTINGS, "seed": seed},
-        output_arg="outputs_root",
         ckpt="stage1/models/last.pt",
         weights=("network", "ema"),
         extra={"max_epochs": 4},

@@ -1,0 +1,52 @@
+# Copyright (c) the 3D MONAI bundle collection contributors.
+# Licensed under the Apache License, Version 2.0.
+"""User errors: problems of the input, settings or files (not bugs), which a bundle command reports as one message
+at the end of its output instead of a traceback. Importing this module imports nothing heavy (no torch)."""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+__all__ = ["MissingInputError", "UserError", "install_user_error_hook", "user_error_in_chain"]
+
+
+class UserError(Exception):
+    """Base of the errors that describe a problem of the user's input, settings or files (not a bug): a bundle
+    command that fails with one ends with its message as the last line and exit status 1, without a traceback
+    (:func:`install_user_error_hook`)."""
+
+
+def user_error_in_chain(exc: BaseException | None) -> UserError | None:
+    """The :class:`UserError` that is ``exc`` or caused it (MONAI wraps errors raised while a config expression is
+    evaluated in a ``RuntimeError``), or ``None``."""
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        if isinstance(exc, UserError):
+            return exc
+        seen.add(id(exc))
+        exc = exc.__cause__ or exc.__context__
+    return None
+
+
+def install_user_error_hook() -> None:
+    """Make an uncaught :class:`UserError` (or an error caused by one) end the process with ``error: <message>``
+    on stderr as the last line (exit status 1) instead of a traceback; other exceptions - bugs - keep their
+    traceback. Installed once per process by the bundles' first ``initialize`` step."""
+    previous = sys.excepthook
+    if getattr(previous, "user_errors", False):
+        return
+
+    def hook(kind: type[BaseException], value: BaseException, tb: Any) -> None:
+        error = user_error_in_chain(value)
+        if error is None:
+            previous(kind, value, tb)
+            return
+        print(f"error: {error}", file=sys.stderr, flush=True)
+
+    hook.user_errors = True  # type: ignore[attr-defined]
+    sys.excepthook = hook
+
+
+class MissingInputError(UserError, FileNotFoundError):
+    """A file or folder the command needs is not there (no input volumes, no trained weights)."""

@@ -1,0 +1,381 @@
+# Copyright (c) the 3D MONAI bundle collection contributors.
+# Licensed under the Apache License, Version 2.0.
+"""The record of a training run, ``<output_dir>/configs/run.json``: the bundle and version it ran, the hashes of
+its config files, its command line and the settings that differ from the bundle's ``train.json``. Evaluation,
+inference, export and packaging read it back (:func:`run_settings`), so the folder of a trained run is itself a
+deployable bundle: pointed at it with ``--output_dir``, they rebuild the network and the data pipeline the weights
+were trained with, and a command-line override still wins. Importing this module imports neither torch nor
+MONAI."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import sys
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from common.errors import UserError
+
+__all__ = [
+    "LOCATION_IDS",
+    "RUN_FILE",
+    "TRAINING_ONLY_IDS",
+    "RunRecord",
+    "changed_settings",
+    "check_record_bundle",
+    "command_line",
+    "config_file_list",
+    "default_settings",
+    "is_plain",
+    "make_record",
+    "read_record",
+    "run_dir_of",
+    "run_settings",
+    "settings_differences",
+]
+
+RUN_FILE = Path("configs") / "run.json"
+# where and how one process ran: read back by evaluation (same data, same run folder), never baked into a
+# packaged bundle's defaults and never reported as a difference between a checkpoint and a config
+LOCATION_IDS = frozenset(
+    {
+        "bundle_root",
+        "output_dir",
+        "outputs_root",
+        "ckpt_dir",
+        "ckpt_path",
+        "dataset_dir",
+        "datalist",
+        "csv_path",
+        "device",
+        "distributed",
+        "dist_timeout",
+        "resume",
+        "num_workers",
+        "num_threads",
+        "profile",
+    }
+)
+# settings that shape the optimisation only: they differ between runs of the same network harmlessly
+TRAINING_ONLY_IDS = frozenset(
+    {
+        "max_epochs",
+        "epoch_length",
+        "val_interval",
+        "lr",
+        "d_lr",
+        "lr_warmup_iterations",
+        "log_interval",
+        "ckpt_interval",
+        "adv_warmup_iterations",
+        "discriminator_iter_start",
+        "num_samples",
+        "patches_per_volume",
+        "batch_size",
+        "micro_batch_size",
+        "stage_batch_size",
+        "stage_lr",
+        "stage_iterations",
+        "seed",
+        "deterministic",
+        "cudnn_benchmark",
+        "compile",
+        "amp",
+        "preflight",
+        "cache_rate",
+        "replace_rate",
+        "cache_device",
+    }
+)
+# arguments of ``monai.bundle.scripts.run`` that are not config overrides
+RUN_ARGUMENTS = frozenset(
+    {
+        "run_id",
+        "init_id",
+        "final_id",
+        "meta_file",
+        "config_file",
+        "logging_file",
+        "tracking",
+        "args_file",
+        "workflow_name",
+        "workflow_type",
+        "properties_path",
+    }
+)
+# the bundle's own workflow config files (any other file a command merges is the user's choice of settings)
+WORKFLOW_FILES = ("train.json", "evaluate.json", "inference.json", "multi_gpu_train.json")
+_SCHEMA = 1
+
+
+class RunRecordError(UserError, ValueError):
+    """A ``run.json`` that cannot be used: unreadable, or the record of another bundle."""
+
+
+def command_line(argv: Sequence[str] | None = None) -> dict[str, Any] | None:
+    """The ``--id value`` arguments of a ``python -m monai.bundle run ...`` command line, values parsed as ``fire``
+    parses them; ``None`` when the process is not that command (a notebook, a test, another script).
+
+    Args:
+        argv: the command line (default ``sys.argv``).
+    """
+    from fire.parser import DefaultParseValue
+
+    argv = list(sys.argv if argv is None else argv)
+    if not argv or not argv[0].replace("\\", "/").endswith("monai/bundle/__main__.py") or argv[1:2] != ["run"]:
+        return None
+    found: dict[str, Any] = {}
+    args, i = argv[2:], 0
+    while i < len(args):
+        arg = args[i]
+        i += 1
+        if not arg.startswith("--"):
+            continue  # the positional run id
+        name, has_value, value = arg[2:].partition("=")
+        if not has_value:
+            if i < len(args) and not args[i].startswith("--"):
+                value, i = args[i], i + 1
+            else:
+                value = "True"  # a bare flag
+        found[name.replace("-", "_")] = DefaultParseValue(value)
+    return found
+
+
+def config_file_list(value: Any) -> list[str]:
+    """The files of a ``--config_file`` value: a list, a list literal or comma-separated names."""
+    import ast
+
+    if isinstance(value, str):
+        text = value.strip()
+        if text.startswith("["):
+            try:
+                value = ast.literal_eval(text)
+            except (ValueError, SyntaxError):
+                value = text.strip("[]").split(",")
+        else:
+            value = text.split(",")
+    items = value if isinstance(value, (list, tuple)) else [value]
+    return [str(v).strip().strip("'\"") for v in items if str(v).strip()]
+
+
+def is_plain(value: Any) -> bool:
+    """Whether a raw config value is plain JSON data: no ``$`` expression, ``@`` reference, ``%`` macro or
+    ``_target_`` component anywhere inside it."""
+    if isinstance(value, str):
+        return value[:1] not in ("$", "@", "%")
+    if isinstance(value, Mapping):
+        return "_target_" not in value and all(is_plain(v) for v in value.values())
+    if isinstance(value, (list, tuple)):
+        return all(is_plain(v) for v in value)
+    return value is None or isinstance(value, (bool, int, float))
+
+
+def _read_json(path: str | os.PathLike) -> Any:
+    try:
+        return json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise RunRecordError(f"{str(path)!r} cannot be read as JSON: {e}") from e
+
+
+def default_settings(bundle_root: str | os.PathLike) -> dict[str, Any]:
+    """The plain top-level values of ``<bundle_root>/configs/train.json`` (the bundle's defaults)."""
+    config = _read_json(Path(bundle_root) / "configs" / "train.json")
+    return {k: v for k, v in config.items() if isinstance(k, str) and k != "imports" and is_plain(v)}
+
+
+def changed_settings(config_files: Sequence[str], overrides: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """The ids whose plain value after merging ``config_files`` and ``overrides`` differs from the first file's:
+    top-level ids, and nested ids (``a#b``) set on the command line. Values that are expressions or components
+    are left out (they are rebuilt from the plain ones)."""
+    from monai.bundle import ConfigParser
+
+    first = _read_json(config_files[0])
+    merged = ConfigParser()
+    merged.read_config(list(config_files))
+    changed: dict[str, Any] = {}
+    for key, value in merged.get().items():
+        if key in ("imports", "_meta_") or not is_plain(value):
+            continue
+        if key not in first or first[key] != value:
+            changed[key] = value
+    for key, value in (overrides or {}).items():
+        if key in RUN_ARGUMENTS or not is_plain(value):
+            continue
+        if "#" in key or first.get(key, object()) != value:
+            changed[key] = value
+    return changed
+
+
+def _sha256(path: str | os.PathLike) -> str:
+    return "sha256:" + hashlib.sha256(Path(path).read_bytes()).hexdigest()
+
+
+class RunRecord:
+    """What a training run writes into ``<output_dir>/configs/run.json`` (rank 0, atomically; the checkpoint
+    handler writes it once resuming has succeeded, so a command whose settings do not fit the run's checkpoint
+    leaves the record of the run as it was).
+
+    Args:
+        output_dir: the run folder.
+        bundle_root: the bundle's folder (its ``configs/metadata.json`` names the version).
+        config_files: the config files of the command, the bundle's ``train.json`` first.
+        overrides: the command-line overrides.
+        resolved: values of ids whose default is an expression (e.g. an intensity chosen from the data), recorded
+            as resolved so that evaluation and inference use them as they were.
+    """
+
+    def __init__(
+        self,
+        output_dir: str | os.PathLike,
+        bundle_root: str | os.PathLike,
+        config_files: Sequence[str],
+        overrides: Mapping[str, Any] | None = None,
+        resolved: Mapping[str, Any] | None = None,
+    ) -> None:
+        self.path = Path(output_dir) / RUN_FILE
+        self.bundle_root = Path(bundle_root)
+        self.config_files = [str(Path(f).resolve()) for f in config_files]
+        self.overrides = {k: v for k, v in (overrides or {}).items() if k not in RUN_ARGUMENTS}
+        self.settings = {**changed_settings(self.config_files, self.overrides), **_jsonable(dict(resolved or {}))}
+
+    def content(self) -> dict[str, Any]:
+        """The JSON content: ``bundle`` (folder name), ``name`` and ``version`` (from ``metadata.json``),
+        ``created``, ``config_files`` (path: sha256), ``command_line`` and ``settings``."""
+        metadata = _read_json(self.bundle_root / "configs" / "metadata.json")
+        return {
+            "schema": _SCHEMA,
+            "bundle": self.bundle_root.name,
+            "name": metadata.get("name"),
+            "version": metadata.get("version"),
+            "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            "config_files": {f: _sha256(f) for f in self.config_files},
+            "command_line": _jsonable(self.overrides),
+            "settings": _jsonable(self.settings),
+        }
+
+    def full_settings(self) -> dict[str, Any]:
+        """The bundle's ``train.json`` defaults updated with this run's settings."""
+        return {**default_settings(self.bundle_root), **self.settings}
+
+    def write(self) -> Path:
+        """Write ``run.json`` atomically; returns its path."""
+        from common.utils import write_text_atomic
+
+        return write_text_atomic(self.path, json.dumps(self.content(), indent=4) + "\n")
+
+
+def _jsonable(value: Any) -> Any:
+    """``value`` with tuples as lists and anything JSON cannot hold as its ``str``."""
+    if isinstance(value, Mapping):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    return str(value)
+
+
+def make_record(
+    output_dir: str | os.PathLike,
+    bundle_root: str | os.PathLike,
+    resolved: Mapping[str, Any] | None = None,
+    argv: Sequence[str] | None = None,
+) -> RunRecord | None:
+    """The record of this training command (``python -m monai.bundle run ... --config_file ...``), or ``None``
+    outside such a command (a notebook or a test building the workflow in-process): nothing is recorded then.
+    See :class:`RunRecord` for ``resolved``."""
+    overrides = command_line(argv)
+    if not overrides or "config_file" not in overrides:
+        return None
+    return RunRecord(output_dir, bundle_root, config_file_list(overrides["config_file"]), overrides, resolved)
+
+
+def read_record(output_dir: str | os.PathLike) -> dict[str, Any] | None:
+    """The content of ``<output_dir>/configs/run.json``, or ``None`` when there is none.
+
+    Raises:
+        RunRecordError: naming the file when it is not a run record.
+    """
+    path = Path(output_dir) / RUN_FILE
+    if not path.is_file():
+        return None
+    record = _read_json(path)
+    if not isinstance(record, dict) or not isinstance(record.get("settings"), dict):
+        raise RunRecordError(f"{str(path)!r} is not the record of a training run (no 'settings' object).")
+    return record
+
+
+def check_record_bundle(record: Mapping[str, Any], bundle_root: str | os.PathLike, where: Any) -> None:
+    """Refuse the record of a run of another bundle (compared by the ``name`` in ``metadata.json``, so a bundle
+    unzipped into a folder of another name still reads its runs).
+
+    Raises:
+        RunRecordError: naming ``where`` and both bundles.
+    """
+    name = _read_json(Path(bundle_root) / "configs" / "metadata.json").get("name")
+    if record.get("name") not in (None, name):
+        raise RunRecordError(
+            f"{str(where)!r} records a run of bundle {record.get('name')!r} ({record.get('bundle')}), not {name!r}: "
+            "point --output_dir at a run of this bundle."
+        )
+
+
+def _extra_config_settings(bundle_root: str | os.PathLike, argv: Sequence[str] | None = None) -> dict[str, Any]:
+    """The plain top-level values of the config files this command merges besides the bundle's own workflow files
+    (``tiny.json``, ``brats.json``, a user's file), in order."""
+    overrides = command_line(argv)
+    if not overrides or "config_file" not in overrides:
+        return {}
+    own = {(Path(bundle_root) / "configs" / name).resolve() for name in WORKFLOW_FILES}
+    settings: dict[str, Any] = {}
+    for name in config_file_list(overrides["config_file"]):
+        if Path(name).resolve() not in own and Path(name).is_file():
+            content = _read_json(name)
+            if isinstance(content, dict):
+                settings.update({k: v for k, v in content.items() if k != "imports" and is_plain(v)})
+    return settings
+
+
+def run_settings(
+    output_dir: str | os.PathLike, bundle_root: str | os.PathLike, argv: Sequence[str] | None = None
+) -> dict[str, Any]:
+    """The settings of the run in ``output_dir``: the bundle's ``train.json`` defaults updated with the run's
+    recorded settings (just the defaults when the folder holds no ``run.json``, e.g. a packaged bundle whose
+    ``train.json`` already carries its run's settings), then with the plain values of any other config file this
+    command merges (``tiny.json``, ``brats.json``). Configs read their network and data settings from it
+    (``"channels": "$@trained['channels']"``); a command-line override of such an id still wins.
+
+    Raises:
+        RunRecordError: when ``run.json`` is unreadable or records another bundle.
+    """
+    settings = default_settings(bundle_root)
+    record = read_record(output_dir)
+    if record is not None:
+        check_record_bundle(record, bundle_root, Path(output_dir) / RUN_FILE)
+        settings.update({k: v for k, v in record["settings"].items() if "#" not in k})
+    settings.update(_extra_config_settings(bundle_root, argv))
+    return settings
+
+
+def run_dir_of(checkpoint: str | os.PathLike) -> Path | None:
+    """The run folder whose ``models/`` holds ``checkpoint`` when that run recorded its settings, else ``None``."""
+    run_dir = Path(checkpoint).resolve().parent.parent
+    return run_dir if (run_dir / RUN_FILE).is_file() else None
+
+
+def settings_differences(recorded: Mapping[str, Any], current: Mapping[str, Any]) -> list[str]:
+    """``id: checkpoint <value>, config <value>`` for every id both mappings hold with different values, leaving
+    out locations and optimisation-only settings (see ``LOCATION_IDS``, ``TRAINING_ONLY_IDS``)."""
+    skip = LOCATION_IDS | TRAINING_ONLY_IDS
+    lines = []
+    for key in sorted(set(recorded) & set(current)):
+        if key in skip:
+            continue
+        old, new = _jsonable(recorded[key]), _jsonable(current[key])
+        if is_plain(new) and old != new:
+            lines.append(f"{key}: checkpoint {json.dumps(old)}, config {json.dumps(new)}")
+    return lines
