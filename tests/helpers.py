@@ -271,3 +271,27 @@ def itk_ras_affine(path):
     affine[:3, :3] = itk.array_from_matrix(image.GetDirection()) @ np.diag(np.asarray(image.GetSpacing()))
     affine[:3, 3] = np.asarray(image.GetOrigin())
     return np.diag([-1.0, -1.0, 1.0, 1.0]) @ affine
+
+
+def write_format_cases(root, array) -> dict[str, Path]:
+    """The same ``(X, Y, Z)`` array (integers: DICOM stores int16) as an NRRD file, a MetaImage file and a DICOM
+    series folder under ``root``, tilted and anisotropic (:data:`TILTED_DIRECTION`, :data:`ANISOTROPIC_SPACING`);
+    case id -> path."""
+    root = Path(root)
+    root.mkdir(parents=True, exist_ok=True)
+    return {
+        "nrrd_case": write_itk_volume(root / "nrrd_case.nrrd", array),
+        "mha_case": write_itk_volume(root / "mha_case.mha", array),
+        "dicom_case": write_tilted_dicom_series(root / "dicom_case", array),
+    }
+
+
+def check_restored_volume(saved_path, source_path, expected) -> None:
+    """``saved_path`` (NIfTI) has the voxel grid of ``source_path`` as ITK reads it (the same world point for every
+    voxel, LPS converted to RAS) and the values ``expected`` (``(X, Y, Z)``)."""
+    import nibabel as nib
+
+    saved = nib.load(str(saved_path))
+    assert saved.shape == expected.shape, (saved.shape, expected.shape)
+    np.testing.assert_allclose(saved.affine, itk_ras_affine(source_path), atol=1e-4)
+    np.testing.assert_allclose(np.asarray(saved.dataobj), expected, rtol=1e-5, atol=1e-3)

@@ -583,3 +583,36 @@ def test_vqcodesd_never_updates_a_training_mode_codebook():
     out = VQCodesd("pred", quantizer)({"pred": MetaTensor(torch.randn(3, 4, 4, 4))})
     assert torch.equal(quantizer.embeddings, before) and quantizer.training
     assert torch.equal(out["pred"].as_tensor(), quantizer.embed(out["codes"].as_tensor().long())[0])
+
+
+# ---------------------------------------------------------------------------------------------- other formats
+@pytest.mark.parametrize(
+    "intensity",
+    [{"mode": "mri", "lower": 0.5, "upper": 99.5}, {"mode": "ct", "a_min": -300, "a_max": 400}],
+    ids=["percentiles", "ct_window"],
+)
+def test_nrrd_metaimage_and_dicom_reconstructions_keep_geometry_and_units(tmp_path, intensity):
+    """An identity network's reconstruction of tilted, anisotropic LPS volumes (NRRD, MetaImage, DICOM series)
+    through the inference pipeline (loader collation and decollation included) lands on the input's voxel grid in
+    the input's units: clipped to the volume's percentiles, or to the CT window in HU."""
+    from monai.data import DataLoader, Dataset, decollate_batch
+
+    from common.data.datalist import find_volumes
+    from tests.helpers import check_restored_volume, write_format_cases
+
+    array = np.round(make_phantom((20, 18, 12), seed=1) * 1400.0 - 700.0).astype(np.float32)
+    cases = write_format_cases(tmp_path / "in", array)
+    entries = find_volumes(tmp_path / "in")
+    assert sorted(e["case_id"] for e in entries) == sorted(cases)
+    preprocessing = volume_transforms(intensity=intensity, patch_size=(16, 16, 16), train=False, divisible_by=4)
+    post = inference_postprocessing("reconstruct", preprocessing, str(tmp_path / "out"), intensity=intensity)
+    for batch in DataLoader(Dataset(entries, preprocessing), batch_size=1):
+        assert batch["image"].shape == (1, 1, 20, 20, 16)  # RAS-reoriented, padded
+        for item in decollate_batch({**batch, "pred": batch["image"].clone()}):
+            post(item)
+    if intensity["mode"] == "mri":
+        expected = np.clip(array, *np.percentile(array, [0.5, 99.5]))
+    else:
+        expected = np.clip(array, -300.0, 400.0)
+    for case, path in cases.items():
+        check_restored_volume(tmp_path / "out" / f"{case}_recon.nii.gz", path, expected)
