@@ -324,6 +324,7 @@ def _volume_tree(root: Path) -> None:
     for name in ("slice1.dcm", "slice2.DCM", "converted.nii.gz"):
         _touch(root / "patient2" / "ct" / name)
     _touch(root / "patient3" / "1.2.840.10008.5.1", b"\0" * 128 + b"DICM" + b"\0" * 8)
+    _touch(root / "DICOMDIR", b"\0" * 128 + b"DICM")  # a disc index next to the data: not a series
     for name in ("notes.txt", "sub/preview.png", "sub/b.zraw", ".hidden.nii.gz", "short", ".cache/x.nii.gz"):
         _touch(root / name)
 

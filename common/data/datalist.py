@@ -469,8 +469,9 @@ def find_volumes(
 
     A case is a NIfTI (``.nii``, ``.nii.gz``), NRRD (``.nrrd``, ``.nhdr``) or MetaImage (``.mha``, ``.mhd``; not its
     ``.raw``/``.zraw`` data file) file, or a DICOM series folder: a folder holding DICOM files (``.dcm``, or the
-    ``DICM`` marker at byte 128), listed once as the folder, which ``monai.transforms.LoadImage`` (ITK) reads as one
-    series; the files of a series folder are never listed on their own. With ``pattern`` (a glob such as
+    ``DICM`` marker at byte 128; a ``DICOMDIR`` index does not count), listed once as the folder, which
+    ``monai.transforms.LoadImage`` (ITK) reads as one series; the files of a series folder are never listed on their
+    own. With ``pattern`` (a glob such as
     ``"*.nii.gz"`` or ``"sub/*_t1.nrrd"``, matched against the end of the path as ``Path.match`` does), the files
     and series folders whose path matches it are listed instead, whatever their format. Hidden files and folders
     are skipped.
@@ -491,7 +492,8 @@ def find_volumes(
     paths = []
     for folder, names in _walk(root):
         rel = Path(os.path.relpath(folder, root)) if folder != root else Path(os.path.basename(root))
-        if any(is_dicom_file(os.path.join(folder, name)) for name in names):
+        # a DICOMDIR (the index of a DICOM disc, next to its image folders) is not a slice of a series
+        if any(name.upper() != "DICOMDIR" and is_dicom_file(os.path.join(folder, name)) for name in names):
             if pattern is None or rel.match(pattern):
                 paths.append(folder)
             continue  # a series folder: its files are slices, not cases
