@@ -94,10 +94,11 @@ def intensity_transform(
     (robust to scanner scaling), per channel with ``channel_wise`` (e.g. several MRI modalities stacked as
     channels); ``{"mode": "none"}`` keeps the values.
 
-    With ``invertible`` the percentile scaling is :class:`common.data.intensity.InvertibleScaleIntensityRangePercentilesd`,
-    which records each volume's percentiles so ``Invertd`` maps a reconstruction back to the input's units; its
-    values are those of ``ScaleIntensityRangePercentilesd``, which is used otherwise (e.g. for inputs whose
-    mapping must not be applied to an output of another modality).
+    With ``invertible`` the percentile scaling is
+    :class:`common.data.intensity.InvertibleScaleIntensityRangePercentilesd`, which records each volume's
+    percentiles so ``Invertd`` maps a reconstruction back to the input's units; its values are those of
+    ``ScaleIntensityRangePercentilesd``, which is used otherwise (e.g. for inputs whose mapping must not be applied
+    to an output of another modality).
 
     Raises:
         ValueError: for an unknown mode, a window with ``a_min >= a_max`` or bad percentiles
