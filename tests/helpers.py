@@ -12,6 +12,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+import numpy as np
 import torch
 from monai.networks.nets import AutoencoderKL, PatchDiscriminator
 
@@ -202,3 +203,95 @@ def tiny_xray_denoiser(seed: int = 0, with_previous: bool = False, **kwargs):
     torch.manual_seed(seed)
     net = XrayCTDenoiser(xray_projector(), with_previous=with_previous, **{**TINY_XRAY_NETWORK, **kwargs})
     return randomise_zero_parameters(net, seed)
+
+
+def _rotation(z: float, x: float) -> np.ndarray:
+    cz, sz, cx, sx = np.cos(z), np.sin(z), np.cos(x), np.sin(x)
+    return np.array([[cz, -sz, 0.0], [sz, cz, 0.0], [0.0, 0.0, 1.0]]) @ np.array([[1, 0, 0], [0, cx, -sx], [0, sx, cx]])
+
+
+#: a tilted LPS direction (0.3 rad about z, 0.2 rad about x) and an anisotropic voxel size for the ITK format tests
+TILTED_DIRECTION = _rotation(0.3, 0.2)
+ANISOTROPIC_SPACING = (0.7, 0.9, 2.5)
+
+
+def write_itk_volume(path, array, spacing=ANISOTROPIC_SPACING, origin=(-10.0, 20.0, 30.0), direction=TILTED_DIRECTION):
+    """Write an ``(X, Y, Z)`` array with ITK (format from the suffix: ``.nrrd``, ``.nhdr``, ``.mha``, ``.mhd``...) in
+    ITK's LPS world coordinates with the given voxel size, origin and direction."""
+    import itk
+
+    image = itk.image_from_array(np.ascontiguousarray(np.asarray(array).transpose(2, 1, 0)))
+    image.SetSpacing([float(s) for s in spacing])
+    image.SetOrigin([float(o) for o in origin])
+    image.SetDirection(itk.matrix_from_array(np.asarray(direction, dtype=np.float64)))
+    itk.imwrite(image, str(path))
+    return Path(path)
+
+
+def write_tilted_dicom_series(
+    folder, array, spacing=ANISOTROPIC_SPACING, origin=(-10.0, 20.0, 30.0), direction=TILTED_DIRECTION, suffix=""
+):
+    """Write an ``(X, Y, Z)`` array (rounded to int16) as a DICOM series with ITK's GDCM writer, one file per slice
+    (``IM0000<suffix>``, ...): LPS slice positions ``origin + k * spacing[2] * direction[:, 2]`` and the row and
+    column cosines of ``direction``."""
+    import itk
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    direction = np.asarray(direction, dtype=np.float64)
+    slices = np.round(np.asarray(array)).astype(np.int16).transpose(2, 1, 0)
+    cosines = "\\".join(f"{c:.7f}" for c in [*direction[:, 0], *direction[:, 1]])
+    for k in range(slices.shape[0]):
+        image = itk.image_from_array(np.ascontiguousarray(slices[k]))
+        image.SetSpacing([float(spacing[0]), float(spacing[1])])
+        position = np.asarray(origin, dtype=np.float64) + k * float(spacing[2]) * direction[:, 2]
+        meta = image.GetMetaDataDictionary()
+        for tag, value in {
+            "0008|0060": "CT",
+            "0020|000e": "1.2.826.0.1.3680043.8.498.77",
+            "0020|0013": str(k + 1),
+            "0020|0032": "\\".join(f"{p:.6f}" for p in position),
+            "0020|0037": cosines,
+            "0018|0050": f"{float(spacing[2]):.6f}",
+        }.items():
+            meta[tag] = value
+        io = itk.GDCMImageIO.New()
+        io.KeepOriginalUIDOn()
+        itk.ImageFileWriter.New(Input=image, FileName=str(folder / f"IM{k:04d}{suffix}"), ImageIO=io).Update()
+    return folder
+
+
+def itk_ras_affine(path):
+    """The voxel-to-world affine of an image (file or DICOM series folder) as ITK reads it, converted from ITK's
+    LPS to RAS (the convention of NIfTI and MONAI): ``diag(-1, -1, 1) @ direction @ diag(spacing)``, origin too."""
+    import itk
+
+    image = itk.imread(str(path))
+    affine = np.eye(4)
+    affine[:3, :3] = itk.array_from_matrix(image.GetDirection()) @ np.diag(np.asarray(image.GetSpacing()))
+    affine[:3, 3] = np.asarray(image.GetOrigin())
+    return np.diag([-1.0, -1.0, 1.0, 1.0]) @ affine
+
+
+def write_format_cases(root, array) -> dict[str, Path]:
+    """The same ``(X, Y, Z)`` array (integers: DICOM stores int16) as an NRRD file, a MetaImage file and a DICOM
+    series folder under ``root``, tilted and anisotropic (:data:`TILTED_DIRECTION`, :data:`ANISOTROPIC_SPACING`);
+    case id -> path."""
+    root = Path(root)
+    root.mkdir(parents=True, exist_ok=True)
+    return {
+        "nrrd_case": write_itk_volume(root / "nrrd_case.nrrd", array),
+        "mha_case": write_itk_volume(root / "mha_case.mha", array),
+        "dicom_case": write_tilted_dicom_series(root / "dicom_case", array),
+    }
+
+
+def check_restored_volume(saved_path, source_path, expected) -> None:
+    """``saved_path`` (NIfTI) has the voxel grid of ``source_path`` as ITK reads it (the same world point for every
+    voxel, LPS converted to RAS) and the values ``expected`` (``(X, Y, Z)``)."""
+    import nibabel as nib
+
+    saved = nib.load(str(saved_path))
+    assert saved.shape == expected.shape, (saved.shape, expected.shape)
+    np.testing.assert_allclose(saved.affine, itk_ras_affine(source_path), atol=1e-4)
+    np.testing.assert_allclose(np.asarray(saved.dataobj), expected, rtol=1e-5, atol=1e-3)

@@ -182,7 +182,8 @@ def test_inference_without_inputs_fails_clearly(trained, tmp_path):
     assert result.returncode == 1
     # a user error: its message is the last line, without a traceback
     last = result.stderr.strip().splitlines()[-1]
-    assert last.startswith("error: no input volumes match") and str(tmp_path) in last
+    assert last.startswith("error: no input volumes found") and str(tmp_path) in last
+    assert "NRRD (.nrrd, .nhdr)" in last and "DICOM series folders" in last
     assert "Traceback" not in result.stderr and "Failed to evaluate" not in result.stderr
 
 
@@ -200,6 +201,46 @@ def test_inference_with_a_network_that_does_not_fit_names_the_settings(trained, 
     assert "channels: checkpoint [8, 16, 16], config [16, 32, 32]" in last
     assert "tensors differ in shape" in last and str(trained / "configs" / "run.json") in last
     assert "size mismatch for" not in result.stderr and "Traceback" not in result.stderr
+
+
+def _inference_parser(bundle: str, **settings):
+    """``bundle``'s inference.json, parsed in this process with ``settings`` on the CPU."""
+    from monai.bundle import ConfigParser
+
+    parser = ConfigParser()
+    parser.read_config(str(BUNDLES / bundle / "configs" / "inference.json"))
+    for key, value in {"device": "cpu", **settings}.items():
+        parser[key] = value
+    return parser
+
+
+def test_inference_on_nrrd_metaimage_and_dicom_keeps_geometry_and_units(tmp_path):
+    """inference.json on a folder of tilted anisotropic LPS volumes (NRRD, MetaImage, DICOM series) with an identity
+    network: one reconstruction per case, on the input's grid, in the input's units (clipped to its percentiles);
+    with ``output_units`` ``normalised`` the same reconstruction in [0, 1]."""
+    from tests.helpers import check_restored_volume, write_format_cases
+
+    array = np.round(np.random.default_rng(shifted_seed(5)).normal(100.0, 300.0, (20, 18, 12))).astype(np.float32)
+    cases = write_format_cases(tmp_path / "in", array)
+    low, high = np.percentile(array, [0.5, 99.5])
+    for units, expected in (
+        ("input", np.clip(array, low, high)),
+        ("normalised", (np.clip(array, low, high) - low) / (high - low)),
+    ):
+        parser = _inference_parser(
+            BUNDLE,
+            dataset_dir=str(tmp_path / "in"),
+            prediction_dir=str(tmp_path / units),
+            output_units=units,
+            network="$torch.nn.Identity()",
+            **{k: TINY[k] for k in ("patch_size", "channels", "norm_num_groups")},
+        )
+        assert parser.get_parsed_content("input_pattern") is None
+        assert sorted(e["case_id"] for e in parser.get_parsed_content("datalist")) == sorted(cases)
+        parser.get_parsed_content("evaluator").run()
+        assert sorted(p.name for p in (tmp_path / units).iterdir()) == sorted(f"{c}_recon.nii.gz" for c in cases)
+        for case, path in cases.items():
+            check_restored_volume(tmp_path / units / f"{case}_recon.nii.gz", path, expected)
 
 
 def test_metadata_valid_against_schema():

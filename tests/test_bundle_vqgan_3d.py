@@ -334,3 +334,25 @@ def test_torchrun_two_processes_keep_identical_codebooks(ct_series, tmp_path):
     assert "identical on all 2 ranks" in (out / "train.log").read_text()
     summary = json.loads((out / "metrics.json").read_text())
     assert 0 < summary["latest"]["val_codebook_usage"] <= 1
+
+
+def test_inference_on_nrrd_metaimage_and_dicom_in_hounsfield_units(tmp_path):
+    """inference.json (CT window) on a folder of tilted anisotropic LPS volumes (NRRD, MetaImage, DICOM series) with
+    an identity network: one reconstruction per case on the input's grid, in HU clipped to the window."""
+    from monai.bundle import ConfigParser
+
+    from tests.helpers import check_restored_volume, write_format_cases
+
+    array = np.round(np.random.default_rng(shifted_seed(6)).normal(-200.0, 600.0, (20, 18, 12))).astype(np.float32)
+    cases = write_format_cases(tmp_path / "in", array)
+    parser = ConfigParser()
+    parser.read_config(str(BUNDLES / BUNDLE / "configs" / "inference.json"))
+    settings = dict(dataset_dir=str(tmp_path / "in"), prediction_dir=str(tmp_path / "out"), device="cpu", **ARCH)
+    for key, value in {**settings, "network": "$torch.nn.Identity()"}.items():
+        parser[key] = value
+    assert parser.get_parsed_content("intensity")["mode"] == "ct"
+    parser.get_parsed_content("evaluator").run()
+    window = parser.get_parsed_content("ct_window")
+    for case, path in cases.items():
+        expected = np.clip(array, window["a_min"], window["a_max"])
+        check_restored_volume(tmp_path / "out" / f"{case}_recon.nii.gz", path, expected)

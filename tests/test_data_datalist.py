@@ -18,6 +18,9 @@ from common.data.datalist import (
     DatalistError,
     MissingSectionError,
     find_brats_cases,
+    find_volumes,
+    inference_entries,
+    is_dicom_file,
     load_datalist,
     write_datalist,
 )
@@ -295,3 +298,97 @@ def test_find_brats_cases_lives_in_common_and_is_reexported(tmp_path: Path, repo
     assert [c["case_id"] for c in cases] == ["a-case", "b-case"]  # sorted; folders without modalities skipped
     assert "label" not in cases[0] and cases[1]["label"] == str(tmp_path / "b-case" / "b-case-seg.nii.gz")
     assert cases[0]["t2f"] == str(tmp_path / "a-case" / "a-case-t2f.nii.gz")
+
+
+# ---------------------------------------------------------------------------------------------- find_volumes
+def _touch(path: Path, content: bytes = b"x") -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(content)
+    return path
+
+
+def _volume_tree(root: Path) -> None:
+    """Every listed format, a MetaImage data file, a DICOM series written by ITK (files without suffix), a ``.dcm``
+    series holding a stray NIfTI, a UID-named DICOM file, and files that are not volumes."""
+    import numpy as np
+
+    from tests.helpers import write_itk_volume, write_tilted_dicom_series
+
+    array = np.arange(4 * 5 * 3, dtype=np.float32).reshape(4, 5, 3)
+    write_itk_volume(root / "a.nrrd", array)
+    (root / "sub").mkdir()
+    write_itk_volume(root / "sub" / "b.mhd", array)  # and its data file b.raw
+    write_tilted_dicom_series(root / "patient1" / "study" / "series", array)
+    for name in ("c.nii.gz", "sub/d.nii", "sub/e.mha", "sub/f.nhdr", "sub/f.raw"):
+        _touch(root / name)
+    for name in ("slice1.dcm", "slice2.DCM", "converted.nii.gz"):
+        _touch(root / "patient2" / "ct" / name)
+    _touch(root / "patient3" / "1.2.840.10008.5.1", b"\0" * 128 + b"DICM" + b"\0" * 8)
+    _touch(root / "DICOMDIR", b"\0" * 128 + b"DICM")  # a disc index next to the data: not a series
+    for name in ("notes.txt", "sub/preview.png", "sub/b.zraw", ".hidden.nii.gz", "short", ".cache/x.nii.gz"):
+        _touch(root / name)
+
+
+def test_find_volumes_lists_every_format_and_each_dicom_series_once(tmp_path: Path) -> None:
+    _volume_tree(tmp_path)
+    entries = find_volumes(tmp_path)
+    assert [e["case_id"] for e in entries] == ["a", "c", "series", "ct", "patient3", "b", "d", "e", "f"]
+    assert [Path(e["image"]).relative_to(tmp_path).as_posix() for e in entries] == [
+        "a.nrrd",
+        "c.nii.gz",
+        "patient1/study/series",
+        "patient2/ct",
+        "patient3",
+        "sub/b.mhd",
+        "sub/d.nii",
+        "sub/e.mha",
+        "sub/f.nhdr",
+    ]
+    assert all(Path(e["image"]).is_absolute() for e in entries)
+    assert is_dicom_file(tmp_path / "patient1" / "study" / "series" / "IM0000")  # ITK's GDCM writer: DICM at 128
+    assert not is_dicom_file(tmp_path / "short") and not is_dicom_file(tmp_path / "notes.txt")
+
+
+def test_find_volumes_with_a_pattern_and_another_key(tmp_path: Path) -> None:
+    _volume_tree(tmp_path)
+    assert [e["case_id"] for e in find_volumes(tmp_path, "*.nii*")] == ["c", "d"]  # not the one in a series folder
+    assert find_volumes(tmp_path, "series", key="ct") == [
+        {"case_id": "series", "ct": str(tmp_path / "patient1" / "study" / "series")}
+    ]
+    assert [e["case_id"] for e in find_volumes(tmp_path, "sub/*.m*")] == ["b", "e"]
+    assert [e["case_id"] for e in find_volumes(tmp_path, "*.png")] == ["preview.png"]  # any file asked for
+    assert find_volumes(tmp_path / "missing") == [] and find_volumes(tmp_path, "*.tiff") == []
+
+
+def test_find_volumes_dataset_dir_that_is_itself_a_series(tmp_path: Path) -> None:
+    series = tmp_path / "CT_0001"
+    for name in ("a.dcm", "b.dcm"):
+        _touch(series / name)
+    assert find_volumes(series) == [{"case_id": "CT_0001", "image": str(series)}]
+
+
+def test_find_volumes_disambiguates_case_ids_with_the_relative_path(tmp_path: Path) -> None:
+    for name in ("site1/scan.nii.gz", "site2/scan.nrrd", "scan.mha", "site1_scan.mhd", "x/ct/1.dcm", "y/ct/1.dcm"):
+        _touch(tmp_path / name)
+    ids = {Path(e["image"]).relative_to(tmp_path).as_posix(): e["case_id"] for e in find_volumes(tmp_path)}
+    assert ids == {
+        "scan.mha": "scan",
+        "site1/scan.nii.gz": "site1_scan",
+        "site1_scan.mhd": "site1_scan_2",
+        "site2/scan.nrrd": "site2_scan",
+        "x/ct": "x_ct",
+        "y/ct": "y_ct",
+    }
+
+
+def test_inference_entries_use_find_volumes_and_name_what_was_looked_for(tmp_path: Path) -> None:
+    _volume_tree(tmp_path)
+    assert inference_entries(tmp_path, ["image"]) == find_volumes(tmp_path)
+    with pytest.raises(FileNotFoundError, match=r"no input volumes found under .*matching '\*\.tiff'"):
+        inference_entries(tmp_path, ["image"], pattern="*.tiff")
+    with pytest.raises(FileNotFoundError) as info:
+        inference_entries(tmp_path / "patient1", ["image"], pattern="IM*")  # series files are never cases
+    assert repr(str(tmp_path / "patient1")) in str(info.value)
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(FileNotFoundError, match=r"NIfTI \(\.nii, \.nii\.gz\), NRRD \(\.nrrd, \.nhdr\), MetaImage"):
+        inference_entries(tmp_path / "empty", ["image"])

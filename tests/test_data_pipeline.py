@@ -13,6 +13,7 @@ import torch
 from monai.data import CacheDataset, MetaTensor, SmartCacheDataset, ThreadDataLoader
 from monai.transforms import Compose
 
+from common.data.intensity import InvertibleScaleIntensityRangePercentilesd, inverse_linear_scaling
 from common.data.io import write_nifti
 from common.data.pipeline import (
     LatentAffined,
@@ -69,8 +70,55 @@ def test_mri_percentiles():
 
 
 def test_default_is_mri_and_none_keeps_values():
-    assert type(intensity_transform(["image"], {})).__name__ == "ScaleIntensityRangePercentilesd"
+    assert type(intensity_transform(["image"], {})).__name__ == "InvertibleScaleIntensityRangePercentilesd"
+    assert type(intensity_transform(["image"], {}, invertible=False)).__name__ == "ScaleIntensityRangePercentilesd"
     assert intensity_transform(["image"], {"mode": "none"}) is None
+
+
+@pytest.mark.parametrize("channel_wise", [False, True])
+@pytest.mark.parametrize("numel", ["small", "large"])  # MONAI's percentile switches to numpy above 1e6 values
+def test_invertible_percentiles_are_bit_identical_to_monai(channel_wise, numel):
+    shape = (2, 10, 11, 12) if numel == "small" else (1, 104, 100, 100)
+    image = MetaTensor(torch.randn(*shape, generator=torch.Generator().manual_seed(3)) * 300 + 40)
+    config = {"mode": "mri", "lower": 0.5, "upper": 99.5}
+    plain = intensity_transform(["image"], config, channel_wise=channel_wise, invertible=False)
+    recorded = intensity_transform(["image"], config, channel_wise=channel_wise)
+    expected = plain({"image": image.clone()})["image"]
+    out = recorded({"image": image.clone()})["image"]
+    assert out.dtype == expected.dtype and torch.equal(out.as_tensor(), expected.as_tensor())
+    info = out.applied_operations[-1]["extra_info"]
+    values = image.as_tensor().numpy()
+    per_channel = [values[c] for c in range(shape[0])] if channel_wise else [values]
+    np.testing.assert_allclose(info["a_min"], [np.percentile(v, 0.5) for v in per_channel], rtol=1e-5)
+    np.testing.assert_allclose(info["a_max"], [np.percentile(v, 99.5) for v in per_channel], rtol=1e-5)
+
+
+def test_invertible_percentiles_inverse_is_the_closed_form():
+    image = MetaTensor(torch.randn(2, 9, 10, 11, generator=torch.Generator().manual_seed(4)) * 200 - 50)
+    transform = InvertibleScaleIntensityRangePercentilesd("image", 2.0, 98.0, b_min=0.0, b_max=1.0, clip=True)
+    out = transform({"image": image.clone()})["image"]
+    info = out.applied_operations[-1]["extra_info"]
+    (low,), (high,) = info["a_min"], info["a_max"]
+    # a prediction with values beyond [0, 1]: clipped to the range the normalisation produced, then mapped back
+    pred = out.clone()
+    pred[0, 0, 0, :3] = torch.tensor([-0.5, 0.25, 1.5])
+    restored = transform.inverse({"image": pred})["image"]
+    assert isinstance(restored, MetaTensor) and len(restored.applied_operations) == 0
+    closed = np.clip(pred.as_tensor().numpy(), 0.0, 1.0) * (high - low) + low
+    np.testing.assert_allclose(restored.numpy(), closed, rtol=1e-6, atol=1e-4)
+    np.testing.assert_allclose(restored[0, 0, 0, :3].numpy(), [low, low + 0.25 * (high - low), high], rtol=1e-6)
+    # the input itself comes back inside the percentiles, clipped to them outside
+    original = transform.inverse({"image": transform({"image": image.clone()})["image"]})["image"]
+    np.testing.assert_allclose(original.numpy(), np.clip(image.numpy(), low, high), rtol=1e-5, atol=1e-3)
+
+
+def test_inverse_linear_scaling_per_channel_and_constant_volumes():
+    image = torch.tensor([[[[0.0, 0.5, 1.0]]], [[[0.0, 0.5, 1.0]]]])
+    out = inverse_linear_scaling(image, [-100.0, 10.0], [100.0, 10.0], 0.0, 1.0, clip=True)
+    # channel 1 had an empty range: MONAI shifted it by b_min - a_min, undone here
+    torch.testing.assert_close(out, torch.tensor([[[[-100.0, 0.0, 100.0]]], [[[10.0, 10.5, 11.0]]]]))
+    with pytest.raises(ValueError, match="2 channel"):
+        inverse_linear_scaling(image[:1], [0.0, 1.0], [1.0, 2.0], 0.0, 1.0, clip=True)
 
 
 @pytest.mark.parametrize(
@@ -303,24 +351,48 @@ def test_encode_postprocessing_saves_latent_with_scaled_affine(tmp_path):
     np.testing.assert_allclose(saved.affine, expected, atol=1e-6)
 
 
-def test_reconstruct_postprocessing_returns_to_the_input_grid(tmp_path):
+def _mri_restored(array: np.ndarray, lower: float = 0.5, upper: float = 99.5) -> np.ndarray:
+    """What an identity network's reconstruction is in the input's units: the input clipped to its percentiles."""
+    return np.clip(array, *np.percentile(array, [lower, upper]))
+
+
+@pytest.mark.parametrize("units", ["input", "normalised"])
+def test_reconstruct_postprocessing_returns_to_the_input_grid(tmp_path, units):
     affine = np.diag([-2.0, -2.0, 2.0, 1.0])  # LPS-like: the preprocessing reorients to RAS
     affine[:3, 3] = [30.0, 40.0, -10.0]
     path, array = _volume(tmp_path, shape=(10, 12, 14), affine=affine, name="case3.nii.gz")
-    preprocessing = volume_transforms(patch_size=(16, 16, 16), train=False)
+    preprocessing = volume_transforms(patch_size=(16, 16, 16), train=False, invertible_intensity=units == "input")
     data = preprocessing({"image": str(path)})
     assert data["image"].shape == (1, 16, 16, 16)
     data["pred"] = data["image"].clone()
-    inference_postprocessing("reconstruct", preprocessing, str(tmp_path / "out"))(data)
+    inference_postprocessing("reconstruct", preprocessing, str(tmp_path / "out"), output_units=units)(data)
     saved = nib.load(tmp_path / "out" / "case3_recon.nii.gz")
     assert saved.shape == (10, 12, 14)
     np.testing.assert_allclose(saved.affine, affine, atol=1e-5)
-    np.testing.assert_allclose(np.asarray(saved.dataobj), _mri_normalised(array), atol=1e-5)
+    expected = _mri_restored(array) if units == "input" else _mri_normalised(array)
+    np.testing.assert_allclose(np.asarray(saved.dataobj), expected, atol=1e-3 if units == "input" else 1e-5)
 
 
-def test_raise_no_inputs_message():
-    with pytest.raises(FileNotFoundError, match=r"'\*\.nii\.gz' under '/data'"):
+def test_output_units_must_match_the_preprocessing(tmp_path):
+    recorded, plain = volume_transforms(train=False), volume_transforms(train=False, invertible_intensity=False)
+    with pytest.raises(ValueError, match="'output_units' must be one of"):
+        inference_postprocessing("reconstruct", recorded, str(tmp_path), output_units="hounsfield")
+    with pytest.raises(ValueError, match="invertible_intensity=False"):
+        inference_postprocessing("reconstruct", recorded, str(tmp_path), output_units="normalised")
+    with pytest.raises(ValueError, match="invertible_intensity=True"):
+        inference_postprocessing("reconstruct", plain, str(tmp_path))
+    inference_postprocessing("reconstruct", plain, str(tmp_path), output_units="normalized")  # either spelling
+
+
+def test_raise_no_inputs_message(tmp_path):
+    with pytest.raises(FileNotFoundError, match=r"under '/data' \(the folder does not exist\).*matching '\*\.nii\.gz'"):
         raise_no_inputs("/data", "*.nii.gz")
+    with pytest.raises(FileNotFoundError) as info:
+        raise_no_inputs(str(tmp_path))
+    message = str(info.value)
+    assert repr(str(tmp_path)) in message and "does not exist" not in message
+    for looked_for in ("NIfTI (.nii, .nii.gz)", "NRRD (.nrrd, .nhdr)", "MetaImage (.mha, .mhd)", "DICOM series"):
+        assert looked_for in message
 
 
 # ---------------------------------------------------------------------------------------------- VQ codes / decode
@@ -414,7 +486,7 @@ def test_divisible_padding_after_the_patch_padding_and_undone_by_reconstruct(tmp
     inference_postprocessing("reconstruct", preprocessing, str(tmp_path / "out"))(data)
     saved = nib.load(tmp_path / "out" / "case5_recon.nii.gz")
     assert saved.shape == (10, 13, 7)
-    np.testing.assert_allclose(np.asarray(saved.dataobj), _mri_normalised(array), atol=1e-5)
+    np.testing.assert_allclose(np.asarray(saved.dataobj), _mri_restored(array), atol=1e-3)
 
 
 def test_reconstruct_postprocessing_maps_a_ct_window_back_to_hounsfield_units(tmp_path):
@@ -511,3 +583,36 @@ def test_vqcodesd_never_updates_a_training_mode_codebook():
     out = VQCodesd("pred", quantizer)({"pred": MetaTensor(torch.randn(3, 4, 4, 4))})
     assert torch.equal(quantizer.embeddings, before) and quantizer.training
     assert torch.equal(out["pred"].as_tensor(), quantizer.embed(out["codes"].as_tensor().long())[0])
+
+
+# ---------------------------------------------------------------------------------------------- other formats
+@pytest.mark.parametrize(
+    "intensity",
+    [{"mode": "mri", "lower": 0.5, "upper": 99.5}, {"mode": "ct", "a_min": -300, "a_max": 400}],
+    ids=["percentiles", "ct_window"],
+)
+def test_nrrd_metaimage_and_dicom_reconstructions_keep_geometry_and_units(tmp_path, intensity):
+    """An identity network's reconstruction of tilted, anisotropic LPS volumes (NRRD, MetaImage, DICOM series)
+    through the inference pipeline (loader collation and decollation included) lands on the input's voxel grid in
+    the input's units: clipped to the volume's percentiles, or to the CT window in HU."""
+    from monai.data import DataLoader, Dataset, decollate_batch
+
+    from common.data.datalist import find_volumes
+    from tests.helpers import check_restored_volume, write_format_cases
+
+    array = np.round(make_phantom((20, 18, 12), seed=1) * 1400.0 - 700.0).astype(np.float32)
+    cases = write_format_cases(tmp_path / "in", array)
+    entries = find_volumes(tmp_path / "in")
+    assert sorted(e["case_id"] for e in entries) == sorted(cases)
+    preprocessing = volume_transforms(intensity=intensity, patch_size=(16, 16, 16), train=False, divisible_by=4)
+    post = inference_postprocessing("reconstruct", preprocessing, str(tmp_path / "out"), intensity=intensity)
+    for batch in DataLoader(Dataset(entries, preprocessing), batch_size=1):
+        assert batch["image"].shape == (1, 1, 20, 20, 16)  # RAS-reoriented, padded
+        for item in decollate_batch({**batch, "pred": batch["image"].clone()}):
+            post(item)
+    if intensity["mode"] == "mri":
+        expected = np.clip(array, *np.percentile(array, [0.5, 99.5]))
+    else:
+        expected = np.clip(array, -300.0, 400.0)
+    for case, path in cases.items():
+        check_restored_volume(tmp_path / "out" / f"{case}_recon.nii.gz", path, expected)

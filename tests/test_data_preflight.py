@@ -625,3 +625,23 @@ def test_cli_num_channels_and_same_shape(tmp_path: Path, repo_root: Path) -> Non
     ok = _run_cli(repo_root, file, "--keys", keys, "--num_channels", "1", "--same_shape", "False")
     assert ok.returncode == 0, ok.stderr
     assert "preflight OK: 1 training, 0 validation volumes" in ok.stdout
+
+
+def test_preflight_reads_every_format_inference_lists(tmp_path: Path) -> None:
+    """Every case :func:`common.data.datalist.find_volumes` lists (NRRD with attached and detached header,
+    MetaImage with attached and detached data, a DICOM series folder without file suffixes) passes the preflight
+    that fast_ddpm_3d and mace_survival inference run; their sizes are the ITK ones."""
+    from common.data.datalist import find_volumes
+    from tests.helpers import write_format_cases, write_itk_volume
+
+    array = np.arange(12 * 10 * 8, dtype=np.float32).reshape(12, 10, 8)
+    write_format_cases(tmp_path, array)
+    write_itk_volume(tmp_path / "detached.nhdr", array)
+    write_itk_volume(tmp_path / "detached.mhd", array)
+    entries = find_volumes(tmp_path)
+    assert len(entries) == 5
+    for entry in entries:
+        assert check_volume(entry["image"], patch_size=(12, 10, 8), allow_pad=False, num_channels=1) is None, entry
+        assert "shape (12, 10, 8) is smaller" in check_volume(entry["image"], patch_size=(13, 10, 8), allow_pad=False)
+    sections = preflight({"testing": entries}, sections=["testing"], required=["testing"], num_channels=1)
+    assert len(sections["testing"]) == 5

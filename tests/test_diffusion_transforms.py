@@ -413,7 +413,7 @@ def test_inference_entries_from_a_glob(tmp_path):
     for name in ("b.nii.gz", "sub/a.nii", "sub/deeper/c.nii.gz", "notes.txt", "sub/d.mha"):
         _touch(tmp_path / name)
     entries = inference_entries(tmp_path, ["image"])
-    assert [e["case_id"] for e in entries] == ["b", "a", "c"]  # sorted by path
+    assert [e["case_id"] for e in entries] == ["b", "a", "d", "c"]  # every volume format, sorted by path
     assert entries[1] == {"case_id": "a", "image": str((tmp_path / "sub" / "a.nii").absolute())}
     only = inference_entries(tmp_path, ["ct"], pattern="*.mha")
     assert only == [{"case_id": "d", "ct": str((tmp_path / "sub" / "d.mha").absolute())}]
@@ -446,7 +446,7 @@ def test_inference_entries_case_missing_a_source(tmp_path):
 
 def test_inference_entries_nothing_found(tmp_path):
     _touch(tmp_path / "notes.txt")
-    with pytest.raises(FileNotFoundError, match=r"'\*\.nii\*'"):
+    with pytest.raises(FileNotFoundError, match=r"NIfTI \(\.nii, \.nii\.gz\).*DICOM series folders"):
         inference_entries(tmp_path, ["image"])
     with pytest.raises(FileNotFoundError, match=r"<case>/<case>-\{t1n,t2w\}\.nii\.gz"):
         inference_entries(tmp_path, ["t1n", "t2w"])

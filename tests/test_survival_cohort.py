@@ -261,7 +261,7 @@ def test_inference_cohort_from_a_folder(tmp_path: Path) -> None:
     ]
     with pytest.raises(CohortError, match=r"the model uses covariates \['age'\]; give them per case in a cohort CSV"):
         inference_cohort("", dataset_dir=tmp_path / "scans", covariates=["age"])
-    with pytest.raises(FileNotFoundError, match=r"no inference inputs"):
+    with pytest.raises(FileNotFoundError, match=r"no input volumes found under .*matching '\*\.mha'"):
         inference_cohort(None, dataset_dir=tmp_path / "scans", pattern="*.mha")
 
 

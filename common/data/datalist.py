@@ -1,7 +1,8 @@
 # Copyright (c) the 3D MONAI bundle collection contributors.
 # Licensed under the Apache License, Version 2.0.
-"""Read and write MSD/Decathlon-style datalists (``{"training": [{"image": "..."}], "validation": [...]}``), and list
-BraTS 2023 case folders as multi-modality entries."""
+"""Read and write MSD/Decathlon-style datalists (``{"training": [{"image": "..."}], "validation": [...]}``), list the
+image volumes of a folder (NIfTI, NRRD, MetaImage files and DICOM series folders) and BraTS 2023 case folders as
+multi-modality entries."""
 
 from __future__ import annotations
 
@@ -18,8 +19,12 @@ __all__ = [
     "DatalistError",
     "MissingSectionError",
     "file_stem",
+    "VOLUME_FORMATS",
     "find_brats_cases",
+    "find_volumes",
     "inference_entries",
+    "is_dicom_file",
+    "no_volumes_error",
     "load_datalist",
     "parse_datalist_section",
     "read_datalist_json",
@@ -32,6 +37,15 @@ IN_MEMORY_SOURCE = "<in-memory datalist>"
 MAX_TEXT_BYTES = 256 * 1024**2  # datalists and cohort tables larger than this are refused before being read
 PathValue = str | list[str]
 BRATS_MODALITIES = ("t1n", "t1c", "t2w", "t2f")
+#: the volume file formats :func:`find_volumes` lists (name -> file suffixes); DICOM series are folders
+VOLUME_FORMATS = {
+    "NIfTI": (".nii", ".nii.gz"),
+    "NRRD": (".nrrd", ".nhdr"),
+    "MetaImage": (".mha", ".mhd"),
+}
+VOLUME_SUFFIXES = tuple(suffix for suffixes in VOLUME_FORMATS.values() for suffix in suffixes)
+DICOM_SUFFIXES = (".dcm",)
+DICOM_MAGIC_OFFSET, DICOM_MAGIC = 128, b"DICM"
 
 
 class DatalistError(UserError, ValueError):
@@ -385,12 +399,129 @@ def find_brats_cases(
 
 
 def file_stem(path: Any) -> str:
-    """The file name of ``path`` without its image suffix (``.nii.gz``, ``.nii``, ``.nrrd``, ``.mha``, ``.mhd``)."""
+    """The file name of ``path`` without its image suffix (``.nii.gz``, ``.nii``, ``.nrrd``, ``.nhdr``, ``.mha``,
+    ``.mhd``, ``.dcm``); the folder name for a folder (a DICOM series)."""
     name = os.path.basename(str(path).rstrip("/\\"))
-    for suffix in (".nii.gz", ".nii", ".nrrd", ".mha", ".mhd", ".dcm"):
-        if name.lower().endswith(suffix):
+    for suffix in (*VOLUME_SUFFIXES, *DICOM_SUFFIXES):
+        if name.lower().endswith(suffix) and len(name) > len(suffix):
             return name[: -len(suffix)]
     return name
+
+
+def _has_suffix(name: str, suffixes: Sequence[str]) -> bool:
+    lower = name.lower()
+    return any(lower.endswith(suffix) and len(lower) > len(suffix) for suffix in suffixes)
+
+
+def is_dicom_file(path: str | os.PathLike) -> bool:
+    """Whether ``path`` is a DICOM file: a ``.dcm`` suffix, or any name that is not another volume format with the
+    ``DICM`` marker at byte 128 (DICOM files are often named without a suffix, or by their UID)."""
+    name = os.path.basename(os.fspath(path))
+    if _has_suffix(name, DICOM_SUFFIXES):
+        return True
+    if _has_suffix(name, VOLUME_SUFFIXES):
+        return False
+    try:
+        with open(path, "rb") as handle:
+            handle.seek(DICOM_MAGIC_OFFSET)
+            return handle.read(len(DICOM_MAGIC)) == DICOM_MAGIC
+    except OSError:
+        return False
+
+
+def _walk(root: str) -> list[tuple[str, list[str]]]:
+    """``(folder, file names)`` of ``root`` and every folder below it (symbolic links followed once, hidden entries
+    skipped), folders and names sorted."""
+    found, seen = [], set()
+    for folder, subfolders, files in os.walk(root, followlinks=True):
+        real = os.path.realpath(folder)
+        if real in seen:  # a link back up the tree
+            subfolders[:] = []
+            continue
+        seen.add(real)
+        subfolders[:] = sorted(d for d in subfolders if not d.startswith("."))
+        names = sorted(f for f in files if not f.startswith(".") and os.path.isfile(os.path.join(folder, f)))
+        found.append((folder, names))
+    return found
+
+
+def _unique_case_ids(paths: Sequence[str], root: str) -> list[str]:
+    """Readable case ids: the file stem (folder name for a DICOM series); where several volumes share one, the path
+    relative to ``root`` without the suffix, ``/`` replaced by ``_`` (then a counter if still not unique)."""
+    stems = [file_stem(p) for p in paths]
+    ids = [
+        stem if stems.count(stem) == 1 else "_".join(Path(os.path.relpath(os.path.dirname(p), root)).parts + (stem,))
+        for p, stem in zip(paths, stems)
+    ]
+    unique, used = [], set()
+    for case in ids:
+        candidate, n = case, 1
+        while candidate in used or (candidate != case and candidate in ids):
+            n += 1
+            candidate = f"{case}_{n}"
+        used.add(candidate)
+        unique.append(candidate)
+    return unique
+
+
+def find_volumes(
+    dataset_dir: str | os.PathLike, pattern: str | None = None, key: str = "image"
+) -> list[dict[str, str]]:
+    """The image volumes under ``dataset_dir`` (recursively), one entry ``{"case_id": ..., key: path}`` per case.
+
+    A case is a NIfTI (``.nii``, ``.nii.gz``), NRRD (``.nrrd``, ``.nhdr``) or MetaImage (``.mha``, ``.mhd``; not its
+    ``.raw``/``.zraw`` data file) file, or a DICOM series folder: a folder holding DICOM files (``.dcm``, or the
+    ``DICM`` marker at byte 128; a ``DICOMDIR`` index does not count), listed once as the folder, which
+    ``monai.transforms.LoadImage`` (ITK) reads as one series; the files of a series folder are never listed on their
+    own. With ``pattern`` (a glob such as
+    ``"*.nii.gz"`` or ``"sub/*_t1.nrrd"``, matched against the end of the path as ``Path.match`` does), the files
+    and series folders whose path matches it are listed instead, whatever their format. Hidden files and folders
+    are skipped.
+
+    Args:
+        dataset_dir: the folder to search; ``~`` is expanded.
+        pattern: ``None`` for every volume of the formats above, else a glob.
+        key: the entry key of the path.
+
+    Returns:
+        Entries sorted by path, with absolute paths and unique readable case ids: the file name without its suffix
+        (the folder name for a DICOM series), the path relative to ``dataset_dir`` (``/`` as ``_``) for names that
+        occur more than once.
+    """
+    root = os.path.abspath(os.path.expanduser(os.fspath(dataset_dir)))
+    if not os.path.isdir(root):
+        return []
+    paths = []
+    for folder, names in _walk(root):
+        rel = Path(os.path.relpath(folder, root)) if folder != root else Path(os.path.basename(root))
+        # a DICOMDIR (the index of a DICOM disc, next to its image folders) is not a slice of a series
+        if any(name.upper() != "DICOMDIR" and is_dicom_file(os.path.join(folder, name)) for name in names):
+            if pattern is None or rel.match(pattern):
+                paths.append(folder)
+            continue  # a series folder: its files are slices, not cases
+        for name in names:
+            if pattern is None and _has_suffix(name, VOLUME_SUFFIXES):
+                paths.append(os.path.join(folder, name))
+            elif pattern is not None and (Path(os.path.relpath(folder, root)) / name).match(pattern):
+                paths.append(os.path.join(folder, name))
+    paths.sort()
+    return [{"case_id": case, key: path} for case, path in zip(_unique_case_ids(paths, root), paths)]
+
+
+def no_volumes_error(dataset_dir: str | os.PathLike, pattern: str | None = None) -> MissingInputError:
+    """The error of an inference run that found no input under ``dataset_dir``: it names the folder and what was
+    looked for (the formats of :func:`find_volumes`, or ``pattern``)."""
+    root = os.path.abspath(os.path.expanduser(os.fspath(dataset_dir)))
+    if pattern is None:
+        formats = ", ".join(f"{name} ({', '.join(suffixes)})" for name, suffixes in VOLUME_FORMATS.items())
+        wanted = f"{formats} files or DICOM series folders"
+    else:
+        wanted = f"files or DICOM series folders matching {pattern!r}"
+    missing = "" if os.path.isdir(root) else " (the folder does not exist)"
+    return MissingInputError(
+        f"no input volumes found under {root!r}{missing}: looked for {wanted}, recursively "
+        "(set --dataset_dir, --input_pattern or --datalist)."
+    )
 
 
 def inference_entries(
@@ -398,13 +529,14 @@ def inference_entries(
     keys: Sequence[str],
     datalist: str | os.PathLike | dict | None = None,
     section: str = "testing",
-    pattern: str = "*.nii*",
+    pattern: str | None = None,
 ) -> list[dict[str, Any]]:
     """The inputs of an inference run, one entry per case with a ``case_id`` and a path for every key.
 
     With ``datalist``: its ``section`` (relative paths resolved against ``dataset_dir``). Otherwise, for one key:
-    every file under ``dataset_dir`` (recursively) matching ``pattern``, named by its file name; for several
-    keys: the BraTS 2023 layout, folders ``<case>/<case>-<key>.nii.gz`` (see :func:`find_brats_cases`).
+    the volumes under ``dataset_dir`` (recursively) that :func:`find_volumes` lists (every NIfTI, NRRD, MetaImage
+    file and DICOM series folder, or what matches ``pattern``); for several keys: the BraTS 2023 layout, folders
+    ``<case>/<case>-<key>.nii.gz`` (see :func:`find_brats_cases`).
 
     Raises:
         DatalistError: for an invalid datalist or section (naming the entry).
@@ -421,16 +553,17 @@ def inference_entries(
             first = entry[keys[0]]
             entry.setdefault("case_id", file_stem(first if isinstance(first, str) else first[0]))
     elif len(keys) == 1:
-        files = sorted(str(p.absolute()) for p in Path(base).rglob(pattern) if p.is_file())
-        entries = [{"case_id": file_stem(f), keys[0]: f} for f in files]
+        entries = find_volumes(base, pattern, key=keys[0])
+        if not entries:
+            raise no_volumes_error(base, pattern)
     else:
         entries = [
             {"case_id": case["case_id"], **{k: case[k] for k in keys}}
             for case in find_brats_cases(Path(base), modalities=tuple(keys))
         ]
     if not entries:
-        how = f"section {section!r} of {datalist!r}" if datalist else f"{pattern!r} under {base!r}"
-        if not datalist and len(keys) > 1:
+        how = f"section {section!r} of {datalist!r}"
+        if not datalist:
             how = f"case folders <case>/<case>-{{{','.join(keys)}}}.nii.gz under {base!r}"
         raise MissingInputError(f"no inference inputs: found nothing for {how} (set --dataset_dir or --datalist).")
     return entries

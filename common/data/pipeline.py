@@ -31,8 +31,8 @@ from monai.transforms import (
 )
 from monai.utils import CommonKeys as Keys
 
-from common.data.datalist import file_stem
-from common.errors import MissingInputError
+from common.data.datalist import file_stem, no_volumes_error
+from common.data.intensity import InvertibleScaleIntensityRangePercentilesd
 from common.utils import get_rank, get_world_size
 
 __all__ = [
@@ -42,8 +42,10 @@ __all__ = [
     "CaseMetad",
     "batch_case_ids",
     "LatentAffined",
+    "OUTPUT_UNITS",
     "VQCodesd",
     "case_name_formatter",
+    "check_output_units",
     "inference_postprocessing",
     "intensity_problems",
     "intensity_transform",
@@ -58,6 +60,9 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
+
+#: ``output_units`` of inference: the input's intensity units where the normalisation can be undone, or [0, 1]
+OUTPUT_UNITS = ("input", "normalised")
 
 
 def intensity_problems(intensity: Mapping[str, Any] | None) -> list[str]:
@@ -79,13 +84,21 @@ def intensity_problems(intensity: Mapping[str, Any] | None) -> list[str]:
     return []
 
 
-def intensity_transform(keys: Sequence[str], intensity: Mapping[str, Any], channel_wise: bool = False):
+def intensity_transform(
+    keys: Sequence[str], intensity: Mapping[str, Any], channel_wise: bool = False, invertible: bool = True
+):
     """Intensity normalisation to [0, 1] from a config mapping.
 
-    ``{"mode": "ct", "a_min": -1000, "a_max": 1000}`` clips a Hounsfield window; ``{"mode": "mri",
-    "lower": 0.5, "upper": 99.5}`` rescales between per-volume percentiles (robust to scanner scaling), per
-    channel with ``channel_wise`` (e.g. several MRI modalities stacked as channels); ``{"mode": "none"}`` keeps
-    the values.
+    ``{"mode": "ct", "a_min": -1000, "a_max": 1000}`` clips a Hounsfield window (undone by :func:`hu_window_steps`,
+    within the window); ``{"mode": "mri", "lower": 0.5, "upper": 99.5}`` rescales between per-volume percentiles
+    (robust to scanner scaling), per channel with ``channel_wise`` (e.g. several MRI modalities stacked as
+    channels); ``{"mode": "none"}`` keeps the values.
+
+    With ``invertible`` the percentile scaling is
+    :class:`common.data.intensity.InvertibleScaleIntensityRangePercentilesd`, which records each volume's
+    percentiles so ``Invertd`` maps a reconstruction back to the input's units; its values are those of
+    ``ScaleIntensityRangePercentilesd``, which is used otherwise (e.g. for inputs whose mapping must not be applied
+    to an output of another modality).
 
     Raises:
         ValueError: for an unknown mode, a window with ``a_min >= a_max`` or bad percentiles
@@ -100,9 +113,8 @@ def intensity_transform(keys: Sequence[str], intensity: Mapping[str, Any], chann
         return ScaleIntensityRanged(keys, a_min=a_min, a_max=a_max, b_min=0.0, b_max=1.0, clip=True)
     if mode == "mri":
         lower, upper = float(intensity.get("lower", 0.5)), float(intensity.get("upper", 99.5))
-        return ScaleIntensityRangePercentilesd(
-            keys, lower=lower, upper=upper, b_min=0.0, b_max=1.0, clip=True, channel_wise=channel_wise
-        )
+        percentiles = InvertibleScaleIntensityRangePercentilesd if invertible else ScaleIntensityRangePercentilesd
+        return percentiles(keys, lower=lower, upper=upper, b_min=0.0, b_max=1.0, clip=True, channel_wise=channel_wise)
     return None
 
 
@@ -146,6 +158,7 @@ def volume_transforms(
     cache_device: torch.device | str | None = None,
     train: bool = True,
     divisible_by: Sequence[int] | int | None = None,
+    invertible_intensity: bool = True,
 ) -> Compose:
     """Load -> channel first -> orientation -> spacing -> intensity -> pad -> device -> random crops.
 
@@ -165,10 +178,12 @@ def volume_transforms(
         divisible_by: also pad every spatial size to a multiple of this (per axis), e.g. a network's total
             downsampling, so whole-volume latents have an integer size; the same padding in training,
             validation and inference keeps them consistent (inference undoes it with ``Invertd``).
+        invertible_intensity: record the per-volume percentiles so that ``Invertd`` also returns a reconstruction
+            to the input's intensity units (see :func:`intensity_transform`; the values are the same either way).
     """
     keys = list(keys)
     transforms = spatial_steps(keys, orientation, spacing)
-    norm = intensity_transform(keys, intensity or {"mode": "mri"})
+    norm = intensity_transform(keys, intensity or {"mode": "mri"}, invertible=invertible_intensity)
     if norm is not None:
         transforms.append(norm)
     transforms += pad_steps(keys, patch_size, divisible_by)
@@ -483,6 +498,34 @@ def hu_window_steps(key: str, intensity: Mapping[str, Any] | None) -> list:
     return [ScaleIntensityRanged(key, a_min=0.0, a_max=1.0, b_min=a_min, b_max=a_max, clip=True)]
 
 
+def check_output_units(output_units: str, preprocessing: Compose | None = None) -> str:
+    """``output_units`` (one of :data:`OUTPUT_UNITS`) in lower case; with ``preprocessing``, also check that it
+    records the per-volume percentiles exactly when the output is to be in the input's units (``Invertd`` undoes
+    what was recorded, see :func:`volume_transforms`'s ``invertible_intensity``).
+
+    Raises:
+        ValueError: for another value, or a preprocessing that does not match it.
+    """
+    units = str(output_units).lower().replace("normalized", "normalised")
+    if units not in OUTPUT_UNITS:
+        raise ValueError(f"'output_units' must be one of {list(OUTPUT_UNITS)}, got {output_units!r}.")
+    if preprocessing is not None:
+        transforms = preprocessing.flatten().transforms if isinstance(preprocessing, Compose) else [preprocessing]
+        records = any(isinstance(t, InvertibleScaleIntensityRangePercentilesd) for t in transforms)
+        plain = any(isinstance(t, ScaleIntensityRangePercentilesd) for t in transforms)  # not recorded
+        if units == "normalised" and records:
+            raise ValueError(
+                "'output_units' is 'normalised' but the preprocessing records the percentiles to undo them: build it "
+                "with invertible_intensity=False."
+            )
+        if units == "input" and plain:
+            raise ValueError(
+                "'output_units' is 'input' but the preprocessing's percentile scaling cannot be undone: build it with "
+                "invertible_intensity=True."
+            )
+    return units
+
+
 def inference_postprocessing(
     mode: str,
     preprocessing: Compose,
@@ -490,8 +533,10 @@ def inference_postprocessing(
     pred_key: str = "pred",
     quantizer: torch.nn.Module | None = None,
     intensity: Mapping[str, Any] | None = None,
+    output_units: str = "input",
 ) -> Compose:
-    """Postprocessing for an autoencoder's inference.
+    """Postprocessing for an autoencoder's inference; files are named by the entry's ``case_id``
+    (:class:`CaseMetad`, :func:`case_name_formatter`), else by the input file.
 
     ``reconstruct``: undo padding/spacing/orientation so the reconstruction lies on the input's grid with the
     input's affine, then save ``<name>_recon.nii.gz``. ``encode``: save the latent map as ``<name>_latent.nii.gz``
@@ -499,40 +544,54 @@ def inference_postprocessing(
     ``quantizer`` the stitched latent is quantized first and the code indices are saved as
     ``<name>_codes.nii.gz`` (int32, same affine). ``decode``: the input is a latent (or code) map; save the
     decoded image as ``<name>_decoded.nii.gz`` with the affine scaled back to the image grid.
-    With a CT ``intensity`` window, reconstructed and decoded images are mapped back to Hounsfield units (clipped
-    to the window).
+
+    Intensities, with ``output_units="input"``: a reconstruction is returned to the input's units where the
+    normalisation can be undone: a CT ``intensity`` window to Hounsfield units (clipped to the window, the only
+    values the network saw), per-volume percentiles (recorded by
+    :class:`common.data.intensity.InvertibleScaleIntensityRangePercentilesd`) by the inverse of that volume's
+    linear mapping (``Invertd``; values beyond the percentiles were clipped to them by the normalisation). A
+    decoded image has no input volume: Hounsfield units for a CT window, [0, 1] for percentiles. With
+    ``"normalised"`` every output stays in [0, 1] (the preprocessing must then be built with
+    ``invertible_intensity=False``).
 
     Raises:
-        ValueError: for another mode.
+        ValueError: for another mode, an unknown ``output_units`` or a preprocessing that does not match it
+            (:func:`check_output_units`).
     """
+    units = check_output_units(output_units, preprocessing if mode == "reconstruct" else None)
+    to_units = hu_window_steps(pred_key, intensity) if units == "input" else []
     if mode == "reconstruct":
         return Compose(
             [
                 Invertd(
                     keys=pred_key, transform=preprocessing, orig_keys="image", nearest_interp=False, to_tensor=True
                 ),
-                *hu_window_steps(pred_key, intensity),
-                nifti_saver(pred_key, output_dir, "recon"),
+                *to_units,
+                CaseMetad(pred_key),
+                nifti_saver(pred_key, output_dir, "recon", name_formatter=case_name_formatter),
             ]
         )
     if mode == "encode":
-        steps: list = [LatentAffined(keys=pred_key, ref_key="image")]
+        steps: list = [LatentAffined(keys=pred_key, ref_key="image"), CaseMetad(pred_key)]
         if quantizer is not None:
-            steps += [VQCodesd(pred_key, quantizer), nifti_saver("codes", output_dir, "codes", np.int32)]
-        return Compose([*steps, nifti_saver(pred_key, output_dir, "latent")])
+            steps += [
+                VQCodesd(pred_key, quantizer),
+                nifti_saver("codes", output_dir, "codes", np.int32, name_formatter=case_name_formatter),
+            ]
+        return Compose([*steps, nifti_saver(pred_key, output_dir, "latent", name_formatter=case_name_formatter)])
     if mode == "decode":
         return Compose(
             [
                 LatentAffined(keys=pred_key, ref_key="image"),
-                *hu_window_steps(pred_key, intensity),
-                nifti_saver(pred_key, output_dir, "decoded"),
+                *to_units,
+                CaseMetad(pred_key),
+                nifti_saver(pred_key, output_dir, "decoded", name_formatter=case_name_formatter),
             ]
         )
     raise ValueError(f"mode must be 'reconstruct', 'encode' or 'decode', got {mode!r}.")
 
 
-def raise_no_inputs(dataset_dir: str, pattern: str) -> None:
-    """Raise the error of an inference run that found no input volume (:class:`common.errors.MissingInputError`)."""
-    raise MissingInputError(
-        f"no input volumes match {pattern!r} under {dataset_dir!r} (set --dataset_dir/--input_pattern)."
-    )
+def raise_no_inputs(dataset_dir: str, pattern: str | None = None) -> None:
+    """Raise the error of an inference run that found no input volume (see
+    :func:`common.data.datalist.no_volumes_error`)."""
+    raise no_volumes_error(dataset_dir, pattern)

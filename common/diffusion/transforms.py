@@ -132,7 +132,8 @@ def diffusion_transforms(
     image = Keys.IMAGE
     transforms = [*spatial_steps(keys, orientation, spacing, stack_as=image), CaseMetad(image)]
     intensity = intensity or {"mode": "mri"}
-    norm = intensity_transform([image], intensity, channel_wise=True)
+    # the sources' percentiles say nothing about a synthesised target: nothing to record for inverting it
+    norm = intensity_transform([image], intensity, channel_wise=True, invertible=False)
     if norm is not None:
         transforms.append(norm)
     transforms += pad_steps([image], patch_size, divisible_by)
@@ -165,6 +166,11 @@ def sample_postprocessing(
     (padding, spacing and orientation undone with ``Invertd`` on the ``image`` history; skipped when
     ``preprocessing`` is ``None``, e.g. unconditional generation), mapped back to Hounsfield units for a CT
     window, and saved as ``<case_id>_<postfix>.nii.gz`` with the input's affine.
+
+    Intensity units: a synthesised target has no volume of its own at inference, so only a fixed normalisation
+    can be undone. A CT window is (Hounsfield units, clipped to the window); per-volume percentile normalisation
+    (MRI) is not: the sample stays in ``[0, 1]``, where 0 and 1 stand for the target's ``lower`` and ``upper``
+    percentiles, whose values in scanner units are unknown (the sources' percentiles say nothing about them).
 
     Args:
         preprocessing: the inference transforms of ``image`` (``None``: no inversion).

@@ -383,7 +383,7 @@ def read_cohort_csv(
 def inference_cohort(
     csv_path: str | os.PathLike | None = None,
     dataset_dir: str | os.PathLike | None = None,
-    pattern: str = "*.nii*",
+    pattern: str | None = None,
     split: str | None = None,
     image_col: str = "image",
     time_col: str = "time",
@@ -399,14 +399,14 @@ def inference_cohort(
     be absent (new cases without follow-up; when either is present both are checked and returned, so metrics can
     be computed); relative image paths are resolved against ``dataset_dir`` (default: the CSV's folder); with
     ``split``, only the rows whose split column names that split (``train``/``training``, ``val``/``validation``,
-    ``test``/``testing``). Without ``csv_path``: every file under ``dataset_dir`` (recursively) matching
-    ``pattern``, named by its file stem (:func:`common.data.datalist.inference_entries`); covariates then cannot be
-    given.
+    ``test``/``testing``). Without ``csv_path``: every volume under ``dataset_dir`` (recursively; NIfTI, NRRD,
+    MetaImage files and DICOM series folders, or what matches ``pattern``), named by its file stem
+    (:func:`common.data.datalist.find_volumes`); covariates then cannot be given.
 
     Args:
         csv_path: the cohort CSV, or ``None``/empty to list image files.
         dataset_dir: folder for relative image paths (CSV) or the folder to search (no CSV).
-        pattern: file name pattern of the images to search for (no CSV).
+        pattern: glob of the images to search for (no CSV); ``None`` lists every volume format.
         split: keep only this split of the CSV; ``None`` keeps every row.
         image_col: column of image paths.
         time_col: column of follow-up times (optional at inference).
@@ -423,7 +423,8 @@ def inference_cohort(
     Raises:
         CohortError: listing every problem of the CSV (as :func:`read_cohort_csv`), an unknown ``split``, a
             ``split`` without a split column or matching rows, or covariates without a CSV.
-        FileNotFoundError: when no CSV is given and no image matches ``pattern`` under ``dataset_dir``.
+        MissingInputError: when no CSV is given and no volume is found under ``dataset_dir`` (naming the folder and
+            the formats or ``pattern`` looked for).
     """
     from common.data.datalist import inference_entries
 

@@ -295,11 +295,12 @@ def xray_inference_items(
 
     With ``datalist``: its ``section``. Otherwise the files under ``dataset_dir`` (recursively): X-ray pairs named
     ``<case>_<view>.png`` / ``.nii`` / ``.nii.gz`` (e.g. ``p001_ap.png`` and ``p001_lateral.png``) when there are
-    any, else every CT volume ``*.nii*``.
+    any, else every CT volume (NIfTI, NRRD, MetaImage files and DICOM series folders, see
+    :func:`common.data.datalist.find_volumes`).
 
     Raises:
         ValueError: naming the cases that lack a view, or a datalist mixing X-ray and CT entries.
-        FileNotFoundError: when nothing is found.
+        MissingInputError: when nothing is found.
     """
     from common.data.datalist import inference_entries, load_datalist
 
@@ -326,7 +327,7 @@ def xray_inference_items(
             if stem.endswith(f"_{view}"):
                 cases.setdefault(stem[: -len(view) - 1], {})[key] = str(path.absolute())
     if not cases:
-        return inference_entries(base, ["image"], pattern="*.nii*")
+        return inference_entries(base, ["image"])
     incomplete = {case: sorted(set(keys) - set(found)) for case, found in cases.items() if set(found) != set(keys)}
     if incomplete:
         raise ValueError(f"X-ray cases under {str(base)!r} lack views (case: missing keys): {incomplete}.")
