@@ -119,6 +119,80 @@ def run_bundle(
     return result
 
 
+_ZOO_CHECKS = """
+import json, os, shutil, sys
+import torch
+from monai.bundle import ConfigWorkflow, ckpt_export, verify_metadata, verify_net_in_out
+
+bundle, kinds, extra, overrides, shape, net_id = sys.argv[1], *map(json.loads, sys.argv[2:6]), sys.argv[7]
+configs = os.path.join(bundle, "configs")
+meta = os.path.join(configs, "metadata.json")
+extra = [os.path.join(configs, f) for f in extra]
+# verify_metadata downloads the schema named in metadata.json unless the file is there (no network in tests)
+schema = os.path.join(bundle, "eval", "schema.json")
+os.makedirs(os.path.dirname(schema), exist_ok=True)
+shutil.copy(sys.argv[6], schema)
+verify_metadata(meta_file=meta, filepath=schema)
+print("metadata verified", flush=True)
+files = {"train": "train.json", "infer": "inference.json"}
+for kind in kinds:
+    config = [os.path.join(configs, files[kind]), *extra]
+    workflow = ConfigWorkflow(config_file=config, meta_file=meta, workflow_type=kind, bundle_root=bundle, **overrides)
+    workflow.initialize()
+    problems = workflow.check_properties()
+    assert not problems, (kind, problems)
+    print(kind, "properties verified", flush=True)
+if shape is not None:
+    inference = [os.path.join(configs, "inference.json"), *extra]
+    verify_net_in_out(net_id=net_id, meta_file=meta, config_file=inference, bundle_root=bundle, n=1, any=1,
+                      **overrides)
+    print("net in out verified", flush=True)
+    # the shipped weights load into the network, which exports to TorchScript by tracing (not by scripting)
+    target = os.path.join(bundle, "models", "verify_model.ts")
+    ckpt_export(net_id=net_id, filepath=target, ckpt_file=os.path.join(bundle, "models", "model.pt"),
+                meta_file=meta, config_file=inference, bundle_root=bundle, use_trace=True, input_shape=shape,
+                **overrides)
+    torch.jit.load(target)
+    print("torchscript verified", flush=True)
+"""
+
+
+def model_zoo_checks(
+    bundle_dir: Path,
+    kinds: Sequence[str],
+    extra_configs: Sequence[str] = (),
+    overrides: dict | None = None,
+    shape: Sequence[int] | None = None,
+    env: dict[str, str] | None = None,
+    net_id: str = "network_def",
+) -> list[str]:
+    """Run the checks of the MONAI model zoo's CI (``ci/verify_bundle.py``) on ``bundle_dir`` in a subprocess:
+    ``verify_metadata`` (against the schema copy), then for each of ``kinds`` (``train``, ``infer``) the workflow
+    built from ``train.json``/``inference.json`` + ``extra_configs`` with ``overrides``, initialised, and its
+    ``check_properties()``; with ``shape``, ``verify_net_in_out`` on ``net_id`` (the zoo's ``network_def``; the zoo
+    excludes generative bundles from this check, which name their documented entry point instead) and
+    ``ckpt_export`` by tracing of the bundle's ``models/model.pt`` into ``net_id``. Returns the lines it printed (one
+    per passed check).
+    """
+    overrides = {"device": "cpu", **(overrides or {})}
+    args = [json.dumps(list(kinds)), json.dumps(list(extra_configs)), json.dumps(overrides), json.dumps(shape)]
+    cmd = [sys.executable, "-c", _ZOO_CHECKS, str(bundle_dir), *args, str(SCHEMA), net_id]
+    result = subprocess.run(cmd, cwd=bundle_dir, env=env or bundle_env(), capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, f"{bundle_dir}: {result.stdout[-3000:]}\n{result.stderr[-5000:]}"
+    return [line for line in result.stdout.splitlines() if line.endswith(" verified")]
+
+
+def model_zoo_train_properties(bundle: str, extra_configs: Sequence[str], overrides: dict, work_dir: Path) -> list[str]:
+    """:func:`model_zoo_checks` of the metadata and the ``train`` workflow of a copy of ``bundle``'s configs in
+    ``work_dir`` (the checks write ``eval/schema.json`` into the bundle folder)."""
+    import shutil
+
+    copy = work_dir / bundle
+    shutil.copytree(BUNDLES / bundle / "configs", copy / "configs")
+    overrides = {"output_dir": str(work_dir / "outputs"), **overrides}
+    return model_zoo_checks(copy, ["train"], extra_configs, overrides)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

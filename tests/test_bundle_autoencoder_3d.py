@@ -22,6 +22,7 @@ from tests.helpers import (
     SCHEMA,
     bundle_env,
     config_arg,
+    model_zoo_train_properties,
     overrides,
     run_bundle,
     seed_args,
@@ -250,6 +251,13 @@ def test_metadata_valid_against_schema():
     assert meta["version"] in meta["changelog"]
     assert set(meta["network_data_format"]["inputs"]) == {"image"}
     assert set(meta["network_data_format"]["outputs"]) == {"pred"}
+
+
+def test_model_zoo_train_properties(phantoms, tmp_path):
+    """MONAI's ``verify_metadata`` and the train workflow's ``check_properties()``, as the model zoo's CI runs them."""
+    args = {"dataset_dir": str(phantoms)}
+    lines = model_zoo_train_properties(BUNDLE, ["tiny.json"], args, tmp_path)
+    assert lines == ["metadata verified", "train properties verified"]
 
 
 def test_verify_net_in_out():
@@ -512,15 +520,18 @@ def test_packaged_run_carries_its_settings(trained, phantoms, tmp_path):
 
     from common.bundle_tools.package import package_bundle
 
+    train_defaults = json.loads((BUNDLES / BUNDLE / "configs" / "train.json").read_text())
     zip_path = package_bundle(BUNDLE, trained / "models" / "model.pt", tmp_path / "dist")
     with zipfile.ZipFile(zip_path) as zf:
         train = json.loads(zf.read(f"{BUNDLE}/configs/train.json"))
         record = json.loads(zf.read(f"{BUNDLE}/configs/run.json"))
         zf.extractall(tmp_path / "anywhere")
     assert record == json.loads((trained / "configs" / "run.json").read_text())
+    from common.runs import LOCATION_IDS
+
     for key, value in TINY.items():
-        assert train[key] == value, key
-    assert train["dataset_dir"] == json.loads((BUNDLES / BUNDLE / "configs" / "train.json").read_text())["dataset_dir"]
+        assert train[key] == (train_defaults[key] if key in LOCATION_IDS else value), key
+    assert train["dataset_dir"] == train_defaults["dataset_dir"]  # where this run's data was is not shipped
     bundle = tmp_path / "anywhere" / BUNDLE
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONSAFEPATH")}
     env.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")

@@ -25,6 +25,7 @@ from tests.helpers import (
     SCHEMA,
     bundle_env,
     config_arg,
+    model_zoo_train_properties,
     overrides,
     run_bundle,
     seed_args,
@@ -110,6 +111,12 @@ def trained(brats_tree, tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("ddpm_run")
     run_bundle(BUNDLE, TASK, args=overrides(dataset_dir=str(brats_tree), output_dir=str(out)))
     return out
+
+
+def test_model_zoo_train_properties(brats_tree, tmp_path):
+    """MONAI's ``verify_metadata`` and the train workflow's ``check_properties()``, as the model zoo's CI runs them."""
+    lines = model_zoo_train_properties(BUNDLE, ["brats.json", "tiny.json"], {"dataset_dir": str(brats_tree)}, tmp_path)
+    assert lines == ["metadata verified", "train properties verified"]
 
 
 def test_training_outputs(trained):

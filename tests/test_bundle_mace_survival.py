@@ -22,6 +22,7 @@ from tests.helpers import (
     REPO_ROOT,
     bundle_env,
     config_arg,
+    model_zoo_train_properties,
     overrides,
     run_bundle,
     seed_args,
@@ -101,6 +102,12 @@ def trained(cohort, tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("mace_run")
     run_bundle(BUNDLE, TINY, args=_args(cohort, out))
     return out
+
+
+def test_model_zoo_train_properties(cohort, tmp_path):
+    """MONAI's ``verify_metadata`` and the train workflow's ``check_properties()``, as the model zoo's CI runs them."""
+    lines = model_zoo_train_properties(BUNDLE, ["tiny.json"], {"csv_path": str(cohort), "horizons": HORIZONS}, tmp_path)
+    assert lines == ["metadata verified", "train properties verified"]
 
 
 def test_training_outputs(trained, cohort):

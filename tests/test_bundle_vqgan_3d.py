@@ -22,6 +22,7 @@ from tests.helpers import (
     SCHEMA,
     bundle_env,
     config_arg,
+    model_zoo_train_properties,
     overrides,
     run_bundle,
     seed_args,
@@ -61,6 +62,12 @@ def trained(ct_series, tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("vq_run")
     run_bundle(BUNDLE, ["train.json", TINY_JSON], args=overrides(dataset_dir=str(ct_series), output_dir=str(out)))
     return out
+
+
+def test_model_zoo_train_properties(ct_series, tmp_path):
+    """MONAI's ``verify_metadata`` and the train workflow's ``check_properties()``, as the model zoo's CI runs them."""
+    lines = model_zoo_train_properties(BUNDLE, ["tiny.json"], {"dataset_dir": str(ct_series)}, tmp_path)
+    assert lines == ["metadata verified", "train properties verified"]
 
 
 def test_training_outputs(trained):

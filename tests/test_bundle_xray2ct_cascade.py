@@ -23,6 +23,7 @@ from tests.helpers import (
     SCHEMA,
     bundle_env,
     config_arg,
+    model_zoo_train_properties,
     overrides,
     run_bundle,
     seed_args,
@@ -54,6 +55,12 @@ def cascade(phantoms, tmp_path_factory) -> Path:
         args = overrides(dataset_dir=str(phantoms), output_dir=str(out), stage=stage, **RESUMABLE)
         run_bundle(BUNDLE, TASK, args=args)
     return out
+
+
+def test_model_zoo_train_properties(phantoms, tmp_path):
+    """MONAI's ``verify_metadata`` and the train workflow's ``check_properties()``, as the model zoo's CI runs them."""
+    lines = model_zoo_train_properties(BUNDLE, ["tiny.json"], {"dataset_dir": str(phantoms)}, tmp_path)
+    assert lines == ["metadata verified", "train properties verified"]
 
 
 def test_stages_train_in_order(cascade):

@@ -255,7 +255,7 @@ class AutoencoderGANTrainer(StepTrainer):
             fraction = x.shape[0] / total
             with self._sync_context(engine.network, do_step and last):
                 with autocast(self.state.device, self.amp_mode):
-                    recon, extras = split_autoencoder_output(engine.network(x))
+                    recon, extras = split_autoencoder_output(engine.inferer(x, engine.network))
                     if last:
                         output[Keys.PRED] = recon
                         engine.fire_event(IterationEvents.FORWARD_COMPLETED)

@@ -18,6 +18,7 @@ import torch.distributed as dist
 from monai.engines import Trainer
 from monai.engines.utils import IterationEvents, default_metric_cmp_fn, default_prepare_batch
 from monai.engines.workflow import Workflow
+from monai.inferers import Inferer, SimpleInferer
 from monai.utils import CommonKeys as Keys
 from torch import nn
 from torch.optim import Optimizer
@@ -81,6 +82,8 @@ class StepTrainer(Trainer):
         decollate: decollate the outputs for MONAI handlers (default: the class's ``default_decollate``).
         epoch_length, non_blocking, postprocessing, key_train_metric, additional_metrics, metric_cmp_fn,
         train_handlers, event_names, event_to_attr, to_kwargs: as in ``monai.engines.SupervisedTrainer``.
+        inferer: how the network is called on a step's inputs (``inferer(args[0], network, *args[1:])``; default
+            ``SimpleInferer``), as in ``monai.engines.SupervisedTrainer``.
     """
 
     default_prepare_batch: Callable = staticmethod(default_prepare_batch)
@@ -111,6 +114,7 @@ class StepTrainer(Trainer):
         event_to_attr: dict | None = None,
         decollate: bool | None = None,
         to_kwargs: dict | None = None,
+        inferer: Inferer | None = None,
     ) -> None:
         if int(accumulation_steps) < 1:
             raise ValueError(f"accumulation_steps must be >= 1, got {accumulation_steps!r}.")
@@ -139,6 +143,7 @@ class StepTrainer(Trainer):
         )
         self.network = network
         self.optimizer = optimizer
+        self.inferer = SimpleInferer() if inferer is None else inferer
         self.accumulation_steps = int(accumulation_steps)
         self.grad_clip = float(grad_clip) if grad_clip else None
         self.nonfinite = nonfinite
@@ -177,7 +182,7 @@ class StepTrainer(Trainer):
             engine.optimizer.zero_grad(set_to_none=True)
         with self._sync_context(engine.network, do_step):
             with autocast(self.state.device, self.amp_mode):
-                prediction = engine.network(*step["args"])
+                prediction = engine.inferer(step["args"][0], engine.network, *step["args"][1:])
                 if self.output_prediction:
                     output[Keys.PRED] = prediction
                 engine.fire_event(IterationEvents.FORWARD_COMPLETED)

@@ -11,7 +11,7 @@ from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 
 from common.networks.wrappers import clean_state_dict, unwrap
 
-__all__ = ["WeightEMA", "warmup_ema_multi_avg_fn"]
+__all__ = ["EMAHandler", "WeightEMA", "warmup_ema_multi_avg_fn"]
 
 
 def warmup_ema_multi_avg_fn(decay: float):
@@ -101,3 +101,20 @@ class WeightEMA:
             self.averaged.module.load_state_dict(unwrap(self.network).state_dict())
             return
         self.averaged.update_parameters(unwrap(self.network))
+
+
+class EMAHandler:
+    """Attaches a :class:`WeightEMA` defined at the top level of a config (``"ema"``, which the checkpoint and the
+    sampler also use) to the trainer: the entry of ``train#handlers`` is this component,
+    ``{"_target_": "common.handlers.ema.EMAHandler", "ema": "@ema"}``, rather than the bare reference ``"@ema"``,
+    because MONAI's bundle property checks read every handler as a component.
+
+    Args:
+        ema: the weight average to update after every iteration.
+    """
+
+    def __init__(self, ema: WeightEMA) -> None:
+        self.ema = ema
+
+    def attach(self, engine: Engine) -> None:
+        self.ema.attach(engine)
