@@ -47,7 +47,7 @@ def demo_generator(path: str) -> Callable[..., Any]:
     asks for demo data: the generators live in ``common/demo``, which a packaged bundle does not carry.
 
     Raises:
-        RuntimeError: when ``common.demo`` is not there (a packaged bundle): the message says to point
+        MissingInputError: when ``common.demo`` is not there (a packaged bundle): the message says to point
             ``dataset_dir`` at the data to use.
         AttributeError: when the module has no such function.
     """
@@ -57,7 +57,7 @@ def demo_generator(path: str) -> Callable[..., Any]:
     except ModuleNotFoundError as e:
         if e.name is None or not module.startswith(e.name):
             raise
-        raise RuntimeError(
+        raise MissingInputError(
             f"demo data was requested ('dataset_dir' is the bundle's demo_data folder) but {module} is not here: a "
             "packaged bundle carries no demo-data generators. Pass --dataset_dir with your own data (a folder with "
             "datalist.json, see the model card), or run the demo from the repository."

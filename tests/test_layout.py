@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from common.bundle import demo_generator
+from common.errors import MissingInputError
 
 REPO = Path(__file__).resolve().parents[1]
 COMMON = REPO / "common"
@@ -149,7 +150,7 @@ def test_demo_generator() -> None:
     from common.demo.images import make_demo_dataset
 
     assert demo_generator("common.demo.images.make_demo_dataset") is make_demo_dataset
-    with pytest.raises(RuntimeError, match=r"common\.missing_demo\.images is not here: a packaged bundle"):
+    with pytest.raises(MissingInputError, match=r"common\.missing_demo\.images is not here: a packaged bundle"):
         demo_generator("common.missing_demo.images.make_demo_dataset")
     with pytest.raises(AttributeError, match="no_such_generator"):
         demo_generator("common.demo.images.no_such_generator")

@@ -281,3 +281,13 @@ def test_large_files_yml(tmp_path):
     assert check_large_files(tmp_path) == [
         "large_files.yml: must be a mapping with a 'large_files' list, got {'files': []}"
     ]
+
+
+def test_bundle_json_in_model_zoo_layout():
+    """Every JSON file of the bundles is formatted as the MONAI model zoo's pre-commit formats it
+    (``pretty-format-json --no-sort-keys --indent=4``, which exits 1 and names each file it would change)."""
+    files = sorted(str(p) for p in BUNDLES.glob("*/configs/*.json"))
+    assert len(files) >= 30
+    cmd = [sys.executable, "-m", "pre_commit_hooks.pretty_format_json", "--no-sort-keys", "--indent=4", *files]
+    result = subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-2000:]
