@@ -42,6 +42,7 @@ __all__ = [
     "plot_training_curves",
     "read_metrics_csv",
     "remove_workdir",
+    "run_parser",
     "setup_matplotlib",
 ]
 
@@ -285,6 +286,37 @@ def plot_training_curves(
     for ax in axes[len(selected) :]:
         ax.set_visible(False)
     return fig
+
+
+def run_parser(
+    bundle: str | os.PathLike,
+    output_dir: str | os.PathLike,
+    config: str = "inference.json",
+    overrides: Mapping[str, Any] | None = None,
+) -> ConfigParser:
+    """A ``ConfigParser`` of a bundle's ``config`` pointed at a trained run: ``output_dir`` is set, so the network
+    and data settings come from the run's ``configs/run.json`` (see :func:`common.runs.run_settings`), and
+    ``overrides`` are applied last, as on the command line. ``parser.get_parsed_content("network_def")`` then
+    builds the network the run trained, and ``ckpt_path`` finds its weights.
+
+    Args:
+        bundle: a bundle name (a folder under ``bundles/``) or a bundle folder.
+        output_dir: the run folder (the ``--output_dir`` of its training).
+        config: the config file of the bundle to read (``inference.json``; ``evaluate.json`` is merged onto
+            ``train.json``).
+        overrides: config ids to set after the run's settings.
+    """
+    from monai.bundle import ConfigParser
+
+    from common.bundle import bundle_root
+
+    root = Path(bundle) if Path(bundle).is_dir() else Path(bundle_root(str(bundle)))
+    configs = root / "configs"
+    files = [configs / "train.json", configs / config] if config == "evaluate.json" else [configs / config]
+    parser = ConfigParser()
+    parser.read_config([str(f) for f in files])
+    parser.update({"bundle_root": str(root), "output_dir": str(output_dir), **dict(overrides or {})})
+    return parser
 
 
 def remove_workdir(path: str | os.PathLike) -> None:

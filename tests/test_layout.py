@@ -36,7 +36,7 @@ LAYERS = {
     "common.xray2ct": 5,
     "common.demo": 6,
     "common.bundle": 7,
-    "common.notebooks": 7,
+    "common.notebooks": 8,
     "common.bundle_tools": 8,
 }
 # a family builds on these families only (nothing else at layer 4 or 5)

@@ -286,3 +286,18 @@ def test_remove_workdir(tmp_path: Path):
 
 def test_setup_matplotlib_outside_a_kernel():
     assert setup_matplotlib().lower() == "agg"
+
+
+def test_run_parser_builds_the_network_of_a_run(tmp_path: Path):
+    from common.notebooks import run_parser
+    from common.runs import make_record
+
+    train = BUNDLES / "autoencoder_3d" / "configs" / "train.json"
+    argv = ["/x/monai/bundle/__main__.py", "run", "training", "--config_file", str(train), "--channels", "[8,16,32]"]
+    make_record(tmp_path, BUNDLES / "autoencoder_3d", argv=argv).write()
+    parser = run_parser("autoencoder_3d", tmp_path, overrides={"device": "cpu", "norm_num_groups": 4})
+    network = parser.get_parsed_content("network_def")
+    assert next(network.encoder.parameters()).shape[:2] == (8, 1)  # the first convolution: channels[0] = 8
+    assert parser.get_parsed_content("channels") == [8, 16, 32]
+    assert parser.get_parsed_content("norm_num_groups") == 4  # an override wins over the run's settings
+    assert parser.get_parsed_content("output_dir") == str(tmp_path)
