@@ -134,14 +134,15 @@ def _reconstruction_in_hu(model_path: Path, series: Path, source: np.ndarray) ->
     from common.vqgan.networks import VQGAN
 
     config = json.loads((BUNDLES / BUNDLE / "configs" / "inference.json").read_text())
-    window = config["ct_window"]
+    defaults = json.loads((BUNDLES / BUNDLE / "configs" / "train.json").read_text())  # inference reads them back
+    window = defaults["ct_window"]
     a_min, a_max = float(window["a_min"]), float(window["a_max"])
     arch = {k: v for k, v in ARCH.items() if k != "patch_size"}
     preprocessing = volume_transforms(
         keys=["image"],
         intensity=window,
         spacing=None,
-        orientation=config["orientation"],
+        orientation=defaults["orientation"],
         patch_size=ARCH["patch_size"],
         divisible_by=ARCH["downsample"],
         train=False,
