@@ -718,6 +718,8 @@ def test_autoencoder_settings_accept_the_bundle_defaults():
         ({"adv_warmup_iterations": -1}, "'adv_warmup_iterations' must be an integer >= 0"),
         ({"intensity": {"mode": "ct", "a_min": 100, "a_max": 100}}, "HU window is inverted or empty"),
         ({"flags": {"compile": "false"}}, "'compile' must be True or False"),
+        ({"cache_rate": 1.5}, "'cache_rate' must be a number in [0, 1]"),
+        ({"replace_rate": 0.0}, "'replace_rate' must be a number in (0, 1]"),
     ],
 )
 def test_autoencoder_settings_name_the_config_id(change, message):

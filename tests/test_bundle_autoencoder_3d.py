@@ -244,6 +244,77 @@ def test_inference_on_nrrd_metaimage_and_dicom_keeps_geometry_and_units(tmp_path
             check_restored_volume(tmp_path / units / f"{case}_recon.nii.gz", path, expected)
 
 
+def _train_parser(bundle: str, *extra: str, **settings):
+    """``bundle``'s train.json (with ``extra`` config files merged after it), parsed in this process."""
+    from monai.bundle import ConfigParser
+
+    parser = ConfigParser()
+    parser.read_config([str(BUNDLES / bundle / "configs" / name) for name in ("train.json", *extra)])
+    for key, value in {"device": "cpu", **settings}.items():
+        parser[key] = value
+    return parser
+
+
+def _same_item(a, b) -> None:
+    assert type(a) is type(b)
+    assert a.dtype == b.dtype and torch.equal(torch.as_tensor(a), torch.as_tensor(b))
+    if hasattr(a, "meta"):
+        assert torch.equal(a.affine, b.affine)
+        assert [op["class"] for op in a.applied_operations] == [op["class"] for op in b.applied_operations]
+
+
+@pytest.mark.parametrize(
+    "settings",
+    [
+        {"intensity": {"mode": "mri", "lower": 0.5, "upper": 99.5}, "spacing": None, "orientation": "RAS"},
+        {"intensity": {"mode": "ct", "a_min": -300, "a_max": 500}, "spacing": [1.5, 1.25, 2.0], "orientation": "LPS"},
+        {"intensity": {"mode": "none"}, "spacing": [2, 2, 2], "orientation": None},
+    ],
+    ids=["mri", "ct-spacing", "none-native"],
+)
+def test_json_pipelines_match_volume_transforms(tmp_path, settings):
+    """The transform lists written in train.json and inference.json give the values, metadata and inverses of
+    ``volume_transforms`` (training crops under one seed, validation and inference volumes)."""
+    from monai.transforms import Compose
+
+    from common.data.pipeline import volume_transforms
+
+    rng = np.random.default_rng(shifted_seed(3))
+    affine = np.array([[-1.2, 0.0, 0.1, 5.0], [0.0, 0.9, 0.0, -3.0], [0.0, 0.0, 1.7, 2.0], [0.0, 0.0, 0.0, 1.0]])
+    path = tmp_path / "vol.nii.gz"
+    nib.save(nib.Nifti1Image(rng.normal(100.0, 400.0, (14, 12, 10)).astype(np.float32), affine), str(path))
+    patch = {"patch_size": [16, 16, 8], "num_samples": 2}
+    keys = {k: settings[k] for k in ("intensity", "spacing", "orientation")}
+    parser = _train_parser(BUNDLE, "tiny.json", **settings, **patch)
+
+    train, expected = parser.get_parsed_content("train#preprocessing"), volume_transforms(**keys, **patch)
+    assert isinstance(train, Compose) and [type(t).__name__ for t in train.transforms][-3:] == [
+        "EnsureTyped",
+        "ToDeviced",
+        "RandSpatialCropSamplesd",
+    ]
+    for seed in (0, 1):
+        train.set_random_state(seed), expected.set_random_state(seed)
+        crops, expected_crops = train({"image": str(path)}), expected({"image": str(path)})
+        assert len(crops) == len(expected_crops) == 2
+        for crop, expected_crop in zip(crops, expected_crops):
+            _same_item(crop["image"], expected_crop["image"])
+
+    validate = parser.get_parsed_content("validate#preprocessing")
+    item = validate({"image": str(path)})["image"]
+    _same_item(item, volume_transforms(**keys, **patch, train=False)({"image": str(path)})["image"])
+
+    for units in ("input", "normalised"):
+        inference = _inference_parser(BUNDLE, output_units=units, **keys, patch_size=patch["patch_size"])
+        inference_pre = inference.get_parsed_content("preprocessing")
+        expected = volume_transforms(**keys, **patch, train=False, invertible_intensity=units == "input")
+        item, expected_item = inference_pre({"image": str(path)}), expected({"image": str(path)})
+        _same_item(item["image"], expected_item["image"])
+        restored, expected_restored = inference_pre.inverse(item), expected.inverse(expected_item)
+        _same_item(restored["image"], expected_restored["image"])
+        inference.get_parsed_content("postprocessing")  # checks that output_units fits the preprocessing
+
+
 def test_metadata_valid_against_schema():
     jsonschema = pytest.importorskip("jsonschema")
     meta = json.loads((BUNDLES / BUNDLE / "configs" / "metadata.json").read_text())
@@ -478,6 +549,40 @@ def test_smartcache_training(phantoms, tmp_path):
     assert probe_out["type"] == "SmartCacheDataset" and probe_out["cache_num"] == 2
     assert probe_out["iteration"] == 4  # an epoch is the 2 cached volumes = 1 step of batch 2
     assert len(probe_out["items"]) == 4
+
+
+def test_pipeline_edited_in_json(phantoms, tmp_path):
+    """A user's config file merged after train.json appends an augmentation to ``train#augmentation`` (MONAI's
+    ``+`` merge of lists) and replaces the SmartCacheDataset with a CacheDataset: training uses both."""
+    out = tmp_path / "edited"
+    edit = tmp_path / "noise.json"
+    noise = {"_target_": "RandGaussianNoised", "keys": ["image"], "prob": 1.0, "std": 0.1}
+    dataset = {
+        "_target_": "CacheDataset",
+        "data": "@train#data",
+        "transform": "@train#preprocessing",
+        "cache_rate": "@cache_rate",
+        "num_workers": 1,
+        "progress": False,
+    }
+    edit.write_text(json.dumps({"+train#augmentation": [noise], "train#dataset": dataset}))
+    probe = tmp_path / "probe.json"
+    used = "@train#trainer.data_loader.dataset.dataset"  # the loader wraps the dataset for seeded augmentation
+    record = (
+        f"$torch.save({{'type': type({used}).__name__, 'transforms': [type(t).__name__ for t in "
+        f"{used}.transform.transforms], 'sample': {used}[0][0]['image'].detach().cpu().numpy().tolist(), "
+        "'iteration': @train#trainer.state.iteration}, @output_dir + '/probe.pt')"
+    )
+    probe.write_text(json.dumps({"finalize": [record]}))
+    args = overrides(dataset_dir=str(phantoms), output_dir=str(out), max_epochs=1, val_interval=1, **TINY)
+    run_bundle(BUNDLE, ["train.json", str(edit), str(probe)], args=args)
+    result = torch.load(out / "probe.pt", weights_only=True)
+    assert result["type"] == "CacheDataset" and result["iteration"] == 2  # 4 volumes, batch 2
+    assert result["transforms"][-2:] == ["RandSpatialCropSamplesd", "RandGaussianNoised"]
+    sample = np.asarray(result["sample"])
+    assert sample.shape == (1, *TINY["patch_size"])
+    # the normalisation clips to [0, 1] and padding adds zeros: only the noise leaves that range
+    assert sample.min() < 0 or sample.max() > 1
 
 
 def test_compile_saves_clean_keys(phantoms, tmp_path):

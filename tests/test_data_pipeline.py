@@ -13,10 +13,15 @@ import torch
 from monai.data import CacheDataset, MetaTensor, SmartCacheDataset, ThreadDataLoader
 from monai.transforms import Compose
 
-from common.data.intensity import InvertibleScaleIntensityRangePercentilesd, inverse_linear_scaling
+from common.data.intensity import (
+    InvertibleScaleIntensityRangePercentilesd,
+    ScaleIntensityModed,
+    inverse_linear_scaling,
+)
 from common.data.io import write_nifti
 from common.data.pipeline import (
     LatentAffined,
+    cache_size,
     inference_postprocessing,
     intensity_transform,
     make_dataset,
@@ -73,6 +78,33 @@ def test_default_is_mri_and_none_keeps_values():
     assert type(intensity_transform(["image"], {})).__name__ == "InvertibleScaleIntensityRangePercentilesd"
     assert type(intensity_transform(["image"], {}, invertible=False)).__name__ == "ScaleIntensityRangePercentilesd"
     assert intensity_transform(["image"], {"mode": "none"}) is None
+
+
+@pytest.mark.parametrize(
+    "intensity", [None, {"mode": "mri", "lower": 5, "upper": 95}, {"mode": "ct", "a_min": -100, "a_max": 300}]
+)
+def test_scale_intensity_mode_is_the_transform_of_the_setting(intensity):
+    image = MetaTensor(torch.randn(1, 6, 6, 6, generator=torch.Generator().manual_seed(0)) * 200 + 100)
+    step = ScaleIntensityModed("image", intensity)
+    expected = intensity_transform(["image"], intensity or {"mode": "mri"})({"image": image.clone()})["image"]
+    out = step({"image": image.clone()})["image"]
+    assert torch.equal(out.as_tensor(), expected.as_tensor())
+    restored = step.inverse({"image": out})["image"]  # percentiles are undone, a CT window is kept
+    if intensity is None or intensity["mode"] == "mri":
+        low, high = np.percentile(image.numpy(), [intensity["lower"], intensity["upper"]] if intensity else [0.5, 99.5])
+        np.testing.assert_allclose(restored.numpy(), np.clip(image.numpy(), low, high), rtol=1e-4, atol=1e-3)
+    else:
+        assert torch.equal(restored.as_tensor(), out.as_tensor())
+    assert not restored.applied_operations
+
+
+def test_scale_intensity_mode_none_keeps_the_values():
+    image = torch.arange(8.0).reshape(1, 2, 2, 2)
+    step = ScaleIntensityModed(["image"], {"mode": "none"})
+    assert step.transform is None
+    assert step({"image": image})["image"] is image and step.inverse({"image": image})["image"] is image
+    with pytest.raises(ValueError, match="mode must be 'ct', 'mri' or 'none'"):
+        ScaleIntensityModed("image", {"mode": "pet"})
 
 
 @pytest.mark.parametrize("channel_wise", [False, True])
@@ -278,6 +310,29 @@ def test_make_dataset_smart_cache_only_with_replacement_and_partial_cache(single
 def test_make_dataset_rejects_bad_rates(single_process, kwargs, match):
     with pytest.raises(ValueError, match=match):
         make_dataset(_items(), Compose([]), **kwargs)
+
+
+def test_cache_size_keeps_at_least_one_item():
+    assert cache_size(range(10), 0.5) == 5 and cache_size(range(10), 1.0) == 10
+    assert cache_size(range(4), 0.1) == 1 and cache_size(range(4), 0.0) == 1 and cache_size([], 0.5) == 0
+    with pytest.raises(ValueError, match="cache_rate must be in \\[0, 1\\], got 1.5"):
+        cache_size(range(4), 1.5)
+
+
+def test_smart_cache_of_everything_is_a_plain_cache(single_process):
+    """train.json's default: a SmartCacheDataset caching every item replaces none of them between epochs."""
+    smart = SmartCacheDataset(
+        _items(4), Compose([]), replace_rate=0.1, cache_num=cache_size(range(4), 1.0), progress=False, seed=1
+    )
+    try:
+        before = sorted(smart[i]["image"].flatten()[0].item() for i in range(len(smart)))
+        smart.start()
+        for _ in range(3):
+            smart.update_cache()
+        after = sorted(smart[i]["image"].flatten()[0].item() for i in range(len(smart)))
+    finally:
+        smart.shutdown()
+    assert len(smart) == 4 and before == after == [0.0, 1.0, 2.0, 3.0]
 
 
 def test_make_dataset_partitions_for_this_rank(single_process):

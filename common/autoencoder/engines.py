@@ -329,6 +329,10 @@ def _positive_int(value: Any) -> bool:
     return not isinstance(value, bool) and isinstance(value, int) and value >= 1
 
 
+def _number(value: Any) -> bool:
+    return not isinstance(value, bool) and isinstance(value, (int, float))
+
+
 def check_autoencoder_settings(
     patch_size: Sequence[int],
     channels: Sequence[int],
@@ -343,6 +347,8 @@ def check_autoencoder_settings(
     adv_warmup_iterations: int,
     intensity: Mapping[str, Any] | None = None,
     flags: Mapping[str, Any] | None = None,
+    cache_rate: float = 1.0,
+    replace_rate: float = 0.1,
 ) -> None:
     """Check the ``autoencoder_3d`` hyperparameters before anything is built or written.
 
@@ -355,8 +361,9 @@ def check_autoencoder_settings(
             of another length, ``norm_num_groups`` not dividing every channel count, ``patch_size`` not 3 positive
             integers or not divisible by the total downsampling, ``latent_channels``/``batch_size``/``num_samples``
             below 1, a negative loss weight or ``adv_warmup_iterations``, an invalid ``intensity``
-            (:func:`common.data.pipeline.intensity_problems`), and on/off settings in ``flags`` (id -> value) that are
-            not booleans.
+            (:func:`common.data.pipeline.intensity_problems`), on/off settings in ``flags`` (id -> value) that are
+            not booleans, a ``cache_rate`` outside [0, 1] and a ``replace_rate`` outside (0, 1] (MONAI's
+            ``SmartCacheDataset`` refuses 0: with ``cache_rate`` 1 nothing is replaced anyway).
     """
     problems = []
     channels = list(channels) if isinstance(channels, (list, tuple)) else []
@@ -396,5 +403,12 @@ def check_autoencoder_settings(
         problems.append(f"'adv_warmup_iterations' must be an integer >= 0 (iterations), got {adv_warmup_iterations!r}.")
     problems += intensity_problems(intensity)
     problems += flag_problems(flags)
+    if not _number(cache_rate) or not 0 <= cache_rate <= 1:
+        problems.append(f"'cache_rate' must be a number in [0, 1] (the share of volumes cached), got {cache_rate!r}.")
+    if not _number(replace_rate) or not 0 < replace_rate <= 1:
+        problems.append(
+            f"'replace_rate' must be a number in (0, 1] (the share of a SmartCacheDataset's cache replaced each epoch; "
+            f"with cache_rate 1 nothing is replaced), got {replace_rate!r}."
+        )
     if problems:
         raise ValueError("invalid autoencoder configuration:\n  " + "\n  ".join(problems))

@@ -1,7 +1,8 @@
 # Copyright (c) the 3D MONAI bundle collection contributors.
 # Licensed under the Apache License, Version 2.0.
 """Invertible intensity normalisation: per-volume percentile scaling that records the mapping it applied, so a
-reconstruction can be returned to the input's intensity units (``monai.transforms.Invertd`` or :meth:`inverse`)."""
+reconstruction can be returned to the input's intensity units (``monai.transforms.Invertd`` or :meth:`inverse`), and
+the normalisation of a config's ``intensity`` setting as one transform of a JSON transform list."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from monai.transforms.utils_pytorch_numpy_unification import percentile
 from monai.utils import TraceKeys, convert_to_dst_type, convert_to_tensor
 from monai.utils.enums import TransformBackends
 
-__all__ = ["InvertibleScaleIntensityRangePercentilesd", "inverse_linear_scaling"]
+__all__ = ["InvertibleScaleIntensityRangePercentilesd", "ScaleIntensityModed", "inverse_linear_scaling"]
 
 
 def inverse_linear_scaling(
@@ -146,3 +147,52 @@ class InvertibleScaleIntensityRangePercentilesd(MapTransform, InvertibleTransfor
                 d[key], info["a_min"], info["a_max"], float(info["b_min"]), float(info["b_max"]), bool(info["clip"])
             )
         return d
+
+
+class ScaleIntensityModed(MapTransform, InvertibleTransform):
+    """The intensity normalisation of a config's ``intensity`` setting, as one element of a transform list.
+
+    ``intensity`` is the mapping of :func:`common.data.pipeline.intensity_transform`: ``{"mode": "ct", "a_min",
+    "a_max"}`` clips a Hounsfield window to [0, 1], ``{"mode": "mri", "lower", "upper"}`` rescales between
+    per-volume percentiles, ``{"mode": "none"}`` keeps the values (``None``: MRI percentiles). The values are those
+    of the transform that function builds; :meth:`inverse` undoes what that transform recorded (the per-volume
+    percentiles with ``invertible``), so ``Invertd`` over a ``Compose`` holding this step returns a reconstruction to
+    the input's units.
+
+    Args:
+        keys: keys of the images.
+        intensity: the ``intensity`` setting.
+        channel_wise: percentiles of each channel separately (MRI mode).
+        invertible: record the per-volume percentiles (MRI mode) so that they can be undone.
+        allow_missing_keys: do not raise for absent keys.
+
+    Raises:
+        ValueError: for an invalid ``intensity`` (see :func:`common.data.pipeline.intensity_problems`).
+    """
+
+    def __init__(
+        self,
+        keys: KeysCollection,
+        intensity: Mapping[str, Any] | None = None,
+        channel_wise: bool = False,
+        invertible: bool = True,
+        allow_missing_keys: bool = False,
+    ) -> None:
+        super().__init__(keys, allow_missing_keys)
+        from common.data.pipeline import intensity_transform  # that module builds on this one
+
+        #: the transform of the mode (``None`` for ``"none"``)
+        self.transform = intensity_transform(
+            list(self.keys), intensity or {"mode": "mri"}, channel_wise=channel_wise, invertible=invertible
+        )
+        if self.transform is not None:
+            self.transform.allow_missing_keys = bool(allow_missing_keys)
+
+    def __call__(self, data: Mapping[Hashable, Any]) -> dict[Hashable, Any]:
+        return dict(data) if self.transform is None else self.transform(data)
+
+    def inverse(self, data: Mapping[Hashable, Any]) -> dict[Hashable, Any]:
+        """Undo what the mode's transform recorded (nothing for a CT window or ``"none"``)."""
+        if isinstance(self.transform, InvertibleTransform):
+            return self.transform.inverse(data)
+        return dict(data)

@@ -5,7 +5,7 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence, Sized
 from typing import Any
 
 import numpy as np
@@ -32,7 +32,7 @@ from monai.transforms import (
 from monai.utils import CommonKeys as Keys
 
 from common.data.datalist import file_stem, no_volumes_error
-from common.data.intensity import InvertibleScaleIntensityRangePercentilesd
+from common.data.intensity import InvertibleScaleIntensityRangePercentilesd, ScaleIntensityModed
 from common.utils import get_rank, get_world_size
 
 __all__ = [
@@ -41,6 +41,7 @@ __all__ = [
     "ItemSeededDataset",
     "CaseMetad",
     "batch_case_ids",
+    "cache_size",
     "LatentAffined",
     "OUTPUT_UNITS",
     "VQCodesd",
@@ -266,6 +267,18 @@ def partition_for_rank(data: Sequence[Any], shuffle: bool = True, seed: int = 0,
     )
 
 
+def cache_size(data: Sized, cache_rate: float) -> int:
+    """How many items of ``data`` a cache of ``cache_rate`` holds (a dataset's ``cache_num``): at least one of a
+    non-empty ``data``, since a ``SmartCacheDataset`` draws an epoch from its cache only.
+
+    Raises:
+        ValueError: when ``cache_rate`` is not in [0, 1].
+    """
+    if not 0.0 <= float(cache_rate) <= 1.0:
+        raise ValueError(f"cache_rate must be in [0, 1], got {cache_rate!r}.")
+    return max(1, int(len(data) * float(cache_rate))) if len(data) else 0
+
+
 def make_dataset(
     data: Sequence[Mapping[str, Any]],
     transform: Compose,
@@ -292,7 +305,7 @@ def make_dataset(
     items = (
         partition_for_rank(data, shuffle=shuffle, seed=seed, even_divisible=even_divisible) if partition else list(data)
     )
-    cache_num = max(1, int(len(items) * float(cache_rate))) if items else 0
+    cache_num = cache_size(items, cache_rate)
     if float(replace_rate) > 0 and cache_num < len(items):
         return SmartCacheDataset(
             items,
@@ -511,6 +524,7 @@ def check_output_units(output_units: str, preprocessing: Compose | None = None) 
         raise ValueError(f"'output_units' must be one of {list(OUTPUT_UNITS)}, got {output_units!r}.")
     if preprocessing is not None:
         transforms = preprocessing.flatten().transforms if isinstance(preprocessing, Compose) else [preprocessing]
+        transforms = [t.transform if isinstance(t, ScaleIntensityModed) else t for t in transforms]
         records = any(isinstance(t, InvertibleScaleIntensityRangePercentilesd) for t in transforms)
         plain = any(isinstance(t, ScaleIntensityRangePercentilesd) for t in transforms)  # not recorded
         if units == "normalised" and records:
