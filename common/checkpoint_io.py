@@ -116,14 +116,18 @@ def mismatch_error(
     path: str | os.PathLike,
     settings: Mapping[str, Any] | None = None,
     strict: bool = True,
+    detail: str | None = None,
 ) -> CheckpointError | None:
     """The error for weights ``state`` (read from ``path``) that do not fit ``network``, or ``None`` when they fit.
 
     It names the settings that differ between the run that wrote the checkpoint (its ``configs/run.json``) and
     this config (``settings`` - the values the network was built from - updated with the command-line
     overrides), e.g. ``channels: checkpoint [16, 32, 32], config [32, 64, 64]``, then summarises the tensors in
-    one sentence (never the whole list)."""
+    one sentence (never the whole list), or gives ``detail``: the network's own explanation of why it refused the
+    weights (a module with its own ``load_state_dict`` check), which is then reported even when the tensors fit."""
     tensors = state_dict_mismatch(network, state, strict=strict)
+    if detail is not None and not detail.startswith("Error(s) in loading state_dict"):
+        tensors = detail.rstrip(".")
     if tensors is None:
         return None
     path = Path(path)
@@ -170,11 +174,11 @@ def load_network_weights(
             raise CheckpointError(f"checkpoint {str(path)!r} has no key {key!r}; keys: {sorted(checkpoint)}.")
         checkpoint = checkpoint[key]
     state = clean_state_dict(checkpoint)
-    error = mismatch_error(network, state, path, settings, strict=strict)
-    if error is not None:
-        raise error
     try:
         unwrap(network).load_state_dict(state, strict=strict)
-    except RuntimeError as e:
-        raise CheckpointError(f"checkpoint {str(path)!r} does not match {type(unwrap(network)).__name__}: {e}") from e
+    except (RuntimeError, ValueError) as e:
+        error = mismatch_error(network, state, path, settings, strict=strict, detail=str(e))
+        if error is None:
+            raise CheckpointError(f"checkpoint {str(path)!r} does not fit {type(unwrap(network)).__name__}: {e}") from e
+        raise error from None
     return network

@@ -439,15 +439,17 @@ def test_torchrun_two_processes_keep_identical_replicas(brats_tree, tmp_path):
 
 
 def test_inference_with_weights_of_another_task_is_refused(trained, brats_tree, tmp_path):
-    """The 4 -> 1 synthesis weights under the default translation config (T1 -> GM, 2 input channels)."""
+    """The 4 -> 1 synthesis weights under the default translation config (T1 -> GM, 2 input channels): pointed at
+    them with ``--ckpt_path`` from a folder without the run's settings (pointed at the run, inference takes the
+    run's task from its run.json)."""
     pred = tmp_path / "pred"
-    result = run_bundle(
-        BUNDLE,
-        ["inference.json", "tiny.json"],
-        run_id="run",
-        check=False,
-        args=overrides(output_dir=str(trained), dataset_dir=str(brats_tree), prediction_dir=str(pred)),
+    args = overrides(
+        output_dir=str(tmp_path / "elsewhere"),
+        ckpt_path=str(trained / "models" / "model.pt"),
+        dataset_dir=str(brats_tree),
+        prediction_dir=str(pred),
     )
+    result = run_bundle(BUNDLE, ["inference.json", "tiny.json"], run_id="run", check=False, args=args)
     assert result.returncode == 1
     assert "configuration error" in result.stderr and "Traceback" not in result.stderr
     assert "takes 4 input channel(s) but this sampler is configured for 2" in result.stderr

@@ -209,7 +209,7 @@ def test_corrupted_or_mismatched_checkpoint_names_the_file(exported, tmp_path):
     state.pop(sorted(state)[-1])  # a checkpoint of a different network: one tensor missing
     mismatched = tmp_path / "mismatched.pt"
     torch.save(state, mismatched)
-    with pytest.raises(CheckpointError, match=re.escape(str(mismatched)) + ".*does not match"):
+    with pytest.raises(CheckpointError, match=re.escape(str(mismatched)) + ".*does not fit"):
         export_onnx(bundle, mismatched, tmp_path / "b.onnx", overrides=tiny)
 
     missing = tmp_path / "missing.pt"

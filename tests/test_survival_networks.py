@@ -448,7 +448,7 @@ def test_load_predictor_errors_name_the_file(tmp_path):
     torch.save({"predictor": uncalibrated.state_dict(), "trainer": {"iteration": 3}}, tmp_path / "last.pt")
     assert bool(load_predictor(_logistic_predictor(seed=2), tmp_path / "last.pt").calibrated)
     cox = SurvivalPredictor(_net(head="cox"), "cox", HORIZONS)
-    with pytest.raises(CheckpointError, match="last.pt.*does not fit the configured survival model"):
+    with pytest.raises(CheckpointError, match="last.pt.*does not fit the configured SurvivalPredictor.*cut_points"):
         load_predictor(cox, tmp_path / "last.pt")
     with pytest.raises(CheckpointError, match="missing.pt"):
         load_predictor(cox, tmp_path / "missing.pt")

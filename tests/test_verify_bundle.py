@@ -224,7 +224,9 @@ def test_inference_output_checked_against_metadata(tmp_path, in_repo_root):
     """An inference network whose output contradicts the metadata (here: the latent encoder) is reported."""
     copy = _copy_bundle(tmp_path / EXAMPLE)
     _edit_json(copy / "configs" / "tiny.json", lambda t: t.update(mode="encode"))
-    latent_channels = json.loads((copy / "configs" / "inference.json").read_text())["latent_channels"]
+    latent_channels = json.loads((copy / "configs" / "train.json").read_text())[
+        "latent_channels"
+    ]  # read back by inference
     assert verify_bundle(copy) == [
         f"{copy}: {IN}: 'network' output has {latent_channels} channels, metadata outputs.pred.num_channels is 1",
         f"{copy}: {IN}: 'network' output spatial shape (4, 4, 4) does not match (16, 16, 16), "

@@ -209,11 +209,7 @@ class CheckpointManager:
         for name, obj in self._objects(engine).items():
             try:
                 if isinstance(obj, torch.nn.Module):
-                    settings = self.run_record.full_settings() if self.run_record is not None else None
-                    error = mismatch_error(obj, checkpoint[name], path, settings, strict=self.strict)
-                    if error is not None:
-                        raise CheckpointError(f"cannot restore {name!r}: {error}")
-                    unwrap(obj).load_state_dict(checkpoint[name], strict=self.strict)
+                    self._load_network(name, obj, checkpoint[name], path)
                 else:
                     obj.load_state_dict(checkpoint[name])
             except CheckpointError:
@@ -225,6 +221,15 @@ class CheckpointManager:
         self._restore_rng(checkpoint.get("rng"), engine.state.iteration)
         self.resumed_from = self._saved_iteration = engine.state.iteration
         logger.info(f"resumed from {path} at iteration {engine.state.iteration} (epoch {engine.state.epoch})")
+
+    def _load_network(self, name: str, network: torch.nn.Module, state: Mapping[str, Any], path: Path) -> None:
+        """Restore ``network``; weights that do not fit name the settings that differ from the run's record."""
+        try:
+            unwrap(network).load_state_dict(state, strict=self.strict)
+        except (RuntimeError, ValueError) as e:
+            settings = self.run_record.full_settings() if self.run_record is not None else None
+            error = mismatch_error(network, state, path, settings, strict=self.strict, detail=str(e))
+            raise CheckpointError(f"cannot restore {name!r}: {error or e}") from None
 
     def _remove_partial_writes(self) -> None:
         """Delete temporary files a killed process left while writing this checkpoint (rank 0)."""

@@ -796,13 +796,11 @@ def load_predictor(
         checkpoint = checkpoint["predictor"]
     if not isinstance(checkpoint, Mapping):
         raise CheckpointError(f"checkpoint {str(path)!r} is not a state dict, got {type(checkpoint).__name__}.")
-    error = mismatch_error(predictor, checkpoint, path, settings)
-    if error is not None:
-        raise error
     try:
         predictor.load_state_dict(checkpoint)
-    except RuntimeError as exc:
-        raise CheckpointError(f"checkpoint {str(path)!r} does not fit the configured survival model: {exc}") from exc
+    except (RuntimeError, ValueError) as exc:
+        error = mismatch_error(predictor, checkpoint, path, settings, detail=str(exc))
+        raise error or CheckpointError(f"checkpoint {str(path)!r} does not fit the survival model: {exc}") from None
     if not bool(predictor.calibrated):
         raise CheckpointError(
             f"checkpoint {str(path)!r} holds an uncalibrated survival model (no training risk distribution, "
