@@ -352,6 +352,29 @@ def test_json_pipelines_match_volume_transforms(tmp_path, settings):
         inference.get_parsed_content("postprocessing")  # checks that output_units fits the preprocessing
 
 
+@pytest.mark.parametrize("rates", [{}, {"cache_rate": 0.5, "replace_rate": 0.5}], ids=["default", "smart-cache"])
+def test_json_datasets_hold_the_volumes_of_make_dataset(ct_series, rates):
+    """``train#dataset`` caches the volumes ``make_dataset`` cached, in its order (the loader's epoch order and seeded
+    augmentation follow the dataset's positions): all of them in datalist order by default, a seeded random subset
+    that the SmartCacheHandler swaps with ``cache_rate`` < 1; ``validate#dataset`` every validation volume."""
+    from monai.data import CacheDataset, SmartCacheDataset
+
+    from common.data.pipeline import make_dataset
+
+    parser = _parser("train.json", TINY_JSON, dataset_dir=str(ct_series), **rates)
+    datalists = parser.get_parsed_content("datalists")
+    train, validate = parser.get_parsed_content("train#dataset"), parser.get_parsed_content("validate#dataset")
+    transform = parser.get_parsed_content("train#preprocessing")
+    rate = {"cache_rate": 1.0, "replace_rate": 0.0, **rates}
+    expected = make_dataset(datalists["training"], transform, **rate, partition=False, seed=parser["seed"])
+    assert isinstance(train, SmartCacheDataset) and type(expected) is (SmartCacheDataset if rates else CacheDataset)
+    assert [d["image"] for d in train.data] == [d["image"] for d in expected.data]
+    assert len(train) == len(expected) == (2 if rates else 4)
+    if not rates:
+        assert [d["image"] for d in train.data] == [d["image"] for d in datalists["training"]]
+    assert type(validate) is CacheDataset and len(validate) == len(datalists["validation"]) == 2
+
+
 def test_intensity_follows_demo_data(tmp_path):
     """train.json normalises the demo MRI by percentiles (``demo_intensity``) and other data by the CT window."""
     for dataset_dir, name, kind in ((None, "demo_intensity", "Percentilesd"), (tmp_path, "ct_window", "Ranged")):
