@@ -250,6 +250,174 @@ def test_stitched_reconstruction_equals_single_pass_when_the_volume_fits():
         assert stitched.shape == big.shape and torch.isfinite(stitched).all()
 
 
+def _parser(config: str, *extra: str, **settings):
+    """The bundle's ``config`` (with ``extra`` config files merged after it), parsed in this process on the CPU."""
+    from monai.bundle import ConfigParser
+
+    parser = ConfigParser()
+    parser.read_config([str(BUNDLES / BUNDLE / "configs" / name) for name in (config, *extra)])
+    for key, value in {"device": "cpu", **settings}.items():
+        parser[key] = value
+    return parser
+
+
+def _same_item(a, b) -> None:
+    assert type(a) is type(b)
+    assert a.dtype == b.dtype and torch.equal(torch.as_tensor(a), torch.as_tensor(b))
+    if hasattr(a, "meta"):
+        assert torch.equal(a.affine, b.affine)
+        assert [op["class"] for op in a.applied_operations] == [op["class"] for op in b.applied_operations]
+
+
+@pytest.mark.parametrize(
+    "settings",
+    [
+        {"intensity": {"mode": "ct", "a_min": -300, "a_max": 500}, "spacing": None, "orientation": "RAS"},
+        {"intensity": {"mode": "mri", "lower": 1, "upper": 99}, "spacing": [1.5, 1.25, 2.0], "orientation": "LPS"},
+        {"intensity": {"mode": "none"}, "spacing": [2, 2, 2], "orientation": None, "downsample": [2, 4, 8]},
+    ],
+    ids=["ct", "mri-spacing", "none-native-anisotropic"],
+)
+def test_json_pipelines_match_volume_transforms(tmp_path, settings):
+    """The transform lists written in train.json and inference.json give the values, metadata and inverses of
+    ``volume_transforms`` with the downsampling's ``divisible_by`` padding (training patches under one seed,
+    validation volumes, inference in the three modes, decode reading a latent map without normalisation)."""
+    from monai.transforms import Compose
+
+    from common.data.pipeline import volume_transforms
+
+    rng = np.random.default_rng(shifted_seed(3))
+    affine = np.array([[-1.2, 0.0, 0.1, 5.0], [0.0, 0.9, 0.0, -3.0], [0.0, 0.0, 1.7, 2.0], [0.0, 0.0, 0.0, 1.0]])
+    path, latent = tmp_path / "vol.nii.gz", tmp_path / "vol_latent.nii.gz"
+    nib.save(nib.Nifti1Image(rng.normal(100.0, 400.0, (14, 12, 10)).astype(np.float32), affine), str(path))
+    nib.save(nib.Nifti1Image(rng.normal(0.0, 1.0, (4, 3, 3, 4)).astype(np.float32), affine), str(latent))
+    downsample = settings.get("downsample", [4, 4, 4])
+    keys = {k: settings[k] for k in ("intensity", "spacing", "orientation")}
+    patch = {"patch_size": [16, 16, 8], "divisible_by": downsample}
+    parser = _parser("train.json", TINY_JSON, **settings, patch_size=patch["patch_size"], patches_per_volume=2)
+
+    train, expected = (
+        parser.get_parsed_content("train#preprocessing"),
+        volume_transforms(**keys, **patch, num_samples=2),
+    )
+    assert isinstance(train, Compose) and [type(t).__name__ for t in train.transforms][-4:] == [
+        "DivisiblePadd",
+        "EnsureTyped",
+        "ToDeviced",
+        "RandSpatialCropSamplesd",
+    ]
+    for seed in (0, 1):
+        train.set_random_state(seed), expected.set_random_state(seed)
+        crops, expected_crops = train({"image": str(path)}), expected({"image": str(path)})
+        assert len(crops) == len(expected_crops) == 2
+        for crop, expected_crop in zip(crops, expected_crops):
+            _same_item(crop["image"], expected_crop["image"])
+
+    validate = parser.get_parsed_content("validate#preprocessing")
+    item = validate({"image": str(path)})["image"]
+    _same_item(item, volume_transforms(**keys, **patch, train=False)({"image": str(path)})["image"])
+    assert all(s % d == 0 for s, d in zip(item.shape[1:], downsample))
+
+    arch = {k: v for k, v in ARCH.items() if k not in ("patch_size", "downsample")}
+    for mode, units in (
+        ("reconstruct", "input"),
+        ("reconstruct", "normalised"),
+        ("encode", "input"),
+        ("decode", "input"),
+    ):
+        inference = _parser(
+            "inference.json",
+            **keys,
+            **arch,
+            downsample=downsample,
+            patch_size=patch["patch_size"],
+            num_res_blocks=1,
+            mode=mode,
+            output_units=units,
+            prediction_dir=str(tmp_path / "pred"),
+        )
+        inference_pre = inference.get_parsed_content("preprocessing")
+        if mode == "decode":
+            source = latent
+            expected = volume_transforms(
+                intensity={"mode": "none"}, orientation=keys["orientation"], train=False, invertible_intensity=True
+            )
+        else:
+            source = path
+            expected = volume_transforms(**keys, **patch, train=False, invertible_intensity=units == "input")
+        item, expected_item = inference_pre({"image": str(source)}), expected({"image": str(source)})
+        _same_item(item["image"], expected_item["image"])
+        restored, expected_restored = inference_pre.inverse(item), expected.inverse(expected_item)
+        _same_item(restored["image"], expected_restored["image"])
+        inference.get_parsed_content("postprocessing")  # checks that output_units fits the preprocessing
+
+
+@pytest.mark.parametrize("rates", [{}, {"cache_rate": 0.5, "replace_rate": 0.5}], ids=["default", "smart-cache"])
+def test_json_datasets_hold_the_volumes_of_make_dataset(ct_series, rates):
+    """``train#dataset`` caches the volumes ``make_dataset`` cached, in its order (the loader's epoch order and seeded
+    augmentation follow the dataset's positions): all of them in datalist order by default, a seeded random subset
+    that the SmartCacheHandler swaps with ``cache_rate`` < 1; ``validate#dataset`` every validation volume."""
+    from monai.data import CacheDataset, SmartCacheDataset
+
+    from common.data.pipeline import make_dataset
+
+    parser = _parser("train.json", TINY_JSON, dataset_dir=str(ct_series), **rates)
+    datalists = parser.get_parsed_content("datalists")
+    train, validate = parser.get_parsed_content("train#dataset"), parser.get_parsed_content("validate#dataset")
+    transform = parser.get_parsed_content("train#preprocessing")
+    rate = {"cache_rate": 1.0, "replace_rate": 0.0, **rates}
+    expected = make_dataset(datalists["training"], transform, **rate, partition=False, seed=parser["seed"])
+    assert isinstance(train, SmartCacheDataset) and type(expected) is (SmartCacheDataset if rates else CacheDataset)
+    assert [d["image"] for d in train.data] == [d["image"] for d in expected.data]
+    assert len(train) == len(expected) == (2 if rates else 4)
+    if not rates:
+        assert [d["image"] for d in train.data] == [d["image"] for d in datalists["training"]]
+    assert type(validate) is CacheDataset and len(validate) == len(datalists["validation"]) == 2
+
+
+def test_intensity_follows_demo_data(tmp_path):
+    """train.json normalises the demo MRI by percentiles (``demo_intensity``) and other data by the CT window."""
+    for dataset_dir, name, kind in ((None, "demo_intensity", "Percentilesd"), (tmp_path, "ct_window", "Ranged")):
+        parser = _parser("train.json", **({} if dataset_dir is None else {"dataset_dir": str(dataset_dir)}))
+        assert parser.get_parsed_content("intensity") == parser.get_parsed_content(name)
+        step = [t for t in parser.get_parsed_content("train#deterministic") if hasattr(t, "transform")][0]
+        assert type(step).__name__ == "ScaleIntensityModed" and type(step.transform).__name__.endswith(kind)
+
+
+def test_pipeline_edited_in_json(ct_series, tmp_path):
+    """A user's config file merged after train.json appends an augmentation to ``train#augmentation`` (MONAI's
+    ``+`` merge of lists) and replaces the SmartCacheDataset with a CacheDataset: training uses both."""
+    out = tmp_path / "edited"
+    edit = tmp_path / "noise.json"
+    noise = {"_target_": "RandGaussianNoised", "keys": ["image"], "prob": 1.0, "std": 0.1}
+    dataset = {
+        "_target_": "CacheDataset",
+        "data": "@train#data",
+        "transform": "@train#preprocessing",
+        "cache_rate": "@cache_rate",
+        "num_workers": 1,
+        "progress": False,
+    }
+    edit.write_text(json.dumps({"+train#augmentation": [noise], "train#dataset": dataset}))
+    probe = tmp_path / "probe.json"
+    used = "@train#trainer.data_loader.dataset.dataset"  # the loader wraps the dataset for seeded augmentation
+    record = (
+        f"$torch.save({{'type': type({used}).__name__, 'transforms': [type(t).__name__ for t in "
+        f"{used}.transform.transforms], 'sample': {used}[0][0]['image'].detach().cpu().numpy().tolist(), "
+        "'iteration': @train#trainer.state.iteration}, @output_dir + '/probe.pt')"
+    )
+    probe.write_text(json.dumps({"finalize": [record]}))
+    args = overrides(dataset_dir=str(ct_series), output_dir=str(out), max_epochs=1, val_interval=1)
+    run_bundle(BUNDLE, ["train.json", TINY_JSON, str(edit), str(probe)], args=args)
+    result = torch.load(out / "probe.pt", weights_only=True)
+    assert result["type"] == "CacheDataset" and result["iteration"] == 4  # 4 volumes, batch 1
+    assert result["transforms"][-2:] == ["RandSpatialCropSamplesd", "RandGaussianNoised"]
+    sample = np.asarray(result["sample"])
+    assert sample.shape == (1, *ARCH["patch_size"])
+    # the CT window clips to [0, 1] and padding adds zeros: only the noise leaves that range
+    assert sample.min() < 0 or sample.max() > 1
+
+
 def test_bad_settings_are_refused_before_anything_is_written(ct_series, tmp_path):
     out = tmp_path / "out"
     result = run_bundle(

@@ -560,6 +560,9 @@ def test_valid_settings_pass():
         ({"intensity": {"mode": "CT", "a_min": 100, "a_max": 100}}, "'intensity'", "a_min=100.0"),
         ({"patches_per_volume": 0}, "'patches_per_volume'", "got 0"),
         ({"micro_batch_size": 0}, "'micro_batch_size'", "got 0"),
+        ({"cache_rate": 1.5}, "'cache_rate'", "must be a number in [0, 1] (the share of volumes cached), got 1.5"),
+        ({"replace_rate": 0.0}, "'replace_rate'", "must be a number in (0, 1]"),
+        ({"replace_rate": True}, "'replace_rate'", "got True"),
     ],
 )
 def test_each_bad_setting_names_its_config_id(override, config_id, detail):

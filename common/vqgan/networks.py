@@ -442,6 +442,10 @@ class VQGAN(nn.Module):
         return {"pred": recon, **out}
 
 
+def _number(value: object) -> bool:
+    return not isinstance(value, bool) and isinstance(value, (int, float))
+
+
 def check_vqgan_settings(
     patch_size: Sequence[int],
     downsample: Sequence[int] | int,
@@ -450,6 +454,8 @@ def check_vqgan_settings(
     intensity: dict | None = None,
     patches_per_volume: int = 1,
     micro_batch_size: int | None = None,
+    cache_rate: float = 1.0,
+    replace_rate: float = 0.1,
 ) -> None:
     """Check the VQ-GAN hyperparameters before anything is built or written.
 
@@ -457,7 +463,9 @@ def check_vqgan_settings(
         ValueError: naming the config id and the value, for: ``downsample`` not powers of two, ``patch_size``
             not divisible by ``downsample`` on every axis, ``n_codes < 2``, negative ``discriminator_iter_start``,
             an invalid ``intensity`` (:func:`common.data.pipeline.intensity_problems`: an inverted HU window, bad
-            percentiles, an unknown mode), ``patches_per_volume < 1`` or ``micro_batch_size < 1``.
+            percentiles, an unknown mode), ``patches_per_volume < 1``, ``micro_batch_size < 1``, a ``cache_rate``
+            outside [0, 1] or a ``replace_rate`` outside (0, 1] (MONAI's ``SmartCacheDataset`` refuses 0: with
+            ``cache_rate`` 1 nothing is replaced anyway).
     """
     problems = []
     try:
@@ -480,5 +488,12 @@ def check_vqgan_settings(
         problems.append(f"'patches_per_volume' must be >= 1, got {patches_per_volume!r}.")
     if micro_batch_size is not None and int(micro_batch_size) < 1:
         problems.append(f"'micro_batch_size' must be >= 1 or null, got {micro_batch_size!r}.")
+    if not _number(cache_rate) or not 0 <= cache_rate <= 1:
+        problems.append(f"'cache_rate' must be a number in [0, 1] (the share of volumes cached), got {cache_rate!r}.")
+    if not _number(replace_rate) or not 0 < replace_rate <= 1:
+        problems.append(
+            f"'replace_rate' must be a number in (0, 1] (the share of a SmartCacheDataset's cache replaced each epoch; "
+            f"with cache_rate 1 nothing is replaced), got {replace_rate!r}."
+        )
     if problems:
         raise ValueError("invalid VQ-GAN configuration:\n  " + "\n  ".join(problems))
