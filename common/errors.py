@@ -18,14 +18,15 @@ class UserError(Exception):
 
 
 def user_error_in_chain(exc: BaseException | None) -> UserError | None:
-    """The :class:`UserError` that is ``exc`` or caused it (MONAI wraps errors raised while a config expression is
-    evaluated in a ``RuntimeError``), or ``None``."""
+    """The :class:`UserError` that is ``exc`` or its explicit cause (``raise ... from``: MONAI wraps errors raised
+    while a config expression is evaluated in a ``RuntimeError``), or ``None``. An error raised while handling a
+    user error (its implicit context) is a bug and keeps its traceback."""
     seen: set[int] = set()
     while exc is not None and id(exc) not in seen:
         if isinstance(exc, UserError):
             return exc
         seen.add(id(exc))
-        exc = exc.__cause__ or exc.__context__
+        exc = exc.__cause__
     return None
 
 

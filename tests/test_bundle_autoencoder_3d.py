@@ -646,3 +646,26 @@ def test_packaged_run_carries_its_settings(trained, phantoms, tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     recon = nib.load(bundle / "outputs" / "predictions" / "phantom_val_000_recon.nii.gz")
     assert recon.shape == nib.load(phantoms / "images" / "phantom_val_000.nii.gz").shape
+
+
+@pytest.mark.parametrize("rates", [{}, {"cache_rate": 0.5, "replace_rate": 0.5}], ids=["default", "smart-cache"])
+def test_json_datasets_hold_the_volumes_of_make_dataset(phantoms, rates):
+    """``train#dataset`` caches the volumes ``make_dataset`` cached, in its order (the loader's epoch order and seeded
+    augmentation follow the dataset's positions): all of them in datalist order by default, a seeded random subset
+    that the SmartCacheHandler swaps with ``cache_rate`` < 1; ``validate#dataset`` every validation volume."""
+    from monai.data import CacheDataset, SmartCacheDataset
+
+    from common.data.pipeline import make_dataset
+
+    parser = _train_parser(BUNDLE, "tiny.json", dataset_dir=str(phantoms), **rates)
+    datalists = parser.get_parsed_content("datalists")
+    train, validate = parser.get_parsed_content("train#dataset"), parser.get_parsed_content("validate#dataset")
+    transform = parser.get_parsed_content("train#preprocessing")
+    rate = {"cache_rate": 1.0, "replace_rate": 0.0, **rates}
+    expected = make_dataset(datalists["training"], transform, **rate, partition=False, seed=parser["seed"])
+    assert isinstance(train, SmartCacheDataset) and type(expected) is (SmartCacheDataset if rates else CacheDataset)
+    assert [d["image"] for d in train.data] == [d["image"] for d in expected.data]
+    assert len(train) == len(expected) == (2 if rates else 4)
+    if not rates:
+        assert [d["image"] for d in train.data] == [d["image"] for d in datalists["training"]]
+    assert type(validate) is CacheDataset and len(validate) == len(datalists["validation"]) == 2
