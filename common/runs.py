@@ -22,9 +22,11 @@ from common.errors import UserError
 
 __all__ = [
     "LOCATION_IDS",
+    "RUN_ARGUMENTS",
     "RUN_FILE",
     "TRAINING_ONLY_IDS",
     "RunRecord",
+    "RunRecordError",
     "changed_settings",
     "check_record_bundle",
     "command_line",

@@ -193,6 +193,32 @@ def model_zoo_train_properties(bundle: str, extra_configs: Sequence[str], overri
     return model_zoo_checks(copy, ["train"], extra_configs, overrides)
 
 
+def edited_pipeline_configs(folder: Path) -> tuple[Path, Path]:
+    """Two config files a user merges after a bundle's train.json: ``noise.json`` appends ``RandGaussianNoised`` to
+    ``train#augmentation`` (MONAI's ``+`` merge of lists) and replaces ``train#dataset`` by a ``CacheDataset``;
+    ``probe.json`` saves, at ``finalize``, what the trainer used to ``<output_dir>/probe.pt`` (dataset type,
+    transforms, a sample of the first item, the iteration)."""
+    edit, probe = folder / "noise.json", folder / "probe.json"
+    noise = {"_target_": "RandGaussianNoised", "keys": ["image"], "prob": 1.0, "std": 0.1}
+    dataset = {
+        "_target_": "CacheDataset",
+        "data": "@train#data",
+        "transform": "@train#preprocessing",
+        "cache_rate": "@cache_rate",
+        "num_workers": 1,
+        "progress": False,
+    }
+    edit.write_text(json.dumps({"+train#augmentation": [noise], "train#dataset": dataset}))
+    used = "@train#trainer.data_loader.dataset.dataset"  # the loader wraps the dataset for seeded augmentation
+    record = (
+        f"$torch.save({{'type': type({used}).__name__, 'transforms': [type(t).__name__ for t in "
+        f"{used}.transform.transforms], 'sample': {used}[0][0]['image'].detach().cpu().numpy().tolist(), "
+        "'iteration': @train#trainer.state.iteration}, @output_dir + '/probe.pt')"
+    )
+    probe.write_text(json.dumps({"finalize": [record]}))
+    return edit, probe
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -213,7 +239,7 @@ def torchrun_cmd(nproc: int, *module_args: str) -> list[str]:
     ]
 
 
-def tiny_autoencoder(seed: int | None = 0) -> AutoencoderKL:
+def tiny_autoencoder(seed: int | None = 0, channels: Sequence[int] = (8, 16)) -> AutoencoderKL:
     """A 2-level AutoencoderKL (2x downsampling, no attention) small enough for CPU unit tests."""
     if seed is not None:
         torch.manual_seed(seed)
@@ -221,7 +247,7 @@ def tiny_autoencoder(seed: int | None = 0) -> AutoencoderKL:
         spatial_dims=3,
         in_channels=1,
         out_channels=1,
-        channels=(8, 16),
+        channels=tuple(channels),
         latent_channels=2,
         num_res_blocks=1,
         norm_num_groups=4,

@@ -22,6 +22,7 @@ from tests.helpers import (
     SCHEMA,
     bundle_env,
     config_arg,
+    edited_pipeline_configs,
     model_zoo_train_properties,
     overrides,
     run_bundle,
@@ -555,25 +556,7 @@ def test_pipeline_edited_in_json(phantoms, tmp_path):
     """A user's config file merged after train.json appends an augmentation to ``train#augmentation`` (MONAI's
     ``+`` merge of lists) and replaces the SmartCacheDataset with a CacheDataset: training uses both."""
     out = tmp_path / "edited"
-    edit = tmp_path / "noise.json"
-    noise = {"_target_": "RandGaussianNoised", "keys": ["image"], "prob": 1.0, "std": 0.1}
-    dataset = {
-        "_target_": "CacheDataset",
-        "data": "@train#data",
-        "transform": "@train#preprocessing",
-        "cache_rate": "@cache_rate",
-        "num_workers": 1,
-        "progress": False,
-    }
-    edit.write_text(json.dumps({"+train#augmentation": [noise], "train#dataset": dataset}))
-    probe = tmp_path / "probe.json"
-    used = "@train#trainer.data_loader.dataset.dataset"  # the loader wraps the dataset for seeded augmentation
-    record = (
-        f"$torch.save({{'type': type({used}).__name__, 'transforms': [type(t).__name__ for t in "
-        f"{used}.transform.transforms], 'sample': {used}[0][0]['image'].detach().cpu().numpy().tolist(), "
-        "'iteration': @train#trainer.state.iteration}, @output_dir + '/probe.pt')"
-    )
-    probe.write_text(json.dumps({"finalize": [record]}))
+    edit, probe = edited_pipeline_configs(tmp_path)
     args = overrides(dataset_dir=str(phantoms), output_dir=str(out), max_epochs=1, val_interval=1, **TINY)
     run_bundle(BUNDLE, ["train.json", str(edit), str(probe)], args=args)
     result = torch.load(out / "probe.pt", weights_only=True)

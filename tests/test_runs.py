@@ -12,7 +12,6 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 
 from common.checkpoint_io import CheckpointError, load_network_weights, save_checkpoint
 from common.errors import MissingInputError, UserError, user_error_in_chain
@@ -106,23 +105,8 @@ def test_settings_differences_leave_out_locations_and_optimisation():
 
 
 def _fake_run(root: Path, channels: list[int], record: bool = True) -> Path:
-    """A run folder with ``models/model.pt`` of an AutoencoderKL with ``channels`` (and its ``run.json``)."""
-    from monai.networks.nets import AutoencoderKL
-
-    torch.manual_seed(0)
-    net = AutoencoderKL(
-        spatial_dims=3,
-        in_channels=1,
-        out_channels=1,
-        channels=channels,
-        latent_channels=2,
-        num_res_blocks=1,
-        norm_num_groups=4,
-        attention_levels=[False] * len(channels),
-        with_encoder_nonlocal_attn=False,
-        with_decoder_nonlocal_attn=False,
-    )
-    save_checkpoint(net.state_dict(), root / "models" / "model.pt")
+    """A run folder with ``models/model.pt`` of a tiny AutoencoderKL with ``channels`` (and its ``run.json``)."""
+    save_checkpoint(tiny_autoencoder(channels=channels).state_dict(), root / "models" / "model.pt")
     if record:
         argv = _argv("--config_file", str(TRAIN), "--channels", json.dumps(channels), "--latent_channels", "2")
         make_record(root, AE, argv=argv).write()
@@ -135,22 +119,8 @@ def test_checkpoint_that_does_not_fit_names_the_settings(tmp_path):
     current = {**run_settings(tmp_path, AE), "channels": [8, 32]}
     network = tiny_autoencoder(seed=None)  # channels (8, 16) ... but the config says [8, 32]
     load_network_weights(network, ckpt, settings=current)  # fits: the weights decide, the settings only explain
-    from monai.networks.nets import AutoencoderKL
-
-    wider = AutoencoderKL(
-        spatial_dims=3,
-        in_channels=1,
-        out_channels=1,
-        channels=(8, 32),
-        latent_channels=2,
-        num_res_blocks=1,
-        norm_num_groups=4,
-        attention_levels=(False, False),
-        with_encoder_nonlocal_attn=False,
-        with_decoder_nonlocal_attn=False,
-    )
     with pytest.raises(CheckpointError) as info:
-        load_network_weights(wider, ckpt, settings=current)
+        load_network_weights(tiny_autoencoder(seed=None, channels=(8, 32)), ckpt, settings=current)
     message = str(info.value)
     assert "does not fit the configured AutoencoderKL" in message
     assert "settings that differ - channels: checkpoint [8, 16], config [8, 32]" in message
@@ -161,22 +131,8 @@ def test_checkpoint_that_does_not_fit_names_the_settings(tmp_path):
 def test_checkpoint_without_record_says_so(tmp_path):
     ckpt = _fake_run(tmp_path, [8, 16], record=False)
     assert run_dir_of(ckpt) is None
-    from monai.networks.nets import AutoencoderKL
-
-    other = AutoencoderKL(
-        spatial_dims=3,
-        in_channels=1,
-        out_channels=1,
-        channels=(8, 32),
-        latent_channels=2,
-        num_res_blocks=1,
-        norm_num_groups=4,
-        attention_levels=(False, False),
-        with_encoder_nonlocal_attn=False,
-        with_decoder_nonlocal_attn=False,
-    )
     with pytest.raises(CheckpointError, match="recorded no settings"):
-        load_network_weights(other, ckpt)
+        load_network_weights(tiny_autoencoder(seed=None, channels=(8, 32)), ckpt)
 
 
 def test_user_error_found_through_monai_wrapping():

@@ -16,7 +16,7 @@ from torch.optim import Optimizer
 
 from common.autoencoder.adversarial import feature_matching_loss
 from common.autoencoder.losses import kl_divergence
-from common.data.pipeline import intensity_problems
+from common.data.pipeline import cache_problems, intensity_problems
 from common.engines.trainer import StepTrainer
 from common.networks.wrappers import split_autoencoder_output, unwrap
 from common.utils import autocast, flag_problems
@@ -329,10 +329,6 @@ def _positive_int(value: Any) -> bool:
     return not isinstance(value, bool) and isinstance(value, int) and value >= 1
 
 
-def _number(value: Any) -> bool:
-    return not isinstance(value, bool) and isinstance(value, (int, float))
-
-
 def check_autoencoder_settings(
     patch_size: Sequence[int],
     channels: Sequence[int],
@@ -403,12 +399,6 @@ def check_autoencoder_settings(
         problems.append(f"'adv_warmup_iterations' must be an integer >= 0 (iterations), got {adv_warmup_iterations!r}.")
     problems += intensity_problems(intensity)
     problems += flag_problems(flags)
-    if not _number(cache_rate) or not 0 <= cache_rate <= 1:
-        problems.append(f"'cache_rate' must be a number in [0, 1] (the share of volumes cached), got {cache_rate!r}.")
-    if not _number(replace_rate) or not 0 < replace_rate <= 1:
-        problems.append(
-            f"'replace_rate' must be a number in (0, 1] (the share of a SmartCacheDataset's cache replaced each epoch; "
-            f"with cache_rate 1 nothing is replaced), got {replace_rate!r}."
-        )
+    problems += cache_problems(cache_rate, replace_rate)
     if problems:
         raise ValueError("invalid autoencoder configuration:\n  " + "\n  ".join(problems))

@@ -45,6 +45,7 @@ __all__ = [
     "LatentAffined",
     "OUTPUT_UNITS",
     "VQCodesd",
+    "cache_problems",
     "case_name_formatter",
     "check_output_units",
     "inference_postprocessing",
@@ -83,6 +84,21 @@ def intensity_problems(intensity: Mapping[str, Any] | None) -> list[str]:
     elif mode != "none":
         return [f"'intensity' mode must be 'ct', 'mri' or 'none', got {mode!r}."]
     return []
+
+
+def cache_problems(cache_rate: Any, replace_rate: Any) -> list[str]:
+    """Why the config ``cache_rate`` (share of volumes cached, in [0, 1]) or ``replace_rate`` (share of a
+    ``SmartCacheDataset``'s cache replaced each epoch, in (0, 1]: MONAI refuses 0, and with ``cache_rate`` 1 nothing
+    is replaced anyway) is invalid, one line per problem naming the config id."""
+    problems = []
+    if isinstance(cache_rate, bool) or not isinstance(cache_rate, (int, float)) or not 0 <= cache_rate <= 1:
+        problems.append(f"'cache_rate' must be a number in [0, 1] (the share of volumes cached), got {cache_rate!r}.")
+    if isinstance(replace_rate, bool) or not isinstance(replace_rate, (int, float)) or not 0 < replace_rate <= 1:
+        problems.append(
+            f"'replace_rate' must be a number in (0, 1] (the share of a SmartCacheDataset's cache replaced each epoch; "
+            f"with cache_rate 1 nothing is replaced), got {replace_rate!r}."
+        )
+    return problems
 
 
 def intensity_transform(

@@ -25,7 +25,7 @@ from monai.networks.blocks import Convolution
 from monai.networks.nets.autoencoderkl import AEKLResBlock
 from torch import nn
 
-from common.data.pipeline import intensity_problems
+from common.data.pipeline import cache_problems, intensity_problems
 
 __all__ = [
     "EMAVectorQuantizer",
@@ -442,10 +442,6 @@ class VQGAN(nn.Module):
         return {"pred": recon, **out}
 
 
-def _number(value: object) -> bool:
-    return not isinstance(value, bool) and isinstance(value, (int, float))
-
-
 def check_vqgan_settings(
     patch_size: Sequence[int],
     downsample: Sequence[int] | int,
@@ -488,12 +484,6 @@ def check_vqgan_settings(
         problems.append(f"'patches_per_volume' must be >= 1, got {patches_per_volume!r}.")
     if micro_batch_size is not None and int(micro_batch_size) < 1:
         problems.append(f"'micro_batch_size' must be >= 1 or null, got {micro_batch_size!r}.")
-    if not _number(cache_rate) or not 0 <= cache_rate <= 1:
-        problems.append(f"'cache_rate' must be a number in [0, 1] (the share of volumes cached), got {cache_rate!r}.")
-    if not _number(replace_rate) or not 0 < replace_rate <= 1:
-        problems.append(
-            f"'replace_rate' must be a number in (0, 1] (the share of a SmartCacheDataset's cache replaced each epoch; "
-            f"with cache_rate 1 nothing is replaced), got {replace_rate!r}."
-        )
+    problems += cache_problems(cache_rate, replace_rate)
     if problems:
         raise ValueError("invalid VQ-GAN configuration:\n  " + "\n  ".join(problems))
