@@ -193,13 +193,16 @@ def model_zoo_train_properties(bundle: str, extra_configs: Sequence[str], overri
     return model_zoo_checks(copy, ["train"], extra_configs, overrides)
 
 
-def edited_pipeline_configs(folder: Path) -> tuple[Path, Path]:
-    """Two config files a user merges after a bundle's train.json: ``noise.json`` appends ``RandGaussianNoised`` to
-    ``train#augmentation`` (MONAI's ``+`` merge of lists) and replaces ``train#dataset`` by a ``CacheDataset``;
-    ``probe.json`` saves, at ``finalize``, what the trainer used to ``<output_dir>/probe.pt`` (dataset type,
-    transforms, a sample of the first item, the iteration)."""
+def edited_pipeline_configs(
+    folder: Path, keys: Sequence[str] = ("image",), sample: str = "[0][0]['image']"
+) -> tuple[Path, Path]:
+    """Two config files a user merges after a bundle's train.json: ``noise.json`` appends ``RandGaussianNoised`` of
+    ``keys`` to ``train#augmentation`` (MONAI's ``+`` merge of lists) and replaces ``train#dataset`` by a
+    ``CacheDataset``; ``probe.json`` saves, at ``finalize``, what the trainer used to ``<output_dir>/probe.pt``
+    (dataset type, transforms, ``sample`` of the dataset - by default the image of the first crop of the first item -,
+    the iteration)."""
     edit, probe = folder / "noise.json", folder / "probe.json"
-    noise = {"_target_": "RandGaussianNoised", "keys": ["image"], "prob": 1.0, "std": 0.1}
+    noise = {"_target_": "RandGaussianNoised", "keys": list(keys), "prob": 1.0, "std": 0.1}
     dataset = {
         "_target_": "CacheDataset",
         "data": "@train#data",
@@ -212,7 +215,7 @@ def edited_pipeline_configs(folder: Path) -> tuple[Path, Path]:
     used = "@train#trainer.data_loader.dataset.dataset"  # the loader wraps the dataset for seeded augmentation
     record = (
         f"$torch.save({{'type': type({used}).__name__, 'transforms': [type(t).__name__ for t in "
-        f"{used}.transform.transforms], 'sample': {used}[0][0]['image'].detach().cpu().numpy().tolist(), "
+        f"{used}.transform.transforms], 'sample': {used}{sample}.detach().cpu().numpy().tolist(), "
         "'iteration': @train#trainer.state.iteration}, @output_dir + '/probe.pt')"
     )
     probe.write_text(json.dumps({"finalize": [record]}))
