@@ -22,6 +22,7 @@ from monai.utils import CommonKeys as Keys
 from torch import nn
 from torch.optim import Optimizer
 
+from common.data.pipeline import cache_problems
 from common.diffusion.schedule import (
     GRIDS,
     PREDICTIONS,
@@ -41,9 +42,11 @@ __all__ = [
     "check_diffusion_settings",
     "expand_channels",
     "insert_target",
+    "latent_roi_size",
     "prepare_diffusion_batch",
     "sampling_grid",
     "target_channel_indices",
+    "volume_multiple",
     "volume_seed",
 ]
 
@@ -84,6 +87,20 @@ def target_channel_indices(image_keys: Sequence[str], target_key: str, channels_
 def expand_channels(channels: Sequence[int], factor: int) -> list[int]:
     """Indices of image channels ``channels`` in a latent where every image channel became ``factor`` channels."""
     return [int(c) * int(factor) + j for c in channels for j in range(int(factor))]
+
+
+def volume_multiple(unet_channels: Sequence[int], space_downsample: Sequence[int]) -> list[int]:
+    """The multiple every spatial size of a whole volume is padded to: the U-Net's downsampling (it halves the size
+    ``len(unet_channels) - 1`` times) times ``space_downsample`` (the autoencoder's downsampling in latent mode,
+    1 otherwise), per axis."""
+    factor = 2 ** (len(unet_channels) - 1)
+    return [factor * int(d) for d in space_downsample]
+
+
+def latent_roi_size(patch_size: Sequence[int], space_downsample: Sequence[int]) -> list[int]:
+    """The training crop and sampling window in the space the U-Net sees: ``patch_size`` (image voxels) divided by
+    ``space_downsample`` (the autoencoder's downsampling in latent mode, 1 otherwise), per axis."""
+    return [int(p) // int(d) for p, d in zip(patch_size, space_downsample)]
 
 
 def insert_target(
@@ -365,6 +382,8 @@ def check_diffusion_settings(
     attention_levels: Sequence[bool] | None = None,
     num_head_channels: int | None = None,
     flags: Mapping[str, Any] | None = None,
+    cache_rate: float = 1.0,
+    replace_rate: float = 0.1,
 ) -> None:
     """Check a diffusion bundle's settings before anything is built or written.
 
@@ -372,7 +391,9 @@ def check_diffusion_settings(
     (the command line reads ``true`` as a string: a string there would silently switch attention on at full
     resolution and exhaust the memory), and ``num_head_channels`` must divide the channels of those levels.
     ``flags`` maps the ids of on/off switches (``latent``, ``clip_sample``, ...) to their values, which must be
-    booleans for the same reason (a string ``"false"`` is true).
+    booleans for the same reason (a string ``"false"`` is true). ``latent_downsample`` of 1 on every axis (or
+    ``None``) means no autoencoder. ``cache_rate`` and ``replace_rate`` are checked as
+    :func:`common.data.pipeline.cache_problems` does.
 
     Raises:
         ValueError: listing every problem, each naming its config id and value.
@@ -423,6 +444,7 @@ def check_diffusion_settings(
             f"'val_num_samples' must be >= 2 for task 'unconditional' (diversity between samples), got {val_num_samples!r}."
         )
     problems += flag_problems(flags)
+    problems += cache_problems(cache_rate, replace_rate)
     channels = [int(c) for c in unet_channels]
     if attention_levels is not None:
         levels = list(attention_levels) if isinstance(attention_levels, (list, tuple)) else None
@@ -448,6 +470,8 @@ def check_diffusion_settings(
             f"every entry of 'unet_channels' {channels} must be divisible by 'norm_num_groups' {norm_num_groups}."
         )
     factor = 2 ** (len(channels) - 1)
+    if latent_downsample is not None and all(int(d) == 1 for d in latent_downsample):
+        latent_downsample = None
     latent = [int(d) for d in latent_downsample] if latent_downsample is not None else [1] * len(patch_size)
     bad = [int(p) for p, d in zip(patch_size, latent) if int(p) % (factor * d)]
     if len(patch_size) != 3 or any(int(p) < 1 for p in patch_size):

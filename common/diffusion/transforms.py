@@ -28,6 +28,7 @@ __all__ = [
     "EncodeLatentd",
     "diffusion_transforms",
     "generation_items",
+    "keeps_values",
     "sample_postprocessing",
 ]
 
@@ -81,6 +82,12 @@ class EncodeLatentd(MapTransform):
                 latent = MetaTensor(latent, meta=dict(image.meta), applied_operations=list(image.applied_operations))
             d[key] = latent
         return d
+
+
+def keeps_values(intensity: Mapping[str, Any] | None) -> bool:
+    """Whether the ``intensity`` setting keeps the input values (mode ``none``: they should already be in
+    ``[-1, 1]``), so that the mapping of ``[0, 1]`` to ``[-1, 1]`` is skipped; ``None`` means MRI percentiles."""
+    return str((intensity or {}).get("mode", "mri")).lower() == "none"
 
 
 def diffusion_transforms(
