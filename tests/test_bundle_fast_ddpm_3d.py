@@ -25,6 +25,7 @@ from tests.helpers import (
     SCHEMA,
     bundle_env,
     config_arg,
+    edited_pipeline_configs,
     model_zoo_train_properties,
     overrides,
     run_bundle,
@@ -454,3 +455,156 @@ def test_inference_with_weights_of_another_task_is_refused(trained, brats_tree, 
     assert "configuration error" in result.stderr and "Traceback" not in result.stderr
     assert "takes 4 input channel(s) but this sampler is configured for 2" in result.stderr
     assert not pred.exists()
+
+
+def _parser(config: str, *extra: str, **settings):
+    """The bundle's ``config`` (with ``extra`` config files merged after it), parsed in this process on the CPU."""
+    from monai.bundle import ConfigParser
+
+    parser = ConfigParser()
+    parser.read_config([str(BUNDLES / BUNDLE / "configs" / name) for name in (config, *extra)])
+    for key, value in {"device": "cpu", **settings}.items():
+        parser[key] = value
+    return parser
+
+
+def _same_item(a, b) -> None:
+    assert type(a) is type(b)
+    assert a.dtype == b.dtype and torch.equal(torch.as_tensor(a), torch.as_tensor(b))
+    if hasattr(a, "meta"):
+        assert torch.equal(a.affine, b.affine) and a.meta.get("case_id") == b.meta.get("case_id")
+        assert [op["class"] for op in a.applied_operations] == [op["class"] for op in b.applied_operations]
+
+
+@pytest.mark.parametrize(
+    "settings",
+    [
+        {"intensity": {"mode": "mri", "lower": 1, "upper": 99}, "spacing": None, "orientation": "RAS"},
+        {"intensity": {"mode": "ct", "a_min": -300, "a_max": 500}, "spacing": [1.5, 1.25, 2.0], "orientation": "LPS"},
+        {"intensity": {"mode": "none"}, "spacing": [2, 2, 2], "orientation": None},
+        {
+            "intensity": {"mode": "mri", "lower": 0.5, "upper": 99.5},
+            "spacing": None,
+            "orientation": "RAS",
+            "latent": True,
+        },
+    ],
+    ids=["mri", "ct-spacing", "none-native", "latent"],
+)
+def test_json_pipelines_match_diffusion_transforms(autoencoder_ckpt, tmp_path, settings):
+    """The transform lists written in train.json and inference.json give the values, metadata and inverses of
+    ``diffusion_transforms``: training patches under one seed (in latent space in latent mode), validation volumes
+    with the target copied to ``label``, inference inputs of the sources alone and their inversion to the input
+    grid."""
+    from monai.transforms import Compose
+
+    from common.diffusion.transforms import diffusion_transforms
+
+    rng = np.random.default_rng(shifted_seed(3))
+    affine = np.array([[-1.2, 0.0, 0.1, 5.0], [0.0, 0.9, 0.0, -3.0], [0.0, 0.0, 1.7, 2.0], [0.0, 0.0, 0.0, 1.0]])
+    entry = {"case_id": "case_7"}
+    for key, (mean, std) in {"t1": (100.0, 400.0), "t2": (0.2, 0.4)}.items():
+        entry[key] = str(tmp_path / f"{key}.nii.gz")
+        nib.save(nib.Nifti1Image(rng.normal(mean, std, (14, 12, 10)).astype(np.float32), affine), entry[key])
+    latent = bool(settings.get("latent", False))
+    keys = {k: settings[k] for k in ("intensity", "spacing", "orientation")}
+    shared = dict(
+        **keys,
+        image_keys=["t1", "t2"],
+        target_key="t2",
+        patch_size=[16, 16, 8],
+        unet_channels=[8, 16],
+        **(_latent_args(autoencoder_ckpt) if latent else {"latent": False}),
+    )
+    parser = _parser("train.json", "tiny.json", **shared, patches_per_volume=2)
+    codec = parser.get_parsed_content("codec")
+    divisible_by = parser.get_parsed_content("divisible_by")
+    assert divisible_by == ([8, 8, 8] if latent else [2, 2, 2])
+    reference = dict(**keys, patch_size=[16, 16, 8], divisible_by=divisible_by, latent_codec=codec)
+
+    train, expected = (
+        parser.get_parsed_content("train#preprocessing"),
+        diffusion_transforms(["t1", "t2"], **reference, num_samples=2),
+    )
+    names = [type(t).__name__ for t in train.transforms]
+    assert isinstance(train, Compose) and names[-3:] == ["EnsureTyped", "ToDeviced", "RandSpatialCropSamplesd"]
+    assert ("EncodeLatentd" in names) is latent
+    assert ("ScaleIntensityRanged" in names) is (keys["intensity"]["mode"] != "none")
+    for seed in (0, 1):
+        train.set_random_state(seed), expected.set_random_state(seed)
+        crops, expected_crops = train(dict(entry)), expected(dict(entry))
+        assert len(crops) == len(expected_crops) == 2
+        for crop, expected_crop in zip(crops, expected_crops):
+            assert set(crop) == set(expected_crop)
+            _same_item(crop["image"], expected_crop["image"])
+        assert crops[0]["image"].shape[1:] == ((4, 4, 2) if latent else (16, 16, 8))
+
+    validate = parser.get_parsed_content("validate#preprocessing")
+    item = validate(dict(entry))
+    expected_item = diffusion_transforms(["t1", "t2"], **reference, train=False, label_channels=[1])(dict(entry))
+    assert set(item) == set(expected_item) == {"case_id", "image", "label"}
+    for key in ("image", "label"):
+        _same_item(item[key], expected_item[key])
+    assert item["label"].shape[0] == 1 and item["image"].shape[0] == (6 if latent else 2)
+
+    inference = _parser(
+        "inference.json",
+        "tiny.json",
+        **shared,
+        task="translation",
+        latent_sw_batch_size=1,
+        prediction_dir=str(tmp_path / "pred"),
+    )
+    inference_pre = inference.get_parsed_content("preprocessing")
+    source = {"case_id": "case_7", "t1": entry["t1"]}
+    item = inference_pre(dict(source))
+    expected_pre = diffusion_transforms(["t1"], **reference, train=False)
+    expected_item = expected_pre(dict(source))
+    assert set(item) == set(expected_item) == {"case_id", "image"}
+    _same_item(item["image"], expected_item["image"])
+    if not latent:  # a latent sample is decoded to the image grid before it is inverted
+        restored, expected_restored = inference_pre.inverse(item), expected_pre.inverse(expected_item)
+        _same_item(restored["image"], expected_restored["image"])
+        assert restored["image"].shape[1:] == (14, 12, 10)
+        inference.get_parsed_content("postprocessing")
+
+
+@pytest.mark.parametrize("rates", [{}, {"cache_rate": 0.5, "replace_rate": 0.5}], ids=["default", "smart-cache"])
+def test_json_datasets_hold_the_volumes_of_make_dataset(brats_tree, rates):
+    """``train#dataset`` caches the cases ``make_dataset`` cached, in its order (the loader's epoch order and seeded
+    augmentation follow the dataset's positions): all of them in datalist order by default, a seeded random subset
+    that the SmartCacheHandler swaps with ``cache_rate`` < 1; ``validate#dataset`` every validation case."""
+    from monai.data import CacheDataset, SmartCacheDataset
+
+    from common.data.pipeline import make_dataset
+
+    parser = _parser("train.json", "brats.json", "tiny.json", dataset_dir=str(brats_tree), **rates)
+    datalists = parser.get_parsed_content("datalists")
+    train, validate = parser.get_parsed_content("train#dataset"), parser.get_parsed_content("validate#dataset")
+    transform = parser.get_parsed_content("train#preprocessing")
+    rate = {"cache_rate": 1.0, "replace_rate": 0.0, **rates}
+    expected = make_dataset(datalists["training"], transform, **rate, partition=False, seed=parser["seed"])
+    assert isinstance(train, SmartCacheDataset) and type(expected) is (SmartCacheDataset if rates else CacheDataset)
+    assert [d["case_id"] for d in train.data] == [d["case_id"] for d in expected.data]
+    assert len(train) == len(expected) == (2 if rates else 4)
+    if not rates:
+        assert [d["case_id"] for d in train.data] == [d["case_id"] for d in datalists["training"]]
+    assert type(validate) is CacheDataset and len(validate) == len(datalists["validation"]) == 2
+    assert validate[0]["label"].shape[0] == 1 and validate[0]["image"].shape[0] == 4
+
+
+def test_pipeline_edited_in_json(brats_tree, tmp_path):
+    """A user's config file merged after train.json appends an augmentation to ``train#augmentation`` (MONAI's
+    ``+`` merge of lists) and replaces the SmartCacheDataset with a CacheDataset: training uses both."""
+    out = tmp_path / "edited"
+    edit, probe = edited_pipeline_configs(tmp_path, keys=["image"], sample="[0][0]['image']")
+    args = overrides(dataset_dir=str(brats_tree), output_dir=str(out), max_epochs=1, val_interval=1)
+    run_bundle(BUNDLE, [*TASK, str(edit), str(probe)], args=args)
+    result = torch.load(out / "probe.pt", weights_only=True)
+    assert result["type"] == "CacheDataset" and result["iteration"] == 4  # 4 cases, batch 1
+    assert result["transforms"][-2:] == ["RandSpatialCropSamplesd", "RandGaussianNoised"]
+    sample = np.asarray(result["sample"])
+    assert sample.shape == (4, 16, 16, 16)  # the four modalities stacked, a tiny.json patch
+    # percentiles clipped to [0, 1], mapped to [-1, 1], padding at -1: only the noise leaves that range
+    assert sample.min() < -1 or sample.max() > 1
+    assert np.isfinite(json.loads((out / "metrics.json").read_text())["latest"]["val_psnr"])
