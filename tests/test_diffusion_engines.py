@@ -21,8 +21,10 @@ from common.diffusion.engines import (
     check_diffusion_settings,
     expand_channels,
     insert_target,
+    latent_roi_size,
     sampling_grid,
     target_channel_indices,
+    volume_multiple,
     volume_seed,
 )
 from common.diffusion.networks import DiffusionSampler
@@ -590,6 +592,8 @@ def test_check_diffusion_settings_accepts_valid_settings():
             r"'num_head_channels' 24 must divide the channels \[32, 64\]",
         ),
         ({"num_head_channels": 48}, r"'num_head_channels' 48 must divide the channels \[64\]"),
+        ({"cache_rate": 1.5}, r"'cache_rate' must be a number in \[0, 1\]"),
+        ({"replace_rate": 0.0}, r"'replace_rate' must be a number in \(0, 1\]"),
     ],
 )
 def test_check_diffusion_settings_reports_each_problem(changes, pattern):
@@ -605,6 +609,17 @@ def test_string_attention_levels_are_rejected_even_when_the_length_matches():
 def test_latent_downsample_is_part_of_the_patch_check():
     check_diffusion_settings(**{**VALID, "patch_size": [32, 32, 24]})  # 24 is divisible by the U-Net's 4 ...
     assert problems_of(patch_size=[32, 32, 24], latent_downsample=[1, 1, 4])  # ... but not by 4 x 4
+    # a downsampling of 1 on every axis (train.json's space_downsample without latents) names no autoencoder
+    (problem,) = problems_of(patch_size=[32, 30, 32], latent_downsample=[1, 1, 1])
+    assert "autoencoder" not in problem and "must be divisible by 4" in problem
+
+
+def test_volume_multiple_and_latent_roi_size():
+    """The padding multiple of whole volumes and the crop in the U-Net's space, with and without latents."""
+    assert volume_multiple([32, 64, 128, 256], [1, 1, 1]) == [8, 8, 8]
+    assert volume_multiple([8, 16], [4, 4, 2]) == [8, 8, 4]
+    assert latent_roi_size([64, 64, 32], [1, 1, 1]) == [64, 64, 32]
+    assert latent_roi_size([64, 64, 32], [4, 4, 2]) == [16, 16, 16]
 
 
 def test_check_diffusion_settings_reports_all_problems_together():

@@ -25,6 +25,7 @@ from common.diffusion.transforms import (
     EncodeLatentd,
     diffusion_transforms,
     generation_items,
+    keeps_values,
     sample_postprocessing,
 )
 
@@ -454,3 +455,10 @@ def test_inference_entries_nothing_found(tmp_path):
         inference_entries(tmp_path / "missing", ["image"], pattern="*.nii.gz")
     with pytest.raises(ValueError, match="at least one input key"):
         inference_entries(tmp_path, [])
+
+
+def test_keeps_values_only_for_intensity_mode_none():
+    """train.json skips the mapping of [0, 1] to [-1, 1] exactly where ``diffusion_transforms`` does."""
+    assert keeps_values({"mode": "none"}) and keeps_values({"mode": "None"})
+    for intensity in (None, {}, {"mode": "mri"}, {"mode": "ct", "a_min": -1000, "a_max": 1000}):
+        assert not keeps_values(intensity), intensity
