@@ -2,8 +2,9 @@
 # Licensed under the Apache License, Version 2.0.
 """Workflow tests of ``bundles/mace_survival``, run as users run it, on a small synthetic MACE cohort: train ->
 evaluate -> inference (with and without outcomes), bad CSVs and settings refused before anything is written, the Cox
-head with covariates, a 2-process torchrun job and the quick-start launcher's total batch check. Resume after
-crashes: ``tests/test_reliability.py``."""
+head with covariates, a 2-process torchrun job and the quick-start launcher's total batch check; the transform lists
+and datasets declared in the JSON against ``survival_transforms`` and ``make_dataset``, and a pipeline edited by a
+merged config file. Resume after crashes: ``tests/test_reliability.py``."""
 
 from __future__ import annotations
 
@@ -19,9 +20,11 @@ import pytest
 import torch
 
 from tests.helpers import (
+    BUNDLES,
     REPO_ROOT,
     bundle_env,
     config_arg,
+    edited_pipeline_configs,
     model_zoo_train_properties,
     overrides,
     run_bundle,
@@ -323,10 +326,13 @@ def test_bad_settings_are_refused_before_anything_is_written(cohort, tmp_path):
             survival_head="weibull",
             conv1_t_stride=0,
             horizons=[3, 1],
+            replace_rate=0.0,
+            calibration_cache_rate=1.5,
         ),
     )
     assert result.returncode == 1 and "Traceback" not in result.stderr
-    for expected in ("'survival_head'", "'conv1_t_stride'", "'horizons' must increase"):
+    expected_lines = ("'survival_head'", "'conv1_t_stride'", "'horizons' must increase", "'replace_rate'")
+    for expected in (*expected_lines, "'calibration_cache_rate' must be a number in [0, 1]"):
         assert expected in result.stderr, expected
     assert not out.exists()
 
@@ -394,3 +400,152 @@ def test_total_batch_must_divide_by_the_processes():
     assert per_rank_batch_size(8, world_size=4) == 2
     with pytest.raises(ValueError, match=r"must be divisible by the number of processes \(4\).*e\.g\. 8"):
         per_rank_batch_size(6, world_size=4)
+
+
+def _train_parser(*extra: str, **settings):
+    """The bundle's train.json (with ``extra`` config files merged after it), parsed in this process on the CPU."""
+    from monai.bundle import ConfigParser
+
+    parser = ConfigParser()
+    parser.read_config([str(BUNDLES / BUNDLE / "configs" / name) for name in ("train.json", *extra)])
+    for key, value in {"device": "cpu", **settings}.items():
+        parser[key] = value
+    return parser
+
+
+def _inference_parser(**settings):
+    """The bundle's inference.json parsed in this process on the CPU with ``settings`` (no trained run needed)."""
+    from monai.bundle import ConfigParser
+
+    parser = ConfigParser()
+    parser.read_config(str(BUNDLES / BUNDLE / "configs" / "inference.json"))
+    for key, value in {"device": "cpu", **settings}.items():
+        parser[key] = value
+    return parser
+
+
+def _same_item(a: dict, b: dict) -> None:
+    """Two prepared cases hold the same keys, values, types and image metadata."""
+    assert sorted(a) == sorted(b)
+    for key in a:
+        x, y = a[key], b[key]
+        assert type(x) is type(y), key
+        if isinstance(x, torch.Tensor):
+            assert x.dtype == y.dtype and x.device == y.device and torch.equal(torch.as_tensor(x), torch.as_tensor(y))
+        else:
+            np.testing.assert_equal(x, y, err_msg=key)  # e.g. the foreground crop's box
+    image, expected = a["image"], b["image"]
+    if hasattr(image, "meta"):
+        assert torch.equal(image.affine, expected.affine) and image.meta.get("case_id") == expected.meta.get("case_id")
+        assert [op["class"] for op in image.applied_operations] == [op["class"] for op in expected.applied_operations]
+
+
+@pytest.mark.parametrize(
+    "settings",
+    [
+        {},  # train.json's defaults: CT window, RAS, native spacing, body crop, augmentation
+        {
+            "intensity": {"mode": "mri", "lower": 1.0, "upper": 99.0},
+            "spacing": [1.5, 1.25, 2.0],
+            "orientation": "LPS",
+            "crop_foreground": False,
+        },
+        {"intensity": {"mode": "none"}, "spacing": [2, 2, 2], "orientation": None, "augment": False},
+    ],
+    ids=["defaults", "mri-spacing-no-crop", "none-native-no-augment"],
+)
+def test_json_pipelines_match_survival_transforms(tmp_path, settings):
+    """The transform lists of train.json (training under fixed seeds, calibration, validation) and inference.json
+    prepare a case as ``survival_transforms`` does: same keys (the CSV's other columns dropped), values, types and
+    image metadata."""
+    import nibabel as nib
+    from monai.transforms import Compose
+
+    from common.survival.transforms import survival_transforms
+
+    rng = np.random.default_rng(shifted_seed(3))
+    affine = np.array([[-1.2, 0.0, 0.1, 5.0], [0.0, 0.9, 0.0, -3.0], [0.0, 0.0, 1.7, 2.0], [0.0, 0.0, 0.0, 1.0]])
+    volume = rng.normal(-900.0, 100.0, (16, 14, 12))
+    volume[3:12, 4:11, 2:10] = rng.normal(200.0, 300.0, (9, 7, 8))  # a body inside air, for the foreground crop
+    path = tmp_path / "case.nii.gz"
+    nib.save(nib.Nifti1Image(volume.astype(np.float32), affine), str(path))
+    case = {"image": str(path), "case_id": "c7", "time": 2.5, "event": 1, "covariates": [0.3, 61.0], "split": "x"}
+
+    parser = _train_parser("tiny.json", image_size=[12, 10, 8], **settings)
+    keys = ("intensity", "spacing", "orientation", "crop_foreground")
+    chosen = {k: parser[k] for k in keys}
+    augment = parser["augment"]
+    train = parser.get_parsed_content("train#preprocessing")
+    assert isinstance(train, Compose)
+    names = [type(t).__name__ for t in train.transforms]
+    assert names[-2:] == (["RandAffined", "RandGaussianNoised"] if augment else ["EnsureTyped", "ToDeviced"])
+    assert ("CropForegroundd" in names) is chosen["crop_foreground"]
+    assert ("Spacingd" in names) is (chosen["spacing"] is not None)
+    assert ("Orientationd" in names) is bool(chosen["orientation"])
+    expected = survival_transforms([12, 10, 8], **chosen, cache_device="cpu", augment=augment)
+    for seed in range(4):
+        train.set_random_state(seed), expected.set_random_state(seed)
+        _same_item(train(dict(case)), expected(dict(case)))
+
+    validate = parser.get_parsed_content("validate#preprocessing")
+    item = validate(dict(case))
+    _same_item(item, survival_transforms([12, 10, 8], **chosen, cache_device="cpu", train=False)(dict(case)))
+    assert item["image"].meta["case_id"] == "c7" and item["image"].shape == (1, 12, 10, 8)
+    calibrate = parser.get_parsed_content("calibrate#preprocessing")
+    _same_item(calibrate(dict(case)), survival_transforms([12, 10, 8], **chosen, train=False)(dict(case)))
+
+    inference = _inference_parser(image_size=[12, 10, 8], **chosen)
+    prepared = inference.get_parsed_content("preprocessing")(dict(case))
+    _same_item(prepared, survival_transforms([12, 10, 8], **chosen, train=False)(dict(case)))
+
+
+@pytest.mark.parametrize("rates", [{}, {"cache_rate": 0.5, "replace_rate": 0.5}], ids=["default", "smartcache"])
+def test_json_datasets_hold_the_cases_of_make_dataset(cohort, rates):
+    """``train#dataset`` caches the cases ``make_dataset`` cached, in its order (the loader's epoch order and seeded
+    augmentation follow the dataset's positions): every training case in cohort order by default, a seeded random
+    subset that the SmartCacheHandler swaps with ``cache_rate`` < 1; ``calibrate#dataset`` every training case and
+    ``validate#dataset`` every validation case, in cohort order."""
+    from monai.data import CacheDataset, SmartCacheDataset
+
+    from common.data.pipeline import make_dataset
+
+    parser = _train_parser("tiny.json", csv_path=str(cohort), horizons=HORIZONS, **rates)
+    cohort_split = parser.get_parsed_content("cohort")
+    train = parser.get_parsed_content("train#dataset")
+    rate = {"cache_rate": 1.0, "replace_rate": 0.0, **rates}
+    transform = parser.get_parsed_content("train#preprocessing")
+    expected = make_dataset(cohort_split["training"], transform, **rate, partition=False, seed=parser["seed"])
+    assert isinstance(train, SmartCacheDataset) and type(expected) is (SmartCacheDataset if rates else CacheDataset)
+    ids = [d["case_id"] for d in train.data]
+    assert ids == [d["case_id"] for d in expected.data]
+    n_train = len(cohort_split["training"])
+    assert len(train) == len(expected) == (int(n_train * 0.5) if rates else n_train)
+    if not rates:
+        assert ids == [d["case_id"] for d in cohort_split["training"]]
+    assert [train[i]["case_id"] for i in range(len(train))] == [expected[i]["case_id"] for i in range(len(expected))]
+    calibrate = parser.get_parsed_content("calibrate#dataset")
+    validate = parser.get_parsed_content("validate#dataset")
+    assert type(calibrate) is CacheDataset and type(validate) is CacheDataset
+    assert [d["case_id"] for d in calibrate.data] == [d["case_id"] for d in cohort_split["training"]]
+    assert [d["case_id"] for d in validate.data] == [d["case_id"] for d in cohort_split["validation"]]
+    assert calibrate.cache_num == n_train
+    assert validate.cache_num == int(len(cohort_split["validation"]) * parser["cache_rate"])
+
+
+def test_pipeline_edited_in_json(cohort, tmp_path):
+    """A user's config file merged after train.json appends Gaussian noise to ``train#augmentation`` (MONAI's ``+``
+    merge of lists) and replaces the SmartCacheDataset with a CacheDataset: training uses both. With ``augment``
+    off the bundle's own random transforms are disabled, so the noise can only come from the edit."""
+    out = tmp_path / "edited"
+    edit, probe = edited_pipeline_configs(tmp_path, sample="[0]['image']")
+    args = _args(cohort, out, max_epochs=1, augment=False)
+    run_bundle(BUNDLE, [*TINY, str(edit), str(probe)], args=args)
+    result = torch.load(out / "probe.pt", weights_only=True)
+    n_train = len(_split(cohort, "training"))
+    assert result["type"] == "CacheDataset" and result["iteration"] == n_train // BATCH
+    assert result["transforms"][-3:] == ["EnsureTyped", "ToDeviced", "RandGaussianNoised"]
+    assert "RandAffined" not in result["transforms"]
+    sample = np.asarray(result["sample"])
+    assert sample.shape == (1, 16, 16, 16)  # tiny.json: image_size
+    # the CT window clips to [0, 1] and the padding adds zeros: only the noise leaves that range
+    assert sample.min() < 0 or sample.max() > 1

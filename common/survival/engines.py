@@ -19,7 +19,7 @@ from monai.utils import CommonKeys as Keys
 from torch import nn
 from torch.optim import Optimizer
 
-from common.data.pipeline import batch_case_ids
+from common.data.pipeline import batch_case_ids, cache_problems, intensity_problems
 from common.engines.evaluator import StepEvaluator
 from common.engines.trainer import StepTrainer
 from common.survival.cohort import TIME_UNITS
@@ -236,6 +236,10 @@ def check_survival_settings(
     accumulation_steps: int = 1,
     key_metric: str = "uno_c",
     flags: Mapping[str, Any] | None = None,
+    intensity: Mapping[str, Any] | None = None,
+    cache_rate: float = 1.0,
+    replace_rate: float = 0.1,
+    calibration_cache_rate: float = 1.0,
 ) -> None:
     """Check a survival bundle's settings before anything is built or written.
 
@@ -243,7 +247,10 @@ def check_survival_settings(
     line reads ``true`` as a string, and a string ``"false"`` is true).
 
     Raises:
-        ValueError: listing every problem, each naming its config id and value.
+        ValueError: listing every problem, each naming its config id and value, among them an invalid ``intensity``
+            (:func:`common.data.pipeline.intensity_problems`), a ``cache_rate`` or ``calibration_cache_rate`` outside
+            [0, 1] and a ``replace_rate`` outside (0, 1] (MONAI's ``SmartCacheDataset`` refuses 0: with
+            ``cache_rate`` 1 nothing is replaced anyway), see :func:`common.data.pipeline.cache_problems`.
     """
     problems = []
     if survival_head not in HEADS:
@@ -289,5 +296,13 @@ def check_survival_settings(
     if key_metric not in known and not str(key_metric).startswith(("auc_", "brier_")):
         problems.append(f"'key_metric' must be one of {known} or auc_<h>/brier_<h>, got {key_metric!r}.")
     problems += flag_problems(flags)
+    problems += intensity_problems(intensity)
+    problems += cache_problems(cache_rate, replace_rate)
+    rate = calibration_cache_rate
+    if isinstance(rate, bool) or not isinstance(rate, (int, float)) or not 0 <= rate <= 1:
+        problems.append(
+            f"'calibration_cache_rate' must be a number in [0, 1] (the share of the training volumes cached for the "
+            f"calibration), got {rate!r}."
+        )
     if problems:
         raise ValueError("invalid survival configuration:\n  " + "\n  ".join(problems))

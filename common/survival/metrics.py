@@ -59,6 +59,7 @@ __all__ = [
     "check_horizons",
     "followup_window",
     "harrell_c",
+    "horizon_grid",
     "integrated_brier_score",
     "kaplan_meier_at",
     "km_by_group",
@@ -72,6 +73,16 @@ DEFAULT_GROUP_LABELS = ("low", "intermediate", "high")
 _LOGRANK_KEYS = ("logrank_p", "logrank_statistic", "logrank_groups", "empty_groups", "logrank_note")
 TIED_TOL = 1e-8  # risks closer than this are tied (scikit-survival's and torchsurv's default)
 ArrayLike = torch.Tensor | np.ndarray | Sequence[float]
+
+
+def horizon_grid(horizons: Sequence[float], num_points: int = 40) -> torch.Tensor:
+    """``num_points`` evenly spaced times in ``(0, max(horizons)]`` (years): the grid of the integrated Brier score.
+
+    Args:
+        horizons: evaluation horizons in years.
+        num_points: grid size.
+    """
+    return torch.linspace(0.0, float(max(horizons)), int(num_points) + 1)[1:]
 
 
 # ---------------------------------------------------------------------------------------------- input checks

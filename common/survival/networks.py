@@ -37,6 +37,7 @@ __all__ = [
     "load_backbone_weights",
     "load_predictor",
     "log_survival_at",
+    "output_size",
     "survival_at",
 ]
 
@@ -54,6 +55,21 @@ CALIBRATION_BUFFERS = (
     "group_thresholds",
     "calibrated",
 )
+
+
+def output_size(head: str, num_intervals: int | None = None, cut_points: Sequence[float] | None = None) -> int:
+    """The number of network outputs of a survival ``head``: one log relative hazard for ``cox``; for
+    ``logistic_hazard`` one logit per interval, i.e. ``len(cut_points) - 1`` for explicit ``cut_points``, else
+    ``num_intervals``.
+
+    Args:
+        head: ``logistic_hazard`` or ``cox``.
+        num_intervals: intervals when the cut points come from the training data.
+        cut_points: explicit interval boundaries ``[0, ..., c_K]`` (years), taking precedence over ``num_intervals``.
+    """
+    if head == "cox":
+        return 1
+    return len(cut_points) - 1 if cut_points else num_intervals
 
 
 # ------------------------------------------------------------------------------------------------ validation

@@ -21,11 +21,16 @@ from monai.utils import CommonKeys as Keys
 
 from common.data.pipeline import CaseMetad, intensity_transform, spatial_steps
 
-__all__ = ["survival_transforms"]
+__all__ = ["AboveThreshold", "survival_transforms"]
 
 
-class _AboveThreshold:
-    """``x > threshold`` (a picklable foreground selector for ``CropForegroundd``)."""
+class AboveThreshold:
+    """``x > threshold``: a picklable foreground selector for ``CropForegroundd`` (its ``select_fn``), declared in
+    a config as ``{"_target_": "common.survival.transforms.AboveThreshold", "threshold": 0.05}``.
+
+    Args:
+        threshold: the value above which a voxel is foreground.
+    """
 
     def __init__(self, threshold: float) -> None:
         self.threshold = float(threshold)
@@ -75,9 +80,7 @@ def survival_transforms(
         transforms.append(norm)
     if crop_foreground:
         transforms.append(
-            CropForegroundd(
-                image, source_key=image, select_fn=_AboveThreshold(foreground_threshold), allow_smaller=True
-            )
+            CropForegroundd(image, source_key=image, select_fn=AboveThreshold(foreground_threshold), allow_smaller=True)
         )
     transforms += [
         ResizeWithPadOrCropd(image, spatial_size=size),

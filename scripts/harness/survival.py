@@ -297,6 +297,17 @@ def mace_throughput(
     return summary
 
 
+#: the ``train#dataset`` of the reference run: every training case cached once, nothing replaced
+CACHE_DATASET = {
+    "_target_": "CacheDataset",
+    "data": "@train#data",
+    "transform": "@train#preprocessing",
+    "cache_rate": "@cache_rate",
+    "num_workers": None,
+    "progress": False,
+}
+
+
 def _smartcache_run(csv: Path, work: Path, s: dict, overrides: dict, epochs: int) -> dict:
     """Train the bundle for ``epochs`` epochs; time each epoch and each wait for the cache replacement."""
     from ignite.engine import Events
@@ -409,7 +420,9 @@ def mace_smartcache(
         base.update(chosen)
         settings = [(1.0, 0.0)] + [(float(cache_rate), float(r)) for r in replace_rates]
         for i, (cache, replace) in enumerate(settings):
-            overrides = {**base, "cache_rate": cache, "replace_rate": replace}
+            # replace_rate 0: the reference, a CacheDataset of every case in place of train.json's SmartCacheDataset
+            dataset = {"train#dataset": CACHE_DATASET} if replace == 0 else {"replace_rate": replace}
+            overrides = {**base, "cache_rate": cache, **dataset}
             run = _smartcache_run(csv, Path(tmp) / f"run{i}", s, overrides, epochs)
             run.update({"cache_rate": cache, "replace_rate": replace})
             runs.append(run)
