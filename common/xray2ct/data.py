@@ -45,7 +45,6 @@ __all__ = [
     "check_inference_inputs",
     "check_view_files",
     "grid_spacing",
-    "make_demo_data",
     "read_view",
     "save_view_nifti",
     "save_view_png",
@@ -198,7 +197,7 @@ def check_inference_inputs(
 ) -> dict[str, list[dict[str, Any]]]:
     """Check the entries of an inference run (:func:`xray_inference_items`) as section ``testing``: their X-ray
     files (:func:`check_view_files`) with ``view_files``, else their CT volumes (one channel, readable) with
-    :func:`common.data.preflight.preflight_or_exit`. On problems, print them all and exit with status 1.
+    :func:`common.data.preflight.preflight_or_exit`, which prints every problem and exits with status 1.
 
     Args:
         inputs: the entries.
@@ -207,14 +206,15 @@ def check_inference_inputs(
 
     Returns:
         ``{"testing": entries}``, with paths resolved.
+
+    Raises:
+        PreflightError: listing the problems of the X-ray files.
     """
-    from common.bundle import check_settings_or_exit
     from common.data.preflight import preflight_or_exit
 
     sections = {"testing": [dict(entry) for entry in inputs]}
     if view_files:
-        keys, view_size = view_keys(projector), projector.view_size
-        return check_settings_or_exit(check_view_files, sections=sections, keys=keys, view_size=view_size)
+        return check_view_files(sections, keys=view_keys(projector), view_size=projector.view_size)
     return preflight_or_exit(sections, keys=["image"], sections=["testing"], required=["testing"], num_channels=1)
 
 
@@ -321,35 +321,6 @@ def xray2ct_transforms(
     keys.append("xray")
     steps.append(EnsureTyped(keys, dtype=torch.float32, device=cache_device, track_meta=True))
     return Compose(steps)
-
-
-def make_demo_data(
-    dataset_dir: str | os.PathLike,
-    cases: Sequence[int],
-    shape: Sequence[int],
-    fov_mm: float | Sequence[float],
-    enabled: bool = True,
-) -> Any:
-    """Write the chest CT phantom demo (``common.demo.images.make_xray2ct_demo``, where it is missing) into
-    ``dataset_dir`` when ``enabled`` (the config's ``demo_data``: ``dataset_dir`` is the bundle's demo folder).
-
-    Args:
-        dataset_dir: the demo folder.
-        cases: the numbers of training and validation phantoms.
-        shape: the phantoms' voxel grid.
-        fov_mm: their field of view in mm (the projector's).
-        enabled: write them; nothing is done (``None``) otherwise.
-
-    Raises:
-        MissingInputError: in a packaged bundle, which carries no demo generators
-            (:func:`common.bundle.demo_generator`).
-    """
-    if not enabled:
-        return None
-    from common.bundle import demo_generator
-
-    make = demo_generator("common.demo.images.make_xray2ct_demo")
-    return make(dataset_dir, n_train=int(cases[0]), n_val=int(cases[1]), shape=shape, fov_mm=fov_mm)
 
 
 def xray_inference_items(
