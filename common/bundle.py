@@ -22,6 +22,7 @@ __all__ = [
     "check_settings_or_exit",
     "demo_generator",
     "find_checkpoint",
+    "make_demo_data",
 ]
 
 
@@ -63,6 +64,18 @@ def demo_generator(path: str) -> Callable[..., Any]:
             "datalist.json, see the model card), or run the demo from the repository."
         ) from e
     return getattr(found, name)
+
+
+def make_demo_data(generator: str, enabled: bool = True, **kwargs: Any) -> Any:
+    """Call the demo-data generator at the dotted path ``generator`` (see :func:`demo_generator`) with ``kwargs``
+    when ``enabled`` (a config's ``demo_data``); nothing is done (``None``) otherwise, and nothing is imported.
+
+    Args:
+        generator: ``common.demo.<module>.<function>``.
+        enabled: write the demo data.
+        kwargs: the generator's arguments.
+    """
+    return demo_generator(generator)(**kwargs) if enabled else None
 
 
 def find_checkpoint(output_dir: str, bundle_root: str, name: str = "model.pt") -> str:

@@ -3,7 +3,8 @@
 """Workflow tests of ``bundles/xray2ct_cascade``, run as users run it, on chest CT phantoms: stage 1 -> stage 2
 (initialised from and validated on stage 1) -> evaluate -> the back-projection baseline (its metrics recomputed) ->
 pack the cascade -> inference from NIfTI and PNG radiographs; checks of settings, data and the stage order before
-anything is written; a 2-process torchrun job. Resume after crashes: ``tests/test_reliability.py``."""
+anything is written; a 2-process torchrun job; the transform lists and datasets of the JSON against
+``xray2ct_transforms`` and ``make_dataset``, and a pipeline edited in JSON. Resume after crashes: ``tests/test_reliability.py``."""
 
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ from tests.helpers import (
     SCHEMA,
     bundle_env,
     config_arg,
+    edited_pipeline_configs,
     model_zoo_train_properties,
     overrides,
     run_bundle,
@@ -344,3 +346,139 @@ def test_torchrun_two_processes_keep_identical_replicas(phantoms, tmp_path):
     log = (out / "stage1" / "train.log").read_text()
     assert "identical on all 2 ranks" in log and "x 2 rank(s)" in log
     assert np.isfinite(json.loads((out / "stage1" / "metrics.json").read_text())["latest"]["val_psnr"])
+
+
+def _train_parser(*extra: str, **settings):
+    """train.json + tiny.json (+ ``extra`` config files), parsed in this process on the CPU with ``settings``."""
+    from monai.bundle import ConfigParser
+
+    parser = ConfigParser()
+    parser.read_config([str(BUNDLES / BUNDLE / "configs" / name) for name in ("train.json", *TASK[1:], *extra)])
+    for key, value in {"device": "cpu", **settings}.items():
+        parser[key] = value
+    return parser
+
+
+def _same_item(a, b) -> None:
+    assert type(a) is type(b) and a.dtype == b.dtype and a.device == b.device
+    assert torch.equal(torch.as_tensor(a), torch.as_tensor(b))
+    assert torch.equal(a.affine, b.affine) and a.meta.get("case_id") == b.meta.get("case_id")
+    assert [op["class"] for op in a.applied_operations] == [op["class"] for op in b.applied_operations]
+
+
+def _write_views(phantoms: Path, entry: dict, folder: Path, projector) -> dict:
+    """``entry`` with X-ray files (NIfTI) of its CT made by ``projector`` under ``xray_<view>``."""
+    from common.xray2ct.data import save_view_nifti, view_keys, xray2ct_transforms
+
+    volume = projector.view_size[0]
+    xray = xray2ct_transforms(projector, [volume] * 3)({"image": str(phantoms / entry["image"])})["xray"]
+    case = Path(entry["image"]).name.split(".")[0]
+    views = {k: str(save_view_nifti(folder / f"{case}_{k}.nii.gz", x)) for k, x in zip(view_keys(projector), xray)}
+    return {"image": str(phantoms / entry["image"]), "case_id": case, **views}
+
+
+@pytest.mark.parametrize(
+    "settings",
+    [
+        {"stage": 1},
+        {"stage": 2, "orientation": "LPS", "source_size": [16, 16, 16], "hu_window": [-900, 600]},
+        {"stage": 2, "view_files": True, "orientation": None},
+    ],
+    ids=["stage1-resized", "stage2-at-source", "stage2-view-files"],
+)
+def test_json_pipelines_match_xray2ct_transforms(phantoms, tmp_path, settings):
+    """The transform lists of train.json (training under one seed, validation) and of inference.json (from the CT
+    and from X-ray files) give the values, metadata and applied operations of ``xray2ct_transforms``."""
+    from monai.transforms import Compose
+
+    from common.xray2ct.data import view_keys, xray2ct_transforms
+
+    parser = _train_parser(dataset_dir=str(phantoms), **settings)
+    projector, volume = parser.get_parsed_content("projector"), parser.get_parsed_content("volume_size")
+    source, orientation = parser["source_size"], parser["orientation"]
+    view_files = bool(settings.get("view_files"))
+    entry = json.loads((phantoms / "datalist.json").read_text())["validation"][0]
+    entry = (
+        _write_views(phantoms, entry, tmp_path, projector) if view_files else {"image": str(phantoms / entry["image"])}
+    )
+    expected = xray2ct_transforms(projector, volume, source, view_files=view_files, orientation=orientation)
+    names = [type(t).__name__ for t in expected.transforms]
+    assert ("Resized" in names) is (list(volume) != list(source)) and ("DRRd" in names) is not view_files
+
+    train, validate = (
+        parser.get_parsed_content("train#preprocessing"),
+        parser.get_parsed_content("validate#preprocessing"),
+    )
+    assert isinstance(train, Compose) and [type(t).__name__ for t in train.transforms] == [*names, "ToDeviced"]
+    assert parser.get_parsed_content("preprocessing") is validate
+    for seed in (0, 1):
+        train.set_random_state(seed), expected.set_random_state(seed)
+        item, expected_item = train(dict(entry)), expected(dict(entry))
+        assert set(item) == set(expected_item)
+        for key in ("image", "xray"):
+            _same_item(item[key], expected_item[key])
+    item, expected_item = validate(dict(entry)), expected(dict(entry))
+    for key in ("image", "xray"):
+        _same_item(item[key], expected_item[key])
+
+    from monai.bundle import ConfigParser
+
+    inference = ConfigParser()
+    inference.read_config(str(BUNDLES / BUNDLE / "configs" / "inference.json"))
+    plain = {k: parser[k] for k in ("stage_sizes", "stage", "source_size", "view_size", "fov_mm", "hu_window")}
+    for key, value in {**plain, "device": "cpu", "orientation": orientation, "view_files": view_files}.items():
+        inference[key] = value
+    inputs = {k: entry[k] for k in view_keys(projector)} if view_files else {"image": entry["image"]}
+    expected = xray2ct_transforms(
+        projector, volume, source, with_image=not view_files, view_files=view_files, orientation=orientation
+    )
+    item, expected_item = inference.get_parsed_content("preprocessing")(dict(inputs)), expected(dict(inputs))
+    assert set(item) == set(expected_item) == ({"xray"} if view_files else {"image", "xray"})
+    for key in item:
+        _same_item(item[key], expected_item[key])
+
+
+@pytest.mark.parametrize("rates", [{}, {"cache_rate": 0.5, "replace_rate": 0.5}], ids=["default", "smart-cache"])
+def test_json_datasets_hold_the_volumes_of_make_dataset(phantoms, rates):
+    """``train#dataset`` caches the volumes ``make_dataset`` cached, in its order: all of them in datalist order by
+    default, a seeded random subset (that the SmartCacheHandler swaps) with ``cache_rate`` < 1; ``validate#dataset``
+    every validation volume, in order, with the CT and X-rays ``preprocessing`` makes."""
+    from monai.data import CacheDataset, SmartCacheDataset
+
+    from common.data.pipeline import make_dataset
+
+    parser = _train_parser(dataset_dir=str(phantoms), **rates)
+    datalists = parser.get_parsed_content("datalists")
+    train, validate = parser.get_parsed_content("train#dataset"), parser.get_parsed_content("validate#dataset")
+    transform = parser.get_parsed_content("train#preprocessing")
+    rate = {"cache_rate": 1.0, "replace_rate": 0.0, **rates}
+    expected = make_dataset(datalists["training"], transform, **rate, partition=False, seed=parser["seed"])
+    assert isinstance(train, SmartCacheDataset) and type(expected) is (SmartCacheDataset if rates else CacheDataset)
+    assert [d["image"] for d in train.data] == [d["image"] for d in expected.data]
+    assert len(train) == len(expected) == (2 if rates else 4)
+    if not rates:
+        assert [d["image"] for d in train.data] == [d["image"] for d in datalists["training"]]
+    assert type(validate) is CacheDataset and len(validate) == len(datalists["validation"]) == 2
+    assert [d["image"] for d in validate.data] == [d["image"] for d in datalists["validation"]]
+    preprocessing = parser.get_parsed_content("preprocessing")
+    for i, entry in enumerate(datalists["validation"]):
+        expected_item = preprocessing(dict(entry))
+        for key in ("image", "xray"):
+            _same_item(validate[i][key], expected_item[key])
+
+
+def test_pipeline_edited_in_json(phantoms, tmp_path):
+    """A user's config file merged after train.json appends ``RandGaussianNoised`` of the CT to
+    ``train#augmentation`` and replaces the SmartCacheDataset with a CacheDataset: stage 1 trains from both."""
+    out = tmp_path / "edited"
+    edit, probe = edited_pipeline_configs(tmp_path, keys=["image"], sample="[0]['image']")
+    args = overrides(dataset_dir=str(phantoms), output_dir=str(out), max_epochs=1, val_interval=1)
+    run_bundle(BUNDLE, [*TASK, str(edit), str(probe)], args=args)
+    result = torch.load(out / "probe.pt", weights_only=True)
+    assert result["type"] == "CacheDataset" and result["iteration"] == 2  # 4 cases, batch 2
+    assert result["transforms"][-3:] == ["EnsureTyped", "ToDeviced", "RandGaussianNoised"]
+    sample = np.asarray(result["sample"])
+    assert sample.shape == (1, 8, 8, 8)
+    # the CT is scaled to [-1, 1] and area-averaged: only the noise leaves that range
+    assert sample.min() < -1 or sample.max() > 1
+    assert (out / "stage1" / "models" / "model.pt").is_file()

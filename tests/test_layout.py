@@ -123,7 +123,7 @@ def _config_strings(config):
     elif isinstance(config, list):
         for value in config:
             yield from _config_strings(value)
-    elif isinstance(config, str):
+    elif isinstance(config, str) and config.startswith("$"):  # plain strings are data (e.g. a generator's path)
         yield config
 
 

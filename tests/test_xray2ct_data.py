@@ -19,7 +19,9 @@ from common.data.datalist import load_datalist
 from common.data.preflight import PreflightError
 from common.demo.images import make_xray2ct_demo
 from common.xray2ct.data import (
+    check_inference_inputs,
     check_view_files,
+    grid_spacing,
     read_view,
     save_view_nifti,
     save_view_png,
@@ -280,3 +282,40 @@ def test_dicom_series_and_nifti_of_one_ct_give_the_same_stage_data(tmp_path):
     assert a["image"].shape == b["image"].shape == (1, SIDE, SIDE, SIDE)
     torch.testing.assert_close(b["image"].as_tensor(), a["image"].as_tensor(), atol=2e-3, rtol=0)
     torch.testing.assert_close(b["xray"].as_tensor(), a["xray"].as_tensor(), atol=2e-3, rtol=0)
+
+
+# ---------------------------------------------------------------------------------------------- bundle helpers
+def test_make_demo_data_writes_only_when_enabled(tmp_path):
+    """``common.bundle.make_demo_data`` (the bundles' ``demo`` component) calls the generator only when enabled."""
+    from common.bundle import make_demo_data
+    from common.errors import MissingInputError
+
+    missing = "common.demo.not_a_module.make"
+    assert make_demo_data(missing, enabled=False, output_dir=str(tmp_path)) is None
+    with pytest.raises(MissingInputError, match="demo data was requested"):
+        make_demo_data(missing, output_dir=str(tmp_path))
+    datalist = make_demo_data(
+        "common.demo.images.make_xray2ct_demo", output_dir=str(tmp_path), n_train=1, n_val=1, shape=(8, 8, 8)
+    )
+    assert {k: len(v) for k, v in json.loads(datalist.read_text()).items()} == {"training": 1, "validation": 1}
+
+
+def test_grid_spacing_spans_the_field_of_view():
+    proj = DRRProjector(fov_mm=(160.0, 200.0, 240.0), view_size=(SIDE, SIDE))
+    assert grid_spacing(proj, (16, 20, 12)) == [10.0, 10.0, 20.0]
+
+
+def test_check_inference_inputs_of_ct_and_xray_files(case, tmp_path):
+    """CT entries go through the preflight (a missing volume exits with status 1); X-ray entries through
+    :func:`check_view_files`, with paths resolved and problems raised as one ``PreflightError``."""
+    proj = projector()
+    checked = check_inference_inputs([{"image": case["image"], "case_id": "c0"}], proj, view_files=False)
+    assert checked == {"testing": [{"image": case["image"], "case_id": "c0"}]}
+    with pytest.raises(SystemExit):
+        check_inference_inputs([{"image": str(tmp_path / "none.nii.gz")}], proj, view_files=False)
+    views = {
+        k: str(save_view_nifti(tmp_path / f"c0_{k}.nii.gz", line_integrals((SIDE, SIDE)))) for k in view_keys(proj)
+    }
+    assert check_inference_inputs([views], proj, view_files=True) == {"testing": [views]}
+    with pytest.raises(PreflightError, match="xray_lateral"):
+        check_inference_inputs([{**views, "xray_lateral": str(tmp_path / "none.png")}], proj, view_files=True)

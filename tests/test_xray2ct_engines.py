@@ -336,6 +336,12 @@ def test_valid_settings_pass():
     check_xray2ct_settings(**{**VALID, "mode": "backprojection"}, training=False)
 
 
+def test_dataset_rates_are_checked():
+    check_xray2ct_settings(**VALID, cache_rate=0.5, replace_rate=0.5)
+    text = settings_error(cache_rate=1.5, replace_rate=0)
+    assert "'cache_rate' must be a number in [0, 1]" in text and "'replace_rate' must be a number in (0, 1]" in text
+
+
 def test_every_bad_setting_is_listed_in_one_error():
     text = settings_error(
         stage=0,

@@ -22,6 +22,7 @@ from common.xray2ct.networks import (
     cascade_checkpoints,
     degrade_to_previous,
     init_from_previous,
+    init_from_previous_stage,
     load_cascade,
     previous_stages,
     save_cascade,
@@ -341,6 +342,20 @@ def test_init_from_previous_starts_as_the_previous_stage():
         torch.testing.assert_close(net(x, t, xray, previous=volume(seed=5)), expected, rtol=1e-4, atol=1e-5)
     with pytest.raises(RuntimeError, match="shares no tensor"):
         init_from_previous(net, {"other.weight": torch.zeros(3)})
+
+
+def test_init_from_previous_stage_uses_the_last_trained_stage():
+    """The ``init_network`` component: the last stage of the trained cascade, nothing for stage 1 or when off."""
+    projector, settings = xray_projector(), {**TINY_XRAY_NETWORK}
+    cascade = build_cascade(projector, [[8, 8, 8], [16, 16, 16]], 2, settings, {"mode": "direct"})
+    net = denoiser(seed=3, with_previous=True)
+    before = {k: v.clone() for k, v in net.state_dict().items()}
+    assert init_from_previous_stage(net, None) is None
+    assert init_from_previous_stage(net, cascade, enabled=False) is None
+    assert all(torch.equal(before[k], v) for k, v in net.state_dict().items())
+    assert init_from_previous_stage(net, cascade) == {"copied": len(before), "partial": 0, "new": 0}
+    last = cascade.stages[-1].network.state_dict()
+    assert all(torch.equal(last[k], v) for k, v in net.state_dict().items())
 
 
 def test_degrade_to_previous():

@@ -42,7 +42,9 @@ __all__ = [
     "IMAGE_SUFFIXES",
     "DRRd",
     "LoadViewsd",
+    "check_inference_inputs",
     "check_view_files",
+    "grid_spacing",
     "read_view",
     "save_view_nifti",
     "save_view_png",
@@ -190,6 +192,32 @@ def check_view_files(
     return checked
 
 
+def check_inference_inputs(
+    inputs: Sequence[Mapping[str, Any]], projector: DRRProjector, view_files: bool
+) -> dict[str, list[dict[str, Any]]]:
+    """Check the entries of an inference run (:func:`xray_inference_items`) as section ``testing``: their X-ray
+    files (:func:`check_view_files`) with ``view_files``, else their CT volumes (one channel, readable) with
+    :func:`common.data.preflight.preflight_or_exit`, which prints every problem and exits with status 1.
+
+    Args:
+        inputs: the entries.
+        projector: the DRR projector (views, view size).
+        view_files: the entries hold X-ray files (``xray_<view>``) rather than CT volumes (``image``).
+
+    Returns:
+        ``{"testing": entries}``, with paths resolved.
+
+    Raises:
+        PreflightError: listing the problems of the X-ray files.
+    """
+    from common.data.preflight import preflight_or_exit
+
+    sections = {"testing": [dict(entry) for entry in inputs]}
+    if view_files:
+        return check_view_files(sections, keys=view_keys(projector), view_size=projector.view_size)
+    return preflight_or_exit(sections, keys=["image"], sections=["testing"], required=["testing"], num_channels=1)
+
+
 class DRRd(MapTransform):
     """Adds ``xray``: the projector's X-rays of the CT under ``keys`` (``1, X, Y, Z`` in ``[-1, 1]``)."""
 
@@ -224,6 +252,17 @@ class LoadViewsd(MapTransform):
             meta["case_id"] = d["case_id"]
         d[self.output_key] = MetaTensor(torch.from_numpy(views), meta=meta)
         return d
+
+
+def grid_spacing(projector: DRRProjector, size: Sequence[int]) -> list[float]:
+    """The voxel size in mm of a grid of ``size`` voxels spanning the projector's field of view (``fov_mm``): the
+    spacing ``Spacingd`` resamples a CT to before it is padded or cropped to ``size``.
+
+    Args:
+        projector: the DRR projector (its ``fov_mm`` per axis).
+        size: voxels per axis.
+    """
+    return [float(f) / int(s) for f, s in zip(projector.fov_mm, size)]
 
 
 def xray2ct_transforms(
@@ -263,7 +302,7 @@ def xray2ct_transforms(
     image, keys = "image", []
     steps: list = []
     if with_image:
-        spacing = [f / s for f, s in zip(projector.fov_mm, source)]
+        spacing = grid_spacing(projector, source)
         steps += [*spatial_steps([image], orientation, spacing), CaseMetad(image)]
         steps += [
             ScaleIntensityRanged(

@@ -19,6 +19,7 @@ from monai.utils import CommonKeys as Keys
 from torch import nn
 from torch.optim import Optimizer
 
+from common.data.pipeline import cache_problems
 from common.diffusion.engines import DiffusionTrainer, volume_seed
 from common.diffusion.schedule import GRIDS, PREDICTIONS, DiffusionSchedule, fast_ddpm_grid
 from common.engines.evaluator import StepEvaluator
@@ -326,9 +327,12 @@ def check_xray2ct_settings(
     ema_decay: float,
     flags: Mapping[str, Any] | None = None,
     training: bool = True,
+    cache_rate: float = 1.0,
+    replace_rate: float = 0.1,
 ) -> None:
     """Check an X-ray -> CT bundle's settings before anything is built or written (``training``: for a training
-    run, where ``mode`` must be trainable; evaluation also accepts the ``backprojection`` baseline).
+    run, where ``mode`` must be trainable; evaluation also accepts the ``backprojection`` baseline). ``cache_rate``
+    and ``replace_rate`` are those of the datasets (:func:`common.data.pipeline.cache_problems`).
 
     Raises:
         ValueError: listing every problem, each naming its config id and value.
@@ -431,6 +435,7 @@ def check_xray2ct_settings(
             problems.append(f"{name!r} must be an integer >= 1, got {value!r}.")
     if not 0.0 < float(ema_decay) < 1.0:
         problems.append(f"'ema_decay' must be in (0, 1), got {ema_decay!r}.")
+    problems += cache_problems(cache_rate, replace_rate)
     problems += flag_problems(flags)
     if problems:
         raise ValueError("invalid X-ray -> CT configuration:\n  " + "\n  ".join(problems))

@@ -43,6 +43,7 @@ __all__ = [
     "cascade_settings",
     "degrade_to_previous",
     "init_from_previous",
+    "init_from_previous_stage",
     "load_cascade",
     "previous_stages",
     "save_cascade",
@@ -318,6 +319,23 @@ def init_from_previous(network: nn.Module, state_dict: Mapping[str, torch.Tensor
     target.load_state_dict({**own, **new_state})
     logger.info(f"initialised from the previous stage: {copied} tensors copied, {partial} partially, {kept} new")
     return {"copied": copied, "partial": partial, "new": kept}
+
+
+def init_from_previous_stage(
+    network: nn.Module, previous: XrayCTCascade | None, enabled: bool = True
+) -> dict[str, int] | None:
+    """:func:`init_from_previous` with the weights of the last of the trained ``previous`` stages (what
+    :func:`previous_stages` loads); nothing (``None``) for stage 1, which has no previous stage, or when not
+    ``enabled``.
+
+    Args:
+        network: the stage's denoiser (or a wrapper of it).
+        previous: the trained earlier stages, ``None`` for stage 1.
+        enabled: the config's ``init_from_previous``.
+    """
+    if previous is None or not enabled:
+        return None
+    return init_from_previous(network, previous.stages[-1].state_dict())
 
 
 class XrayCTSampler(InferenceView):
