@@ -9,8 +9,9 @@ import os
 import socket
 import subprocess
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -398,3 +399,48 @@ def check_restored_volume(saved_path, source_path, expected) -> None:
     assert saved.shape == expected.shape, (saved.shape, expected.shape)
     np.testing.assert_allclose(saved.affine, itk_ras_affine(source_path), atol=1e-4)
     np.testing.assert_allclose(np.asarray(saved.dataobj), expected, rtol=1e-5, atol=1e-3)
+
+
+def check_json_training_dataset(
+    parser: Any, training: Sequence[Mapping], rates: Mapping, key: str = "image"
+) -> tuple[Any, Any]:
+    """Check that a bundle's ``train#dataset`` caches the entries ``make_dataset`` caches from ``training`` with the
+    same ``rates``, in its order (the loader's epoch order and seeded augmentation follow the dataset's positions): a
+    ``SmartCacheDataset`` of every entry in datalist order by default, of a seeded random ``cache_rate`` share with
+    ``cache_rate`` < 1. Entries are compared by ``key``; returns the dataset and ``make_dataset``'s."""
+    from monai.data import CacheDataset, SmartCacheDataset
+
+    from common.data.pipeline import make_dataset
+
+    train = parser.get_parsed_content("train#dataset")
+    transform = parser.get_parsed_content("train#preprocessing")
+    rate = {"cache_rate": 1.0, "replace_rate": 0.0, **rates}
+    expected = make_dataset(training, transform, **rate, partition=False, seed=parser["seed"])
+    assert isinstance(train, SmartCacheDataset) and type(expected) is (SmartCacheDataset if rates else CacheDataset)
+    assert [d[key] for d in train.data] == [d[key] for d in expected.data]
+    assert len(train) == len(expected) == max(1, int(len(training) * rate["cache_rate"]))
+    if not rates:
+        assert [d[key] for d in train.data] == [d[key] for d in training]
+    return train, expected
+
+
+def bundle_parser(bundle: str, configs: Sequence[str], **settings: Any) -> Any:
+    """``bundle``'s config files ``configs`` (names in its ``configs`` folder, or paths), merged in order and parsed
+    in this process on the CPU with ``settings`` set."""
+    from monai.bundle import ConfigParser
+
+    parser = ConfigParser()
+    parser.read_config([str(BUNDLES / bundle / "configs" / name) for name in configs])
+    for key, value in {"device": "cpu", **settings}.items():
+        parser[key] = value
+    return parser
+
+
+def same_tensor(a: Any, b: Any) -> None:
+    """``a`` and ``b`` are the same tensor: type, dtype, device and values, and for MetaTensors also the affine, the
+    ``case_id`` and the classes of the applied operations (so that ``Invertd`` undoes the same steps)."""
+    assert type(a) is type(b) and a.dtype == b.dtype and a.device == b.device
+    assert torch.equal(torch.as_tensor(a), torch.as_tensor(b))
+    if hasattr(a, "meta"):
+        assert torch.equal(a.affine, b.affine) and a.meta.get("case_id") == b.meta.get("case_id")
+        assert [op["class"] for op in a.applied_operations] == [op["class"] for op in b.applied_operations]

@@ -21,11 +21,14 @@ from tests.helpers import (
     REPO_ROOT,
     SCHEMA,
     bundle_env,
+    bundle_parser,
+    check_json_training_dataset,
     config_arg,
     edited_pipeline_configs,
     model_zoo_train_properties,
     overrides,
     run_bundle,
+    same_tensor,
     seed_args,
     shifted_seed,
     torchrun_cmd,
@@ -247,21 +250,7 @@ def test_inference_on_nrrd_metaimage_and_dicom_keeps_geometry_and_units(tmp_path
 
 def _train_parser(bundle: str, *extra: str, **settings):
     """``bundle``'s train.json (with ``extra`` config files merged after it), parsed in this process."""
-    from monai.bundle import ConfigParser
-
-    parser = ConfigParser()
-    parser.read_config([str(BUNDLES / bundle / "configs" / name) for name in ("train.json", *extra)])
-    for key, value in {"device": "cpu", **settings}.items():
-        parser[key] = value
-    return parser
-
-
-def _same_item(a, b) -> None:
-    assert type(a) is type(b)
-    assert a.dtype == b.dtype and torch.equal(torch.as_tensor(a), torch.as_tensor(b))
-    if hasattr(a, "meta"):
-        assert torch.equal(a.affine, b.affine)
-        assert [op["class"] for op in a.applied_operations] == [op["class"] for op in b.applied_operations]
+    return bundle_parser(bundle, ["train.json", *extra], **settings)
 
 
 @pytest.mark.parametrize(
@@ -299,20 +288,20 @@ def test_json_pipelines_match_volume_transforms(tmp_path, settings):
         crops, expected_crops = train({"image": str(path)}), expected({"image": str(path)})
         assert len(crops) == len(expected_crops) == 2
         for crop, expected_crop in zip(crops, expected_crops):
-            _same_item(crop["image"], expected_crop["image"])
+            same_tensor(crop["image"], expected_crop["image"])
 
     validate = parser.get_parsed_content("validate#preprocessing")
     item = validate({"image": str(path)})["image"]
-    _same_item(item, volume_transforms(**keys, **patch, train=False)({"image": str(path)})["image"])
+    same_tensor(item, volume_transforms(**keys, **patch, train=False)({"image": str(path)})["image"])
 
     for units in ("input", "normalised"):
         inference = _inference_parser(BUNDLE, output_units=units, **keys, patch_size=patch["patch_size"])
         inference_pre = inference.get_parsed_content("preprocessing")
         expected = volume_transforms(**keys, **patch, train=False, invertible_intensity=units == "input")
         item, expected_item = inference_pre({"image": str(path)}), expected({"image": str(path)})
-        _same_item(item["image"], expected_item["image"])
+        same_tensor(item["image"], expected_item["image"])
         restored, expected_restored = inference_pre.inverse(item), expected.inverse(expected_item)
-        _same_item(restored["image"], expected_restored["image"])
+        same_tensor(restored["image"], expected_restored["image"])
         inference.get_parsed_content("postprocessing")  # checks that output_units fits the preprocessing
 
 
@@ -636,19 +625,11 @@ def test_json_datasets_hold_the_volumes_of_make_dataset(phantoms, rates):
     """``train#dataset`` caches the volumes ``make_dataset`` cached, in its order (the loader's epoch order and seeded
     augmentation follow the dataset's positions): all of them in datalist order by default, a seeded random subset
     that the SmartCacheHandler swaps with ``cache_rate`` < 1; ``validate#dataset`` every validation volume."""
-    from monai.data import CacheDataset, SmartCacheDataset
-
-    from common.data.pipeline import make_dataset
+    from monai.data import CacheDataset
 
     parser = _train_parser(BUNDLE, "tiny.json", dataset_dir=str(phantoms), **rates)
     datalists = parser.get_parsed_content("datalists")
-    train, validate = parser.get_parsed_content("train#dataset"), parser.get_parsed_content("validate#dataset")
-    transform = parser.get_parsed_content("train#preprocessing")
-    rate = {"cache_rate": 1.0, "replace_rate": 0.0, **rates}
-    expected = make_dataset(datalists["training"], transform, **rate, partition=False, seed=parser["seed"])
-    assert isinstance(train, SmartCacheDataset) and type(expected) is (SmartCacheDataset if rates else CacheDataset)
-    assert [d["image"] for d in train.data] == [d["image"] for d in expected.data]
-    assert len(train) == len(expected) == (2 if rates else 4)
-    if not rates:
-        assert [d["image"] for d in train.data] == [d["image"] for d in datalists["training"]]
+    train, _ = check_json_training_dataset(parser, datalists["training"], rates)
+    assert len(train) == (2 if rates else 4)
+    validate = parser.get_parsed_content("validate#dataset")
     assert type(validate) is CacheDataset and len(validate) == len(datalists["validation"]) == 2

@@ -24,11 +24,14 @@ from tests.helpers import (
     REPO_ROOT,
     SCHEMA,
     bundle_env,
+    bundle_parser,
+    check_json_training_dataset,
     config_arg,
     edited_pipeline_configs,
     model_zoo_train_properties,
     overrides,
     run_bundle,
+    same_tensor,
     seed_args,
     shifted_seed,
     suite_threads,
@@ -459,21 +462,7 @@ def test_inference_with_weights_of_another_task_is_refused(trained, brats_tree, 
 
 def _parser(config: str, *extra: str, **settings):
     """The bundle's ``config`` (with ``extra`` config files merged after it), parsed in this process on the CPU."""
-    from monai.bundle import ConfigParser
-
-    parser = ConfigParser()
-    parser.read_config([str(BUNDLES / BUNDLE / "configs" / name) for name in (config, *extra)])
-    for key, value in {"device": "cpu", **settings}.items():
-        parser[key] = value
-    return parser
-
-
-def _same_item(a, b) -> None:
-    assert type(a) is type(b)
-    assert a.dtype == b.dtype and torch.equal(torch.as_tensor(a), torch.as_tensor(b))
-    if hasattr(a, "meta"):
-        assert torch.equal(a.affine, b.affine) and a.meta.get("case_id") == b.meta.get("case_id")
-        assert [op["class"] for op in a.applied_operations] == [op["class"] for op in b.applied_operations]
+    return bundle_parser(BUNDLE, [config, *extra], **settings)
 
 
 @pytest.mark.parametrize(
@@ -536,7 +525,7 @@ def test_json_pipelines_match_diffusion_transforms(autoencoder_ckpt, tmp_path, s
         assert len(crops) == len(expected_crops) == 2
         for crop, expected_crop in zip(crops, expected_crops):
             assert set(crop) == set(expected_crop)
-            _same_item(crop["image"], expected_crop["image"])
+            same_tensor(crop["image"], expected_crop["image"])
         assert crops[0]["image"].shape[1:] == ((4, 4, 2) if latent else (16, 16, 8))
 
     validate = parser.get_parsed_content("validate#preprocessing")
@@ -544,7 +533,7 @@ def test_json_pipelines_match_diffusion_transforms(autoencoder_ckpt, tmp_path, s
     expected_item = diffusion_transforms(["t1", "t2"], **reference, train=False, label_channels=[1])(dict(entry))
     assert set(item) == set(expected_item) == {"case_id", "image", "label"}
     for key in ("image", "label"):
-        _same_item(item[key], expected_item[key])
+        same_tensor(item[key], expected_item[key])
     assert item["label"].shape[0] == 1 and item["image"].shape[0] == (6 if latent else 2)
 
     inference = _parser(
@@ -561,10 +550,10 @@ def test_json_pipelines_match_diffusion_transforms(autoencoder_ckpt, tmp_path, s
     expected_pre = diffusion_transforms(["t1"], **reference, train=False)
     expected_item = expected_pre(dict(source))
     assert set(item) == set(expected_item) == {"case_id", "image"}
-    _same_item(item["image"], expected_item["image"])
+    same_tensor(item["image"], expected_item["image"])
     if not latent:  # a latent sample is decoded to the image grid before it is inverted
         restored, expected_restored = inference_pre.inverse(item), expected_pre.inverse(expected_item)
-        _same_item(restored["image"], expected_restored["image"])
+        same_tensor(restored["image"], expected_restored["image"])
         assert restored["image"].shape[1:] == (14, 12, 10)
         inference.get_parsed_content("postprocessing")
 
@@ -574,21 +563,13 @@ def test_json_datasets_hold_the_volumes_of_make_dataset(brats_tree, rates):
     """``train#dataset`` caches the cases ``make_dataset`` cached, in its order (the loader's epoch order and seeded
     augmentation follow the dataset's positions): all of them in datalist order by default, a seeded random subset
     that the SmartCacheHandler swaps with ``cache_rate`` < 1; ``validate#dataset`` every validation case."""
-    from monai.data import CacheDataset, SmartCacheDataset
-
-    from common.data.pipeline import make_dataset
+    from monai.data import CacheDataset
 
     parser = _parser("train.json", "brats.json", "tiny.json", dataset_dir=str(brats_tree), **rates)
     datalists = parser.get_parsed_content("datalists")
-    train, validate = parser.get_parsed_content("train#dataset"), parser.get_parsed_content("validate#dataset")
-    transform = parser.get_parsed_content("train#preprocessing")
-    rate = {"cache_rate": 1.0, "replace_rate": 0.0, **rates}
-    expected = make_dataset(datalists["training"], transform, **rate, partition=False, seed=parser["seed"])
-    assert isinstance(train, SmartCacheDataset) and type(expected) is (SmartCacheDataset if rates else CacheDataset)
-    assert [d["case_id"] for d in train.data] == [d["case_id"] for d in expected.data]
-    assert len(train) == len(expected) == (2 if rates else 4)
-    if not rates:
-        assert [d["case_id"] for d in train.data] == [d["case_id"] for d in datalists["training"]]
+    train, _ = check_json_training_dataset(parser, datalists["training"], rates, key="case_id")
+    assert len(train) == (2 if rates else 4)
+    validate = parser.get_parsed_content("validate#dataset")
     assert type(validate) is CacheDataset and len(validate) == len(datalists["validation"]) == 2
     assert validate[0]["label"].shape[0] == 1 and validate[0]["image"].shape[0] == 4
 

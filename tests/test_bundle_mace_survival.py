@@ -23,11 +23,14 @@ from tests.helpers import (
     BUNDLES,
     REPO_ROOT,
     bundle_env,
+    bundle_parser,
+    check_json_training_dataset,
     config_arg,
     edited_pipeline_configs,
     model_zoo_train_properties,
     overrides,
     run_bundle,
+    same_tensor,
     seed_args,
     shifted_seed,
     torchrun_cmd,
@@ -404,13 +407,7 @@ def test_total_batch_must_divide_by_the_processes():
 
 def _train_parser(*extra: str, **settings):
     """The bundle's train.json (with ``extra`` config files merged after it), parsed in this process on the CPU."""
-    from monai.bundle import ConfigParser
-
-    parser = ConfigParser()
-    parser.read_config([str(BUNDLES / BUNDLE / "configs" / name) for name in ("train.json", *extra)])
-    for key, value in {"device": "cpu", **settings}.items():
-        parser[key] = value
-    return parser
+    return bundle_parser(BUNDLE, ["train.json", *extra], **settings)
 
 
 def _inference_parser(**settings):
@@ -431,13 +428,9 @@ def _same_item(a: dict, b: dict) -> None:
         x, y = a[key], b[key]
         assert type(x) is type(y), key
         if isinstance(x, torch.Tensor):
-            assert x.dtype == y.dtype and x.device == y.device and torch.equal(torch.as_tensor(x), torch.as_tensor(y))
+            same_tensor(x, y)
         else:
             np.testing.assert_equal(x, y, err_msg=key)  # e.g. the foreground crop's box
-    image, expected = a["image"], b["image"]
-    if hasattr(image, "meta"):
-        assert torch.equal(image.affine, expected.affine) and image.meta.get("case_id") == expected.meta.get("case_id")
-        assert [op["class"] for op in image.applied_operations] == [op["class"] for op in expected.applied_operations]
 
 
 @pytest.mark.parametrize(
@@ -505,23 +498,13 @@ def test_json_datasets_hold_the_cases_of_make_dataset(cohort, rates):
     augmentation follow the dataset's positions): every training case in cohort order by default, a seeded random
     subset that the SmartCacheHandler swaps with ``cache_rate`` < 1; ``calibrate#dataset`` every training case and
     ``validate#dataset`` every validation case, in cohort order."""
-    from monai.data import CacheDataset, SmartCacheDataset
-
-    from common.data.pipeline import make_dataset
+    from monai.data import CacheDataset
 
     parser = _train_parser("tiny.json", csv_path=str(cohort), horizons=HORIZONS, **rates)
     cohort_split = parser.get_parsed_content("cohort")
-    train = parser.get_parsed_content("train#dataset")
-    rate = {"cache_rate": 1.0, "replace_rate": 0.0, **rates}
-    transform = parser.get_parsed_content("train#preprocessing")
-    expected = make_dataset(cohort_split["training"], transform, **rate, partition=False, seed=parser["seed"])
-    assert isinstance(train, SmartCacheDataset) and type(expected) is (SmartCacheDataset if rates else CacheDataset)
-    ids = [d["case_id"] for d in train.data]
-    assert ids == [d["case_id"] for d in expected.data]
     n_train = len(cohort_split["training"])
-    assert len(train) == len(expected) == (int(n_train * 0.5) if rates else n_train)
-    if not rates:
-        assert ids == [d["case_id"] for d in cohort_split["training"]]
+    train, expected = check_json_training_dataset(parser, cohort_split["training"], rates, key="case_id")
+    assert len(train) == (int(n_train * 0.5) if rates else n_train)
     assert [train[i]["case_id"] for i in range(len(train))] == [expected[i]["case_id"] for i in range(len(expected))]
     calibrate = parser.get_parsed_content("calibrate#dataset")
     validate = parser.get_parsed_content("validate#dataset")

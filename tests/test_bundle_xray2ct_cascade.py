@@ -23,11 +23,14 @@ from tests.helpers import (
     REPO_ROOT,
     SCHEMA,
     bundle_env,
+    bundle_parser,
+    check_json_training_dataset,
     config_arg,
     edited_pipeline_configs,
     model_zoo_train_properties,
     overrides,
     run_bundle,
+    same_tensor,
     seed_args,
     shifted_seed,
     torchrun_cmd,
@@ -350,20 +353,7 @@ def test_torchrun_two_processes_keep_identical_replicas(phantoms, tmp_path):
 
 def _train_parser(*extra: str, **settings):
     """train.json + tiny.json (+ ``extra`` config files), parsed in this process on the CPU with ``settings``."""
-    from monai.bundle import ConfigParser
-
-    parser = ConfigParser()
-    parser.read_config([str(BUNDLES / BUNDLE / "configs" / name) for name in ("train.json", *TASK[1:], *extra)])
-    for key, value in {"device": "cpu", **settings}.items():
-        parser[key] = value
-    return parser
-
-
-def _same_item(a, b) -> None:
-    assert type(a) is type(b) and a.dtype == b.dtype and a.device == b.device
-    assert torch.equal(torch.as_tensor(a), torch.as_tensor(b))
-    assert torch.equal(a.affine, b.affine) and a.meta.get("case_id") == b.meta.get("case_id")
-    assert [op["class"] for op in a.applied_operations] == [op["class"] for op in b.applied_operations]
+    return bundle_parser(BUNDLE, ["train.json", *TASK[1:], *extra], **settings)
 
 
 def _write_views(phantoms: Path, entry: dict, folder: Path, projector) -> dict:
@@ -416,10 +406,10 @@ def test_json_pipelines_match_xray2ct_transforms(phantoms, tmp_path, settings):
         item, expected_item = train(dict(entry)), expected(dict(entry))
         assert set(item) == set(expected_item)
         for key in ("image", "xray"):
-            _same_item(item[key], expected_item[key])
+            same_tensor(item[key], expected_item[key])
     item, expected_item = validate(dict(entry)), expected(dict(entry))
     for key in ("image", "xray"):
-        _same_item(item[key], expected_item[key])
+        same_tensor(item[key], expected_item[key])
 
     from monai.bundle import ConfigParser
 
@@ -435,7 +425,7 @@ def test_json_pipelines_match_xray2ct_transforms(phantoms, tmp_path, settings):
     item, expected_item = inference.get_parsed_content("preprocessing")(dict(inputs)), expected(dict(inputs))
     assert set(item) == set(expected_item) == ({"xray"} if view_files else {"image", "xray"})
     for key in item:
-        _same_item(item[key], expected_item[key])
+        same_tensor(item[key], expected_item[key])
 
 
 @pytest.mark.parametrize("rates", [{}, {"cache_rate": 0.5, "replace_rate": 0.5}], ids=["default", "smart-cache"])
@@ -443,28 +433,20 @@ def test_json_datasets_hold_the_volumes_of_make_dataset(phantoms, rates):
     """``train#dataset`` caches the volumes ``make_dataset`` cached, in its order: all of them in datalist order by
     default, a seeded random subset (that the SmartCacheHandler swaps) with ``cache_rate`` < 1; ``validate#dataset``
     every validation volume, in order, with the CT and X-rays ``preprocessing`` makes."""
-    from monai.data import CacheDataset, SmartCacheDataset
-
-    from common.data.pipeline import make_dataset
+    from monai.data import CacheDataset
 
     parser = _train_parser(dataset_dir=str(phantoms), **rates)
     datalists = parser.get_parsed_content("datalists")
-    train, validate = parser.get_parsed_content("train#dataset"), parser.get_parsed_content("validate#dataset")
-    transform = parser.get_parsed_content("train#preprocessing")
-    rate = {"cache_rate": 1.0, "replace_rate": 0.0, **rates}
-    expected = make_dataset(datalists["training"], transform, **rate, partition=False, seed=parser["seed"])
-    assert isinstance(train, SmartCacheDataset) and type(expected) is (SmartCacheDataset if rates else CacheDataset)
-    assert [d["image"] for d in train.data] == [d["image"] for d in expected.data]
-    assert len(train) == len(expected) == (2 if rates else 4)
-    if not rates:
-        assert [d["image"] for d in train.data] == [d["image"] for d in datalists["training"]]
+    train, _ = check_json_training_dataset(parser, datalists["training"], rates)
+    assert len(train) == (2 if rates else 4)
+    validate = parser.get_parsed_content("validate#dataset")
     assert type(validate) is CacheDataset and len(validate) == len(datalists["validation"]) == 2
     assert [d["image"] for d in validate.data] == [d["image"] for d in datalists["validation"]]
     preprocessing = parser.get_parsed_content("preprocessing")
     for i, entry in enumerate(datalists["validation"]):
         expected_item = preprocessing(dict(entry))
         for key in ("image", "xray"):
-            _same_item(validate[i][key], expected_item[key])
+            same_tensor(validate[i][key], expected_item[key])
 
 
 def test_pipeline_edited_in_json(phantoms, tmp_path):
