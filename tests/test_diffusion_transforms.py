@@ -25,6 +25,7 @@ from common.diffusion.transforms import (
     EncodeLatentd,
     diffusion_transforms,
     generation_items,
+    inference_inputs,
     keeps_values,
     sample_postprocessing,
 )
@@ -462,3 +463,22 @@ def test_keeps_values_only_for_intensity_mode_none():
     assert keeps_values({"mode": "none"}) and keeps_values({"mode": "None"})
     for intensity in (None, {}, {"mode": "mri"}, {"mode": "ct", "a_min": -1000, "a_max": 1000}):
         assert not keeps_values(intensity), intensity
+
+
+def test_inference_inputs_generate_or_list_checked_cases(tmp_path):
+    """Unconditional generation makes empty volumes; otherwise the listed cases pass the preflight, and a case
+    missing a source or a multi-channel source ends the run with the problem named, before any weights load."""
+    generated = inference_inputs("unconditional", str(tmp_path), [], num_samples=2, sample_shape=(8, 6, 4))
+    assert [item["case_id"] for item in generated] == ["sample_000", "sample_001"]
+    assert generated[0]["image"].shape == (1, 8, 6, 4)
+    files = _modalities(tmp_path)
+    datalist = {"testing": [{"t1": str(files["t1"][0]), "t2": str(files["t2"][0]), "case_id": "one"}]}
+    cases = inference_inputs("translation", str(tmp_path), ["t1", "t2"], datalist=datalist)
+    assert cases == datalist["testing"]
+    with pytest.raises(SystemExit):
+        inference_inputs(
+            "translation",
+            str(tmp_path),
+            ["t1", "t2"],
+            datalist={"testing": [{"t1": "gone.nii.gz", "t2": "x.nii.gz", "case_id": "a"}]},
+        )

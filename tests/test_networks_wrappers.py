@@ -12,9 +12,11 @@ from monai.networks.nets import VQVAE
 from torch import nn
 
 from common.networks.wrappers import (
+    LatentDecoder,
     LatentEncoder,
     ReconstructionNetwork,
     clean_state_dict,
+    inference_view,
     prepare_network,
     split_autoencoder_output,
     unwrap,
@@ -268,3 +270,18 @@ def test_inference_views_do_not_leave_the_network_in_training_mode():
         with eval_mode(view):
             assert not net.quantizer.training
         assert not net.quantizer.training, type(view).__name__
+
+
+def test_inference_view_by_mode():
+    """An inference config's ``mode`` picks the view: the reconstruction, the (continuous or quantized) latent, or
+    the decoded image; another mode is refused with the allowed ones."""
+    vq = tiny_vqvae().eval()
+    x = torch.randn(1, 1, 8, 8, 8)
+    with torch.no_grad():
+        assert torch.equal(inference_view(vq, "reconstruct")(x), ReconstructionNetwork(vq)(x))
+        latent = inference_view(vq, "encode", quantized=False)(x)
+        assert torch.equal(latent, LatentEncoder(vq, quantized=False)(x))
+        assert not torch.equal(latent, inference_view(vq, "encode")(x))  # quantized to the codebook
+        assert torch.equal(inference_view(vq, "decode")(latent), LatentDecoder(vq)(latent))
+    with pytest.raises(ValueError, match="'mode' must be one of"):
+        inference_view(vq, "segment")

@@ -28,6 +28,7 @@ __all__ = [
     "EncodeLatentd",
     "diffusion_transforms",
     "generation_items",
+    "inference_inputs",
     "keeps_values",
     "sample_postprocessing",
 ]
@@ -229,3 +230,39 @@ def generation_items(
         image = MetaTensor(torch.zeros(int(channels), *[int(s) for s in shape]), meta=meta)
         items.append({Keys.IMAGE: image, "case_id": case})
     return items
+
+
+def inference_inputs(
+    task: str,
+    dataset_dir: str,
+    source_keys: Sequence[str],
+    datalist: str | Mapping[str, Any] | None = None,
+    section: str = "testing",
+    pattern: str | None = None,
+    num_samples: int = 1,
+    sample_shape: Sequence[int] = (64, 64, 64),
+    spacing: Sequence[float] | None = None,
+) -> list[dict[str, Any]]:
+    """The inputs of a diffusion bundle's inference run.
+
+    ``unconditional``: ``num_samples`` empty volumes of ``sample_shape`` (:func:`generation_items`). Otherwise the
+    cases of ``source_keys`` under ``dataset_dir`` (``datalist``'s ``section``, the volumes matching ``pattern`` or
+    the BraTS layout, see :func:`common.data.datalist.inference_entries`), checked by the preflight (readable
+    single-channel volumes, every source present) before any weights are loaded; problems end the run with their
+    list (:func:`common.data.preflight.preflight_or_exit`).
+    """
+    from common.data.datalist import inference_entries
+    from common.data.preflight import preflight_or_exit
+
+    if task == "unconditional":
+        return generation_items(num_samples, sample_shape, spacing)
+    entries = inference_entries(dataset_dir, source_keys, datalist=datalist, section=section, pattern=pattern)
+    checked = preflight_or_exit(
+        {"testing": entries},
+        base_dir=dataset_dir,
+        keys=list(source_keys),
+        sections=["testing"],
+        required=["testing"],
+        num_channels=1,
+    )
+    return checked["testing"]

@@ -19,6 +19,7 @@ __all__ = [
     "ReconstructionNetwork",
     "blended_windows",
     "clean_state_dict",
+    "inference_view",
     "prepare_network",
     "split_autoencoder_output",
     "unwrap",
@@ -201,6 +202,27 @@ class LatentDecoder(InferenceView):
 
     def forward(self, latent: torch.Tensor) -> torch.Tensor:
         return unwrap(self.network).decode(latent)
+
+
+#: the views of an autoencoder that inference configs name by ``mode``
+INFERENCE_VIEWS = ("reconstruct", "encode", "decode")
+
+
+def inference_view(network: nn.Module, mode: str = "reconstruct", quantized: bool = True) -> InferenceView:
+    """The inference view of an autoencoder for an inference config's ``mode``: ``reconstruct``
+    (:class:`ReconstructionNetwork`), ``encode`` (:class:`LatentEncoder`, with ``quantized``) or ``decode``
+    (:class:`LatentDecoder`).
+
+    Raises:
+        ValueError: for another ``mode``.
+    """
+    if mode == "reconstruct":
+        return ReconstructionNetwork(network)
+    if mode == "encode":
+        return LatentEncoder(network, quantized=quantized)
+    if mode == "decode":
+        return LatentDecoder(network)
+    raise ValueError(f"'mode' must be one of {INFERENCE_VIEWS}, got {mode!r}.")
 
 
 def blended_windows(
