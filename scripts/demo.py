@@ -21,6 +21,7 @@ contrasts) is built on first use. Each stage is the bundle's own command
 
 from __future__ import annotations
 
+import inspect
 import json
 import os
 import shlex
@@ -316,6 +317,9 @@ def main(
 
 
 if __name__ == "__main__":
+    if {"-h", "--help"} & set(sys.argv[1:]):  # main takes any --key as a bundle override: answer help here
+        print(f"{__doc__}\nOptions (any other --key value is a bundle override):\n{inspect.getdoc(main)}")
+        raise SystemExit(0)
     import fire
 
     fire.Fire(main, serialize=lambda _: None)
