@@ -86,13 +86,15 @@ def intensity_problems(intensity: Mapping[str, Any] | None) -> list[str]:
     return []
 
 
-def cache_problems(cache_rate: Any, replace_rate: Any) -> list[str]:
-    """Why the config ``cache_rate`` (share of volumes cached, in [0, 1]) or ``replace_rate`` (share of a
+def cache_problems(cache_rate: Any, replace_rate: Any, **other_cache_rates: Any) -> list[str]:
+    """Why the config ``cache_rate`` (share of volumes cached, in [0, 1]), ``replace_rate`` (share of a
     ``SmartCacheDataset``'s cache replaced each epoch, in (0, 1]: MONAI refuses 0, and with ``cache_rate`` 1 nothing
-    is replaced anyway) is invalid, one line per problem naming the config id."""
+    is replaced anyway) or another cache rate of a bundle (``other_cache_rates``, by config id, in [0, 1]) is invalid,
+    one line per problem naming the config id."""
     problems = []
-    if isinstance(cache_rate, bool) or not isinstance(cache_rate, (int, float)) or not 0 <= cache_rate <= 1:
-        problems.append(f"'cache_rate' must be a number in [0, 1] (the share of volumes cached), got {cache_rate!r}.")
+    for name, rate in {"cache_rate": cache_rate, **other_cache_rates}.items():
+        if isinstance(rate, bool) or not isinstance(rate, (int, float)) or not 0 <= rate <= 1:
+            problems.append(f"'{name}' must be a number in [0, 1] (the share of volumes cached), got {rate!r}.")
     if isinstance(replace_rate, bool) or not isinstance(replace_rate, (int, float)) or not 0 < replace_rate <= 1:
         problems.append(
             f"'replace_rate' must be a number in (0, 1] (the share of a SmartCacheDataset's cache replaced each epoch; "

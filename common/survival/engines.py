@@ -297,12 +297,6 @@ def check_survival_settings(
         problems.append(f"'key_metric' must be one of {known} or auc_<h>/brier_<h>, got {key_metric!r}.")
     problems += flag_problems(flags)
     problems += intensity_problems(intensity)
-    problems += cache_problems(cache_rate, replace_rate)
-    rate = calibration_cache_rate
-    if isinstance(rate, bool) or not isinstance(rate, (int, float)) or not 0 <= rate <= 1:
-        problems.append(
-            f"'calibration_cache_rate' must be a number in [0, 1] (the share of the training volumes cached for the "
-            f"calibration), got {rate!r}."
-        )
+    problems += cache_problems(cache_rate, replace_rate, calibration_cache_rate=calibration_cache_rate)
     if problems:
         raise ValueError("invalid survival configuration:\n  " + "\n  ".join(problems))
