@@ -470,7 +470,7 @@ def test_torchrun_two_processes(phantoms, tmp_path):
                     "$torch.save({'weights': @autoencoder.state_dict(), 'd_weights': @discriminator.state_dict(), "
                     "'train': [d['image'] for d in @train#dataset.data], 'iteration': @train#trainer.state.iteration}, "
                     "@output_dir + '/rank' + str(torch.distributed.get_rank()) + '.pt')",
-                    "$@summary_writer.close() if @summary_writer is not None else None",
+                    "$common.handlers.monitor.close_writer(@summary_writer)",
                     "$common.utils.destroy_distributed()",
                 ],
             }

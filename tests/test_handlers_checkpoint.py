@@ -258,6 +258,19 @@ def test_best_checkpoint_saver_ignores_other_metrics_and_nan(tmp_path, caplog):
         BestCheckpointSaver(tmp_path, net, "val_psnr", mode="best")
 
 
+def test_best_checkpoint_saver_writes_on_rank_0_only(tmp_path, monkeypatch):
+    """Attached on every rank (as the bundles do): the other ranks write nothing but still check the metric."""
+    net = nn.Linear(2, 1)
+    monkeypatch.setenv("RANK", "1")
+    BestCheckpointSaver(tmp_path, net, "val_psnr", n_saved=2)(_evaluator(20.0, 1))
+    assert list(tmp_path.iterdir()) == []
+    with pytest.raises(KeyError, match="val_dice"):
+        BestCheckpointSaver(tmp_path, net, "val_dice")(_evaluator(1.0, 3))
+    monkeypatch.setenv("RANK", "0")
+    BestCheckpointSaver(tmp_path, net, "val_psnr", n_saved=2)(_evaluator(20.0, 1))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model.pt", "model_val_psnr=20_step=10.pt"]
+
+
 def test_best_checkpoint_saver_default_step_and_attach(tmp_path):
     from ignite.engine import Engine
 

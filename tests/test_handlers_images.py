@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from ignite.engine import Events
 from monai.data import DataLoader
 from monai.engines import SupervisedEvaluator
 from monai.metrics import SSIMMetric
@@ -191,6 +192,17 @@ def test_ortho_slice_handler_default_step_and_batched_output(tmp_path: Path) -> 
     assert sorted(acc.Tags()["images"]) == ["slices/0", "slices/1", "slices/2"]
     assert [e.step for e in acc.Images("slices/2")] == [1, 2]  # default step: engine.state.epoch
     assert (acc.Images("slices/0")[0].height, acc.Images("slices/0")[0].width) == (3 * SIDE, 3 * SIDE)
+
+
+def test_ortho_slice_handler_without_writer_or_log_dir_logs_nothing(tmp_path: Path, monkeypatch) -> None:
+    """A run's writer is None on ranks other than 0: the handler given it attaches nothing and creates no writer."""
+    monkeypatch.chdir(tmp_path)
+    handler = OrthoSliceImageHandler(summary_writer=None, max_images=2)
+    evaluator = _evaluator(_volumes(2), val_handlers=[handler])
+    evaluator.run()
+    assert handler._writer is None and handler._buffer == []
+    assert not evaluator.has_event_handler(handler.iteration_completed, Events.ITERATION_COMPLETED)
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_ortho_slice_handler_with_given_writer_and_errors(tmp_path: Path) -> None:

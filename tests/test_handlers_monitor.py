@@ -21,11 +21,14 @@ from torch import nn
 from common.handlers import monitor as monitor_module
 from common.handlers.monitor import (
     MetricsRecorder,
+    ProgressBar,
     StepValidationHandler,
     TorchProfilerHandler,
     TrainingMonitor,
+    close_writer,
     global_step,
     peak_memory_gib,
+    tensorboard_writer,
 )
 from tests.helpers import shifted_seed
 
@@ -109,7 +112,7 @@ def test_training_monitor_throughput_wait_and_losses(tmp_path):
     monitor = TrainingMonitor(
         interval=5,
         summary_writer=writer,
-        csv_path=tmp_path / "metrics.csv",
+        output_dir=tmp_path,
         optimizers={"autoencoder": optimizer, "discriminator": None},
     )
     monitor.attach(engine)
@@ -152,7 +155,7 @@ def test_training_monitor_throughput_wait_and_losses(tmp_path):
 
 def test_training_monitor_reports_a_partial_window_at_the_end(tmp_path):
     engine = Engine(_step)
-    monitor = TrainingMonitor(interval=4, csv_path=tmp_path / "m.csv")
+    monitor = TrainingMonitor(interval=4, output_dir=tmp_path)
     monitor.attach(engine)
     engine.run(SlowLoader(3, delay=0.0), max_epochs=2)
     steps = [h["step"] for h in monitor.history]
@@ -184,11 +187,35 @@ def test_training_monitor_decollated_output():
 def test_training_monitor_only_rank0_writes_csv(tmp_path, monkeypatch):
     monkeypatch.setenv("RANK", "1")
     engine = Engine(_step)
-    monitor = TrainingMonitor(interval=1, csv_path=tmp_path / "metrics.csv")
+    monitor = TrainingMonitor(interval=1, output_dir=tmp_path)
     monitor.attach(engine)
     engine.run(SlowLoader(2, delay=0.0), max_epochs=1)
     assert len(monitor.history) == 2  # still logged on this rank
     assert not (tmp_path / "metrics.csv").exists()
+
+
+def test_the_run_writer_is_rank_0s_on_the_tensorboard_folder(tmp_path, monkeypatch):
+    monkeypatch.setenv("RANK", "1")
+    assert tensorboard_writer(tmp_path) is None
+    close_writer(None)  # the finalize step of the other ranks
+    assert list(tmp_path.iterdir()) == []
+    monkeypatch.setenv("RANK", "0")
+    writer = tensorboard_writer(tmp_path)
+    writer.add_scalar("train/loss", 0.5, 1)
+    close_writer(writer)
+    events = list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))
+    assert len(events) == 1 and events[0].stat().st_size > 0
+
+
+@pytest.mark.parametrize("rank, tty, attached", [("0", True, True), ("0", False, False), ("1", True, False)])
+def test_progress_bar_only_on_an_interactive_rank_0(monkeypatch, rank, tty, attached):
+    monkeypatch.setenv("RANK", rank)
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: tty)
+    engine = Engine(_step)
+    bar = ProgressBar(persist=False)
+    before = len(engine._event_handlers[Events.ITERATION_COMPLETED])
+    bar.attach(engine)
+    assert (len(engine._event_handlers[Events.ITERATION_COMPLETED]) > before) is attached
 
 
 # ---------------------------------------------------------------------------------------------- metrics recorder
@@ -324,7 +351,7 @@ def test_step_validation_does_not_change_the_training_random_numbers():
 def test_torch_profiler_handler_writes_a_trace(tmp_path):
     a = torch.rand(64, 64)
     engine = Engine(lambda e, b: (a @ a).sum())
-    handler = TorchProfilerHandler(tmp_path / "profiler", wait=1, warmup=1, active=2, profile_memory=False)
+    handler = TorchProfilerHandler(tmp_path, wait=1, warmup=1, active=2, profile_memory=False)
     handler.attach(engine)
     stopped_at: list[int] = []
     engine.add_event_handler(

@@ -1,6 +1,7 @@
 # Copyright (c) the 3D MONAI bundle collection contributors.
 # Licensed under the Apache License, Version 2.0.
-"""One rule for which way every bundle's key metric improves."""
+"""One rule for which way every bundle's key metric improves, and one split of the validation metrics into the key
+metric and the others."""
 
 from __future__ import annotations
 
@@ -8,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from common.metrics.key_metric import key_metric_mode, metric_cmp_fn
+from common.errors import UserError
+from common.metrics.key_metric import additional_metrics, key_metric_mode, key_val_metric, metric_cmp_fn
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -38,3 +40,15 @@ def test_every_bundle_reads_the_rule_from_one_place() -> None:
         if "key_metric_mode" in text or "metric_cmp_fn" in text:
             users.append(config.parent.parent.name)
     assert {"fast_ddpm_3d", "mace_survival", "xray2ct_cascade"} <= set(users)
+
+
+def test_the_key_metric_and_the_others_partition_the_validation_metrics() -> None:
+    metrics = {"val_psnr": object(), "val_ssim": object(), "val_ms_ssim": object()}
+    key, others = key_val_metric(metrics, "val_ssim"), additional_metrics(metrics, "val_ssim")
+    assert key == {"val_ssim": metrics["val_ssim"]}
+    assert others == {"val_psnr": metrics["val_psnr"], "val_ms_ssim": metrics["val_ms_ssim"]}
+    assert list(others) == ["val_psnr", "val_ms_ssim"]  # the validation order is kept
+    with pytest.raises(
+        UserError, match=r"key_metric 'val_dice' is not one of the validation metrics \['val_ms_ssim', "
+    ):
+        key_val_metric(metrics, "val_dice")

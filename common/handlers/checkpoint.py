@@ -301,7 +301,7 @@ class CheckpointManager:
 class BestCheckpointSaver:
     """Keep the ``n_saved`` best network weights by a validation metric, plus ``filename`` for the best one.
 
-    Attach to the evaluator. Files are plain state dicts (what ``ckpt_export`` and ``inference.json`` load),
+    Attach to the evaluator (on every rank: rank 0 writes, the others only check the metric). Files are plain state dicts (what ``ckpt_export`` and ``inference.json`` load),
     written atomically; worse files are deleted. Existing files in ``save_dir`` from an earlier, resumed run
     are taken into account.
 
@@ -357,6 +357,8 @@ class BestCheckpointSaver:
     def __call__(self, engine: Engine) -> None:
         if self.metric_name not in engine.state.metrics:
             raise KeyError(f"metric {self.metric_name!r} not in {sorted(engine.state.metrics)}; check key_metric.")
+        if not is_rank0():
+            return
         value = float(engine.state.metrics[self.metric_name])
         if math.isnan(value):
             logger.warning(f"{self.metric_name} is NaN: no best checkpoint written.")

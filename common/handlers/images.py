@@ -200,12 +200,13 @@ class OrthoSliceImageHandler:
 
     Typical use in a bundle config, on the evaluator::
 
-        {"_target_": "common.handlers.images.OrthoSliceImageHandler", "log_dir": "$@output_dir",
-         "global_step_transform": "$lambda x: @train#trainer.state.iteration", "_disabled_": "$not @is_rank0"}
+        {"_target_": "common.handlers.images.OrthoSliceImageHandler", "summary_writer": "@summary_writer",
+         "global_step_transform": "@validate#global_step"}
 
     Args:
         summary_writer: a TensorBoard ``SummaryWriter``; default: one created on ``log_dir`` on first use.
-        log_dir: where the default writer writes.
+        log_dir: where the default writer writes. With neither ``summary_writer`` nor ``log_dir`` the handler logs
+            nothing (a run's writer is ``None`` on ranks other than 0).
         tag: TensorBoard tag prefix.
         image_key: key of the input volume in each sample.
         pred_key: key of the reconstruction in each sample.
@@ -218,7 +219,7 @@ class OrthoSliceImageHandler:
     def __init__(
         self,
         summary_writer: SummaryWriter | None = None,
-        log_dir: str = "./runs",
+        log_dir: str | None = None,
         tag: str = "val_slices",
         image_key: str = "image",
         pred_key: str = "pred",
@@ -255,6 +256,8 @@ class OrthoSliceImageHandler:
         Args:
             engine: an ignite engine, typically a MONAI evaluator.
         """
+        if self._writer is None and self.log_dir is None:
+            return
         events = (
             (Events.EPOCH_STARTED, self.epoch_started),
             (Events.ITERATION_COMPLETED, self.iteration_completed),

@@ -25,20 +25,38 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from ignite.engine import Engine, Events
+from ignite.handlers import ProgressBar as _IgniteProgressBar
 from monai.handlers import ValidationHandler
+from torch.utils.tensorboard import SummaryWriter
 
 from common.utils import get_rank, get_world_size, rng_state, set_rng_state, write_text_atomic
 
 __all__ = [
     "MetricsRecorder",
+    "ProgressBar",
     "StepValidationHandler",
     "TorchProfilerHandler",
     "TrainingMonitor",
+    "close_writer",
     "global_step",
     "peak_memory_gib",
+    "tensorboard_writer",
 ]
 
 logger = logging.getLogger("common.monitor")
+
+
+def tensorboard_writer(output_dir: str | os.PathLike) -> SummaryWriter | None:
+    """The run's TensorBoard writer, on ``<output_dir>/tensorboard``: rank 0's; ``None`` on the other ranks (the
+    handlers given it then log nothing to TensorBoard). Close it with :func:`close_writer` (a bundle's
+    ``finalize``)."""
+    return SummaryWriter(log_dir=os.path.join(os.fspath(output_dir), "tensorboard")) if get_rank() == 0 else None
+
+
+def close_writer(writer: SummaryWriter | None) -> None:
+    """Flush and close ``writer`` (nothing for ``None``)."""
+    if writer is not None:
+        writer.close()
 
 
 def peak_memory_gib(device: torch.device | str) -> float:
@@ -93,7 +111,7 @@ class TrainingMonitor:
     Args:
         interval: iterations per report.
         summary_writer: TensorBoard writer (``None`` on ranks other than 0, or to disable TensorBoard).
-        csv_path: ``metrics.csv`` path (written by rank 0 only; ``None`` disables it).
+        output_dir: folder of ``metrics.csv``, appended by rank 0 only (``None`` writes no file).
         optimizers: name -> optimizer whose learning rates are reported.
         image_key: key of the input batch in ``engine.state.output`` (for sample/voxel counts).
         tag_prefix: prefix of TensorBoard/CSV tags.
@@ -103,14 +121,14 @@ class TrainingMonitor:
         self,
         interval: int = 10,
         summary_writer: Any = None,
-        csv_path: str | os.PathLike | None = None,
+        output_dir: str | os.PathLike | None = None,
         optimizers: Mapping[str, torch.optim.Optimizer] | None = None,
         image_key: str = "image",
         tag_prefix: str = "train/",
     ) -> None:
         self.interval = max(int(interval), 1)
         self.writer = summary_writer
-        self.csv_path = Path(csv_path) if csv_path and get_rank() == 0 else None
+        self.csv_path = Path(output_dir) / "metrics.csv" if output_dir is not None and get_rank() == 0 else None
         self.optimizers = {k: v for k, v in (optimizers or {}).items() if v is not None}
         self.image_key = image_key
         self.tag_prefix = tag_prefix
@@ -318,7 +336,8 @@ class TorchProfilerHandler:
     """Record a ``torch.profiler`` trace of a few training iterations for TensorBoard's profiler plugin.
 
     Args:
-        output_dir: where ``*.pt.trace.json`` files are written (``tensorboard --logdir`` on it).
+        output_dir: the run folder; the ``*.pt.trace.json`` files go to ``<output_dir>/profiler``
+            (``tensorboard --logdir`` on it).
         wait, warmup, active: the profiler schedule in iterations, started at the first iteration.
         profile_memory: record allocations.
     """
@@ -331,7 +350,7 @@ class TorchProfilerHandler:
         active: int = 4,
         profile_memory: bool = True,
     ) -> None:
-        self.output_dir = str(output_dir)
+        self.output_dir = os.path.join(os.fspath(output_dir), "profiler")
         self.schedule = torch.profiler.schedule(wait=wait, warmup=warmup, active=active, repeat=1)
         self.total = wait + warmup + active
         self.profile_memory = profile_memory
@@ -370,6 +389,15 @@ class TorchProfilerHandler:
             self.profiler.stop()
             self.profiler = None
             logger.info(f"profiler trace written to {self.output_dir}")
+
+
+class ProgressBar(_IgniteProgressBar):
+    """ignite's ``ProgressBar``, attached only where someone watches: on rank 0 when standard error is a terminal
+    (a batch job's log gets the periodic reports of :class:`TrainingMonitor` instead)."""
+
+    def attach(self, engine: Engine, *args: Any, **kwargs: Any) -> None:
+        if get_rank() == 0 and sys.stderr.isatty():
+            super().attach(engine, *args, **kwargs)
 
 
 def _fmt(value: float) -> str:
