@@ -444,3 +444,71 @@ def same_tensor(a: Any, b: Any) -> None:
     if hasattr(a, "meta"):
         assert torch.equal(a.affine, b.affine) and a.meta.get("case_id") == b.meta.get("case_id")
         assert [op["class"] for op in a.applied_operations] == [op["class"] for op in b.applied_operations]
+
+
+# Calls that make the host wait for a GPU when their tensor lives there: reading a value back (item, bool, float,
+# tolist, ...), data-dependent shapes (nonzero, masked_select, boolean-mask indexing) and CPU tensors made inside a
+# step (``torch.tensor``, ``Tensor.type``) that a blocking copy then moves to the device. On the CPU they cost
+# nothing, but recording where they are called shows what a GPU step would wait for.
+HOST_SYNC_CALLS = frozenset(
+    ("item", "__bool__", "__float__", "__int__", "tolist", "numpy", "cpu", "nonzero", "argwhere", "masked_select")
+    + ("unique", "unique_consecutive", "tensor", "type")
+)
+# The host reads a training step is documented to make, as "file:function" of the calling line: the non-finite
+# guard reads one flag per optimizer step; the survival cut points and the EMA's update count are CPU tensors
+# (reading them waits for no device).
+DOCUMENTED_HOST_READS = frozenset(
+    ("common/engines/trainer.py:_finite_or_skip", "common/survival/losses.py:check_cut_points")
+    + ("common/handlers/ema.py:update",)
+)
+
+
+def host_sync_sites(trainer: Any, first: int, last: int) -> dict[str, int]:
+    """Run ``trainer`` and count, by "file:function" of the calling line (outside torch), the calls of
+    :data:`HOST_SYNC_CALLS` made from iteration ``first`` to ``last`` (the step and the per-iteration handlers)."""
+    import collections
+    import traceback
+
+    from ignite.engine import Events
+    from torch.overrides import TorchFunctionMode
+
+    sites: collections.Counter = collections.Counter()
+    torch_dir = str(Path(torch.__file__).parent)
+
+    class Recorder(TorchFunctionMode):
+        active = False
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            name = getattr(func, "__name__", "")
+            mask = name == "__getitem__" and len(args) > 1 and getattr(args[1], "dtype", None) == torch.bool
+            if self.active and (name in HOST_SYNC_CALLS or mask):
+                caller = traceback.extract_stack(limit=2)[0]
+                if not caller.filename.startswith(torch_dir):
+                    path = Path(caller.filename)
+                    where = path.relative_to(REPO_ROOT) if path.is_relative_to(REPO_ROOT) else Path(*path.parts[-2:])
+                    sites[f"{where.as_posix()}:{caller.name}"] += 1
+            return func(*args, **(kwargs or {}))
+
+    recorder = Recorder()
+    trainer.add_event_handler(
+        Events.ITERATION_STARTED, lambda e: setattr(recorder, "active", first <= e.state.iteration <= last)
+    )
+    trainer.add_event_handler(Events.ITERATION_COMPLETED, lambda e: setattr(recorder, "active", False))
+    with recorder:
+        trainer.run()
+    return dict(sites)
+
+
+def undocumented_host_syncs(bundle: str, configs: Sequence[str], work_dir: Path, **settings: Any) -> dict[str, int]:
+    """The calls of :data:`HOST_SYNC_CALLS` in training iterations 2-5 of ``bundle`` (``configs`` merged onto
+    ``train.json``, on the CPU, validation and checkpoints out of reach) whose calling function is not one of
+    :data:`DOCUMENTED_HOST_READS`: what a GPU training step would wait for beyond the documented reads."""
+    from monai.bundle import ConfigWorkflow
+
+    files = [str(BUNDLES / bundle / "configs" / name) for name in ("train.json", *configs)]
+    run = {"output_dir": str(work_dir), "max_epochs": 5, "epoch_length": 1, "val_interval": 10**6}
+    run |= {"ckpt_interval": 10**6, "log_interval": 10**6, "resume": False, "device": "cpu", "amp": "none"}
+    workflow = ConfigWorkflow(config_file=files, workflow_type="train", **run, **settings)
+    workflow.initialize()
+    sites = host_sync_sites(workflow.parser.get_parsed_content("train#trainer"), 2, 5)
+    return {site: n for site, n in sites.items() if site not in DOCUMENTED_HOST_READS}

@@ -1,6 +1,7 @@
 # Copyright (c) the 3D MONAI bundle collection contributors.
 # Licensed under the Apache License, Version 2.0.
-"""Tests for the hinge GAN loss (standard generator term) and discriminator feature matching."""
+"""Tests for the patch adversarial loss with device labels, the hinge GAN loss (standard generator term) and
+discriminator feature matching."""
 
 from __future__ import annotations
 
@@ -12,8 +13,35 @@ import torch.nn.functional as F
 from monai.losses import PatchAdversarialLoss
 
 from common.autoencoder.adversarial import HingeAdversarialLoss, feature_matching_loss
+from common.autoencoder.adversarial import PatchAdversarialLoss as DeviceLabelAdversarialLoss
 
 LOGITS = torch.tensor([[-2.0, -0.5, 0.0], [0.5, 1.0, 2.5]])
+
+
+@pytest.mark.parametrize("criterion", ["least_squares", "bce", "hinge"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_device_labels_give_monais_values_and_gradients(criterion, dtype):
+    """Same losses and gradients as MONAI's class for every criterion, target and term, on a tensor or a list of
+    maps, with labels made by ``full_like``/``zeros_like`` (no host tensor copied to the device)."""
+    torch.manual_seed(0)
+    maps = [torch.randn(2, 1, 4, 4, 4, dtype=dtype), torch.randn(2, 1, 3, 3, 3, dtype=dtype)]
+    ours, monai = DeviceLabelAdversarialLoss(criterion=criterion), PatchAdversarialLoss(criterion=criterion)
+    for logits in (maps[0], maps):
+        for real, for_d in ((True, True), (False, True), (True, False)):
+            a = [m.clone().requires_grad_() for m in (logits if isinstance(logits, list) else [logits])]
+            b = [m.detach().clone().requires_grad_() for m in a]
+            ours_value = ours(a if isinstance(logits, list) else a[0], target_is_real=real, for_discriminator=for_d)
+            monai_value = monai(b if isinstance(logits, list) else b[0], target_is_real=real, for_discriminator=for_d)
+            assert ours_value.dtype == monai_value.dtype
+            torch.testing.assert_close(ours_value, monai_value, rtol=0, atol=0)
+            ours_value.float().backward()
+            monai_value.float().backward()
+            for x, y in zip(a, b):
+                torch.testing.assert_close(x.grad, y.grad, rtol=0, atol=0)
+    for real in (True, False):
+        target = ours.get_target_tensor(maps[0], real)
+        assert target.dtype == dtype and target.shape == maps[0].shape and not target.requires_grad
+        assert torch.equal(target, monai.get_target_tensor(maps[0], real))
 
 
 def test_discriminator_terms_closed_form():

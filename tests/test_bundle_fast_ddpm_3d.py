@@ -36,6 +36,7 @@ from tests.helpers import (
     shifted_seed,
     suite_threads,
     torchrun_cmd,
+    undocumented_host_syncs,
 )
 
 BUNDLE = "fast_ddpm_3d"
@@ -121,6 +122,12 @@ def test_model_zoo_train_properties(brats_tree, tmp_path):
     """MONAI's ``verify_metadata`` and the train workflow's ``check_properties()``, as the model zoo's CI runs them."""
     lines = model_zoo_train_properties(BUNDLE, ["brats.json", "tiny.json"], {"dataset_dir": str(brats_tree)}, tmp_path)
     assert lines == ["metadata verified", "train properties verified"]
+
+
+def test_training_step_reads_back_only_the_documented_values(brats_tree, tmp_path):
+    """On a GPU a step would wait at each value read back from the device: the denoiser step and the weight EMA read only the
+    documented ones (tests.helpers.DOCUMENTED_HOST_READS), counted on the CPU where they are called."""
+    assert undocumented_host_syncs(BUNDLE, ["brats.json", "tiny.json"], tmp_path, dataset_dir=str(brats_tree)) == {}
 
 
 def test_training_outputs(trained):

@@ -34,6 +34,7 @@ from tests.helpers import (
     seed_args,
     shifted_seed,
     torchrun_cmd,
+    undocumented_host_syncs,
 )
 
 BUNDLE = "mace_survival"
@@ -114,6 +115,12 @@ def test_model_zoo_train_properties(cohort, tmp_path):
     """MONAI's ``verify_metadata`` and the train workflow's ``check_properties()``, as the model zoo's CI runs them."""
     lines = model_zoo_train_properties(BUNDLE, ["tiny.json"], {"csv_path": str(cohort), "horizons": HORIZONS}, tmp_path)
     assert lines == ["metadata verified", "train properties verified"]
+
+
+def test_training_step_reads_back_only_the_documented_values(cohort, tmp_path):
+    """On a GPU a step would wait at each value read back from the device: the survival step (logistic hazard) read only the
+    documented ones (tests.helpers.DOCUMENTED_HOST_READS), counted on the CPU where they are called."""
+    assert undocumented_host_syncs(BUNDLE, ["tiny.json"], tmp_path, csv_path=str(cohort), horizons=HORIZONS) == {}
 
 
 def test_training_outputs(trained, cohort):

@@ -33,6 +33,7 @@ from tests.helpers import (
     shifted_seed,
     suite_threads,
     torchrun_cmd,
+    undocumented_host_syncs,
 )
 
 BUNDLE = "vqgan_3d"
@@ -72,6 +73,15 @@ def test_model_zoo_train_properties(ct_series, tmp_path):
     """MONAI's ``verify_metadata`` and the train workflow's ``check_properties()``, as the model zoo's CI runs them."""
     lines = model_zoo_train_properties(BUNDLE, ["tiny.json"], {"dataset_dir": str(ct_series)}, tmp_path)
     assert lines == ["metadata verified", "train properties verified"]
+
+
+def test_training_step_reads_back_only_the_documented_values(ct_series, tmp_path):
+    """On a GPU a step would wait at each value read back from the device: the VQ-GAN and discriminator steps (adversarial terms on), codebook EMA and restarts read only the
+    documented ones (tests.helpers.DOCUMENTED_HOST_READS), counted on the CPU where they are called."""
+    assert (
+        undocumented_host_syncs(BUNDLE, ["tiny.json"], tmp_path, dataset_dir=str(ct_series), discriminator_iter_start=0)
+        == {}
+    )
 
 
 def test_training_outputs(trained):

@@ -34,6 +34,7 @@ from tests.helpers import (
     seed_args,
     shifted_seed,
     torchrun_cmd,
+    undocumented_host_syncs,
 )
 
 BUNDLE = "xray2ct_cascade"
@@ -66,6 +67,12 @@ def test_model_zoo_train_properties(phantoms, tmp_path):
     """MONAI's ``verify_metadata`` and the train workflow's ``check_properties()``, as the model zoo's CI runs them."""
     lines = model_zoo_train_properties(BUNDLE, ["tiny.json"], {"dataset_dir": str(phantoms)}, tmp_path)
     assert lines == ["metadata verified", "train properties verified"]
+
+
+def test_training_step_reads_back_only_the_documented_values(phantoms, tmp_path):
+    """On a GPU a step would wait at each value read back from the device: the stage-1 denoiser step and the weight EMA read only the
+    documented ones (tests.helpers.DOCUMENTED_HOST_READS), counted on the CPU where they are called."""
+    assert undocumented_host_syncs(BUNDLE, ["tiny.json"], tmp_path, dataset_dir=str(phantoms)) == {}
 
 
 def test_stages_train_in_order(cascade):

@@ -1,6 +1,7 @@
 # Copyright (c) the 3D MONAI bundle collection contributors.
 # Licensed under the Apache License, Version 2.0.
-"""Weight EMA handler: closed-form averages, update cadence, warm start and checkpoint round trip."""
+"""Weight EMA handler: closed-form averages, torch's AveragedModel as reference, update cadence, warm start and
+checkpoint round trip."""
 
 from __future__ import annotations
 
@@ -8,8 +9,9 @@ import pytest
 import torch
 from ignite.engine import Engine
 from torch import nn
+from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 
-from common.handlers.ema import WeightEMA
+from common.handlers.ema import WeightEMA, warmup_decay
 
 
 def _run(ema: WeightEMA, net: nn.Module, iterations: int, values: list[float]) -> None:
@@ -33,6 +35,34 @@ def test_ema_matches_closed_form():
     assert ema.module.weight.item() == pytest.approx(expected)
     assert net.weight.item() == 4.0  # the trained network is untouched
     assert int(ema.averaged.n_averaged) == 4
+
+
+@pytest.mark.parametrize("use_buffers", [True, False])
+@pytest.mark.parametrize("warmup", [False, True])
+def test_update_equals_torchs_averaged_model(use_buffers, warmup):
+    """Same weights and buffers (float and integer: BatchNorm's running stats and batch count) as
+    ``AveragedModel.update_parameters`` with ``get_ema_multi_avg_fn``, update after update; the count stays on the
+    host."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Conv3d(1, 2, 3), nn.BatchNorm3d(2), nn.Conv3d(2, 1, 1).double())
+
+    def avg_fn(ema_params, current, n):  # the reference reads the count from its own (CPU) tensor
+        get_ema_multi_avg_fn(warmup_decay(0.8, int(n)) if warmup else 0.8)(ema_params, current, n)
+
+    reference = AveragedModel(net, multi_avg_fn=avg_fn, use_buffers=use_buffers)
+    ema = WeightEMA(net, decay=0.8, use_buffers=use_buffers, warmup=warmup)
+    for _ in range(4):
+        with torch.no_grad():
+            for p in net.parameters():
+                p.add_(torch.randn_like(p))
+        net[1].train()
+        net[:2](torch.randn(2, 1, 5, 5, 5))  # moves the BatchNorm statistics
+        reference.update_parameters(net)
+        ema.update()
+        for (name, mine), theirs in zip(ema.module.state_dict().items(), reference.module.state_dict().values()):
+            assert mine.dtype == theirs.dtype, name
+            torch.testing.assert_close(mine, theirs, rtol=0, atol=0, msg=name)
+    assert int(ema.averaged.n_averaged) == 4 and ema.averaged.n_averaged.device.type == "cpu"
 
 
 def test_update_cadence_and_start():

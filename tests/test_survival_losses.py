@@ -54,6 +54,32 @@ def test_discretize_rejects_bad_input(time, event, cuts, message):
         discretize(torch.tensor(time), torch.tensor(event), cuts)
 
 
+def test_discretize_without_value_checks_reads_nothing_back_and_agrees_on_valid_input():
+    """``check_values=False`` (the trainer's setting: its cohort was checked when read) makes no host read of the
+    values - nothing is converted to a Python bool or list - and gives the same intervals; shapes and cut points are
+    still checked."""
+    from torch.overrides import TorchFunctionMode
+
+    class HostReads(TorchFunctionMode):
+        names: list[str] = []
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            if getattr(func, "__name__", "") in ("__bool__", "item", "tolist", "__float__", "__int__"):
+                self.names.append(func.__name__)
+            return func(*args, **(kwargs or {}))
+
+    time, event = torch.tensor([0.2, 1.0, 1.7, 3.5]), torch.tensor([1.0, 0.0, 1.0, 1.0])
+    cuts = torch.tensor(CUTS)
+    with HostReads() as reads:
+        unchecked = discretize(time, event, cuts, check_values=False)
+    checked = discretize(time, event, cuts)
+    assert [n for n in reads.names if n != "__float__"] == ["__bool__", "__bool__"]  # the cut points' checks only
+    assert all(torch.equal(a, b) for a, b in zip(unchecked, checked))
+    with pytest.raises(ValueError, match="shape"):
+        discretize(time, event[:3], cuts, check_values=False)
+    discretize(torch.tensor([-1.0]), torch.tensor([2.0]), cuts, check_values=False)  # not checked
+
+
 # ---------------------------------------------------------------------------------------------- logistic hazard
 def test_logistic_hazard_loss_hand_computed():
     logits = torch.tensor([LOGIT_ROW] * 5)

@@ -1,6 +1,7 @@
 # Copyright (c) the 3D MONAI bundle collection contributors.
 # Licensed under the Apache License, Version 2.0.
-"""Adversarial losses: the hinge GAN loss with the standard generator term, and discriminator feature matching."""
+"""Adversarial losses: MONAI's patch adversarial loss with its labels made on the device, the hinge GAN loss with the
+standard generator term, and discriminator feature matching."""
 
 from __future__ import annotations
 
@@ -8,9 +9,21 @@ from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
-from monai.losses import PatchAdversarialLoss
+from monai.losses import PatchAdversarialLoss as _MonaiPatchAdversarialLoss
 
-__all__ = ["HingeAdversarialLoss", "feature_matching_loss"]
+__all__ = ["HingeAdversarialLoss", "PatchAdversarialLoss", "feature_matching_loss"]
+
+
+class PatchAdversarialLoss(_MonaiPatchAdversarialLoss):
+    """``monai.losses.PatchAdversarialLoss`` (same arguments, same values) whose target and zero labels are made on
+    the logits' device and dtype. MONAI builds each label as a CPU tensor and copies it to the logits' device: on a
+    GPU every call then waits for the queued work (a blocking host-to-device copy), several times per step."""
+
+    def get_target_tensor(self, input: torch.Tensor, target_is_real: bool) -> torch.Tensor:
+        return torch.full_like(input, self.real_label if target_is_real else self.fake_label)
+
+    def get_zero_tensor(self, input: torch.Tensor) -> torch.Tensor:
+        return torch.zeros_like(input)
 
 
 class HingeAdversarialLoss(PatchAdversarialLoss):

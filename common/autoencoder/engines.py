@@ -74,8 +74,9 @@ class AutoencoderGANTrainer(StepTrainer):
     equals the full-batch update (exactly for networks without batch statistics) at the memory of one chunk;
     under DDP only the last chunk all-reduces.
 
-    ``engine.state.output`` holds detached tensors (decollated into one dict per sample by default, the MONAI
-    convention that MONAI's handlers, e.g. ``--tracking mlflow``, expect): ``image``, ``pred`` (reconstruction),
+    ``engine.state.output`` holds detached tensors, one dict per batch (``decollate=True``: one dict per sample,
+    at the cost of a host synchronisation per scalar term on a GPU; MONAI's handlers, e.g. ``--tracking mlflow``,
+    read either): ``image``, ``pred`` (reconstruction),
     ``loss`` (generator total), the unweighted terms ``recon_loss``, ``kl_loss``/``quantization_loss``,
     ``perceptual_loss``, ``feature_matching_loss``, ``adv_loss`` (with per-head weights: their weighted sum, and ``adv_loss_<head>``),
     ``d_loss``, scalar statistics the network returns (``perplexity``, ``codebook_usage``, ...) and the per-step
@@ -89,7 +90,8 @@ class AutoencoderGANTrainer(StepTrainer):
         discriminator: see above; ``None`` trains a plain autoencoder.
         d_optimizer: discriminator optimizer (required with a discriminator).
         adv_loss: adversarial criterion called as ``adv_loss(logits, target_is_real, for_discriminator)``;
-            default MONAI ``PatchAdversarialLoss(criterion="least_squares")``.
+            default ``common.autoencoder.adversarial.PatchAdversarialLoss(criterion="least_squares")`` (MONAI's,
+            with its labels made on the device).
         adv_weight: weight of the generator's adversarial term, or a mapping head name -> weight.
         adv_warmup_iterations: iterations (not optimizer steps) trained without any adversarial term or
             discriminator step (TATS' ``discriminator_iter_start``).
@@ -135,7 +137,7 @@ class AutoencoderGANTrainer(StepTrainer):
         self.discriminator = discriminator
         self.d_optimizer = d_optimizer
         if adv_loss is None and discriminator is not None:
-            from monai.losses import PatchAdversarialLoss
+            from common.autoencoder.adversarial import PatchAdversarialLoss
 
             adv_loss = PatchAdversarialLoss(criterion="least_squares")
         self.adv_loss = adv_loss

@@ -242,7 +242,8 @@ class DiffusionTrainer(StepTrainer):
     def noised(self, x0: torch.Tensor, iteration: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``(x_t, t, target)`` of clean ``x0`` at ``iteration``: this rank's time steps (:meth:`draw_timesteps`),
         ``x0`` noised to them, and the regression target (the noise, or the velocity for ``v_prediction``)."""
-        t = self.draw_timesteps(x0.shape[0], iteration).to(x0.device)
+        # drawn on the host (seeded, the same on every device); copied without waiting for the queued work
+        t = self.draw_timesteps(x0.shape[0], iteration).to(x0.device, non_blocking=True)
         noise = torch.randn_like(x0)
         x_t = self.schedule.add_noise(x0, noise, t)
         target = noise if self.prediction_type == "epsilon" else self.schedule.velocity(x0, noise, t)

@@ -102,12 +102,20 @@ class DiffusionSchedule:
         self.num_train_timesteps = total
         self.betas = betas
         self.alphas_cumprod = torch.cumprod(1 - betas, dim=0)
+        self._tables: dict[torch.device, torch.Tensor] = {}
+
+    def _padded(self, device: torch.device) -> torch.Tensor:
+        """``[1, *alphas_cumprod]`` on ``device``, copied there once."""
+        if device not in self._tables:
+            self._tables[device] = torch.cat([torch.ones(1, dtype=torch.float64), self.alphas_cumprod]).to(device)
+        return self._tables[device]
 
     def alpha_bar(self, t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-        """``alphas_cumprod[t]`` (1 for ``t = -1``) shaped to broadcast against ``like``."""
-        t = torch.as_tensor(t, dtype=torch.long).reshape(-1).cpu()
-        padded = torch.cat([torch.ones(1, dtype=torch.float64), self.alphas_cumprod])
-        values = padded[t + 1].to(device=like.device, dtype=torch.float64)
+        """``alphas_cumprod[t]`` (1 for ``t = -1``) shaped to broadcast against ``like``. Looked up on the device of
+        ``t`` (time steps on the GPU are not read back to the host)."""
+        t = torch.as_tensor(t, dtype=torch.long).reshape(-1)
+        values = self._padded(t.device)[t + 1]
+        values = values.to(device=like.device, non_blocking=like.device.type != "cpu")
         return values.reshape(-1, *([1] * (like.ndim - 1)))
 
     def add_noise(self, x0: torch.Tensor, noise: torch.Tensor, t: torch.Tensor) -> torch.Tensor:

@@ -79,7 +79,9 @@ class StepTrainer(Trainer):
         accumulation_steps: iterations accumulated before each optimizer step.
         grad_clip: max gradient norm (``None``/0 disables clipping).
         nonfinite: ``stop`` or ``skip``: what a NaN/Inf loss does (see above).
-        decollate: decollate the outputs for MONAI handlers (default: the class's ``default_decollate``).
+        decollate: decollate the outputs into one dict per sample for MONAI handlers (default: the class's
+            ``default_decollate``, False: decollating copies every scalar loss term to the host, a device
+            synchronisation per term and iteration on a GPU).
         epoch_length, non_blocking, postprocessing, key_train_metric, additional_metrics, metric_cmp_fn,
         train_handlers, event_names, event_to_attr, to_kwargs: as in ``monai.engines.SupervisedTrainer``.
         inferer: how the network is called on a step's inputs (``inferer(args[0], network, *args[1:])``; default
@@ -87,7 +89,7 @@ class StepTrainer(Trainer):
     """
 
     default_prepare_batch: Callable = staticmethod(default_prepare_batch)
-    default_decollate: bool = True
+    default_decollate: bool = False
     # whether the iteration's output keeps the network's prediction (``pred``, detached)
     output_prediction: bool = True
 

@@ -11,20 +11,14 @@ from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 
 from common.networks.wrappers import clean_state_dict, unwrap
 
-__all__ = ["EMAHandler", "WeightEMA", "warmup_ema_multi_avg_fn"]
+__all__ = ["EMAHandler", "WeightEMA", "warmup_decay"]
 
 
-def warmup_ema_multi_avg_fn(decay: float):
-    """``AveragedModel`` update with the EMA warm-up of Tensorflow's ``ExponentialMovingAverage`` (``num_updates``)
-    and of guided/latent diffusion: the decay of update ``n`` (the number of earlier updates) is
-    ``min(decay, (1 + n) / (10 + n))``, so a short run is not dominated by its random initial weights."""
-
-    @torch.no_grad()
-    def update(ema_params, current_params, num_averaged) -> None:
-        n = int(num_averaged)  # one host read per update
-        get_ema_multi_avg_fn(min(float(decay), (1.0 + n) / (10.0 + n)))(ema_params, current_params, num_averaged)
-
-    return update
+def warmup_decay(decay: float, n: int) -> float:
+    """The EMA warm-up of Tensorflow's ``ExponentialMovingAverage`` (``num_updates``) and of guided/latent
+    diffusion: the decay of update ``n`` (the number of earlier updates) is ``min(decay, (1 + n) / (10 + n))``, so a
+    short run is not dominated by its random initial weights."""
+    return min(float(decay), (1.0 + n) / (10.0 + n))
 
 
 class WeightEMA:
@@ -42,8 +36,12 @@ class WeightEMA:
             every update follows an optimizer step.
         start_iteration: first iteration that updates (earlier ones only track the weights by copying them).
         use_buffers: average buffers as well as parameters.
-        warmup: use the decay ``min(decay, (1 + n) / (10 + n))`` at update ``n`` (see
-            :func:`warmup_ema_multi_avg_fn`) instead of ``decay`` from the start.
+        warmup: use the decay ``min(decay, (1 + n) / (10 + n))`` at update ``n`` (see :func:`warmup_decay`)
+            instead of ``decay`` from the start.
+
+    The update is ``torch.optim.swa_utils``' EMA (``get_ema_multi_avg_fn``: a fused lerp per device and dtype)
+    with the update count kept on the host: ``AveragedModel.update_parameters`` copies its count to the device on
+    every update, which on a GPU waits for the queued work.
     """
 
     def __init__(
@@ -64,8 +62,8 @@ class WeightEMA:
         self.update_every = int(update_every)
         self.start_iteration = int(start_iteration)
         self.warmup = bool(warmup)
-        avg_fn = warmup_ema_multi_avg_fn(self.decay) if self.warmup else get_ema_multi_avg_fn(self.decay)
-        self.averaged = AveragedModel(unwrap(network), multi_avg_fn=avg_fn, use_buffers=bool(use_buffers))
+        # n_averaged stays a CPU tensor (AveragedModel makes it there and nothing moves it): reading it is free
+        self.averaged = AveragedModel(unwrap(network), use_buffers=bool(use_buffers))
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The averaged weights (the network's own keys) and ``n_averaged``: what a checkpoint keeps to continue the
@@ -100,7 +98,31 @@ class WeightEMA:
             # before the start, the average follows the weights (and stays "not yet averaged")
             self.averaged.module.load_state_dict(unwrap(self.network).state_dict())
             return
-        self.averaged.update_parameters(unwrap(self.network))
+        self.update()
+
+    @torch.no_grad()
+    def update(self) -> None:
+        """One EMA update from the network's current weights (the first one copies them)."""
+        network, averaged = unwrap(self.network), self.averaged
+        mine, theirs = list(averaged.module.parameters()), list(network.parameters())
+        if averaged.use_buffers:
+            mine, theirs = mine + list(averaged.module.buffers()), theirs + list(network.buffers())
+        else:
+            for b_avg, b_net in zip(averaged.module.buffers(), network.buffers(), strict=True):
+                b_avg.copy_(b_net)
+        n = int(averaged.n_averaged)
+        if n == 0:
+            torch._foreach_copy_(mine, [p.detach() for p in theirs])
+        else:
+            step = get_ema_multi_avg_fn(warmup_decay(self.decay, n) if self.warmup else self.decay)
+            groups: dict[tuple, tuple[list, list]] = {}
+            for a, b in zip(mine, theirs, strict=True):
+                group = groups.setdefault((a.device, a.dtype), ([], []))
+                group[0].append(a)
+                group[1].append(b.detach().to(a.device))
+            for ema_params, current in groups.values():
+                step(ema_params, current, n)
+        averaged.n_averaged += 1
 
 
 class EMAHandler:

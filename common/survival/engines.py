@@ -151,8 +151,9 @@ class SurvivalTrainer(StepTrainer):
         output = output.float()
         if self.head == "cox":
             return cox_loss(output.reshape(-1), time, event, global_risk_set=self.global_risk_set)
-        # the cut points stay on the CPU: their checks then need no device synchronisation; the loss moves them
-        return logistic_hazard_loss(output, time, event, self.cut_points)
+        # the cut points stay on the CPU: their checks then need no device synchronisation; the loss moves them.
+        # The batch's times and events were checked when the cohort was read, not again on the device.
+        return logistic_hazard_loss(output, time, event, self.cut_points, check_values=False)
 
     def prepare_step(self, engine: SurvivalTrainer, batchdata: dict[str, Any]) -> dict[str, Any]:
         image, targets = engine.prepare_batch(batchdata, engine.state.device, engine.non_blocking, **engine.to_kwargs)

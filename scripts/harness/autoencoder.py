@@ -226,8 +226,7 @@ def throughput(
 
 def memory_probe(patch_size, channels, batch_size, num_samples, device, amp, use_checkpoint) -> dict:
     """One measurement (run in a fresh process): peak memory of three full training steps."""
-    from monai.losses import PatchAdversarialLoss
-
+    from common.autoencoder.adversarial import PatchAdversarialLoss
     from common.autoencoder.engines import AutoencoderGANTrainer
     from common.handlers.monitor import peak_memory_gib
     from common.utils import resolve_device
