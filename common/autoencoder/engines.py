@@ -74,9 +74,8 @@ class AutoencoderGANTrainer(StepTrainer):
     equals the full-batch update (exactly for networks without batch statistics) at the memory of one chunk;
     under DDP only the last chunk all-reduces.
 
-    ``engine.state.output`` holds detached tensors, one dict per batch (``decollate=True``: one dict per sample,
-    at the cost of a host synchronisation per scalar term on a GPU; MONAI's handlers, e.g. ``--tracking mlflow``,
-    read either): ``image``, ``pred`` (reconstruction),
+    ``engine.state.output`` holds detached tensors (decollated into one dict per sample by default, the MONAI
+    convention that MONAI's handlers, e.g. ``--tracking mlflow``, expect; scalar terms stay tensors): ``image``, ``pred`` (reconstruction),
     ``loss`` (generator total), the unweighted terms ``recon_loss``, ``kl_loss``/``quantization_loss``,
     ``perceptual_loss``, ``feature_matching_loss``, ``adv_loss`` (with per-head weights: their weighted sum, and ``adv_loss_<head>``),
     ``d_loss``, scalar statistics the network returns (``perplexity``, ``codebook_usage``, ...) and the per-step

@@ -105,10 +105,14 @@ class DiffusionSchedule:
         self._tables: dict[torch.device, torch.Tensor] = {}
 
     def _padded(self, device: torch.device) -> torch.Tensor:
-        """``[1, *alphas_cumprod]`` on ``device``, copied there once."""
-        if device not in self._tables:
-            self._tables[device] = torch.cat([torch.ones(1, dtype=torch.float64), self.alphas_cumprod]).to(device)
-        return self._tables[device]
+        """``[1, *alphas_cumprod]`` on ``device``, copied there once (made afresh while tracing, so that every trace
+        of a sampler records the same operations)."""
+        if device in self._tables and not torch.jit.is_tracing():
+            return self._tables[device]
+        table = torch.cat([torch.ones(1, dtype=torch.float64), self.alphas_cumprod]).to(device)
+        if not torch.jit.is_tracing():
+            self._tables[device] = table
+        return table
 
     def alpha_bar(self, t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
         """``alphas_cumprod[t]`` (1 for ``t = -1``) shaped to broadcast against ``like``. Looked up on the device of

@@ -19,6 +19,7 @@ from monai.engines import Trainer
 from monai.engines.utils import IterationEvents, default_metric_cmp_fn, default_prepare_batch
 from monai.engines.workflow import Workflow
 from monai.inferers import Inferer, SimpleInferer
+from monai.transforms import Decollated
 from monai.utils import CommonKeys as Keys
 from torch import nn
 from torch.optim import Optimizer
@@ -79,9 +80,9 @@ class StepTrainer(Trainer):
         accumulation_steps: iterations accumulated before each optimizer step.
         grad_clip: max gradient norm (``None``/0 disables clipping).
         nonfinite: ``stop`` or ``skip``: what a NaN/Inf loss does (see above).
-        decollate: decollate the outputs into one dict per sample for MONAI handlers (default: the class's
-            ``default_decollate``, False: decollating copies every scalar loss term to the host, a device
-            synchronisation per term and iteration on a GPU).
+        decollate: decollate the outputs into one dict per sample, as MONAI's handlers expect (e.g.
+            ``--tracking mlflow``; default: the class's ``default_decollate``). Scalar terms stay tensors on the
+            device (see :meth:`_register_decollate`).
         epoch_length, non_blocking, postprocessing, key_train_metric, additional_metrics, metric_cmp_fn,
         train_handlers, event_names, event_to_attr, to_kwargs: as in ``monai.engines.SupervisedTrainer``.
         inferer: how the network is called on a step's inputs (``inferer(args[0], network, *args[1:])``; default
@@ -89,7 +90,7 @@ class StepTrainer(Trainer):
     """
 
     default_prepare_batch: Callable = staticmethod(default_prepare_batch)
-    default_decollate: bool = False
+    default_decollate: bool = True
     # whether the iteration's output keeps the network's prediction (``pred``, detached)
     output_prediction: bool = True
 
@@ -152,6 +153,18 @@ class StepTrainer(Trainer):
         self.scaler = make_grad_scaler(self.state.device, self.amp_mode)
         self.state.skipped_steps = 0
         self._batch_logged = False
+
+    def _register_decollate(self) -> None:
+        """MONAI's decollation of the output after ``MODEL_COMPLETED`` (one dict per sample, scalars replicated into
+        each), without MONAI's ``detach``, which reads every 0-d tensor back with ``.item()`` (on a GPU a wait for the
+        device per loss term and iteration): the outputs are detached already, their scalars stay tensors on the
+        device until a handler reads them. The batch stays collated (no handler of a trainer reads it per sample,
+        and decollating its metadata reads each value back)."""
+
+        @self.on(IterationEvents.MODEL_COMPLETED)
+        def _decollate_data(engine: Trainer) -> None:
+            if isinstance(engine.state.output, (list, dict)):
+                engine.state.output = Decollated(keys=None, detach=False)(engine.state.output)
 
     def prepare_step(self, engine: Trainer, batchdata: dict[str, Any]) -> dict[str, Any]:
         """The model's hook: the inputs of one training step from a batch, drawn before any gradient work.
