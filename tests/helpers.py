@@ -499,16 +499,34 @@ def host_sync_sites(trainer: Any, first: int, last: int) -> dict[str, int]:
     return dict(sites)
 
 
-def undocumented_host_syncs(bundle: str, configs: Sequence[str], work_dir: Path, **settings: Any) -> dict[str, int]:
-    """The calls of :data:`HOST_SYNC_CALLS` in training iterations 2-5 of ``bundle`` (``configs`` merged onto
-    ``train.json``, on the CPU, validation and checkpoints out of reach) whose calling function is not one of
-    :data:`DOCUMENTED_HOST_READS`: what a GPU training step would wait for beyond the documented reads."""
+def bundle_trainer(bundle: str, configs: Sequence[str], work_dir: Path, iterations: int, **settings: Any) -> Any:
+    """``train#trainer`` of ``bundle`` (``configs`` merged onto ``train.json``) on the CPU for ``iterations``
+    iterations of one batch each, validation and checkpoints out of reach."""
     from monai.bundle import ConfigWorkflow
 
     files = [str(BUNDLES / bundle / "configs" / name) for name in ("train.json", *configs)]
-    run = {"output_dir": str(work_dir), "max_epochs": 5, "epoch_length": 1, "val_interval": 10**6}
+    run = {"output_dir": str(work_dir), "max_epochs": iterations, "epoch_length": 1, "val_interval": 10**6}
     run |= {"ckpt_interval": 10**6, "log_interval": 10**6, "resume": False, "device": "cpu", "amp": "none"}
     workflow = ConfigWorkflow(config_file=files, workflow_type="train", **run, **settings)
     workflow.initialize()
-    sites = host_sync_sites(workflow.parser.get_parsed_content("train#trainer"), 2, 5)
+    return workflow.parser.get_parsed_content("train#trainer")
+
+
+def undocumented_host_syncs(bundle: str, configs: Sequence[str], work_dir: Path, **settings: Any) -> dict[str, int]:
+    """The calls of :data:`HOST_SYNC_CALLS` in training iterations 2-5 of ``bundle`` (:func:`bundle_trainer`) whose
+    calling function is not one of :data:`DOCUMENTED_HOST_READS`: what a GPU training step would wait for beyond
+    the documented reads."""
+    sites = host_sync_sites(bundle_trainer(bundle, configs, work_dir, 5, **settings), 2, 5)
     return {site: n for site, n in sites.items() if site not in DOCUMENTED_HOST_READS}
+
+
+def tracked_training_loss(bundle: str, configs: Sequence[str], work_dir: Path, **settings: Any) -> Any:
+    """What ``--tracking mlflow`` logs of ``bundle``'s training iteration: MONAI's default trainer
+    ``output_transform`` applied to the output of one iteration (:func:`bundle_trainer`)."""
+    import monai
+    from monai.bundle.utils import DEFAULT_MLFLOW_SETTINGS
+
+    trainer = bundle_trainer(bundle, configs, work_dir, 1, **settings)
+    trainer.run()
+    output_transform = DEFAULT_MLFLOW_SETTINGS["configs"]["trainer"]["output_transform"]
+    return eval(output_transform[1:], {"monai": monai})(trainer.state.output)

@@ -32,6 +32,7 @@ from tests.helpers import (
     seed_args,
     shifted_seed,
     torchrun_cmd,
+    tracked_training_loss,
     undocumented_host_syncs,
 )
 
@@ -329,6 +330,13 @@ def test_training_step_reads_back_only_the_documented_values(phantoms, tmp_path)
         undocumented_host_syncs(BUNDLE, ["tiny.json"], tmp_path, dataset_dir=str(phantoms), adv_warmup_iterations=0)
         == {}
     )
+
+
+def test_tracking_logs_a_number_per_training_iteration(phantoms, tmp_path):
+    """``--tracking mlflow`` logs the training loss of every iteration through MONAI's default
+    ``from_engine(["loss"], first=True)``, which needs one dict per sample (a dict of the batch gives a tuple)."""
+    loss = tracked_training_loss(BUNDLE, ["tiny.json"], tmp_path, dataset_dir=str(phantoms))
+    assert isinstance(loss, torch.Tensor) and loss.ndim == 0 and torch.isfinite(loss)
 
 
 def test_verify_net_in_out():

@@ -33,6 +33,7 @@ from tests.helpers import (
     shifted_seed,
     suite_threads,
     torchrun_cmd,
+    tracked_training_loss,
     undocumented_host_syncs,
 )
 
@@ -82,6 +83,13 @@ def test_training_step_reads_back_only_the_documented_values(ct_series, tmp_path
         undocumented_host_syncs(BUNDLE, ["tiny.json"], tmp_path, dataset_dir=str(ct_series), discriminator_iter_start=0)
         == {}
     )
+
+
+def test_tracking_logs_a_number_per_training_iteration(ct_series, tmp_path):
+    """``--tracking mlflow`` logs the training loss of every iteration through MONAI's default
+    ``from_engine(["loss"], first=True)``, which needs one dict per sample (a dict of the batch gives a tuple)."""
+    loss = tracked_training_loss(BUNDLE, ["tiny.json"], tmp_path, dataset_dir=str(ct_series))
+    assert isinstance(loss, torch.Tensor) and loss.ndim == 0 and torch.isfinite(loss)
 
 
 def test_training_outputs(trained):
