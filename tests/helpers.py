@@ -463,40 +463,56 @@ DOCUMENTED_HOST_READS = frozenset(
 )
 
 
+class HostSyncRecorder:
+    """A ``TorchFunctionMode`` context that counts, while ``active``, the calls of :data:`HOST_SYNC_CALLS` (and
+    boolean-mask indexing) by "file:function" of the calling line outside torch (``sites``)."""
+
+    def __init__(self, active: bool = True) -> None:
+        import collections
+
+        self.active = active
+        self.sites: collections.Counter = collections.Counter()
+
+    def __enter__(self) -> HostSyncRecorder:
+        import traceback
+
+        from torch.overrides import TorchFunctionMode
+
+        torch_dir, recorder = str(Path(torch.__file__).parent), self
+
+        class Mode(TorchFunctionMode):
+            def __torch_function__(self, func, types, args=(), kwargs=None):
+                name = getattr(func, "__name__", "")
+                mask = name == "__getitem__" and len(args) > 1 and getattr(args[1], "dtype", None) == torch.bool
+                if recorder.active and (name in HOST_SYNC_CALLS or mask):
+                    caller = traceback.extract_stack(limit=2)[0]
+                    if not caller.filename.startswith(torch_dir):
+                        path = Path(caller.filename)
+                        rel = path.relative_to(REPO_ROOT) if path.is_relative_to(REPO_ROOT) else Path(*path.parts[-2:])
+                        recorder.sites[f"{rel.as_posix()}:{caller.name}"] += 1
+                return func(*args, **(kwargs or {}))
+
+        self._mode = Mode()
+        self._mode.__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._mode.__exit__(*exc)
+
+
 def host_sync_sites(trainer: Any, first: int, last: int) -> dict[str, int]:
     """Run ``trainer`` and count, by "file:function" of the calling line (outside torch), the calls of
     :data:`HOST_SYNC_CALLS` made from iteration ``first`` to ``last`` (the step and the per-iteration handlers)."""
-    import collections
-    import traceback
-
     from ignite.engine import Events
-    from torch.overrides import TorchFunctionMode
 
-    sites: collections.Counter = collections.Counter()
-    torch_dir = str(Path(torch.__file__).parent)
-
-    class Recorder(TorchFunctionMode):
-        active = False
-
-        def __torch_function__(self, func, types, args=(), kwargs=None):
-            name = getattr(func, "__name__", "")
-            mask = name == "__getitem__" and len(args) > 1 and getattr(args[1], "dtype", None) == torch.bool
-            if self.active and (name in HOST_SYNC_CALLS or mask):
-                caller = traceback.extract_stack(limit=2)[0]
-                if not caller.filename.startswith(torch_dir):
-                    path = Path(caller.filename)
-                    where = path.relative_to(REPO_ROOT) if path.is_relative_to(REPO_ROOT) else Path(*path.parts[-2:])
-                    sites[f"{where.as_posix()}:{caller.name}"] += 1
-            return func(*args, **(kwargs or {}))
-
-    recorder = Recorder()
+    recorder = HostSyncRecorder(active=False)
     trainer.add_event_handler(
         Events.ITERATION_STARTED, lambda e: setattr(recorder, "active", first <= e.state.iteration <= last)
     )
     trainer.add_event_handler(Events.ITERATION_COMPLETED, lambda e: setattr(recorder, "active", False))
     with recorder:
         trainer.run()
-    return dict(sites)
+    return dict(recorder.sites)
 
 
 def bundle_trainer(bundle: str, configs: Sequence[str], work_dir: Path, iterations: int, **settings: Any) -> Any:
@@ -520,13 +536,16 @@ def undocumented_host_syncs(bundle: str, configs: Sequence[str], work_dir: Path,
     return {site: n for site, n in sites.items() if site not in DOCUMENTED_HOST_READS}
 
 
-def tracked_training_loss(bundle: str, configs: Sequence[str], work_dir: Path, **settings: Any) -> Any:
-    """What ``--tracking mlflow`` logs of ``bundle``'s training iteration: MONAI's default trainer
-    ``output_transform`` applied to the output of one iteration (:func:`bundle_trainer`)."""
+def check_tracked_training_loss(bundle: str, configs: Sequence[str], work_dir: Path, **settings: Any) -> None:
+    """What ``--tracking mlflow`` logs of ``bundle``'s training iteration (MONAI's default trainer
+    ``output_transform``, ``from_engine(["loss"], first=True)``, on the output of one iteration of
+    :func:`bundle_trainer`) is one finite number: the output must be one dict per sample (a dict of the batch gives
+    a tuple, which MLflow refuses)."""
     import monai
     from monai.bundle.utils import DEFAULT_MLFLOW_SETTINGS
 
     trainer = bundle_trainer(bundle, configs, work_dir, 1, **settings)
     trainer.run()
     output_transform = DEFAULT_MLFLOW_SETTINGS["configs"]["trainer"]["output_transform"]
-    return eval(output_transform[1:], {"monai": monai})(trainer.state.output)
+    loss = eval(output_transform[1:], {"monai": monai})(trainer.state.output)
+    assert isinstance(loss, torch.Tensor) and loss.ndim == 0 and torch.isfinite(loss), f"{bundle}: logs {loss!r}"

@@ -16,7 +16,7 @@ import torch
 from torchsurv.loss.cox import neg_partial_log_likelihood
 
 from common.survival.losses import cox_loss, discretize, logistic_hazard_loss
-from tests.helpers import REPO_ROOT, bundle_env, torchrun_cmd
+from tests.helpers import REPO_ROOT, HostSyncRecorder, bundle_env, torchrun_cmd
 
 torch.set_num_threads(1)
 
@@ -55,25 +55,17 @@ def test_discretize_rejects_bad_input(time, event, cuts, message):
 
 
 def test_discretize_without_value_checks_reads_nothing_back_and_agrees_on_valid_input():
-    """``check_values=False`` (the trainer's setting: its cohort was checked when read) makes no host read of the
-    values - nothing is converted to a Python bool or list - and gives the same intervals; shapes and cut points are
-    still checked."""
-    from torch.overrides import TorchFunctionMode
-
-    class HostReads(TorchFunctionMode):
-        names: list[str] = []
-
-        def __torch_function__(self, func, types, args=(), kwargs=None):
-            if getattr(func, "__name__", "") in ("__bool__", "item", "tolist", "__float__", "__int__"):
-                self.names.append(func.__name__)
-            return func(*args, **(kwargs or {}))
-
+    """``check_values=False`` (the trainer's setting: its cohort was checked when read) reads no value of the times
+    and events back - only the CPU cut points are read, by their own check - and gives the same intervals; shapes
+    are still checked."""
     time, event = torch.tensor([0.2, 1.0, 1.7, 3.5]), torch.tensor([1.0, 0.0, 1.0, 1.0])
     cuts = torch.tensor(CUTS)
-    with HostReads() as reads:
+    with HostSyncRecorder() as unchecked_reads:
         unchecked = discretize(time, event, cuts, check_values=False)
-    checked = discretize(time, event, cuts)
-    assert [n for n in reads.names if n != "__float__"] == ["__bool__", "__bool__"]  # the cut points' checks only
+    with HostSyncRecorder() as checked_reads:
+        checked = discretize(time, event, cuts)
+    assert set(unchecked_reads.sites) == {"common/survival/losses.py:check_cut_points"}
+    assert "common/survival/losses.py:discretize" in checked_reads.sites  # what check_values=False leaves out
     assert all(torch.equal(a, b) for a, b in zip(unchecked, checked))
     with pytest.raises(ValueError, match="shape"):
         discretize(time, event[:3], cuts, check_values=False)

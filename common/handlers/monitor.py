@@ -20,16 +20,18 @@ import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 from ignite.engine import Engine, Events
 from ignite.handlers import ProgressBar as _IgniteProgressBar
 from monai.handlers import ValidationHandler
-from torch.utils.tensorboard import SummaryWriter
 
 from common.utils import get_rank, get_world_size, rng_state, set_rng_state, write_text_atomic
+
+if TYPE_CHECKING:
+    from torch.utils.tensorboard import SummaryWriter
 
 __all__ = [
     "MetricsRecorder",
@@ -50,7 +52,11 @@ def tensorboard_writer(output_dir: str | os.PathLike) -> SummaryWriter | None:
     """The run's TensorBoard writer, on ``<output_dir>/tensorboard``: rank 0's; ``None`` on the other ranks (the
     handlers given it then log nothing to TensorBoard). Close it with :func:`close_writer` (a bundle's
     ``finalize``)."""
-    return SummaryWriter(log_dir=os.path.join(os.fspath(output_dir), "tensorboard")) if get_rank() == 0 else None
+    if get_rank() != 0:
+        return None
+    from torch.utils.tensorboard import SummaryWriter
+
+    return SummaryWriter(log_dir=os.path.join(os.fspath(output_dir), "tensorboard"))
 
 
 def close_writer(writer: SummaryWriter | None) -> None:
