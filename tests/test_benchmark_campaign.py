@@ -124,6 +124,45 @@ def test_a_failing_item_is_reported_with_its_output(monkeypatch, tmp_path):
     assert "ValueError: no such patch size" in row["log_tail"]
 
 
+def test_a_bundle_that_cannot_be_imported_has_its_items_skipped_before_any_runs(monkeypatch, tmp_path):
+    """A package missing on the machine (as ``pydantic`` for ``torchsurv`` was on a GPU host) skips that bundle's
+    items with the import error as the reason, without starting them; the other items run; the report says why."""
+    from scripts.harness import bundles
+
+    marker = tmp_path / "ran"
+    items = (
+        bc.Item("mace", "x", "fake mace item", 0.01, ("x",), ("x",), ("fp32", "mace_survival")),
+        bc.Item("other", "x", "fake item", 0.01, ("x",), ("x",), ("fp32",)),
+    )
+    monkeypatch.setattr(bc, "ITEMS", items)
+    commands = {"mace": f"open({str(marker)!r}, 'w')", "other": "import json; json.dump({}, open(OUT, 'w'))"}
+    monkeypatch.setattr(
+        bc, "_command", lambda item, tiny, out: [sys.executable, "-c", f"OUT = {str(out)!r}\n" + commands[item.name]]
+    )
+    monkeypatch.setitem(bundles.FAMILY_MODULES, "mace_survival", "no_such_package.survival")
+    out = tmp_path / "c.json"
+    doc = bc.campaign(minutes=1.0, output=str(out), tiny=True, workdir=str(tmp_path))
+    assert doc["environment"]["bundles"] == {
+        "mace_survival": "import no_such_package.survival: ModuleNotFoundError: No module named 'no_such_package'"
+    }
+    mace, other = doc["items"]
+    assert mace["status"] == "skipped" and not marker.exists()
+    assert mace["reason"] == f"cannot be imported: mace_survival: {doc['environment']['bundles']['mace_survival']}"
+    assert other["status"] == "ok"
+    text = bc.render_report(json.loads(out.read_text()))
+    assert "Not run (a package was missing on the machine)" in text and "No module named 'no_such_package'" in text
+    assert "no time left" not in text
+
+
+def test_bundles_of_an_item_follow_its_tags():
+    by_name = {i.name: bc._bundles_of(i) for i in bc.ITEMS}
+    assert by_name["throughput_xray2ct_stage2_fp32"] == ["xray2ct_cascade"]
+    assert by_name["xray2ct_stage3_step"] == ["xray2ct_cascade"]
+    assert by_name["throughput_mace_survival_compile"] == ["mace_survival"]
+    assert by_name["gpu_tests"] == []
+    assert all(by_name[i.name] for i in bc.ITEMS if i.section != "a"), "an item without its bundle"
+
+
 def test_tiny_campaign_measures_and_reports(tmp_path):
     """The real items of one bundle at toy sizes on the CPU: every row has the schema the report reads."""
     out = tmp_path / "campaign.json"
@@ -132,6 +171,7 @@ def test_tiny_campaign_measures_and_reports(tmp_path):
     assert names == [i.name for i in bc.ITEMS if "autoencoder_3d" in i.tags and i.tiny is not None]
     assert all(r["status"] == "ok" for r in doc["items"]), [(r["name"], r["log_tail"][-800:]) for r in doc["items"]]
     assert doc["schema"] == bc.SCHEMA_VERSION and doc["tiny"] is True and doc["device"].startswith("CPU")
+    assert doc["environment"]["bundles"] == {"autoencoder_3d": "ok"}
     for r in doc["items"]:
         if r["section"] == "b":
             res = r["result"]

@@ -27,6 +27,12 @@ group killed) when the campaign's time is up, and every finished item is written
     (f) the fast_ddpm equal-budget quality comparison (fast vs the 1000-step DDPM);
     then the GPU tests with ``torch.compile``.
 
+Before the first item, one process imports what each bundle's items need (the modules of its ``train.json``
+``imports`` and its benchmark module) and the installed packages are compared with ``requirements.txt``: a bundle
+that cannot be imported (a package missing on the machine) has its items skipped at once, with the import error as
+the reason, instead of each failing after its start-up; the findings are printed and kept in the output
+(``environment``).
+
 ``--tiny True`` runs the same items on the CPU at toy sizes (a few iterations each, skipping the GPU tests) so the
 machinery and the output schema are exercised without a GPU.
 """
@@ -315,9 +321,7 @@ def _run_item(item: Item, tiny: bool, budget_s: float, workdir: Path) -> dict:
     """Run one item in its own process group for at most ``budget_s`` seconds."""
     result_file = workdir / f"{item.name}.json"
     cmd = _command(item, tiny, result_file)
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
-    env["PYTHONUNBUFFERED"] = "1"
+    env = _item_env()
     log = workdir / f"{item.name}.log"
     print(f"[campaign] {item.name}: {' '.join(cmd[1:])}", flush=True)
     start = time.perf_counter()
@@ -372,6 +376,79 @@ def _device_summary() -> dict:
         props = torch.cuda.get_device_properties(device)
         summary.update(memory_gib=round(props.total_memory / 2**30, 1), cuda=torch.version.cuda)
     return summary
+
+
+def _bundles_of(item: Item) -> list[str]:
+    """The bundles whose code an item runs (by its tags; ``xray2ct`` names ``xray2ct_cascade``)."""
+    from scripts.harness.bundles import BUNDLES
+
+    return [b for b in BUNDLES if any(t == b or b.startswith(f"{t}_") for t in item.tags)]
+
+
+# run in a fresh process (the items' environment): imports each bundle's modules and reads requirements.txt
+_ENVIRONMENT_PROBE = """
+import importlib, importlib.metadata, json, sys
+from pathlib import Path
+root = Path(sys.argv[1])
+bundles = {}
+for name, harness in json.loads(sys.argv[2]).items():
+    config = json.loads((root / "bundles" / name / "configs" / "train.json").read_text())
+    modules = [e.split()[-1] for e in config.get("imports", []) if e.startswith("$import ")] + [harness]
+    for module in modules:
+        try:
+            importlib.import_module(module)
+        except Exception as e:
+            bundles[name] = f"import {module}: {type(e).__name__}: {e}"
+            break
+    else:
+        bundles[name] = "ok"
+requirements = {}
+try:
+    from packaging.requirements import Requirement
+except ImportError:
+    Requirement = None
+for line in (root / "requirements.txt").read_text().splitlines():
+    line = line.split("#", 1)[0].strip()
+    if not line or Requirement is None:
+        continue
+    req = Requirement(line)
+    try:
+        version = importlib.metadata.version(req.name)
+    except importlib.metadata.PackageNotFoundError:
+        requirements[req.name] = f"not installed (requirements.txt: {line})"
+        continue
+    if req.specifier and not req.specifier.contains(version, prereleases=True):
+        requirements[req.name] = f"{version} installed, requirements.txt asks {line}"
+print(json.dumps({"bundles": bundles, "requirements": requirements}))
+"""
+
+
+def _environment(items: Sequence[Item], env: dict[str, str]) -> dict:
+    """Import what the bundles of ``items`` need, in a fresh process, and list the packages that differ from
+    ``requirements.txt`` (see the module docstring)."""
+    from scripts.harness.bundles import FAMILY_MODULES
+
+    needed = {b: FAMILY_MODULES[b] for item in items for b in _bundles_of(item)}
+    if not needed:
+        return {"bundles": {}, "requirements": {}}
+    cmd = [sys.executable, "-c", _ENVIRONMENT_PROBE, str(REPO_ROOT), json.dumps(needed)]
+    proc = subprocess.run(cmd, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=600)
+    if proc.returncode != 0:
+        raise SystemExit(f"campaign: the environment check failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
+    found = json.loads(proc.stdout.strip().splitlines()[-1])
+    for name, problem in found["requirements"].items():
+        print(f"[campaign] requirement {name}: {problem}", flush=True)
+    for name, outcome in found["bundles"].items():
+        if outcome != "ok":
+            print(f"[campaign] {name} cannot be imported, its items are skipped: {outcome}", flush=True)
+    return found
+
+
+def _item_env() -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    env["PYTHONUNBUFFERED"] = "1"
+    return env
 
 
 def _write(path: Path | None, doc: dict) -> None:
@@ -449,9 +526,18 @@ def campaign(
     }
     if not tiny and doc["device"].startswith("CPU"):
         print("[campaign] no CUDA device: the GPU items will measure the CPU or fail; use --tiny True on CPUs")
+    doc["environment"] = _environment(items, _item_env())
     _write(out, doc)
     with tempfile.TemporaryDirectory(dir=workdir) as tmp:
         for item in items:
+            broken = [f"{b}: {doc['environment']['bundles'][b]}" for b in _bundles_of(item)
+                      if doc["environment"]["bundles"].get(b, "ok") != "ok"]  # fmt: skip
+            if broken:
+                doc["items"].append({"name": item.name, "section": item.section, "what": item.what,
+                                     "tags": list(item.tags), "status": "skipped",
+                                     "reason": f"cannot be imported: {'; '.join(broken)}"})  # fmt: skip
+                _write(out, doc)
+                continue
             left = deadline - time.monotonic() - MARGIN_S
             if left <= 0 or (not tiny and item.minutes * 60.0 > left):
                 doc["items"].append({"name": item.name, "section": item.section, "what": item.what,
@@ -640,9 +726,14 @@ def render_report(docs: dict | Sequence[dict]) -> str:
         ),
     ]
     ran = {r["name"] for _, r in items if r["status"] != "skipped"}
-    skipped = list(dict.fromkeys(r["name"] for _, r in items if r["status"] == "skipped" and r["name"] not in ran))
-    if skipped:
-        parts += ["", f"Not run yet (no time left in these campaigns): {', '.join(skipped)}."]
+    skipped = {r["name"]: r.get("reason", "") for _, r in items if r["status"] == "skipped" and r["name"] not in ran}
+    unimportable = {name: reason for name, reason in skipped.items() if reason.startswith("cannot be imported")}
+    late = [name for name in skipped if name not in unimportable]
+    if late:
+        parts += ["", f"Not run yet (no time left in these campaigns): {', '.join(late)}."]
+    if unimportable:
+        parts += ["", "Not run (a package was missing on the machine):", ""]
+        parts += [f"- {name}: {reason}" for name, reason in unimportable.items()]
     for doc, r in items:
         if r["section"] == "a" and isinstance(r.get("result"), dict):
             res = r["result"]
