@@ -1,6 +1,6 @@
 # Copyright (c) the 3D MONAI bundle collection contributors.
 # Licensed under the Apache License, Version 2.0.
-"""Build a training/validation datalist JSON from a folder of NIfTI volumes or DICOM series.
+"""Build a training/validation datalist JSON from a folder of volumes (NIfTI, NRRD, MetaImage) or DICOM series.
 
 Example::
 
@@ -19,46 +19,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from common.data.datalist import BRATS_MODALITIES, find_brats_cases, write_datalist  # noqa: E402
+from common.data.datalist import BRATS_MODALITIES, find_brats_cases, find_volumes, write_datalist  # noqa: E402
 
-__all__ = [
-    "BRATS_MODALITIES",
-    "find_brats_cases",
-    "find_dicom_series",
-    "find_volumes",
-    "main",
-    "make_datalist",
-    "split_items",
-]
-
-
-def find_volumes(data_dir: Path, pattern: str) -> list[str]:
-    """Files under ``data_dir`` (recursively) whose name matches ``pattern``, sorted.
-
-    Args:
-        data_dir: the folder to search.
-        pattern: a glob on file names, for example ``"*flair.nii.gz"``.
-
-    Returns:
-        Absolute file paths.
-    """
-    return sorted(str(p.absolute()) for p in data_dir.rglob(pattern) if p.is_file())
-
-
-def find_dicom_series(data_dir: Path) -> list[str]:
-    """Folders under ``data_dir`` (itself included) that directly contain ``.dcm`` files, one per series, sorted.
-
-    Args:
-        data_dir: the folder to search.
-
-    Returns:
-        Absolute folder paths.
-    """
-    series = []
-    for root, _, files in os.walk(data_dir):
-        if any(name.lower().endswith(".dcm") for name in files):
-            series.append(os.path.abspath(root))
-    return sorted(series)
+__all__ = ["main", "make_datalist", "split_items"]
 
 
 def split_items(items: list, val_fraction: float, seed: int) -> tuple[list, list]:
@@ -104,10 +67,13 @@ def make_datalist(
         data_dir: folder holding the volumes (searched recursively).
         output: the JSON file to write; defaults to ``<data_dir>/datalist.json``. Its paths are relative to
             ``data_dir``, so when it is written elsewhere pass ``base_dir=data_dir`` when loading it.
-        pattern: file-name glob for NIfTI volumes (ignored with ``dicom``).
+        pattern: glob of the volumes, matched against the end of their path (``"*flair.nii.gz"``); ignored with
+            ``dicom``.
         val_fraction: fraction of volumes for validation, in ``[0, 1)``.
         seed: seed of the shuffle.
-        dicom: treat every folder that contains ``.dcm`` files as one volume (a DICOM series).
+        dicom: list the DICOM series: a folder of DICOM files (``.dcm`` or the ``DICM`` marker) is one volume, and
+            a folder holding several series gives one volume per series, written as the list of its files
+            (:func:`common.data.datalist.find_volumes`).
         brats: list BraTS 2023 cases (``<case>/<case>-t1n|t1c|t2w|t2f[-seg].nii.gz``) as multi-modality entries
             ``{"case_id", "t1n", "t1c", "t2w", "t2f"[, "label"]}``; an incomplete case is an error naming it.
 
@@ -125,10 +91,10 @@ def make_datalist(
         items: list = find_brats_cases(root)
         what = "no BraTS case folders (<case>/<case>-t1n.nii.gz, ...)"
     elif dicom:
-        items = [{"image": p} for p in find_dicom_series(root)]
-        what = "no folders containing .dcm files"
+        items = find_volumes(root, dicom_only=True)
+        what = "no folders holding DICOM files"
     else:
-        items = [{"image": p} for p in find_volumes(root, pattern)]
+        items = find_volumes(root, pattern)
         what = f"no files matching {pattern!r}"
     if not items:
         raise FileNotFoundError(f"{what} under data_dir {str(root)!r}")

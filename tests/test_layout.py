@@ -146,6 +146,27 @@ def test_config_imports_are_what_the_configs_use(bundle: str, main: str) -> None
     assert not any("demo" in m.split(".") for m in imported), "demo generators are imported lazily (demo_generator)"
 
 
+@pytest.mark.parametrize("bundle", sorted(p.name for p in (REPO / "bundles").iterdir() if p.is_dir()))
+def test_inference_takes_the_thread_count_and_leaves_the_rngs(bundle: str) -> None:
+    """``--num_threads`` reaches an inference run as it reaches training (``setup_runtime`` in ``initialize``);
+    inference seeds its own sampling, so the runtime step leaves the global RNGs as they are."""
+    import torch
+    from monai.bundle import ConfigParser
+
+    parser = ConfigParser()
+    parser.read_config(str(REPO / "bundles" / bundle / "configs" / "inference.json"))
+    assert "@runtime" in parser["initialize"][:2]
+    parser["num_threads"] = 1
+    threads, state = torch.get_num_threads(), torch.get_rng_state()
+    torch.set_num_threads(2)
+    try:
+        parser.get_parsed_content("runtime")
+        assert torch.get_num_threads() == 1
+        assert torch.equal(torch.get_rng_state(), state)
+    finally:
+        torch.set_num_threads(threads)
+
+
 def test_demo_generator() -> None:
     from common.demo.images import make_demo_dataset
 

@@ -464,24 +464,40 @@ def _unique_case_ids(paths: Sequence[str], root: str) -> list[str]:
     return unique
 
 
+def _series_of_folder(folder: str) -> list[tuple[str, str | list[str]]]:
+    """``(name, value)`` of the DICOM series in ``folder``: ``(folder, folder)`` for one series (or none GDCM can
+    read: the preflight says what is wrong), else one ``(<folder>_series<n>, files)`` per series, ``n`` the
+    ``SeriesNumber`` where every series has a distinct one, else 1, 2, ... in GDCM's order."""
+    from common.data.dicom import dicom_series  # imports MONAI: only for folders that hold DICOM files
+
+    series = dicom_series(folder)
+    if len(series) <= 1:
+        return [(folder, folder)]
+    numbers = [s.number for s in series]
+    labels = numbers if all(numbers) and len(set(numbers)) == len(numbers) else [str(i + 1) for i in range(len(series))]
+    return [(f"{folder}_series{label}", s.files) for label, s in zip(labels, series)]
+
+
 def find_volumes(
-    dataset_dir: str | os.PathLike, pattern: str | None = None, key: str = "image"
-) -> list[dict[str, str]]:
+    dataset_dir: str | os.PathLike, pattern: str | None = None, key: str = "image", dicom_only: bool = False
+) -> list[dict[str, Any]]:
     """The image volumes under ``dataset_dir`` (recursively), one entry ``{"case_id": ..., key: path}`` per case.
 
     A case is a NIfTI (``.nii``, ``.nii.gz``), NRRD (``.nrrd``, ``.nhdr``) or MetaImage (``.mha``, ``.mhd``; not its
-    ``.raw``/``.zraw`` data file) file, or a DICOM series folder: a folder holding DICOM files (``.dcm``, or the
-    ``DICM`` marker at byte 128; a ``DICOMDIR`` index does not count), listed once as the folder, which
-    ``monai.transforms.LoadImage`` (ITK) reads as one series; the files of a series folder are never listed on their
-    own. With ``pattern`` (a glob such as
-    ``"*.nii.gz"`` or ``"sub/*_t1.nrrd"``, matched against the end of the path as ``Path.match`` does), the files
-    and series folders whose path matches it are listed instead, whatever their format. Hidden files and folders
-    are skipped.
+    ``.raw``/``.zraw`` data file) file, or a DICOM series: a folder holding DICOM files (``.dcm``, or the ``DICM``
+    marker at byte 128; a ``DICOMDIR`` index does not count) is listed once, as the folder, when it holds one series;
+    a folder holding several series (a flat PACS export) gives one case per series, its path the list of the series'
+    files (``common.data.dicom.LoadVolumed`` reads such a list as one volume) and its case id
+    ``<folder>_series<SeriesNumber>``. The files of a series folder are never listed on their own. With ``pattern``
+    (a glob such as ``"*.nii.gz"`` or ``"sub/*_t1.nrrd"``, matched against the end of the path as ``Path.match``
+    does), the files and series folders whose path matches it are listed instead, whatever their format. Hidden files
+    and folders are skipped.
 
     Args:
         dataset_dir: the folder to search; ``~`` is expanded.
         pattern: ``None`` for every volume of the formats above, else a glob.
         key: the entry key of the path.
+        dicom_only: list the DICOM series only.
 
     Returns:
         Entries sorted by path, with absolute paths and unique readable case ids: the file name without its suffix
@@ -491,21 +507,24 @@ def find_volumes(
     root = os.path.abspath(os.path.expanduser(os.fspath(dataset_dir)))
     if not os.path.isdir(root):
         return []
-    paths = []
+    found: list[tuple[str, str | list[str]]] = []
     for folder, names in _walk(root):
         rel = Path(os.path.relpath(folder, root)) if folder != root else Path(os.path.basename(root))
         # a DICOMDIR (the index of a DICOM disc, next to its image folders) is not a slice of a series
         if any(name.upper() != "DICOMDIR" and is_dicom_file(os.path.join(folder, name)) for name in names):
             if pattern is None or rel.match(pattern):
-                paths.append(folder)
+                found.extend(_series_of_folder(folder))
             continue  # a series folder: its files are slices, not cases
+        if dicom_only:
+            continue
         for name in names:
             if pattern is None and _has_suffix(name, VOLUME_SUFFIXES):
-                paths.append(os.path.join(folder, name))
+                found.append((os.path.join(folder, name),) * 2)
             elif pattern is not None and (Path(os.path.relpath(folder, root)) / name).match(pattern):
-                paths.append(os.path.join(folder, name))
-    paths.sort()
-    return [{"case_id": case, key: path} for case, path in zip(_unique_case_ids(paths, root), paths)]
+                found.append((os.path.join(folder, name),) * 2)
+    found.sort(key=lambda item: item[0])
+    ids = _unique_case_ids([name for name, _ in found], root)
+    return [{"case_id": case, key: value} for case, (_, value) in zip(ids, found)]
 
 
 def no_volumes_error(dataset_dir: str | os.PathLike, pattern: str | None = None) -> MissingInputError:
@@ -551,7 +570,8 @@ def inference_entries(
         entries = load_datalist(datalist, section, base_dir=base, keys=keys)
         for entry in entries:
             first = entry[keys[0]]
-            entry.setdefault("case_id", file_stem(first if isinstance(first, str) else first[0]))
+            # a list is the files of one DICOM series: named after their folder
+            entry.setdefault("case_id", file_stem(first if isinstance(first, str) else os.path.dirname(first[0])))
     elif len(keys) == 1:
         entries = find_volumes(base, pattern, key=keys[0])
         if not entries:

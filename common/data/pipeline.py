@@ -19,7 +19,6 @@ from monai.transforms import (
     EnsureChannelFirstd,
     EnsureTyped,
     Invertd,
-    LoadImaged,
     MapTransform,
     Orientationd,
     RandSpatialCropSamplesd,
@@ -32,6 +31,7 @@ from monai.transforms import (
 from monai.utils import CommonKeys as Keys
 
 from common.data.datalist import file_stem, no_volumes_error
+from common.data.dicom import LoadVolumed
 from common.data.intensity import InvertibleScaleIntensityRangePercentilesd, ScaleIntensityModed
 from common.utils import get_rank, get_world_size
 
@@ -142,7 +142,7 @@ def spatial_steps(
 ) -> list:
     """Load -> channel first (-> stack ``keys`` as the channels of ``stack_as``) -> orientation -> spacing."""
     keys = list(keys)
-    steps: list = [LoadImaged(keys, image_only=True), EnsureChannelFirstd(keys)]
+    steps: list = [LoadVolumed(keys, image_only=True), EnsureChannelFirstd(keys)]
     if stack_as is not None:
         steps.append(ConcatItemsd(keys, name=stack_as))
         others = [k for k in keys if k != stack_as]

@@ -34,8 +34,9 @@ __all__ = ["PreflightError", "check_volume", "main", "preflight"]
 NIFTI_SUFFIXES = (".nii", ".nii.gz")
 SLAB_BYTES = 32 * 1024 * 1024
 MAX_VOLUME_BYTES = 16 * 1024**3  # a header declaring more voxel data than this is refused as corrupt or hostile
-# ITK's lazily loaded Python modules are not safe to initialise from several threads at once.
-_ITK_LOCK = threading.Lock()
+#: ITK's lazily loaded Python modules are not safe to initialise from several threads at once (shared with
+#: :mod:`common.data.dicom`)
+ITK_LOCK = threading.Lock()
 
 
 class PreflightError(UserError, ValueError):
@@ -233,7 +234,7 @@ def _itk_header_reason(path: str) -> str | None:
     try:
         import itk
 
-        with _ITK_LOCK:
+        with ITK_LOCK:
             io = itk.ImageIOFactory.CreateImageIO(path, itk.CommonEnums.IOFileMode_ReadMode)
             if io is None:
                 return None
@@ -287,22 +288,28 @@ def _check_itk(
     check_values: bool,
     size_name: str = "patch_size",
 ) -> _Inspection:
-    """Check a DICOM series (a folder or a list of files) with ITK; its channels are ITK's pixel components."""
-    if isinstance(path, str):
-        files = [name for name in os.listdir(path) if os.path.isfile(os.path.join(path, name))]
-        if not files:
-            return _Inspection("is a folder without files; a DICOM series folder is required")
+    """Check a DICOM series (a folder holding one series, or a list of the files of one series) as the bundles' loader
+    (:class:`common.data.dicom.LoadVolumed`) reads it; its channels are ITK's pixel components."""
+    if isinstance(path, str) and not any(os.path.isfile(os.path.join(path, name)) for name in os.listdir(path)):
+        return _Inspection("is a folder without files; a DICOM series folder is required")
     spatial: tuple[int, ...] | None = None
     components: int | None = None
     try:
         import itk
 
-        first = os.path.join(path, sorted(files)[0]) if isinstance(path, str) else path[0]
-        reason = _itk_header_reason(first)
+        from common.data.dicom import series_files
+
+        try:  # one listed file is read as it is (LoadVolumed leaves it to MONAI's readers)
+            files = list(path) if not isinstance(path, str) and len(path) == 1 else series_files(path)
+        except (ValueError, FileNotFoundError) as exc:
+            return _Inspection(
+                str(exc).replace(f"{os.path.abspath(path)} holds", "holds", 1) if isinstance(path, str) else str(exc)
+            )
+        reason = _itk_header_reason(files[0])
         if reason:
             return _Inspection(reason)
-        with _ITK_LOCK:
-            img = itk.imread(path if isinstance(path, str) else list(path))
+        with ITK_LOCK:
+            img = itk.imread(files[0] if len(files) == 1 else files)
         spatial = tuple(int(s) for s in img.GetLargestPossibleRegion().GetSize())
         components = int(img.GetNumberOfComponentsPerPixel())
         full = spatial + ((components,) if components > 1 else ())
@@ -329,7 +336,7 @@ def _check_monai(
         reason = _itk_header_reason(path)
         if reason:
             return _Inspection(reason)
-        with _ITK_LOCK:
+        with ITK_LOCK:
             img = LoadImage(image_only=True)(path)
         full = tuple(int(s) for s in img.shape)
         channel_dim = img.meta.get("original_channel_dim")

@@ -11,6 +11,7 @@ Example::
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import os
 from collections.abc import Mapping, Sequence
@@ -438,7 +439,11 @@ def make_ct_phantom(shape: Sequence[int] = (64, 64, 64), seed: int = 0, noise_hu
 
 
 def write_dicom_series(
-    folder: str | os.PathLike, volume: np.ndarray, spacing: Sequence[float] = (1.0, 1.0, 1.0)
+    folder: str | os.PathLike,
+    volume: np.ndarray,
+    spacing: Sequence[float] = (1.0, 1.0, 1.0),
+    series_number: int | None = None,
+    prefix: str = "slice",
 ) -> Path:
     """Write a 3D ``(X, Y, Z)`` RAS volume as a DICOM series (one int16 file per axial slice) with ITK.
 
@@ -446,15 +451,18 @@ def write_dicom_series(
     with an RAS affine of ``diag(spacing)``.
 
     Args:
-        folder: the series folder (created; must not already hold files).
+        folder: the series folder (created; must not already hold files named ``<prefix>*``).
         volume: the voxel values (rounded to int16, e.g. HU).
         spacing: voxel size in mm.
+        series_number: the ``SeriesNumber`` tag (left out when ``None``).
+        prefix: the file names, ``<prefix><slice:04d>.dcm``; another prefix writes a second series into the same
+            folder, as a flat PACS export holds several.
 
     Returns:
         The folder.
 
     Raises:
-        FileExistsError: when ``folder`` already holds files.
+        FileExistsError: when ``folder`` already holds files of that ``prefix``.
         ValueError: when ``volume`` is not 3D.
     """
     import itk
@@ -463,14 +471,15 @@ def write_dicom_series(
     volume = np.asarray(volume)
     if volume.ndim != 3:
         raise ValueError(f"volume must be 3D (X, Y, Z), got shape {volume.shape}")
-    if folder.is_dir() and any(folder.iterdir()):
-        raise FileExistsError(f"{folder} already holds files; a series needs its own folder")
+    if folder.is_dir() and any(p.name.startswith(prefix) for p in folder.iterdir()):
+        raise FileExistsError(f"{folder} already holds {prefix}* files")
     folder.mkdir(parents=True, exist_ok=True)
     array = np.ascontiguousarray(np.clip(np.round(volume), -32768, 32767).astype(np.int16).transpose(2, 1, 0))
     sx, sy, sz = validate_triple("spacing", spacing)
     # DICOM patient space is LPS: the array's +X (right to left in RAS terms, -L) and +Y (anterior, -P) give row
     # and column cosines (-1, 0, 0) and (0, -1, 0); every slice carries its own position along Z
-    series_uid = f"1.2.826.0.1.3680043.8.498.{abs(hash((str(folder), volume.shape))) % 10**12}"
+    key = f"{folder}|{prefix}|{volume.shape}".encode()
+    series_uid = f"1.2.826.0.1.3680043.8.498.{int(hashlib.sha256(key).hexdigest(), 16) % 10**12}"
     for k in range(array.shape[0]):
         image = itk.image_from_array(np.ascontiguousarray(array[k]))
         image.SetSpacing([float(sx), float(sy)])
@@ -482,11 +491,12 @@ def write_dicom_series(
             "0020|0032": f"0\\0\\{k * sz:.6f}",
             "0020|0037": "-1\\0\\0\\0\\-1\\0",
             "0018|0050": f"{sz:.6f}",
+            **({"0020|0011": str(int(series_number))} if series_number is not None else {}),
         }.items():
             meta[tag] = value
         io = itk.GDCMImageIO.New()
         io.KeepOriginalUIDOn()
-        writer = itk.ImageFileWriter.New(Input=image, FileName=str(folder / f"slice{k:04d}.dcm"), ImageIO=io)
+        writer = itk.ImageFileWriter.New(Input=image, FileName=str(folder / f"{prefix}{k:04d}.dcm"), ImageIO=io)
         writer.Update()
     return folder
 
