@@ -516,14 +516,15 @@ def host_sync_sites(trainer: Any, first: int, last: int) -> dict[str, int]:
 
 
 def bundle_trainer(bundle: str, configs: Sequence[str], work_dir: Path, iterations: int, **settings: Any) -> Any:
-    """``train#trainer`` of ``bundle`` (``configs`` merged onto ``train.json``) on the CPU for ``iterations``
-    iterations of one batch each, validation and checkpoints out of reach."""
+    """``train#trainer`` of ``bundle`` (``configs`` merged onto ``train.json``) for ``iterations`` iterations of one
+    batch each, validation and checkpoints out of reach; on the CPU without autocast unless ``settings`` say
+    otherwise (``device``, ``amp``: the GPU tests)."""
     from monai.bundle import ConfigWorkflow
 
     files = [str(BUNDLES / bundle / "configs" / name) for name in ("train.json", *configs)]
     run = {"output_dir": str(work_dir), "max_epochs": iterations, "epoch_length": 1, "val_interval": 10**6}
     run |= {"ckpt_interval": 10**6, "log_interval": 10**6, "resume": False, "device": "cpu", "amp": "none"}
-    workflow = ConfigWorkflow(config_file=files, workflow_type="train", **run, **settings)
+    workflow = ConfigWorkflow(config_file=files, workflow_type="train", **{**run, **settings})
     workflow.initialize()
     return workflow.parser.get_parsed_content("train#trainer")
 
