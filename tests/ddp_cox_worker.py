@@ -14,6 +14,7 @@ to compare, different without the global risk set) holds by construction.
 
 from __future__ import annotations
 
+import gc
 import sys
 from pathlib import Path
 
@@ -74,6 +75,9 @@ def main(outdir: str) -> None:
         loss = cox_loss(model(x[rows]), time[rows], event[rows], global_risk_set=global_risk_set)
         loss.backward()
         result[name] = {"loss": loss.detach(), "grad": model.module.weight.grad.detach().clone()}
+        # a DDP module's reducer holds the process group: free it (and the graph) before the group goes
+        del model, loss
+    gc.collect()
     torch.save(result, Path(outdir, f"rank{rank}.pt"))
     dist.barrier()
     dist.destroy_process_group()

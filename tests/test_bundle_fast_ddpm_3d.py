@@ -489,29 +489,37 @@ def _parser(config: str, *extra: str, **settings):
             "orientation": "RAS",
             "latent": True,
         },
+        {
+            "intensity": {"mode": "mri", "lower": 1, "upper": 99},
+            "spacing": None,
+            "orientation": "RAS",
+            "first": "image",
+        },
     ],
-    ids=["mri", "ct-spacing", "none-native", "latent"],
+    ids=["mri", "ct-spacing", "none-native", "latent", "image-key"],
 )
 def test_json_pipelines_match_diffusion_transforms(autoencoder_ckpt, tmp_path, settings):
     """The transform lists written in train.json and inference.json give the values, metadata and inverses of
     ``diffusion_transforms``: training patches under one seed (in latent space in latent mode), validation volumes
     with the target copied to ``label``, inference inputs of the sources alone and their inversion to the input
-    grid."""
+    grid. With ``image`` among the keys (``image-key``), the stacked volume replaces it and the other keys are
+    dropped, as ``diffusion_transforms`` drops them."""
     from monai.transforms import Compose
 
     from common.diffusion.transforms import diffusion_transforms
 
     rng = np.random.default_rng(shifted_seed(3))
     affine = np.array([[-1.2, 0.0, 0.1, 5.0], [0.0, 0.9, 0.0, -3.0], [0.0, 0.0, 1.7, 2.0], [0.0, 0.0, 0.0, 1.0]])
+    first = settings.get("first", "t1")
     entry = {"case_id": "case_7"}
-    for key, (mean, std) in {"t1": (100.0, 400.0), "t2": (0.2, 0.4)}.items():
+    for key, (mean, std) in {first: (100.0, 400.0), "t2": (0.2, 0.4)}.items():
         entry[key] = str(tmp_path / f"{key}.nii.gz")
         nib.save(nib.Nifti1Image(rng.normal(mean, std, (14, 12, 10)).astype(np.float32), affine), entry[key])
     latent = bool(settings.get("latent", False))
     keys = {k: settings[k] for k in ("intensity", "spacing", "orientation")}
     shared = dict(
         **keys,
-        image_keys=["t1", "t2"],
+        image_keys=[first, "t2"],
         target_key="t2",
         patch_size=[16, 16, 8],
         unet_channels=[8, 16],
@@ -525,7 +533,7 @@ def test_json_pipelines_match_diffusion_transforms(autoencoder_ckpt, tmp_path, s
 
     train, expected = (
         parser.get_parsed_content("train#preprocessing"),
-        diffusion_transforms(["t1", "t2"], **reference, num_samples=2),
+        diffusion_transforms([first, "t2"], **reference, num_samples=2),
     )
     names = [type(t).__name__ for t in train.transforms]
     assert isinstance(train, Compose) and names[-3:] == ["EnsureTyped", "ToDeviced", "RandSpatialCropSamplesd"]
@@ -542,7 +550,7 @@ def test_json_pipelines_match_diffusion_transforms(autoencoder_ckpt, tmp_path, s
 
     validate = parser.get_parsed_content("validate#preprocessing")
     item = validate(dict(entry))
-    expected_item = diffusion_transforms(["t1", "t2"], **reference, train=False, label_channels=[1])(dict(entry))
+    expected_item = diffusion_transforms([first, "t2"], **reference, train=False, label_channels=[1])(dict(entry))
     assert set(item) == set(expected_item) == {"case_id", "image", "label"}
     for key in ("image", "label"):
         same_tensor(item[key], expected_item[key])
@@ -557,9 +565,9 @@ def test_json_pipelines_match_diffusion_transforms(autoencoder_ckpt, tmp_path, s
         prediction_dir=str(tmp_path / "pred"),
     )
     inference_pre = inference.get_parsed_content("preprocessing")
-    source = {"case_id": "case_7", "t1": entry["t1"]}
+    source = {"case_id": "case_7", first: entry[first]}
     item = inference_pre(dict(source))
-    expected_pre = diffusion_transforms(["t1"], **reference, train=False)
+    expected_pre = diffusion_transforms([first], **reference, train=False)
     expected_item = expected_pre(dict(source))
     assert set(item) == set(expected_item) == {"case_id", "image"}
     same_tensor(item["image"], expected_item["image"])
