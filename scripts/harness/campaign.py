@@ -15,8 +15,10 @@ process with a deadline: an item starts only when its estimate fits in the time 
 group killed) when the campaign's time is up, and every finished item is written to ``--output`` at once
 (atomically), so a campaign cut short keeps what it measured. The order is the value order:
 
-    (a) the GPU tests (train -> evaluate of every bundle on CUDA in bf16 with the GPU cache, the autoencoder with
-        gradient checkpointing, resume after a kill on CUDA, host synchronisations of a step, 2-GPU NCCL);
+    (a) the GPU tests, in three items so that a short lease still runs the first ones: the CUDA synchronisations
+        of every bundle's training step, then train -> evaluate of every bundle on CUDA in bf16 with the GPU cache
+        (and the autoencoder with gradient checkpointing), and - after the bf16 rows of (b) - resume after a kill on
+        CUDA and the 2-GPU NCCL replicas;
     (b) every bundle's trainer vs a plain PyTorch loop at a realistic size in bf16, then fp32, then bf16 + compile:
         samples/s, the ratio, data wait, peak memory and model FLOPs utilisation (MFU: FLOPs of one step counted
         by ``torch.utils.flop_counter``, divided by the step time and the device's dense bf16 peak of
@@ -144,17 +146,38 @@ def _throughput_items() -> list[Item]:
     return items
 
 
+_GPU_TESTS = ("pytest", "-m", "gpu and not compile", "-k")
+
 ITEMS: tuple[Item, ...] = (
+    Item(
+        "gpu_tests_sync",
+        "a",
+        "pytest -m gpu: CUDA synchronisations in training steps of every bundle (torch.cuda.set_sync_debug_mode)",
+        2.0,
+        (*_GPU_TESTS, "host_synchronisations"),
+        None,
+        ("gpu_tests",),
+    ),
     Item(
         "gpu_tests",
         "a",
-        "pytest -m gpu: train -> evaluate of every bundle on CUDA (bf16, GPU cache), checkpointing, resume, syncs",
-        6.0,
-        ("pytest", "-m", "gpu and not compile"),
+        "pytest -m gpu: train -> evaluate of every bundle on CUDA (bf16, cuDNN benchmark, GPU cache), the autoencoder "
+        "with gradient checkpointing and flash attention",
+        6.5,
+        (*_GPU_TESTS, "trains_and_evaluates_on_cuda or gradient_checkpointing"),
         None,
         ("gpu_tests",),
     ),
     *[i for i in _throughput_items() if i.tags[0] == "bf16"],
+    Item(
+        "gpu_tests_resume",
+        "a",
+        "pytest -m gpu: jobs killed mid-run on CUDA resume to the uninterrupted weights; NCCL replicas with 2+ GPUs",
+        3.0,
+        (*_GPU_TESTS, "resume_on_cuda or nccl"),
+        None,
+        ("gpu_tests",),
+    ),
     Item(
         "vqgan_reconstruction_512",
         "c",
