@@ -110,6 +110,14 @@ def make_datalist(
         print("note: a single volume was found, so there is no validation section")
     if out.parent != root:
         print(f"note: {out} is not in data_dir; load it with base_dir={str(root)!r}")
+    split: dict[str, list[str]] = {}
+    for item in items:
+        if isinstance(item.get("image"), list):
+            split.setdefault(os.path.dirname(item["image"][0]), []).append(
+                f"{item['case_id']} ({len(item['image'])} files)"
+            )
+    for folder, cases in split.items():
+        print(f"note: {folder} holds {len(cases)} DICOM series, one case each: {', '.join(cases)}")
     return out
 
 
