@@ -58,6 +58,12 @@ def dicom_series(folder: str | os.PathLike) -> list[DicomSeries]:
     """The DICOM series of ``folder`` (not its sub-folders) as MONAI's ``ITKReader`` tells them apart: GDCM with
     series details and the series date as restriction, files in slice order.
 
+    Args:
+        folder: the folder to scan; ``~`` is expanded.
+
+    Returns:
+        One :class:`DicomSeries` per series, in GDCM's order (empty when GDCM finds none).
+
     Raises:
         NotADirectoryError: when ``folder`` is not a folder.
     """
@@ -97,6 +103,12 @@ def is_dicom_input(data: Any) -> bool:
 
 def series_files(data: str | os.PathLike | Sequence[str | os.PathLike]) -> list[str]:
     """The files of the one series that ``data`` (a folder, or a list of files of one series) names, in slice order.
+
+    Args:
+        data: a folder holding one series, or the files of one series (all in one folder, in any order).
+
+    Returns:
+        Absolute paths in GDCM's slice order (for a list: its files only, not the rest of their series).
 
     Raises:
         FileNotFoundError: for a folder without DICOM series, or listed files that are missing.
