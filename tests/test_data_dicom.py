@@ -139,7 +139,8 @@ def test_make_datalist_dicom_lists_each_series_and_the_bundles_read_them(export)
     cmd = [sys.executable, "scripts/make_datalist.py", "--data_dir", str(export["root"]), "--dicom"]
     result = subprocess.run([*cmd, "--val_fraction", "0.34"], cwd=REPO_ROOT, capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
-    note = f"note: {export['export']} holds 2 DICOM series, one case each: export_series3 (8 files), export_series7 (5 files)"
+    cases = "export_series3 (8 files), export_series7 (5 files)"
+    note = f"note: {export['export']} holds 2 DICOM series, one case each: {cases}"
     assert note in result.stdout.splitlines()
     written = json.loads(out.read_text())
     items = written["training"] + written["validation"]

@@ -76,9 +76,9 @@ class AutoencoderGANTrainer(StepTrainer):
 
     ``engine.state.output`` holds detached tensors (decollated into one dict per sample by default, the MONAI
     convention that MONAI's handlers, e.g. ``--tracking mlflow``, expect; scalar terms stay tensors): ``image``,
-    ``pred`` (reconstruction), ``loss`` (generator total), the unweighted terms ``recon_loss``, ``kl_loss``/``quantization_loss``,
-    ``perceptual_loss``, ``feature_matching_loss``, ``adv_loss`` (with per-head weights: their weighted sum, and ``adv_loss_<head>``),
-    ``d_loss``, scalar statistics the network returns (``perplexity``, ``codebook_usage``, ...) and the per-step
+    ``pred`` (reconstruction), ``loss`` (generator total), the unweighted terms ``recon_loss``,
+    ``kl_loss``/``quantization_loss``, ``perceptual_loss``, ``feature_matching_loss``, ``adv_loss`` (with per-head
+    weights: their weighted sum, and ``adv_loss_<head>``), ``d_loss``, scalar statistics the network returns (``perplexity``, ``codebook_usage``, ...) and the per-step
     ``grad_norm``/``d_grad_norm`` when clipping is on. ``IterationEvents`` fire after the generator forward, loss
     (of the last micro-batch), backward and after the whole step.
 

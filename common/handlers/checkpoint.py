@@ -302,8 +302,8 @@ class BestCheckpointSaver:
     """Keep the ``n_saved`` best network weights by a validation metric, plus ``filename`` for the best one.
 
     Attach to the evaluator (on every rank: rank 0 writes, the others only check the metric). Files are plain
-    state dicts (what ``ckpt_export`` and ``inference.json`` load), written atomically; worse files are deleted. Existing files in ``save_dir`` from an earlier, resumed run
-    are taken into account.
+    state dicts (what ``ckpt_export`` and ``inference.json`` load), written atomically; worse files are deleted.
+    Existing files in ``save_dir`` from an earlier, resumed run are taken into account.
 
     Args:
         save_dir: destination folder.
