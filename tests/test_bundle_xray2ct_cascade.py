@@ -220,13 +220,18 @@ def test_packed_cascade_runs_on_png_and_nifti_radiographs(cascade, evaluated, ph
         env=bundle_env(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1"),  # one thread, as evaluation (tiny.json)
     )
     written = sorted(p.name for p in pred.iterdir())
-    assert written == sorted(f"phantom_val_00{i}_{k}" for i in (0, 1) for k in ("ct.nii.gz", "views.png"))
+    kinds = ("ct.nii.gz", "ct_std.nii.gz", "views.png")  # train.json samples num_samples > 1 CTs per case
+    assert written == sorted(f"phantom_val_00{i}_{k}" for i in (0, 1) for k in kinds)
     for i in (0, 1):
         ct = nib.load(pred / f"phantom_val_00{i}_ct.nii.gz")
         assert ct.shape == (16, 16, 16)
         np.testing.assert_allclose(np.diag(ct.affine)[:3], [FOV / 16] * 3)
         hu = ct.get_fdata()
         assert -1000 - 1e-3 <= hu.min() and hu.max() <= 1000 + 1e-3
+        std = nib.load(pred / f"phantom_val_00{i}_ct_std.nii.gz")  # the spread of the samples, in HU, same grid
+        np.testing.assert_array_equal(std.affine, ct.affine)
+        assert std.shape == ct.shape and 0 <= std.get_fdata().min() and std.get_fdata().max() <= 1000 + 1e-3
+        assert std.get_fdata().max() > 0
     # the same X-rays, weights and per-case start noise (inference.json's seed is train.json's, both shifted alike)
     # on one thread: the same float32 computation as evaluation, up to the rounding of HU values of magnitude <= 1000
     a = nib.load(pred / "phantom_val_000_ct.nii.gz").get_fdata()

@@ -156,6 +156,7 @@ def grid_ddim_sample(
     prediction_type: str = "epsilon",
     generator: torch.Generator | None = None,
     clip_sample: bool = False,
+    x0_transform: Callable[[torch.Tensor, int], torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """DDIM sampling over exactly the points of ``grid``, from its last point down to "time -1".
 
@@ -178,6 +179,9 @@ def grid_ddim_sample(
         generator: RNG of the ancestral noise (``eta > 0``).
         clip_sample: clip each x0 estimate to ``[-1, 1]`` (data in that range) and take the noise consistent with
             the clipped x0, as DDPM/DDIM implementations do for images; off for latents.
+        x0_transform: ``(x0, t) -> x0`` applied to each x0 estimate (float64) after clipping, e.g. a
+            data-consistency correction; the noise is then taken consistent with the corrected x0, as for clipping.
+            ``None``: the estimate is used as it is.
     """
     grid = torch.as_tensor(grid, dtype=torch.long).cpu()
     previous = torch.cat([torch.tensor([-1]), grid[:-1]])
@@ -189,6 +193,9 @@ def grid_ddim_sample(
         a_t = schedule.alpha_bar(torch.tensor([t]), x)
         if clip_sample:
             x0 = x0.clamp(-1.0, 1.0)
+        if x0_transform is not None:
+            x0 = x0_transform(x0, t).double()
+        if clip_sample or x0_transform is not None:
             eps = (x.double() - a_t.sqrt() * x0) / (1 - a_t).sqrt()
         a_s = schedule.alpha_bar(torch.tensor([s]), x)
         c1 = float(eta) * ((1 - a_t / a_s) * (1 - a_s) / (1 - a_t)).sqrt()

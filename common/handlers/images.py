@@ -372,7 +372,8 @@ def projection_panel(xray: torch.Tensor | np.ndarray, predicted: torch.Tensor | 
 class XrayCTWriter:
     """Writes, for every case an X-ray -> CT evaluator processes, ``<case>_views.png`` (see
     :func:`projection_panel`) and, with ``save_volume``, ``<case>_ct.nii.gz``: the predicted CT in Hounsfield units
-    on the projector's field of view (RAS, isotropic voxels of ``fov_mm / size``).
+    on the projector's field of view (RAS, isotropic voxels of ``fov_mm / size``), and when the evaluator drew
+    several samples per case, ``<case>_ct_std.nii.gz``: their per-voxel standard deviation in HU, same grid.
 
     Args:
         output_dir: folder of the files (created when missing).
@@ -394,6 +395,7 @@ class XrayCTWriter:
 
         output = engine.state.output
         pred = _to_float_numpy(output["pred"])
+        std = _to_float_numpy(output["pred_std"]) if output.get("pred_std") is not None else None
         names = batch_case_ids(engine.state.batch, pred.shape[0])
         for i, name in enumerate(names):
             stem = Path(str(name)).name.split(".")[0] or f"case{i}"
@@ -401,6 +403,9 @@ class XrayCTWriter:
                 projection_panel(output["xray"][i], output["pred_xray"][i]), self.output_dir / f"{stem}_views.png"
             )
             if self.save_volume:
-                hu = self.projector.hu_min + pred[i, 0] * (self.projector.hu_max - self.projector.hu_min)
-                spacing = [f / s for f, s in zip(self.projector.fov_mm, hu.shape)]
-                write_nifti(self.output_dir / f"{stem}_ct.nii.gz", hu.astype(np.float32), np.diag([*spacing, 1.0]))
+                width = self.projector.hu_max - self.projector.hu_min
+                hu = self.projector.hu_min + pred[i, 0] * width
+                affine = np.diag([*(f / s for f, s in zip(self.projector.fov_mm, hu.shape)), 1.0])
+                write_nifti(self.output_dir / f"{stem}_ct.nii.gz", hu.astype(np.float32), affine)
+                if std is not None:
+                    write_nifti(self.output_dir / f"{stem}_ct_std.nii.gz", (std[i, 0] * width).astype(np.float32), affine)

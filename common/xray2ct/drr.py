@@ -193,5 +193,28 @@ class DRRProjector(nn.Module):
             out.append(value.expand(-1, -1, *spatial))
         return torch.cat(out, dim=1)
 
+    def data_consistency(self, volume: torch.Tensor, xray: torch.Tensor, weight: float = 1.0) -> torch.Tensor:
+        """``volume`` moved towards agreeing with ``xray``: one simultaneous algebraic reconstruction (SIRT) step.
+
+        For each view, the residual of the volume's native projection against the X-rays (area-averaged to the
+        native plane, as the projection loss compares them) is spread uniformly along its rays as the volume value
+        that projects to it (:meth:`backproject` is affine, so the difference of two back-projections is exactly
+        that correction); the views' corrections are averaged and added with ``weight``. With one view and
+        ``weight`` 1 the result projects exactly to the X-rays; with several views, repeated steps converge to a
+        volume consistent with all of them. ``weight`` 0 returns ``volume`` unchanged.
+
+        Args:
+            volume: ``(B, 1, X, Y, Z)`` volumes in ``[-1, 1]``.
+            xray: ``(B, V, H, W)`` normalised line integrals of the same cases.
+            weight: step size, 1 for a full step.
+        """
+        if not weight:
+            return volume
+        spatial = volume.shape[2:]
+        wanted = self.backproject(xray.to(volume.device), spatial)
+        current = self.backproject(self.project_native(volume), spatial)
+        correction = (wanted - current).mean(1, keepdim=True)
+        return volume + float(weight) * correction.to(volume.dtype)
+
     def forward(self, volume: torch.Tensor) -> torch.Tensor:
         return self.xrays(volume)

@@ -10,6 +10,7 @@ inference from X-ray files) and ``xray`` (``B, V, H, W`` normalised line integra
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -27,21 +28,24 @@ from common.networks.wrappers import unwrap
 from common.utils import flag_problems
 from common.xray2ct.drr import VIEW_AXES, DRRProjector, view_plane
 from common.xray2ct.losses import PHYSICS_WEIGHTINGS, ProjectionLoss, physics_noise_weight
-from common.xray2ct.networks import MODES, SAMPLER_MODES, degrade_to_previous
+from common.xray2ct.networks import MODES, SAMPLER_MODES, degrade_to_previous, stage_checkpoint
 
 __all__ = [
     "DIRECT_LOSSES",
+    "LOSS_WEIGHTINGS",
     "XRAY_KEY",
     "XrayCTEvaluator",
     "XrayCTTrainer",
     "check_xray2ct_settings",
     "prepare_xray_batch",
+    "snr_loss_weight",
     "stage_value",
     "xray2ct_metric_handlers",
 ]
 
 XRAY_KEY = "xray"
 DIRECT_LOSSES = ("l1", "mse")
+LOSS_WEIGHTINGS = ("none", "min_snr")
 
 
 def _plain(x: torch.Tensor) -> torch.Tensor:
@@ -127,11 +131,17 @@ class XrayCTTrainer(DiffusionTrainer):
         direct_loss: str = "l1",
         previous_size: Sequence[int] | None = None,
         previous_noise: float = 0.1,
+        loss_weighting: str = "none",
+        min_snr_gamma: float = 5.0,
         seed: int = 0,
         **settings: Any,
     ) -> None:
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}.")
+        if loss_weighting not in LOSS_WEIGHTINGS:
+            raise ValueError(f"loss_weighting must be one of {LOSS_WEIGHTINGS}, got {loss_weighting!r}.")
+        if (mode == "residual") != bool(getattr(unwrap(network), "residual", False)):
+            raise ValueError(f"mode {mode!r} needs XrayCTDenoiser(residual={mode == 'residual'}).")
         if direct_loss not in DIRECT_LOSSES:
             raise ValueError(f"direct_loss must be one of {DIRECT_LOSSES}, got {direct_loss!r}.")
         physics_noise_weight(torch.ones(1), physics_weighting)  # validates the name
@@ -152,6 +162,8 @@ class XrayCTTrainer(DiffusionTrainer):
         self.direct_loss = direct_loss
         self.previous_size = None if previous_size is None else [int(s) for s in previous_size]
         self.previous_noise = float(previous_noise)
+        self.loss_weighting = loss_weighting
+        self.min_snr_gamma = float(min_snr_gamma)
 
     def _inputs(
         self, x0: torch.Tensor, iteration: int
@@ -173,10 +185,17 @@ class XrayCTTrainer(DiffusionTrainer):
         previous = None
         if self.previous_size is not None:
             previous = degrade_to_previous(x0, self.previous_size, self.previous_noise)
-        x_t, t, target, alpha_bar = self._inputs(x0, engine.state.iteration)
+        estimate = None
+        state = x0
+        if self.mode == "residual":  # the diffusion runs on the normalised residual of the frozen regressor
+            denoiser = unwrap(engine.network)
+            estimate = denoiser.estimate(xray, previous, x0.shape[2:])
+            state = denoiser.to_residual(x0, estimate)
+        x_t, t, target, alpha_bar = self._inputs(state, engine.state.iteration)
         return {
-            "args": (x_t, t, xray, previous),
+            "args": (x_t, t, xray, previous) if estimate is None else (x_t, t, xray, previous, None, estimate),
             "output": {Keys.IMAGE: x0},
+            "estimate": estimate,
             "x0": x0,
             "x_t": x_t,
             "t": t,
@@ -196,11 +215,44 @@ class XrayCTTrainer(DiffusionTrainer):
             recon = F.l1_loss(prediction, x0) if self.direct_loss == "l1" else F.mse_loss(prediction, x0)
         else:
             x0_hat = self.schedule.split(x_t, prediction, t, self.prediction_type)[0].float()
-            recon = F.mse_loss(prediction, step["target"].float())
+            if step["estimate"] is not None:
+                x0_hat = unwrap(engine.network).to_volume(x0_hat, step["estimate"])
+            target = step["target"].float()
+            if self.loss_weighting == "none":
+                recon = F.mse_loss(prediction, target)
+            else:
+                errors = (prediction - target).square().flatten(1).mean(1)
+                alpha_bar = step["alpha_bar"]
+                snr_weights = snr_loss_weight(alpha_bar, self.prediction_type, self.loss_weighting, self.min_snr_gamma)
+                recon = (snr_weights.to(errors.device) * errors).mean()
         physics = self.projection_loss(x0_hat, step["xray"])
         weights = physics_noise_weight(step["alpha_bar"], self.physics_weighting)
         loss = recon + self.physics_weight * (weights * physics).mean() if self.physics_weight else recon
         return loss, {"recon_loss": recon, "physics_loss": physics.mean()}
+
+
+def snr_loss_weight(
+    alpha_bar: torch.Tensor, prediction_type: str, weighting: str = "none", gamma: float = 5.0
+) -> torch.Tensor:
+    """Per-sample weight of the diffusion MSE at signal fraction ``alpha_bar``.
+
+    ``none``: 1 (the plain MSE on the prediction target). ``min_snr``: Min-SNR-gamma (Hang et al. 2023), the
+    x0-error weight ``min(SNR, gamma)`` expressed for the prediction target - ``min(SNR, gamma) / (SNR + 1)`` for
+    v, ``min(SNR, gamma) / SNR`` for epsilon - so the many nearly noise-free steps stop dominating the gradient.
+
+    Raises:
+        ValueError: for an unknown ``weighting`` or a non-positive ``gamma``.
+    """
+    if weighting not in LOSS_WEIGHTINGS:
+        raise ValueError(f"loss_weighting must be one of {LOSS_WEIGHTINGS}, got {weighting!r}.")
+    alpha_bar = alpha_bar.reshape(-1).double()
+    if weighting == "none":
+        return torch.ones_like(alpha_bar).float()
+    if not float(gamma) > 0:
+        raise ValueError(f"min_snr_gamma must be positive, got {gamma!r}.")
+    snr = alpha_bar / (1 - alpha_bar).clamp_min(1e-12)
+    clipped = snr.clamp(max=float(gamma))
+    return (clipped / (snr + 1) if prediction_type == "v_prediction" else clipped / snr).float()
 
 
 class XrayCTEvaluator(StepEvaluator):
@@ -213,6 +265,12 @@ class XrayCTEvaluator(StepEvaluator):
     ``label`` (the real CT in ``[0, 1]``, when the batch has one), ``xray`` (the input X-rays),
     ``pred_xray`` (the X-rays of the prediction, same size) and ``proj_error`` (per case: the mean absolute
     difference of normalised line integrals between the prediction and the input X-rays at the stage's resolution).
+
+    ``pred`` is the mean of the sampler's ``num_samples`` samples per case (:meth:`XrayCTSampler.draw`, drawn in
+    one batched pass or in ``sample_chunk`` pieces; sample ``j`` of stage ``k`` conditions on sample ``j`` of stage
+    ``k - 1``). With more than one sample the output also holds ``pred_std`` (the per-voxel standard deviation of
+    the samples on the same ``[0, 1]`` scale), ``pred_sample`` (the first sample, the one a single-sample run
+    draws) and ``sample_proj_error``.
 
     Args:
         device: the device of this rank.
@@ -249,29 +307,42 @@ class XrayCTEvaluator(StepEvaluator):
         xray = _plain(xray).float()
         sampler = engine.network
         modules = [sampler] + ([self.previous] if self.previous is not None else [])
-        predictions = []
+        means, stds, firsts = [], [], []
         with self.inference(*modules):
             for i in range(xray.shape[0]):
                 generator = torch.Generator().manual_seed(volume_seed(batchdata, i, self.seed))
                 case = xray[i : i + 1]
-                previous = self.previous(case, generator=generator) if self.previous is not None else None
-                predictions.append(engine.inferer(case, sampler, previous, generator=generator).float())
-        volume = torch.cat(predictions)
+                previous = self.previous.draw(case, generator=generator)[-1] if self.previous is not None else None
+                samples = engine.inferer(case, sampler.draw, previous, generator=generator).float()
+                means.append(samples.mean(0, keepdim=True))
+                stds.append(samples.std(0, correction=0, keepdim=True))
+                firsts.append(samples[:1])
+        volume = torch.cat(means)
         projector = unwrap(sampler.network).projector
         output: dict[str, Any] = {
             XRAY_KEY: xray,
             "pred_xray": projector.project(volume, xray.shape[-2:]),
             "proj_error": self.projection_loss(volume, xray),
         }
-        pred = ((volume + 1) / 2).clamp(0, 1)
-        if isinstance(image, MetaTensor):
-            pred = MetaTensor(pred, meta=image.meta, applied_operations=image.applied_operations)
-        elif isinstance(batchdata.get(XRAY_KEY), MetaTensor):
-            pred = MetaTensor(pred, meta=batchdata[XRAY_KEY].meta)
-        output[Keys.PRED] = pred
+        meta = image if isinstance(image, MetaTensor) else batchdata.get(XRAY_KEY)
+        output[Keys.PRED] = _with_meta(((volume + 1) / 2).clamp(0, 1), meta)
+        if sampler.samples_per_case() > 1:  # the spread of the samples, and one sample scored as the mean is
+            output["pred_std"] = torch.cat(stds) / 2  # on the [0, 1] scale of ``pred``
+            sample = torch.cat(firsts)
+            output["pred_sample"] = _with_meta(((sample + 1) / 2).clamp(0, 1), meta)
+            output["sample_proj_error"] = self.projection_loss(sample, xray)
         if image is not None:
             output[Keys.LABEL] = ((_plain(image).float() + 1) / 2).clamp(0, 1)
         return output
+
+
+def _with_meta(volume: torch.Tensor, source: Any) -> torch.Tensor:
+    """``volume`` as a MetaTensor with the metadata of ``source`` (the input CT, else the X-rays) when it has any."""
+    if not isinstance(source, MetaTensor):
+        return volume
+    if source.ndim == 5:
+        return MetaTensor(volume, meta=source.meta, applied_operations=source.applied_operations)
+    return MetaTensor(volume, meta=source.meta)
 
 
 def _view_geometry_problems(
@@ -329,6 +400,13 @@ def check_xray2ct_settings(
     training: bool = True,
     cache_rate: float = 1.0,
     replace_rate: float = 0.1,
+    residual_scale: float = 0.1,
+    regressor_dir: str | None = None,
+    loss_weighting: str = "none",
+    min_snr_gamma: float = 5.0,
+    num_samples: int = 1,
+    sample_chunk: int | None = None,
+    guidance_scale: float = 0.0,
 ) -> None:
     """Check an X-ray -> CT bundle's settings before anything is built or written (``training``: for a training
     run, where ``mode`` must be trainable; evaluation also accepts the ``backprojection`` baseline). ``cache_rate``
@@ -435,20 +513,78 @@ def check_xray2ct_settings(
             problems.append(f"{name!r} must be an integer >= 1, got {value!r}.")
     if not 0.0 < float(ema_decay) < 1.0:
         problems.append(f"'ema_decay' must be in (0, 1), got {ema_decay!r}.")
+    problems += _sampling_problems(mode, residual_scale, regressor_dir, training, stage if stage_ok else None)
+    if loss_weighting not in LOSS_WEIGHTINGS:
+        problems.append(f"'loss_weighting' must be one of {LOSS_WEIGHTINGS}, got {loss_weighting!r}.")
+    if not _positive(min_snr_gamma):
+        problems.append(f"'min_snr_gamma' must be a positive number, got {min_snr_gamma!r}.")
+    for name, value in (("num_samples", num_samples), ("sample_chunk", sample_chunk)):
+        if (value is not None or name == "num_samples") and not _positive_int(value):
+            problems.append(f"{name!r} must be an integer >= 1{' or null' if name == 'sample_chunk' else ''}, got {value!r}.")
+    if isinstance(guidance_scale, bool) or not isinstance(guidance_scale, (int, float)) or not guidance_scale >= 0:
+        problems.append(f"'guidance_scale' must be a number >= 0 (0: no projection guidance), got {guidance_scale!r}.")
     problems += cache_problems(cache_rate, replace_rate)
     problems += flag_problems(flags)
     if problems:
         raise ValueError("invalid X-ray -> CT configuration:\n  " + "\n  ".join(problems))
 
 
-def xray2ct_metric_handlers(prefix: str = "val_", save_details: bool = False) -> dict:
+def _positive(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0
+
+
+def _positive_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
+def _sampling_problems(
+    mode: str, residual_scale: Any, regressor_dir: Any, training: bool, stage: int | None
+) -> list[str]:
+    """The residual mode's settings: a positive ``residual_scale`` and, for training, the ``regressor_dir`` of a
+    trained ``direct`` run with this stage's weights."""
+    problems = []
+    if not _positive(residual_scale):
+        problems.append(f"'residual_scale' must be a positive number, got {residual_scale!r}.")
+    if mode != "residual" or not training:
+        return problems
+    if not regressor_dir:
+        problems.append(
+            "'mode' residual refines a trained direct regressor: pass --regressor_dir, the output_dir of a "
+            "'--mode direct' run of the same stages and network."
+        )
+    elif stage is not None:
+        path = Path(stage_checkpoint(regressor_dir, stage))
+        if not path.is_file():
+            problems.append(
+                f"'regressor_dir' {regressor_dir!r} has no trained stage {stage} regressor: {str(path)!r} does not "
+                f"exist (train it first with --mode direct --output_dir {regressor_dir} --stage {stage})."
+            )
+    return problems
+
+
+def xray2ct_metric_handlers(
+    prefix: str = "val_", save_details: bool = False, num_samples: int = 1, mode: str = "diffusion"
+) -> dict:
     """The metrics of an X-ray -> CT model, keyed ``prefix + name``: ``psnr``, ``ssim`` and ``ms_ssim`` of the
-    generated CT against the real one on ``[0, 1]`` (the projector's HU window, so PSNR's data range is the
-    window's width in HU; see :func:`common.metrics.image.image_quality_handlers`) and ``proj_error``, the
-    evaluator's per-case projection error."""
+    generated CT (the mean of the samples) against the real one on ``[0, 1]`` (the projector's HU window, so PSNR's
+    data range is the window's width in HU; see :func:`common.metrics.image.image_quality_handlers`),
+    ``proj_error``, the evaluator's per-case projection error, and the texture measures ``hf_ratio`` and
+    ``spectral_distance`` (:mod:`common.xray2ct.metrics`). When a stochastic ``mode`` (``diffusion``,
+    ``residual``) draws ``num_samples`` > 1 samples, the same of one sample, ``sample_<name>``: the mean is
+    smoother than any sample, so the texture of what the model generates is the single sample's."""
+    from monai.handlers import from_engine
+
     from common.diffusion.metrics import output_value_handler
     from common.metrics.image import image_quality_handlers
+    from common.xray2ct.metrics import texture_handlers
 
     metrics = image_quality_handlers(prefix=prefix, save_details=save_details)
     metrics[f"{prefix}proj_error"] = output_value_handler("proj_error", save_details=save_details)
+    metrics.update(texture_handlers(prefix=prefix, save_details=save_details))
+    if mode in ("diffusion", "residual") and int(num_samples) > 1:
+        sample = from_engine(["pred_sample", Keys.LABEL])
+        single = f"{prefix}sample_"
+        metrics.update(image_quality_handlers(prefix=single, output_transform=sample, save_details=save_details))
+        metrics[f"{single}proj_error"] = output_value_handler("sample_proj_error", save_details=save_details)
+        metrics.update(texture_handlers(prefix=single, output_transform=sample, save_details=save_details))
     return metrics

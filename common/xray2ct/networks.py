@@ -27,7 +27,7 @@ from torch.utils.checkpoint import checkpoint
 from common.checkpoint_io import CheckpointError
 from common.diffusion.schedule import DiffusionSchedule, grid_ddim_sample
 from common.networks.wrappers import InferenceView, clean_state_dict, unwrap
-from common.runs import RUN_FILE, run_settings
+from common.runs import RUN_FILE, read_record, run_settings
 from common.xray2ct.drr import DRRProjector
 
 __all__ = [
@@ -45,6 +45,7 @@ __all__ = [
     "init_from_previous",
     "init_from_previous_stage",
     "load_cascade",
+    "load_regressor",
     "previous_stages",
     "save_cascade",
     "stage_checkpoint",
@@ -53,7 +54,7 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-MODES = ("diffusion", "direct")
+MODES = ("diffusion", "residual", "direct")
 SAMPLER_MODES = (*MODES, "backprojection")
 CONV_IN = "unet.conv_in.conv.weight"
 
@@ -165,6 +166,11 @@ class XrayCTDenoiser(nn.Module):
             levels with attention and in the middle block).
         vit_patch_size, vit_hidden_size, vit_mlp_dim, vit_layers, vit_heads: :class:`XrayEncoder` settings.
         gradient_checkpointing: checkpoint the U-Net's blocks and the ViT blocks in training.
+        residual: a residual denoiser: it holds a frozen direct regressor of the same settings (``regressor``, in
+            its state dict) whose estimate is one more input channel (after the views, before the previous
+            stage), and its ``x`` is the normalised residual ``(CT - estimate) / residual_scale``
+            (:meth:`to_residual`, :meth:`to_volume`).
+        residual_scale: the scale of that residual (about the regressor's error, in ``[-1, 1]`` units).
     """
 
     def __init__(
@@ -184,11 +190,17 @@ class XrayCTDenoiser(nn.Module):
         vit_layers: int = 4,
         vit_heads: int = 4,
         gradient_checkpointing: bool = False,
+        residual: bool = False,
+        residual_scale: float = 0.1,
     ) -> None:
         super().__init__()
         self.projector = projector
         self.with_previous = bool(with_previous)
-        self.in_channels = 1 + projector.num_views + int(self.with_previous)
+        self.residual = bool(residual)
+        self.residual_scale = float(residual_scale)
+        if not self.residual_scale > 0:
+            raise ValueError(f"residual_scale must be positive, got {residual_scale!r}.")
+        self.in_channels = 1 + projector.num_views + int(self.residual) + int(self.with_previous)
         self.encoder = XrayEncoder(
             projector.num_views,
             projector.view_size,
@@ -212,8 +224,52 @@ class XrayCTDenoiser(nn.Module):
             cross_attention_dim=int(vit_hidden_size),
             use_flash_attention=bool(use_flash_attention),
         )
+        self.regressor: XrayCTDenoiser | None = None
+        if self.residual:  # the frozen direct regressor whose estimate the diffusion refines
+            self.regressor = XrayCTDenoiser(
+                projector,
+                with_previous=self.with_previous,
+                unet_channels=unet_channels,
+                attention_levels=attention_levels,
+                num_res_blocks=num_res_blocks,
+                norm_num_groups=norm_num_groups,
+                num_head_channels=num_head_channels,
+                transformer_num_layers=transformer_num_layers,
+                use_flash_attention=use_flash_attention,
+                vit_patch_size=vit_patch_size,
+                vit_hidden_size=vit_hidden_size,
+                vit_mlp_dim=vit_mlp_dim,
+                vit_layers=vit_layers,
+                vit_heads=vit_heads,
+            )
+            self.regressor.requires_grad_(False)
+            self.regressor.eval()
         self.gradient_checkpointing = False
         self.set_gradient_checkpointing(gradient_checkpointing)
+
+    def train(self, mode: bool = True) -> XrayCTDenoiser:
+        super().train(mode)
+        if self.regressor is not None:  # frozen: always evaluated as at inference
+            self.regressor.eval()
+        return self
+
+    @torch.no_grad()
+    def estimate(self, xray: torch.Tensor, previous: torch.Tensor | None, size: Sequence[int]) -> torch.Tensor:
+        """The frozen regressor's estimate of the CT in ``[-1, 1]`` at ``size`` (residual denoisers only): one
+        evaluation with a zero noisy-volume channel at ``t = 0``, as the ``direct`` sampler does."""
+        if self.regressor is None:
+            raise ValueError("only a residual denoiser (residual=True) has a regressor to estimate with.")
+        zeros = torch.zeros((xray.shape[0], 1, *(int(s) for s in size)), device=xray.device)
+        t = torch.zeros(xray.shape[0], dtype=torch.long, device=xray.device)
+        return self.regressor(zeros, t, xray, previous).float().clamp(-1.0, 1.0)
+
+    def to_volume(self, residual: torch.Tensor, estimate: torch.Tensor) -> torch.Tensor:
+        """The CT from a normalised residual and the regressor's estimate: ``estimate + residual_scale * r``."""
+        return estimate + self.residual_scale * residual
+
+    def to_residual(self, volume: torch.Tensor, estimate: torch.Tensor) -> torch.Tensor:
+        """Inverse of :meth:`to_volume`."""
+        return (volume - estimate) / self.residual_scale
 
     def set_gradient_checkpointing(self, enabled: bool) -> None:
         """Switch activation checkpointing of the U-Net's down/middle/up blocks and the ViT blocks."""
@@ -231,7 +287,16 @@ class XrayCTDenoiser(nn.Module):
             raise RuntimeError(
                 f"the checkpoint's denoiser takes {weight.shape[1]} input channel(s) but this one takes "
                 f"{self.in_channels} (noisy CT + {self.projector.num_views} view(s)"
-                f"{' + previous stage' if self.with_previous else ''}): it belongs to another stage or view setup."
+                f"{' + regressor estimate' if self.residual else ''}"
+                f"{' + previous stage' if self.with_previous else ''}): it belongs to another stage, view setup or "
+                "mode."
+            )
+        has_regressor = any(k.startswith("regressor.") for k in state)
+        if strict and has_regressor != self.residual:
+            raise RuntimeError(
+                "the checkpoint is of a residual denoiser (it holds a regressor) but this one is not"
+                if has_regressor
+                else "this residual denoiser needs its regressor's weights, which the checkpoint does not hold"
             )
         return super().load_state_dict(state, strict=strict, assign=assign)
 
@@ -248,15 +313,32 @@ class XrayCTDenoiser(nn.Module):
         xray: torch.Tensor,
         previous: torch.Tensor | None = None,
         condition: tuple[torch.Tensor, torch.Tensor] | None = None,
+        estimate: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        """The prediction at ``x`` (the noisy CT, or for a residual denoiser the noisy normalised residual).
+
+        Args:
+            x: ``(B, 1, X, Y, Z)``.
+            timesteps: ``(B,)``.
+            xray: ``(B, V, H, W)`` normalised line integrals.
+            previous: the previous stage's output at this size (stage >= 2).
+            condition: :meth:`condition` of ``xray`` when already computed.
+            estimate: the regressor's estimate (:meth:`estimate`) when already computed (residual only).
+        """
         if (previous is not None) != self.with_previous:
             need = "needs the previous stage's upsampled output" if self.with_previous else "takes no previous stage"
             raise ValueError(f"this denoiser {need} (with_previous={self.with_previous}).")
         backprojection, tokens = condition if condition is not None else self.condition(xray, x.shape[2:])
         parts = [x, backprojection.to(x.dtype)]
+        if self.residual:
+            parts.append((estimate if estimate is not None else self.estimate(xray, previous, x.shape[2:])).to(x.dtype))
         if previous is not None:
             parts.append(previous.to(x.dtype))
         return self.unet(torch.cat(parts, dim=1), timesteps, context=tokens)
+
+
+def _positive_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
 
 
 def upsample_previous(volume: torch.Tensor, size: Sequence[int]) -> torch.Tensor:
@@ -338,19 +420,65 @@ def init_from_previous_stage(
     return init_from_previous(network, previous.stages[-1].state_dict())
 
 
+def load_regressor(
+    network: nn.Module, regressor_dir: str | os.PathLike | None, stage: int, enabled: bool = True
+) -> str | None:
+    """Load a residual denoiser's frozen regressor: the ``direct`` run ``regressor_dir``'s trained stage ``stage``
+    (``stage<k>/models/model.pt``, its final or best EMA weights). Nothing (``None``) when not ``enabled`` (a mode
+    other than ``residual``); otherwise the file loaded.
+
+    Raises:
+        CheckpointError: naming the file when it is missing, is not of a ``direct`` run, or does not fit.
+    """
+    if not enabled:
+        return None
+    from common.checkpoint_io import load_checkpoint
+
+    denoiser = unwrap(network)
+    if getattr(denoiser, "regressor", None) is None:
+        raise ValueError("only a residual denoiser (residual=True) has a regressor to load.")
+    path = stage_checkpoint(regressor_dir, stage)
+    record = read_record(Path(regressor_dir) / f"stage{int(stage)}")
+    mode = None if record is None else record["settings"].get("mode", "diffusion")
+    if mode not in (None, "direct"):
+        raise CheckpointError(
+            f"the regressor of a residual run must be a '--mode direct' run; {regressor_dir!r} stage {stage} was "
+            f"trained with mode {mode!r}."
+        )
+    state = load_checkpoint(path)
+    try:
+        denoiser.regressor.load_state_dict(state)
+    except RuntimeError as exc:
+        raise CheckpointError(
+            f"the regressor {path!r} does not fit this stage's network (train it with the same network settings "
+            f"and stage sizes): {exc}"
+        ) from exc
+    logger.info(f"residual diffusion over the frozen regressor {path}")
+    return path
+
+
 class XrayCTSampler(InferenceView):
-    """``forward(xray, previous=None)`` -> a CT volume in ``[-1, 1]`` of ``volume_size``.
+    """``forward(xray, previous=None)`` -> a CT volume in ``[-1, 1]`` of ``volume_size``: the mean of
+    ``num_samples`` samples (:meth:`draw` gives the samples themselves).
 
     ``diffusion``: DDIM over exactly the points of ``timesteps`` from seeded start noise (one network evaluation
-    per point; the X-ray back-projections and tokens are computed once). ``direct``: one deterministic
-    evaluation of the same network with a zero noisy-volume channel at ``t = 0`` (the regression baseline).
+    per point; the X-ray back-projections and tokens are computed once). ``residual``: the same over the normalised
+    residual ``(CT - estimate) / residual_scale`` of the denoiser's frozen direct regressor, whose estimate is
+    computed once per case; the sample is ``estimate + residual_scale * residual``. ``direct``: one deterministic
+    evaluation of the network with a zero noisy-volume channel at ``t = 0`` (the regression baseline).
     ``backprojection``: no network, the mean of the views' back-projections (the unlearned baseline: each voxel
-    gets the mean attenuation along its rays).
+    gets the mean attenuation along its rays). ``direct`` and ``backprojection`` give one sample whatever
+    ``num_samples``.
+
+    ``guidance_scale`` > 0 makes the samples agree with the X-rays: at every DDIM step the clean-volume estimate
+    takes a projection-consistency step of that size (:meth:`common.xray2ct.drr.DRRProjector.data_consistency`,
+    a SIRT step with the data's projector against the given X-rays), then the step continues from the corrected
+    estimate. ``guidance_scale`` 0 leaves the sampler exactly as without guidance.
 
     Args:
         network: the :class:`XrayCTDenoiser` (normally the EMA copy).
         volume_size: the stage's volume size.
-        mode: ``diffusion``, ``direct`` or ``backprojection``.
+        mode: ``diffusion``, ``residual``, ``direct`` or ``backprojection``.
         timesteps: ascending time steps to sample over.
         num_train_timesteps, beta_schedule: the noise schedule of training.
         prediction_type: ``v_prediction`` or ``epsilon``.
@@ -358,6 +486,10 @@ class XrayCTSampler(InferenceView):
         clip_sample: clip x0 estimates to ``[-1, 1]`` (the CT window).
         noise_seed: seed of the fixed start noise used when no generator is passed (the same noise for every
             case, so an exported sampler is a deterministic function of the X-rays).
+        num_samples: samples drawn per case; ``forward`` returns their mean.
+        sample_chunk: at most this many volumes per network evaluation (``None``: all samples of a call at once);
+            lower it when the samples of a case do not fit in memory together. Results do not depend on it.
+        guidance_scale: weight of the projection-consistency step at each DDIM step (0: off).
     """
 
     def __init__(
@@ -372,10 +504,24 @@ class XrayCTSampler(InferenceView):
         eta: float = 0.0,
         clip_sample: bool = True,
         noise_seed: int = 0,
+        num_samples: int = 1,
+        sample_chunk: int | None = None,
+        guidance_scale: float = 0.0,
     ) -> None:
         super().__init__(network)
         if mode not in SAMPLER_MODES:
             raise ValueError(f"mode must be one of {SAMPLER_MODES}, got {mode!r}.")
+        if (mode == "residual") != bool(getattr(unwrap(network), "residual", False)):
+            raise ValueError(
+                f"mode {mode!r} needs a {'residual' if mode == 'residual' else 'plain'} denoiser "
+                f"(XrayCTDenoiser(residual={mode == 'residual'})); this one has residual="
+                f"{bool(getattr(unwrap(network), 'residual', False))}."
+            )
+        for name, value in (("num_samples", num_samples), ("sample_chunk", sample_chunk)):
+            if (value is not None or name == "num_samples") and not _positive_int(value):
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}.")
+        if not float(guidance_scale) >= 0:
+            raise ValueError(f"guidance_scale must be >= 0, got {guidance_scale!r}.")
         self.volume_size = [int(s) for s in volume_size]
         self.mode = mode
         self.timesteps = torch.as_tensor(timesteps, dtype=torch.long).cpu()
@@ -383,39 +529,130 @@ class XrayCTSampler(InferenceView):
         self.prediction_type = prediction_type
         self.eta = float(eta)
         self.clip_sample = bool(clip_sample)
-        noise = torch.randn((1, 1, *self.volume_size), generator=torch.Generator().manual_seed(int(noise_seed)))
-        self.register_buffer("start_noise", noise, persistent=False)
+        self.noise_seed = int(noise_seed)
+        self.num_samples = int(num_samples)
+        self.sample_chunk = None if sample_chunk is None else int(sample_chunk)
+        self.guidance_scale = float(guidance_scale)
+        # a buffer, so that a traced (exported) sampler keeps the same noise
+        self.register_buffer("start_noise", self._fixed_noise(self.num_samples), persistent=False)
 
     @property
     def with_previous(self) -> bool:
         return bool(unwrap(self.network).with_previous)
 
+    @property
+    def stochastic(self) -> bool:
+        """Whether samples differ (``diffusion`` and ``residual``); the other modes give one sample per case."""
+        return self.mode in ("diffusion", "residual")
+
+    def samples_per_case(self, num_samples: int | None = None) -> int:
+        """The samples :meth:`draw` returns per case (``num_samples``, default the sampler's; 1 when deterministic)."""
+        return (self.num_samples if num_samples is None else int(num_samples)) if self.stochastic else 1
+
+    def _start_noise(self, batch: int, k: int, generator: torch.Generator | None) -> torch.Tensor:
+        """``(batch * k, 1, *volume_size)`` start noise, the ``k`` samples of a case next to each other."""
+        shape = (1, 1, *self.volume_size)
+        if generator is not None:
+            if k == 1:  # one draw for the batch, as a single sample has always been drawn
+                return torch.randn((batch, *shape[1:]), generator=generator)
+            return torch.cat([torch.randn(shape, generator=generator) for _ in range(batch * k)])
+        noises = self.start_noise if k <= self.start_noise.shape[0] else self._fixed_noise(k)
+        return noises[:k].cpu().repeat(batch, 1, 1, 1, 1)
+
+    def _fixed_noise(self, k: int) -> torch.Tensor:
+        """``k`` start noises from ``noise_seed``, drawn one after the other (the first is the single-sample one)."""
+        fixed = torch.Generator().manual_seed(self.noise_seed)
+        return torch.cat([torch.randn((1, 1, *self.volume_size), generator=fixed) for _ in range(int(k))])
+
     @torch.no_grad()
-    def forward(
-        self, xray: torch.Tensor, previous: torch.Tensor | None = None, generator: torch.Generator | None = None
+    def draw(
+        self,
+        xray: torch.Tensor,
+        previous: torch.Tensor | None = None,
+        generator: torch.Generator | None = None,
+        num_samples: int | None = None,
     ) -> torch.Tensor:
+        """``(B * K, 1, *volume_size)`` samples, the ``K`` (:meth:`samples_per_case`) of a case next to each other.
+
+        Args:
+            xray: ``(B, V, H, W)`` X-rays.
+            previous: the previous stage's output, ``B`` volumes or ``B * K`` samples (stage >= 2).
+            generator: RNG of the start noise (default: the fixed seeded noise).
+            num_samples: ``K`` (default: the sampler's ``num_samples``).
+        """
         net = self.network
-        shape = (xray.shape[0], 1, *self.volume_size)
+        batch = xray.shape[0]
+        k = self.samples_per_case(num_samples)
         if self.mode == "backprojection":
             backprojection = unwrap(net).projector.backproject(xray, self.volume_size)
             return backprojection.mean(1, keepdim=True).clamp(-1.0, 1.0)
         if previous is not None:
             previous = upsample_previous(previous, self.volume_size)
+            if previous.shape[0] not in (batch, batch * k):
+                raise ValueError(f"previous holds {previous.shape[0]} volumes; expected {batch} or {batch * k}.")
         condition = unwrap(net).condition(xray, self.volume_size)
         if self.mode == "direct":
-            zeros = torch.zeros(shape, device=xray.device)
-            t = torch.zeros(xray.shape[0], dtype=torch.long, device=xray.device)
+            zeros = torch.zeros((batch, 1, *self.volume_size), device=xray.device)
+            t = torch.zeros(batch, dtype=torch.long, device=xray.device)
             out = net(zeros, t, xray, previous, condition=condition).float()
             return out.clamp(-1.0, 1.0) if self.clip_sample else out
-        if generator is None:
-            noise = self.start_noise.expand(shape).to(xray.device)
-        else:
-            noise = torch.randn(shape, generator=generator).to(xray.device)
+        noise = self._start_noise(batch, k, generator).to(xray.device)
+
+        def per_sample(x: torch.Tensor | None) -> torch.Tensor | None:
+            return x if x is None or k == 1 or x.shape[0] == batch * k else x.repeat_interleave(k, dim=0)
+
+        xray_k, previous_k = per_sample(xray), per_sample(previous)
+        condition_k = tuple(per_sample(c) for c in condition)
+        estimate_k = None
+        if self.mode == "residual":  # once per case, or per sample when each sample has its own previous stage
+            per_case = previous is None or previous.shape[0] == batch
+            estimate = unwrap(net).estimate(xray if per_case else xray_k, previous, self.volume_size)
+            estimate_k = per_sample(estimate)
+        chunk = self.sample_chunk or batch * k
+        samples = [
+            self._sample_chunk(
+                noise[i : i + chunk],
+                xray_k[i : i + chunk],
+                None if previous_k is None else previous_k[i : i + chunk],
+                tuple(c[i : i + chunk] for c in condition_k),
+                None if estimate_k is None else estimate_k[i : i + chunk],
+                generator,
+            )
+            for i in range(0, batch * k, chunk)
+        ]
+        return torch.cat(samples)
+
+    def _sample_chunk(
+        self,
+        noise: torch.Tensor,
+        xray: torch.Tensor,
+        previous: torch.Tensor | None,
+        condition: tuple[torch.Tensor, ...],
+        estimate: torch.Tensor | None,
+        generator: torch.Generator | None,
+    ) -> torch.Tensor:
+        net = self.network
+        denoiser = unwrap(net)
+
+        extra = {} if estimate is None else {"estimate": estimate}
 
         def model_fn(x_t: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
-            return net(x_t, t, xray, previous, condition=condition).float()
+            return net(x_t, t, xray, previous, condition=condition, **extra).float()
 
-        return grid_ddim_sample(
+        to_volume = (lambda r: r) if estimate is None else (lambda r: denoiser.to_volume(r, estimate.double()))
+        to_state = (lambda v: v) if estimate is None else (lambda v: denoiser.to_residual(v, estimate.double()))
+        transform = None
+        if estimate is not None or self.guidance_scale:
+
+            def transform(x0: torch.Tensor, t: int) -> torch.Tensor:
+                volume = to_volume(x0)
+                if self.guidance_scale:
+                    volume = denoiser.projector.data_consistency(volume, xray, self.guidance_scale)
+                if self.clip_sample:
+                    volume = volume.clamp(-1.0, 1.0)
+                return to_state(volume)
+
+        out = grid_ddim_sample(
             model_fn,
             noise,
             self.timesteps,
@@ -423,8 +660,16 @@ class XrayCTSampler(InferenceView):
             eta=self.eta,
             prediction_type=self.prediction_type,
             generator=generator,
-            clip_sample=self.clip_sample,
+            clip_sample=self.clip_sample and estimate is None and not self.guidance_scale,
+            x0_transform=transform,
         )
+        return to_volume(out.double()).to(noise.dtype) if estimate is not None else out
+
+    def forward(
+        self, xray: torch.Tensor, previous: torch.Tensor | None = None, generator: torch.Generator | None = None
+    ) -> torch.Tensor:
+        samples = self.draw(xray, previous, generator)
+        return samples.reshape(xray.shape[0], -1, *samples.shape[1:]).mean(1)
 
 
 class XrayCTCascade(nn.Module):
@@ -474,11 +719,20 @@ class XrayCTCascade(nn.Module):
             stage.load_state_dict(parts[name], strict=strict, assign=assign)
         return None
 
-    def run(self, xray: torch.Tensor, generator: torch.Generator | None = None) -> list[torch.Tensor]:
+    def draw(
+        self, xray: torch.Tensor, generator: torch.Generator | None = None, num_samples: int | None = None
+    ) -> list[torch.Tensor]:
+        """Every stage's samples (:meth:`XrayCTSampler.draw`): sample ``j`` of a stage conditions on sample ``j`` of
+        the stage before, so the last stage's samples are draws of the whole cascade."""
         outputs: list[torch.Tensor] = []
         for stage in self.stages:
-            outputs.append(stage(xray, outputs[-1] if outputs else None, generator=generator))
+            outputs.append(stage.draw(xray, outputs[-1] if outputs else None, generator, num_samples))
         return outputs
+
+    def run(self, xray: torch.Tensor, generator: torch.Generator | None = None) -> list[torch.Tensor]:
+        """Every stage's output: the mean of its samples."""
+        batch = xray.shape[0]
+        return [s.reshape(batch, -1, *s.shape[1:]).mean(1) for s in self.draw(xray, generator)]
 
     def forward(self, xray: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
         return self.run(xray, generator)[-1]

@@ -273,6 +273,22 @@ ITEMS: tuple[Item, ...] = (
     *[i for i in _throughput_items() if i.tags[0] == "fp32"],
     *[i for i in _throughput_items() if i.tags[0] == "compile"],
     Item(
+        "xray_budgets",
+        "f",
+        "xray2ct_cascade: PSNR / projection error / texture over three budgets (64^3 -> 128^3), direct vs diffusion "
+        "vs residual diffusion, K = 4 samples with and without projection guidance",
+        6.0,
+        _args(
+            "xray_quality",
+            device="cuda",
+            budgets=[32, 128, 256],
+            num_samples=4,
+            parallel=1,
+        ),
+        None,
+        ("xray2ct_cascade",),
+    ),
+    Item(
         "ddpm_quality",
         "f",
         "fast_ddpm_3d: equal training budgets, fast (10-step grid) vs the 1000-step DDPM, whole-volume metrics",

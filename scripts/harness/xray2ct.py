@@ -414,6 +414,12 @@ def xray_quality(
     output: str | None = "xray_quality.json",
     work_dir: str | None = None,
     seed: int = 0,
+    budgets: Sequence[int] | None = None,
+    methods: Sequence[str] = ("direct", "diffusion", "residual"),
+    num_samples: int = 8,
+    guidance_scale: float = 1.0,
+    parallel: int = 2,
+    plot: str | None = None,
     **overrides,
 ) -> dict:
     """Equal training budgets: for each mode, stage 1 then stage 2 (...) trained through the bundle's command line
@@ -436,12 +442,25 @@ def xray_quality(
         work_dir: where the runs are kept, ``<work_dir>/<mode>`` being each mode's ``output_dir`` (default: a new
             temporary folder, printed).
         seed: the bundle's ``seed`` in every training and evaluation command.
+        budgets: with a list of stage-1 iterations (``"[300,1200,2400]"``), the comparison over budgets of
+            :mod:`scripts.harness.xray_budgets` instead (``iterations`` and ``modes`` are then not used): on CPUs at
+            :data:`scripts.harness.xray_budgets.CPU_BUDGET_SETTINGS` sizes, one thread per command.
+        methods: the methods of a budget comparison (``direct``, ``diffusion``, ``residual``, ``min_snr``).
+        num_samples: samples per case of the stochastic methods in a budget comparison.
+        guidance_scale: the projection-guidance weight of the guided evaluations of a budget comparison.
+        parallel: commands run at a time in a budget comparison.
+        plot: PNG file of a budget comparison's curves.
         overrides: bundle overrides given to every training and evaluation command (``--num_threads 2``,
             ``--dataset_dir ...``, ``--unet_channels "[32,64,128]"``, ...), applied over the defaults.
 
     Raises:
         ValueError: for an unknown mode, ``stages``/``iterations`` below 1, or an override the benchmark sets itself.
     """
+    if budgets is not None:
+        return _quality_budgets(
+            device, stages, output, work_dir, seed, budgets, methods, num_samples, guidance_scale, parallel, plot,
+            overrides,
+        )
     from common.utils import resolve_device
     from common.xray2ct.networks import MODES
 
@@ -541,6 +560,71 @@ def xray_quality(
         ],
         rows,
     )
+    return summary
+
+
+def _quality_budgets(
+    device: str,
+    stages: int,
+    output: str | None,
+    work_dir: str | None,
+    seed: int,
+    budgets: Sequence[int],
+    methods: Sequence[str],
+    num_samples: int,
+    guidance_scale: float,
+    parallel: int,
+    plot: str | None,
+    overrides: dict,
+) -> dict:
+    """``xray_quality --budgets``: see :func:`scripts.harness.xray_budgets.xray_budgets`."""
+    from common.demo.images import make_xray2ct_demo
+    from common.utils import resolve_device
+    from scripts.harness.xray_budgets import BUDGET_HEADER, CPU_BUDGET_SETTINGS, budget_rows, plot_budgets
+    from scripts.harness.xray_budgets import xray_budgets as run_budgets
+
+    reserved = sorted(set(overrides) & {*QUALITY_RESERVED, "eval_dir", "num_samples", "guidance_scale"})
+    if reserved:
+        raise ValueError(f"xray_quality --budgets sets {reserved} itself for every run; leave them out.")
+    dev = resolve_device(device)
+    defaults = _defaults(dev)
+    profile = DEMO_PROFILES[BUNDLE]["cpu" if dev.type != "cuda" else "gpu"]
+    settings = {**defaults, "stage_batch_size": profile["stage_batch_size"], "seed": int(seed)}
+    if dev.type != "cuda":
+        settings.update({"stage_lr": profile["stage_lr"], **CPU_BUDGET_SETTINGS, "num_threads": 1})
+    else:
+        settings["source_size"] = settings["stage_sizes"][-1]
+    settings.update(overrides)
+    settings["stage_sizes"] = [list(size) for size in settings["stage_sizes"][: int(stages)]]
+    if device != "auto":
+        settings["device"] = device
+    work = Path(work_dir) if work_dir else Path(tempfile.mkdtemp(prefix="xray_budgets_"))
+    print(f"runs under {work}", flush=True)
+    if "dataset_dir" not in overrides:  # the demo phantoms at the size the X-rays are made from
+        shape = settings.get("source_size") or settings["stage_sizes"][-1]
+        fov = train_config(BUNDLE)["fov_mm"]
+        settings["dataset_dir"] = str(make_xray2ct_demo(work / "data", shape=shape, fov_mm=fov).parent)
+    if isinstance(budgets, (int, str)):
+        budgets = [int(budgets)]
+    summary = run_budgets(
+        _run,
+        _bundle_cmd,
+        settings,
+        [int(b) for b in budgets],
+        work,
+        methods=[methods] if isinstance(methods, str) else list(methods),
+        stages=int(stages),
+        num_samples=int(num_samples),
+        guidance_scale=float(guidance_scale),
+        parallel=int(parallel),
+        output=output,
+    )
+    summary["device"] = device_name(dev)
+    if output:
+        Path(output).write_text(json.dumps(summary, indent=2))
+    print_table(BUDGET_HEADER, budget_rows(summary))
+    if plot:
+        print(f"plot: {plot_budgets(summary, plot)}")
     return summary
 
 

@@ -1,0 +1,387 @@
+# Copyright (c) the 3D MONAI bundle collection contributors.
+# Licensed under the Apache License, Version 2.0.
+"""Texture metrics of a predicted CT volume against its ground truth: does the prediction carry the ground truth's
+high-frequency energy, or is it a blurred regression to the mean?
+
+PSNR and SSIM reward the conditional mean: when the X-rays leave the fine structure of a CT undetermined, the
+prediction that minimises the expected squared error is the average over all plausible volumes, which is blurred.
+A realistic sample, with texture of the right strength but not at the right place, scores a lower PSNR than that
+blur. The two measures below compare energies, not voxel values, and so tell the two apart.
+
+Frequencies are in cycles per voxel: the 3D FFT coefficient with indices ``(kx, ky, kz)`` of a volume of shape
+``(X, Y, Z)`` has the frequency vector ``(kx / X, ky / Y, kz / Z)`` with every component folded into
+``[-0.5, 0.5)`` (``torch.fft.fftfreq``), and the radial frequency ``|f|`` is its Euclidean norm. The Nyquist
+frequency of each axis is 0.5; ``|f|`` reaches ``sqrt(3) / 2`` in the corners of the frequency cube. The FFT is the
+unnormalised full (complex) FFT, computed in float64, and the power of a coefficient is ``|FFT|^2`` summed over
+channels.
+
+- **High-frequency energy ratio** (:func:`high_frequency_energy_ratio`): for each volume, the power of ``pred``
+  summed over all coefficients with ``|f| > cutoff``, divided by the same sum for ``target``. The default cutoff
+  0.25 is half the Nyquist frequency: wavelengths below 4 voxels, i.e. structures smaller than about 4 voxels.
+  1 is right, a blurred prediction scores below 1, noise pushes it above 1. It does not depend on where the
+  texture is, only on how strong it is.
+- **Log-spectral distance** (:func:`log_spectral_distance`): for each volume, the root mean square over radial
+  frequency bins of ``log10(P_pred + eps) - log10(P_target + eps)``, where ``P`` is the radially averaged power
+  spectrum (:func:`radial_power_spectrum`: the mean power of the coefficients with ``|f|`` in a bin, ``num_bins``
+  equal bins over ``(0, 0.5]``, DC and the cube's corners beyond 0.5 excluded). 0 for identical spectra, in decades:
+  a prediction with the whole spectrum off by a factor ``a`` in amplitude scores ``|log10(a^2)|``.
+
+:class:`HighFrequencyRatioMetric` and :class:`SpectralDistanceMetric` wrap both for MONAI evaluators, and
+:func:`texture_handlers` wraps those as ``IgniteMetricHandler`` (like
+:func:`common.metrics.image.image_quality_handlers`).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+
+import torch
+from monai.handlers import IgniteMetricHandler, from_engine
+from monai.metrics import CumulativeIterationMetric
+from monai.metrics.utils import do_metric_reduction
+from monai.utils import MetricReduction, convert_to_tensor
+
+__all__ = [
+    "HighFrequencyRatioMetric",
+    "SpectralDistanceMetric",
+    "high_frequency_energy_ratio",
+    "log_spectral_distance",
+    "radial_frequency",
+    "radial_power_spectrum",
+    "texture_handlers",
+]
+
+_MAX_RADIAL_FREQUENCY = math.sqrt(3.0) / 2.0
+"""Largest ``|f|`` of a 3D FFT (the corners of the frequency cube, reached for even sides)."""
+
+_NEGLIGIBLE_ENERGY = torch.finfo(torch.float32).eps ** 2
+"""Fraction of a target's total energy at or below which its energy above the cutoff counts as none: relative
+amplitudes of about 1e-7, the rounding noise of float32 voxel values (a constant or band-limited volume)."""
+
+_EDGE_TOLERANCE = 1e-10
+"""Relative tolerance of the cutoff and the bin edges (in bin widths), far above the rounding of ``|f|``: a
+coefficient whose ``|f|`` equals the cutoff up to rounding is not above it, and one on a bin edge belongs to the bin
+below (bins are ``(lower, upper]``), as in exact arithmetic."""
+
+
+def radial_frequency(shape: Sequence[int], device: torch.device | str | None = None) -> torch.Tensor:
+    """The radial spatial frequency ``|f|`` (cycles per voxel) of every coefficient of the full 3D FFT of a volume.
+
+    Args:
+        shape: the three spatial sizes ``(X, Y, Z)`` of the volume.
+        device: device of the result.
+
+    Returns:
+        float64 tensor of shape ``(X, Y, Z)``: ``sqrt(fx^2 + fy^2 + fz^2)`` with ``fx = torch.fft.fftfreq(X)[kx]``
+        etc., in the layout of ``torch.fft.fftn`` (DC at index ``(0, 0, 0)``).
+
+    Raises:
+        ValueError: when ``shape`` is not three positive integers.
+    """
+    sizes = tuple(shape)
+    if len(sizes) != 3 or any(isinstance(s, bool) or int(s) != s or int(s) < 1 for s in sizes):
+        raise ValueError(f"shape must be three positive integers (X, Y, Z), got {shape!r}.")
+    fx, fy, fz = (torch.fft.fftfreq(int(n), dtype=torch.float64, device=device) for n in sizes)
+    return torch.sqrt(fx[:, None, None] ** 2 + fy[None, :, None] ** 2 + fz[None, None, :] ** 2)
+
+
+def _check_volume(volume: torch.Tensor, name: str) -> torch.Tensor:
+    """``volume`` as a plain float64 tensor, after checking that it is batch-first 3D ``(B, C, X, Y, Z)``.
+
+    Args:
+        volume: the tensor to check.
+        name: its name in the error message.
+
+    Raises:
+        ValueError: when ``volume`` is not 5D.
+    """
+    volume = convert_to_tensor(volume, track_meta=False)
+    if volume.ndim != 5:
+        raise ValueError(f"{name} must be a batch-first 5D tensor (B, C, X, Y, Z), got shape {tuple(volume.shape)!r}.")
+    return volume.to(torch.float64)
+
+
+def _check_pair(pred: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``pred`` and ``target`` as float64 tensors, after checking that both are 5D and of the same shape.
+
+    Args:
+        pred: predicted volumes.
+        target: ground-truth volumes.
+
+    Raises:
+        ValueError: when either is not 5D or their shapes differ.
+    """
+    pred, target = _check_volume(pred, "pred"), _check_volume(target, "target")
+    if pred.shape != target.shape:
+        raise ValueError(
+            f"pred and target must have the same shape, got {tuple(pred.shape)!r} and {tuple(target.shape)!r}."
+        )
+    return pred, target
+
+
+def _check_cutoff(cutoff: float) -> float:
+    """``cutoff`` as a float, after checking that it lies in ``(0, sqrt(3) / 2)``.
+
+    Args:
+        cutoff: radial frequency in cycles per voxel.
+
+    Raises:
+        ValueError: when ``cutoff`` is not in ``(0, sqrt(3) / 2)``.
+    """
+    if isinstance(cutoff, bool) or not 0.0 < float(cutoff) < _MAX_RADIAL_FREQUENCY:
+        raise ValueError(
+            f"cutoff must be in (0, sqrt(3)/2 = {_MAX_RADIAL_FREQUENCY:.4f}) cycles per voxel, got {cutoff!r}."
+        )
+    return float(cutoff)
+
+
+def _power(volume: torch.Tensor) -> torch.Tensor:
+    """``|FFT|^2`` of each float64 ``(B, C, X, Y, Z)`` volume summed over channels, shape ``(B, X, Y, Z)``.
+
+    Args:
+        volume: float64 batch-first volumes.
+    """
+    spectrum = torch.fft.fftn(volume, dim=(-3, -2, -1))
+    return (spectrum.real**2 + spectrum.imag**2).sum(dim=1)
+
+
+def high_frequency_energy_ratio(pred: torch.Tensor, target: torch.Tensor, cutoff: float = 0.25) -> torch.Tensor:
+    """Energy of ``pred`` above the radial frequency ``cutoff`` relative to that of ``target``, per volume.
+
+    The energy is ``|FFT|^2`` (unnormalised 3D FFT, float64) summed over all channels and all coefficients with
+    ``|f| > cutoff`` (:func:`radial_frequency`; ``|f| == cutoff`` is not above). 1 is right, a blurred prediction
+    scores below 1, added noise above 1; scaling ``pred`` by ``a`` multiplies the ratio by ``a^2``.
+
+    Args:
+        pred: predicted volumes, batch-first ``(B, C, X, Y, Z)``.
+        target: ground-truth volumes of the same shape.
+        cutoff: radial frequency in cycles per voxel, in ``(0, sqrt(3) / 2)``; 0.25 (half the Nyquist frequency)
+            keeps structures smaller than about 4 voxels.
+
+    Returns:
+        float64 tensor of shape ``(B,)``.
+
+    Raises:
+        ValueError: when the inputs are not 5D or differ in shape, when ``cutoff`` is out of range, or when a target
+            volume has no energy above ``cutoff`` (at most ``float32_eps ** 2`` times its total energy, about
+            1e-14: float32 rounding noise, e.g. a constant or band-limited volume), since the ratio is then undefined.
+    """
+    cutoff = _check_cutoff(cutoff)
+    pred, target = _check_pair(pred, target)
+    high = radial_frequency(pred.shape[2:], device=pred.device) > cutoff * (1.0 + _EDGE_TOLERANCE)
+    target_power = _power(target)
+    target_high = target_power[:, high].sum(dim=1)
+    negligible = target_high <= _NEGLIGIBLE_ENERGY * target_power.flatten(1).sum(dim=1)
+    if bool(negligible.any()):
+        index = int(torch.nonzero(negligible)[0, 0])
+        raise ValueError(
+            f"target volume {index} has no energy above cutoff={cutoff!r} cycles per voxel "
+            f"(high-frequency energy {float(target_high[index])!r}): the ratio is undefined."
+        )
+    return _power(pred)[:, high].sum(dim=1) / target_high
+
+
+def _radial_bins(shape: Sequence[int], num_bins: int | None, device: torch.device) -> tuple[torch.Tensor, int]:
+    """Radial bin index of every FFT coefficient of a volume of ``shape`` (-1 for DC and ``|f| > 0.5``).
+
+    Args:
+        shape: the three spatial sizes of the volume.
+        num_bins: number of equal bins over ``(0, 0.5]``; ``None`` for ``min(shape) // 2``.
+        device: device of the result.
+
+    Returns:
+        the int64 bin index of shape ``shape`` and the number of bins.
+
+    Raises:
+        ValueError: when ``num_bins`` is not a positive integer or leaves a bin without coefficients.
+    """
+    if num_bins is None:
+        num_bins = min(int(s) for s in shape) // 2
+        if num_bins < 1:
+            raise ValueError(f"a volume of spatial shape {tuple(shape)!r} is too small for a radial spectrum.")
+    elif isinstance(num_bins, bool) or int(num_bins) != num_bins or int(num_bins) < 1:
+        raise ValueError(f"num_bins must be a positive integer or None, got {num_bins!r}.")
+    num_bins = int(num_bins)
+    # |f| in bin widths: bin i is (i, i + 1], up to rounding of the bin edges
+    position = radial_frequency(shape, device=device) * (2 * num_bins)
+    index = torch.ceil(position - _EDGE_TOLERANCE).long().clamp(min=1) - 1
+    inside = (position > 0) & (position <= num_bins + _EDGE_TOLERANCE)
+    index = torch.where(inside, index, torch.full_like(index, -1))
+    counts = torch.bincount(index[inside], minlength=num_bins)
+    if bool((counts == 0).any()):
+        empty = torch.nonzero(counts == 0).flatten().tolist()
+        raise ValueError(
+            f"num_bins={num_bins!r} leaves radial bins {empty} of a volume of spatial shape {tuple(shape)!r} without "
+            f"FFT coefficients; use at most min(shape) // 2 = {min(int(s) for s in shape) // 2} bins."
+        )
+    return index, num_bins
+
+
+def radial_power_spectrum(volume: torch.Tensor, num_bins: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Radially averaged power spectrum of each volume.
+
+    The power of a coefficient is ``|FFT|^2`` (unnormalised 3D FFT, float64) summed over channels; the power of a
+    bin is the mean over the coefficients with ``|f|`` in that bin. The bins split ``(0, 0.5]`` cycles per voxel
+    into ``num_bins`` equal half-open intervals ``(lower, upper]``; DC and the coefficients beyond 0.5 (the corners
+    of the frequency cube, where only some directions are resolved) are left out. Unit-variance white noise of
+    ``N`` voxels and ``C`` channels has the expected power ``C * N`` in every bin (Parseval).
+
+    Args:
+        volume: batch-first volumes ``(B, C, X, Y, Z)``.
+        num_bins: number of bins; ``None`` for ``min(X, Y, Z) // 2``, so that every bin holds a coefficient
+            on the shortest axis.
+
+    Returns:
+        ``(frequencies, power)``: the float64 bin centres in cycles per voxel, shape ``(num_bins,)``, and the float64
+        power per volume and bin, shape ``(B, num_bins)``.
+
+    Raises:
+        ValueError: when ``volume`` is not 5D, or ``num_bins`` is not a positive integer or leaves a bin empty.
+    """
+    volume = _check_volume(volume, "volume")
+    index, num_bins = _radial_bins(volume.shape[2:], num_bins, volume.device)
+    inside = index >= 0
+    bins = index[inside]
+    power = _power(volume)[:, inside]
+    totals = torch.zeros(power.shape[0], num_bins, dtype=torch.float64, device=volume.device)
+    totals.index_add_(1, bins, power)
+    counts = torch.bincount(bins, minlength=num_bins).to(torch.float64)
+    frequencies = (torch.arange(num_bins, dtype=torch.float64, device=volume.device) + 0.5) / (2 * num_bins)
+    return frequencies, totals / counts
+
+
+def log_spectral_distance(
+    pred: torch.Tensor, target: torch.Tensor, num_bins: int | None = None, eps: float = 1e-12
+) -> torch.Tensor:
+    """Root mean square over radial bins of the difference of the log10 radial power spectra, per volume.
+
+    ``sqrt(mean_bins((log10(P_pred + eps) - log10(P_target + eps))^2))`` with ``P`` from
+    :func:`radial_power_spectrum`: exactly 0 for identical volumes, ``log10(a^2)`` (up to ``eps``) for ``pred``
+    equal to ``a`` times ``target``, positive for any other difference of the spectra. Phases are ignored: two
+    volumes with the same texture strength at every scale score 0 wherever the texture is.
+
+    Args:
+        pred: predicted volumes, batch-first ``(B, C, X, Y, Z)``.
+        target: ground-truth volumes of the same shape.
+        num_bins: number of radial bins (see :func:`radial_power_spectrum`).
+        eps: positive floor added to the power before the logarithm (for bins without energy).
+
+    Returns:
+        float64 tensor of shape ``(B,)``, in decades of power.
+
+    Raises:
+        ValueError: when the inputs are not 5D or differ in shape, ``eps`` is not positive, or ``num_bins`` is
+            invalid.
+    """
+    if isinstance(eps, bool) or not float(eps) > 0.0:
+        raise ValueError(f"eps must be positive, got {eps!r}.")
+    pred, target = _check_pair(pred, target)
+    _, pred_power = radial_power_spectrum(pred, num_bins)
+    _, target_power = radial_power_spectrum(target, num_bins)
+    difference = torch.log10(pred_power + float(eps)) - torch.log10(target_power + float(eps))
+    return torch.sqrt((difference**2).mean(dim=1))
+
+
+class _PerVolumeMetric(CumulativeIterationMetric):
+    """A cumulative metric of one value per volume of ``(y_pred, y)``, reduced by ``reduction`` in
+    :meth:`aggregate` (as in :mod:`common.diffusion.metrics`)."""
+
+    def __init__(self, reduction: MetricReduction | str = MetricReduction.MEAN) -> None:
+        super().__init__()
+        self.reduction = reduction
+
+    def _values(self, y_pred: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """One value per volume, shape ``(B,)``."""
+        raise NotImplementedError
+
+    def _compute_tensor(  # type: ignore[override]
+        self, y_pred: torch.Tensor, y: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        if y is None:
+            raise ValueError(f"{type(self).__name__} needs the ground truth y, got y=None.")
+        return self._values(y_pred.detach(), y.detach()).reshape(-1, 1)
+
+    def aggregate(self, reduction: MetricReduction | str | None = None) -> torch.Tensor:
+        value, _ = do_metric_reduction(self.get_buffer(), reduction or self.reduction)
+        return value
+
+
+class HighFrequencyRatioMetric(_PerVolumeMetric):
+    """:func:`high_frequency_energy_ratio` of each predicted volume against its ground truth, as a MONAI
+    cumulative metric (one float64 value per volume, ``(B, 1)``; :meth:`aggregate` reduces in float32 like MONAI's
+    metrics); 1 is right, below 1 is blurred.
+
+    Args:
+        cutoff: radial frequency in cycles per voxel, in ``(0, sqrt(3) / 2)``.
+        reduction: reduction of :meth:`aggregate` over volumes.
+
+    Raises:
+        ValueError: when ``cutoff`` is out of range.
+    """
+
+    def __init__(self, cutoff: float = 0.25, reduction: MetricReduction | str = MetricReduction.MEAN) -> None:
+        super().__init__(reduction)
+        self.cutoff = _check_cutoff(cutoff)
+
+    def _values(self, y_pred: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return high_frequency_energy_ratio(y_pred, y, cutoff=self.cutoff)
+
+
+class SpectralDistanceMetric(_PerVolumeMetric):
+    """:func:`log_spectral_distance` of each predicted volume against its ground truth, as a MONAI cumulative
+    metric (one float64 value per volume, ``(B, 1)``; :meth:`aggregate` reduces in float32); 0 is right.
+
+    Args:
+        num_bins: number of radial bins; ``None`` for ``min(X, Y, Z) // 2`` of each volume.
+        reduction: reduction of :meth:`aggregate` over volumes.
+
+    Raises:
+        ValueError: when ``num_bins`` is neither ``None`` nor a positive integer.
+    """
+
+    def __init__(self, num_bins: int | None = None, reduction: MetricReduction | str = MetricReduction.MEAN) -> None:
+        super().__init__(reduction)
+        if num_bins is not None and (isinstance(num_bins, bool) or int(num_bins) != num_bins or int(num_bins) < 1):
+            raise ValueError(f"num_bins must be a positive integer or None, got {num_bins!r}.")
+        self.num_bins = None if num_bins is None else int(num_bins)
+
+    def _values(self, y_pred: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return log_spectral_distance(y_pred, y, num_bins=self.num_bins)
+
+
+def texture_handlers(
+    prefix: str = "val_",
+    output_transform: Callable | None = None,
+    save_details: bool = False,
+    cutoff: float = 0.25,
+    num_bins: int | None = None,
+) -> dict[str, IgniteMetricHandler]:
+    """:class:`HighFrequencyRatioMetric` and :class:`SpectralDistanceMetric` as ``IgniteMetricHandler``, keyed
+    ``prefix + "hf_ratio"`` and ``prefix + "spectral_distance"``.
+
+    Pass them as ``additional_metrics`` of a MONAI evaluator, next to a key metric such as PSNR (MONAI attaches
+    metrics only when ``key_val_metric`` is given): neither is "higher is better" (the ratio is best at 1, the
+    distance at 0), so neither suits model selection by the key metric as is. After an epoch,
+    ``engine.state.metrics`` holds the mean over all volumes (MONAI's float32 reduction), gathered across ranks.
+
+    Args:
+        prefix: prefix of the metric names.
+        output_transform: maps ``engine.state.output`` to ``(y_pred, y)``; default
+            ``monai.handlers.from_engine(["pred", "label"])``.
+        save_details: whether to store per-volume values in ``engine.state.metric_details``.
+        cutoff: cutoff of the high-frequency energy ratio, cycles per voxel.
+        num_bins: number of radial bins of the spectral distance (``None``: ``min(X, Y, Z) // 2``).
+
+    Raises:
+        ValueError: when ``cutoff`` or ``num_bins`` is invalid.
+    """
+    transform = from_engine(["pred", "label"]) if output_transform is None else output_transform
+    metrics = {
+        "hf_ratio": HighFrequencyRatioMetric(cutoff=cutoff),
+        "spectral_distance": SpectralDistanceMetric(num_bins=num_bins),
+    }
+    return {
+        f"{prefix}{name}": IgniteMetricHandler(metric_fn=metric, output_transform=transform, save_details=save_details)
+        for name, metric in metrics.items()
+    }

@@ -1,0 +1,398 @@
+# Copyright (c) the 3D MONAI bundle collection contributors.
+# Licensed under the Apache License, Version 2.0.
+"""Tests for what X-ray -> CT sampling does beyond one DDIM sample: several samples per case (their mean, spread and
+the first sample, batched or in chunks), projection guidance (the SIRT data-consistency step of the projector, off
+at 0 bit for bit), the residual mode over a frozen direct regressor (oracle recovery, loading, checkpoints), the
+trainer's residual step and Min-SNR weighting, the evaluator's outputs and the standard-deviation volume."""
+
+from __future__ import annotations
+
+import json
+
+import nibabel as nib
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from ignite.engine import Events
+from torch import nn
+
+from common.checkpoint_io import CheckpointError, save_checkpoint
+from common.diffusion.engines import volume_seed
+from common.diffusion.schedule import DiffusionSchedule, fast_ddpm_grid, grid_ddim_sample
+from common.handlers.images import XrayCTWriter
+from common.xray2ct.engines import XrayCTEvaluator, XrayCTTrainer, check_xray2ct_settings, snr_loss_weight
+from common.xray2ct.engines import xray2ct_metric_handlers
+from common.xray2ct.losses import ProjectionLoss
+from common.xray2ct.networks import XrayCTCascade, XrayCTDenoiser, XrayCTSampler, build_cascade, load_regressor
+from tests.helpers import TINY_XRAY_NETWORK, randomise_zero_parameters, tiny_xray_denoiser, xray_projector
+from tests.test_xray2ct_engines import VALID as ENGINE_SETTINGS
+
+GRID = (0, 499, 999)
+SAMPLER = {"mode": "diffusion", "timesteps": GRID, "beta_schedule": "cosine"}
+
+
+def volume(shape=(2, 1, 8, 8, 8), seed: int = 0) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.rand(shape, generator=gen) * 2 - 1
+
+
+def xrays(batch: int = 2, seed: int = 1) -> torch.Tensor:
+    return xray_projector().xrays(volume((batch, 1, 16, 16, 16), seed))
+
+
+def residual_denoiser(seed: int = 0, with_previous: bool = False, scale: float = 0.2) -> XrayCTDenoiser:
+    return tiny_xray_denoiser(seed, with_previous=with_previous, residual=True, residual_scale=scale)
+
+
+def projection_error(sample: torch.Tensor, xray: torch.Tensor) -> torch.Tensor:
+    return ProjectionLoss(xray_projector())(sample, xray)
+
+
+# ---------------------------------------------------------------------------------------------- projector
+def test_one_consistency_step_makes_a_single_view_agree_exactly():
+    projector = xray_projector()
+    one_view = type(projector)(fov_mm=projector.fov_mm, views=["ap"], view_size=(16, 16))
+    target = one_view.xrays(volume((2, 1, 16, 16, 16), 5))
+    start = volume((2, 1, 16, 16, 16), 6)
+    corrected = one_view.data_consistency(start, target)
+    torch.testing.assert_close(one_view.project_native(corrected), target, rtol=0, atol=1e-5)
+    assert float((one_view.project_native(start) - target).abs().mean()) > 0.05
+    assert one_view.data_consistency(start, target, 0.0) is start
+    # the correction is constant along each ray (a back-projection) and half a step moves half the way
+    delta = corrected - start
+    torch.testing.assert_close(delta, delta[:, :, :, :1].expand_as(delta), rtol=0, atol=1e-6)
+    torch.testing.assert_close(one_view.data_consistency(start, target, 0.5) - start, delta / 2, rtol=0, atol=1e-6)
+
+
+def test_repeated_consistency_steps_converge_on_both_views():
+    projector = xray_projector()
+    target = projector.xrays(volume((1, 1, 16, 16, 16), 5))
+    x = volume((1, 1, 16, 16, 16), 6)
+    errors = []
+    for _ in range(30):
+        errors.append(float(projection_error(x, target)))
+        x = projector.data_consistency(x, target)
+    assert errors[1] < errors[0] / 2 and errors[-1] < errors[0] / 20
+    assert all(b <= a + 1e-6 for a, b in zip(errors, errors[1:]))
+
+
+def test_grid_ddim_sample_applies_the_x0_transform_with_consistent_noise():
+    schedule = DiffusionSchedule(1000, "cosine")
+    target = volume((1, 1, 4, 4, 4), 9).double()
+
+    def model(x, t):  # a denoiser that always predicts zero noise
+        return torch.zeros_like(x)
+
+    start = volume((1, 1, 4, 4, 4), 3)
+    plain = grid_ddim_sample(model, start, torch.tensor(GRID), schedule)
+    assert torch.equal(plain, grid_ddim_sample(model, start, torch.tensor(GRID), schedule, x0_transform=None))
+    steps = []
+
+    def to_target(x0, t):
+        steps.append(t)
+        return target
+
+    replaced = grid_ddim_sample(model, start, torch.tensor(GRID), schedule, x0_transform=to_target)
+    assert steps == [999, 499, 0]
+    torch.testing.assert_close(replaced, target.float(), rtol=0, atol=1e-6)  # the last step returns its x0
+
+
+# ---------------------------------------------------------------------------------------------- samples
+def test_guidance_zero_is_the_unguided_ddim_sample_bit_for_bit():
+    net = tiny_xray_denoiser(0)
+    xray = xrays()
+    sampler = XrayCTSampler(net, (8, 8, 8), guidance_scale=0.0, **SAMPLER)
+    with torch.no_grad():
+        out = sampler(xray, generator=torch.Generator().manual_seed(4))
+        condition = net.condition(xray, (8, 8, 8))
+        noise = torch.randn((2, 1, 8, 8, 8), generator=torch.Generator().manual_seed(4))
+        reference = grid_ddim_sample(
+            lambda x, t: net(x, t, xray, None, condition=condition).float(),
+            noise,
+            torch.tensor(GRID),
+            DiffusionSchedule(1000, "cosine"),
+            prediction_type="v_prediction",
+            clip_sample=True,
+        )
+    assert torch.equal(out, reference)
+
+
+@pytest.mark.parametrize("mode", ["diffusion", "residual"])
+def test_guidance_lowers_the_projection_error_of_a_sample(mode):
+    net = tiny_xray_denoiser(0) if mode == "diffusion" else residual_denoiser(0)
+    xray = xrays()
+    errors = {}
+    for scale in (0.0, 0.5, 1.0):
+        sampler = XrayCTSampler(net, (8, 8, 8), **{**SAMPLER, "mode": mode}, guidance_scale=scale)
+        sample = sampler(xray, generator=torch.Generator().manual_seed(2))
+        assert float(sample.min()) >= -1 and float(sample.max()) <= 1
+        errors[scale] = float(projection_error(sample, xray).mean())
+    assert errors[0.5] < 0.8 * errors[0.0] and errors[1.0] < 0.8 * errors[0.0], errors
+
+
+def test_several_samples_share_a_pass_and_the_first_is_the_single_sample():
+    net = tiny_xray_denoiser(0)
+    xray = xrays()
+    single = XrayCTSampler(net, (8, 8, 8), **SAMPLER)
+    many = XrayCTSampler(net, (8, 8, 8), **SAMPLER, num_samples=3)
+    chunked = XrayCTSampler(net, (8, 8, 8), **SAMPLER, num_samples=3, sample_chunk=2)
+    one = single.draw(xray[:1], generator=torch.Generator().manual_seed(1))
+    samples = many.draw(xray[:1], generator=torch.Generator().manual_seed(1))
+    assert samples.shape == (3, 1, 8, 8, 8)
+    torch.testing.assert_close(samples[:1], one, rtol=0, atol=1e-4)  # the same noise, another batch size
+    assert not torch.allclose(samples[1], samples[2])
+    torch.testing.assert_close(chunked.draw(xray[:1], generator=torch.Generator().manual_seed(1)), samples, rtol=0, atol=1e-4)
+    # without a generator: the fixed noise, sample 0 being the single-sample noise; every case gets the same K
+    fixed = many.draw(xray)
+    assert fixed.shape == (6, 1, 8, 8, 8)
+    torch.testing.assert_close(fixed[:1], single.draw(xray[:1]), rtol=0, atol=1e-4)
+    torch.testing.assert_close(many(xray), fixed.reshape(2, 3, 1, 8, 8, 8).mean(1))
+    # deterministic modes give one sample whatever K
+    direct = XrayCTSampler(net, (8, 8, 8), mode="direct", num_samples=4)
+    assert direct.samples_per_case() == 1 and direct.draw(xray).shape == (2, 1, 8, 8, 8)
+
+
+def test_cascade_samples_condition_on_the_matching_previous_sample():
+    torch.manual_seed(0)
+    network = {**TINY_XRAY_NETWORK}
+    cascade = build_cascade(xray_projector(), [(8, 8, 8), (16, 16, 16)], 2, network, {**SAMPLER, "num_samples": 2})
+    randomise_zero_parameters(cascade, 0)
+    xray = xrays(1)
+    stage1, stage2 = cascade.draw(xray, torch.Generator().manual_seed(3))
+    assert stage1.shape == (2, 1, 8, 8, 8) and stage2.shape == (2, 1, 16, 16, 16)
+    generator = torch.Generator().manual_seed(3)
+    first = cascade.stages[0].draw(xray, None, generator)
+    torch.testing.assert_close(first, stage1)
+    torch.testing.assert_close(cascade.stages[1].draw(xray, first, generator), stage2)  # previous sample j -> j
+    assert cascade.stages[1].draw(xray, first[:1], torch.Generator().manual_seed(0)).shape == (2, 1, 16, 16, 16)
+    with pytest.raises(ValueError, match="previous holds 3 volumes"):
+        cascade.stages[1].draw(xray, torch.zeros(3, 1, 8, 8, 8))
+
+
+@pytest.mark.parametrize("name, value", [("num_samples", 0), ("num_samples", True), ("sample_chunk", 0)])
+def test_sampler_rejects_bad_sample_counts(name, value):
+    with pytest.raises(ValueError, match=f"{name} must be an integer >= 1"):
+        XrayCTSampler(tiny_xray_denoiser(0), (8, 8, 8), **SAMPLER, **{name: value})
+    with pytest.raises(ValueError, match="guidance_scale must be >= 0"):
+        XrayCTSampler(tiny_xray_denoiser(0), (8, 8, 8), **SAMPLER, guidance_scale=-1)
+
+
+# ---------------------------------------------------------------------------------------------- residual
+class ResidualOracle(nn.Module):
+    """A residual denoiser that knows the clean CT: its regressor's estimate is ``estimate`` and it returns the
+    exact v of the normalised residual ``(x0 - estimate) / scale``."""
+
+    residual = True
+
+    def __init__(self, x0: torch.Tensor, estimate: torch.Tensor, scale: float) -> None:
+        super().__init__()
+        self.x0, self.mu, self.residual_scale = x0, estimate, scale
+        self.projector = xray_projector()
+        self.with_previous = False
+        self.schedule = DiffusionSchedule(1000, "cosine")
+        self.received: list[torch.Tensor] = []
+
+    def condition(self, xray, spatial):
+        return torch.zeros(xray.shape[0], 2, *spatial), torch.zeros(xray.shape[0], 4, 16)
+
+    def estimate(self, xray, previous, size):
+        return self.mu.expand(xray.shape[0], 1, *size)
+
+    to_volume = XrayCTDenoiser.to_volume
+    to_residual = XrayCTDenoiser.to_residual
+
+    def forward(self, x, t, xray, previous=None, condition=None, estimate=None):
+        self.received.append(estimate)
+        a = self.schedule.alpha_bar(t, x)
+        r0 = ((self.x0 - self.mu) / self.residual_scale).double().expand_as(x)
+        eps = (x.double() - a.sqrt() * r0) / (1 - a).sqrt()
+        return (a.sqrt() * eps - (1 - a).sqrt() * r0).float()
+
+
+def test_residual_sampler_with_an_oracle_recovers_x0():
+    x0, mu = volume((1, 1, 8, 8, 8), 7) * 0.9, volume((1, 1, 8, 8, 8), 8) * 0.9
+    oracle = ResidualOracle(x0, mu, 0.25)
+    sampler = XrayCTSampler(oracle, (8, 8, 8), **{**SAMPLER, "mode": "residual"}, num_samples=2)
+    samples = sampler.draw(xrays(1), generator=torch.Generator().manual_seed(1))
+    torch.testing.assert_close(samples, x0.expand(2, -1, -1, -1, -1), rtol=0, atol=1e-5)
+    assert all(torch.equal(e, mu.expand(2, 1, 8, 8, 8)) for e in oracle.received)  # the estimate is an input
+
+
+def test_residual_denoiser_holds_a_frozen_regressor():
+    net = residual_denoiser(0, scale=0.2)
+    assert net.in_channels == 1 + 2 + 1 and net.regressor is not None and not net.regressor.residual
+    assert not any(p.requires_grad for p in net.regressor.parameters())
+    net.train()
+    assert not net.regressor.training
+    xray = xrays()
+    direct = XrayCTSampler(net.regressor, (8, 8, 8), mode="direct")
+    torch.testing.assert_close(net.estimate(xray, None, (8, 8, 8)), direct(xray))
+    x = volume()
+    torch.testing.assert_close(net.to_volume(net.to_residual(x, direct(xray)), direct(xray)), x)
+    with pytest.raises(ValueError, match="residual_scale must be positive"):
+        tiny_xray_denoiser(0, residual=True, residual_scale=0.0)
+    with pytest.raises(ValueError, match="mode 'residual' needs a residual denoiser"):
+        XrayCTSampler(tiny_xray_denoiser(0), (8, 8, 8), **{**SAMPLER, "mode": "residual"})
+    with pytest.raises(ValueError, match="mode 'diffusion' needs a plain denoiser"):
+        XrayCTSampler(net, (8, 8, 8), **SAMPLER)
+
+
+def test_residual_checkpoints_carry_the_regressor_and_refuse_the_other_kind():
+    net, other = residual_denoiser(0), residual_denoiser(1)
+    other.load_state_dict(net.state_dict())
+    assert all(torch.equal(a, b) for a, b in zip(net.state_dict().values(), other.state_dict().values()))
+    assert any(k.startswith("regressor.") for k in net.state_dict())
+    with pytest.raises(RuntimeError, match="input channel"):
+        tiny_xray_denoiser(0).load_state_dict(net.state_dict())
+    with pytest.raises(RuntimeError, match="input channel"):
+        net.load_state_dict(tiny_xray_denoiser(0).state_dict())
+
+
+def test_load_regressor_takes_the_direct_runs_stage(tmp_path):
+    regressor = tiny_xray_denoiser(5)
+    run = tmp_path / "direct"
+    save_checkpoint(regressor.state_dict(), run / "stage1" / "models" / "model.pt")
+    net = residual_denoiser(0)
+    assert load_regressor(net, run, 1, enabled=False) is None
+    assert load_regressor(net, run, 1) == str(run / "stage1" / "models" / "model.pt")
+    assert all(torch.equal(a, b) for a, b in zip(net.regressor.state_dict().values(), regressor.state_dict().values()))
+    (run / "stage1" / "configs").mkdir(parents=True)
+    (run / "stage1" / "configs" / "run.json").write_text(json.dumps({"settings": {"mode": "diffusion"}}))
+    with pytest.raises(CheckpointError, match="must be a '--mode direct' run"):
+        load_regressor(net, run, 1)
+    with pytest.raises(CheckpointError, match="model.pt"):
+        load_regressor(net, run, 2)
+    save_checkpoint(tiny_xray_denoiser(5, with_previous=True).state_dict(), tmp_path / "s2" / "stage1" / "models" / "model.pt")
+    with pytest.raises(CheckpointError, match="does not fit this stage's network"):
+        load_regressor(net, tmp_path / "s2", 1)
+
+
+# ---------------------------------------------------------------------------------------------- trainer
+def test_residual_training_regresses_the_normalised_residual_and_keeps_the_regressor():
+    net = residual_denoiser(0, scale=0.2)
+    frozen = {k: v.clone() for k, v in net.regressor.state_dict().items()}
+    x0 = volume((2, 1, 8, 8, 8), 3).clamp(-0.9, 0.9)
+    data = {"image": x0, "xray": xray_projector().xrays(x0)}
+    schedule = DiffusionSchedule(1000, "cosine")
+    grid = fast_ddpm_grid("uniform", 10)
+    trainer = XrayCTTrainer(
+        device="cpu",
+        max_epochs=1,
+        train_data_loader=[data],
+        network=net,
+        optimizer=torch.optim.Adam(net.parameters(), lr=1e-3),
+        schedule=schedule,
+        timesteps=grid,
+        projector=xray_projector(),
+        mode="residual",
+        physics_weight=0.0,
+        epoch_length=1,
+    )
+    steps = []
+    trainer.add_event_handler(Events.ITERATION_STARTED, lambda e: torch.manual_seed(100))
+    trainer.add_event_handler(Events.ITERATION_COMPLETED, lambda e: steps.append(dict(e.state.output)))
+    with torch.no_grad():
+        estimate = net.estimate(data["xray"], None, (8, 8, 8))
+        before = {k: v.clone() for k, v in net.state_dict().items()}
+    trainer.run()
+    assert all(torch.equal(frozen[k], v) for k, v in net.regressor.state_dict().items())
+    assert any(not torch.equal(before[k], v) for k, v in net.state_dict().items() if not k.startswith("regressor."))
+    # the recorded loss is the v-MSE of the residual (recomputed with the same noise and time steps)
+    t = trainer.draw_timesteps(2, 1)
+    torch.manual_seed(100)
+    noise = torch.randn_like(x0)
+    r0 = (x0 - estimate) / 0.2
+    x_t = schedule.add_noise(r0, noise, t)
+    net.load_state_dict(before)
+    with torch.no_grad():
+        out = net(x_t, t, data["xray"], None, None, estimate)
+    torch.testing.assert_close(steps[0]["recon_loss"], F.mse_loss(out, schedule.velocity(r0, noise, t)))
+    with pytest.raises(ValueError, match="mode 'diffusion' needs XrayCTDenoiser\\(residual=False\\)"):
+        XrayCTTrainer(
+            device="cpu",
+            max_epochs=1,
+            train_data_loader=[data],
+            network=net,
+            optimizer=trainer.optimizer,
+            schedule=schedule,
+            timesteps=grid,
+            projector=xray_projector(),
+            mode="diffusion",
+        )
+
+
+def test_min_snr_weights():
+    schedule = DiffusionSchedule(1000, "cosine")
+    t = torch.tensor([0, 300, 700, 999])
+    a = schedule.alpha_bar(t, torch.zeros(4)).reshape(-1)
+    snr = a / (1 - a)
+    torch.testing.assert_close(snr_loss_weight(a, "v_prediction", "none"), torch.ones(4))
+    v = snr_loss_weight(a, "v_prediction", "min_snr", 5.0).double()
+    torch.testing.assert_close(v, snr.clamp(max=5) / (snr + 1), rtol=1e-6, atol=0)
+    eps = snr_loss_weight(a, "epsilon", "min_snr", 5.0).double()
+    torch.testing.assert_close(eps, snr.clamp(max=5) / snr, rtol=1e-6, atol=0)
+    assert float(v[0]) < 0.2 and float(v[-1]) == pytest.approx(float(snr[-1] / (snr[-1] + 1)), rel=1e-6)
+    with pytest.raises(ValueError, match="loss_weighting must be one of"):
+        snr_loss_weight(a, "v_prediction", "p2")
+
+
+# ---------------------------------------------------------------------------------------------- evaluation
+def test_evaluator_reports_the_mean_its_spread_and_one_sample(tmp_path):
+    net = tiny_xray_denoiser(0)
+    sampler = XrayCTSampler(net, (8, 8, 8), **SAMPLER, num_samples=3)
+    x0 = volume((2, 1, 8, 8, 8), 3)
+    data = {"image": x0, "xray": xray_projector().xrays(x0), "case_id": ["a", "b"]}
+    outputs = []
+    evaluator = XrayCTEvaluator("cpu", [data], sampler)
+    evaluator.add_event_handler(Events.ITERATION_COMPLETED, lambda e: outputs.append(dict(e.state.output)))
+    XrayCTWriter(tmp_path, xray_projector()).attach(evaluator)
+    evaluator.state.batch = None
+    evaluator.run()
+    (out,) = outputs
+    for i, name in enumerate("ab"):
+        generator = torch.Generator().manual_seed(volume_seed(data, i, 0))
+        samples = sampler.draw(data["xray"][i : i + 1], generator=generator)
+        torch.testing.assert_close(out["pred"][i], ((samples.mean(0) + 1) / 2).clamp(0, 1))
+        torch.testing.assert_close(out["pred_std"][i], samples.std(0, correction=0) / 2)
+        torch.testing.assert_close(out["pred_sample"][i], ((samples[0] + 1) / 2).clamp(0, 1))
+        std = nib.load(tmp_path / f"{name}_ct_std.nii.gz")
+        ct = nib.load(tmp_path / f"{name}_ct.nii.gz")
+        np.testing.assert_allclose(std.affine, ct.affine)
+        width = xray_projector().hu_max - xray_projector().hu_min
+        np.testing.assert_allclose(std.get_fdata(), out["pred_std"][i, 0].numpy() * width, rtol=1e-5, atol=1e-3)
+    assert float(out["pred_std"].min()) >= 0 and float(out["pred_std"].mean()) > 0
+    assert out["sample_proj_error"].shape == (2,)
+    single = XrayCTEvaluator("cpu", [data], XrayCTSampler(net, (8, 8, 8), **SAMPLER))
+    single.add_event_handler(Events.ITERATION_COMPLETED, lambda e: outputs.append(dict(e.state.output)))
+    single.run()
+    assert "pred_std" not in outputs[-1] and "pred_sample" not in outputs[-1]
+    torch.testing.assert_close(outputs[-1]["pred"], out["pred_sample"], rtol=0, atol=1e-4)
+
+
+def test_metric_handlers_add_texture_and_single_sample_metrics():
+    base = {"val_psnr", "val_ssim", "val_ms_ssim", "val_proj_error", "val_hf_ratio", "val_spectral_distance"}
+    assert set(xray2ct_metric_handlers()) == base
+    assert set(xray2ct_metric_handlers(num_samples=4, mode="direct")) == base
+    with_samples = set(xray2ct_metric_handlers(num_samples=4, mode="residual"))
+    assert with_samples == base | {name.replace("val_", "val_sample_") for name in base}
+
+
+# ---------------------------------------------------------------------------------------------- settings
+VALID = {**ENGINE_SETTINGS, "stage": 1, "mode": "residual"}
+
+
+def test_residual_and_sampling_settings_are_checked(tmp_path):
+    save_checkpoint({}, tmp_path / "stage1" / "models" / "model.pt")
+    check_xray2ct_settings(**VALID, regressor_dir=str(tmp_path), num_samples=8, sample_chunk=2, guidance_scale=0.5)
+    check_xray2ct_settings(**VALID, training=False)  # evaluation does not need the regressor run
+    with pytest.raises(ValueError) as info:
+        check_xray2ct_settings(
+            **VALID, num_samples=0, sample_chunk=0, guidance_scale=-1, residual_scale=0, loss_weighting="p2"
+        )
+    text = str(info.value)
+    for name in ("'num_samples'", "'sample_chunk'", "'guidance_scale'", "'residual_scale'", "'loss_weighting'"):
+        assert name in text, text
+    assert "pass --regressor_dir" in text
+    with pytest.raises(ValueError, match="has no trained stage 2 regressor"):
+        check_xray2ct_settings(**{**VALID, "stage": 2}, regressor_dir=str(tmp_path))
