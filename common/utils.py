@@ -40,6 +40,7 @@ __all__ = [
     "get_world_size",
     "inference_autocast",
     "init_distributed",
+    "is_positive_int",
     "is_rank0",
     "make_grad_scaler",
     "resolve_device",
@@ -469,6 +470,11 @@ def write_text_atomic(path: str | os.PathLike, text: str) -> Path:
         The path written.
     """
     return write_atomic(path, lambda handle: handle.write(text.encode("utf-8")))
+
+
+def is_positive_int(value: Any) -> bool:
+    """Whether ``value`` is an integer >= 1 (``True``/``False`` are not counted as integers)."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
 
 
 def flag_problems(flags: Mapping[str, Any] | None) -> list[str]:

@@ -142,7 +142,8 @@ def test_several_samples_share_a_pass_and_the_first_is_the_single_sample():
     assert samples.shape == (3, 1, 8, 8, 8)
     torch.testing.assert_close(samples[:1], one, rtol=0, atol=1e-4)  # the same noise, another batch size
     assert not torch.allclose(samples[1], samples[2])
-    torch.testing.assert_close(chunked.draw(xray[:1], generator=torch.Generator().manual_seed(1)), samples, rtol=0, atol=1e-4)
+    split = chunked.draw(xray[:1], generator=torch.Generator().manual_seed(1))
+    torch.testing.assert_close(split, samples, rtol=0, atol=1e-4)
     # without a generator: the fixed noise, sample 0 being the single-sample noise; every case gets the same K
     fixed = many.draw(xray)
     assert fixed.shape == (6, 1, 8, 8, 8)
@@ -263,7 +264,8 @@ def test_load_regressor_takes_the_direct_runs_stage(tmp_path):
         load_regressor(net, run, 1)
     with pytest.raises(CheckpointError, match="model.pt"):
         load_regressor(net, run, 2)
-    save_checkpoint(tiny_xray_denoiser(5, with_previous=True).state_dict(), tmp_path / "s2" / "stage1" / "models" / "model.pt")
+    stage2 = tiny_xray_denoiser(5, with_previous=True).state_dict()
+    save_checkpoint(stage2, tmp_path / "s2" / "stage1" / "models" / "model.pt")
     with pytest.raises(CheckpointError, match="does not fit this stage's network"):
         load_regressor(net, tmp_path / "s2", 1)
 

@@ -408,4 +408,5 @@ class XrayCTWriter:
                 affine = np.diag([*(f / s for f, s in zip(self.projector.fov_mm, hu.shape)), 1.0])
                 write_nifti(self.output_dir / f"{stem}_ct.nii.gz", hu.astype(np.float32), affine)
                 if std is not None:
-                    write_nifti(self.output_dir / f"{stem}_ct_std.nii.gz", (std[i, 0] * width).astype(np.float32), affine)
+                    std_hu = (std[i, 0] * width).astype(np.float32)
+                    write_nifti(self.output_dir / f"{stem}_ct_std.nii.gz", std_hu, affine)

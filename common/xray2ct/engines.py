@@ -25,7 +25,7 @@ from common.diffusion.engines import DiffusionTrainer, volume_seed
 from common.diffusion.schedule import GRIDS, PREDICTIONS, DiffusionSchedule, fast_ddpm_grid
 from common.engines.evaluator import StepEvaluator
 from common.networks.wrappers import unwrap
-from common.utils import flag_problems
+from common.utils import flag_problems, is_positive_int
 from common.xray2ct.drr import VIEW_AXES, DRRProjector, view_plane
 from common.xray2ct.losses import PHYSICS_WEIGHTINGS, ProjectionLoss, physics_noise_weight
 from common.xray2ct.networks import MODES, SAMPLER_MODES, degrade_to_previous, stage_checkpoint
@@ -519,8 +519,9 @@ def check_xray2ct_settings(
     if not _positive(min_snr_gamma):
         problems.append(f"'min_snr_gamma' must be a positive number, got {min_snr_gamma!r}.")
     for name, value in (("num_samples", num_samples), ("sample_chunk", sample_chunk)):
-        if (value is not None or name == "num_samples") and not _positive_int(value):
-            problems.append(f"{name!r} must be an integer >= 1{' or null' if name == 'sample_chunk' else ''}, got {value!r}.")
+        if (value is not None or name == "num_samples") and not is_positive_int(value):
+            null = " or null" if name == "sample_chunk" else ""
+            problems.append(f"{name!r} must be an integer >= 1{null}, got {value!r}.")
     if isinstance(guidance_scale, bool) or not isinstance(guidance_scale, (int, float)) or not guidance_scale >= 0:
         problems.append(f"'guidance_scale' must be a number >= 0 (0: no projection guidance), got {guidance_scale!r}.")
     problems += cache_problems(cache_rate, replace_rate)
@@ -531,10 +532,6 @@ def check_xray2ct_settings(
 
 def _positive(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0
-
-
-def _positive_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
 
 
 def _sampling_problems(

@@ -28,6 +28,7 @@ from common.checkpoint_io import CheckpointError
 from common.diffusion.schedule import DiffusionSchedule, grid_ddim_sample
 from common.networks.wrappers import InferenceView, clean_state_dict, unwrap
 from common.runs import RUN_FILE, read_record, run_settings
+from common.utils import is_positive_int
 from common.xray2ct.drr import DRRProjector
 
 __all__ = [
@@ -337,10 +338,6 @@ class XrayCTDenoiser(nn.Module):
         return self.unet(torch.cat(parts, dim=1), timesteps, context=tokens)
 
 
-def _positive_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
-
-
 def upsample_previous(volume: torch.Tensor, size: Sequence[int]) -> torch.Tensor:
     """A previous stage's volume brought to the next stage's ``size`` (trilinear)."""
     size = tuple(int(s) for s in size)
@@ -518,7 +515,7 @@ class XrayCTSampler(InferenceView):
                 f"{bool(getattr(unwrap(network), 'residual', False))}."
             )
         for name, value in (("num_samples", num_samples), ("sample_chunk", sample_chunk)):
-            if (value is not None or name == "num_samples") and not _positive_int(value):
+            if (value is not None or name == "num_samples") and not is_positive_int(value):
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}.")
         if not float(guidance_scale) >= 0:
             raise ValueError(f"guidance_scale must be >= 0, got {guidance_scale!r}.")

@@ -152,9 +152,9 @@ def xray_budgets(
     odd = [b for b in budgets if b < 1 or (halves and b % 2)]
     odd += [i for i in iters2.values() if stages > 1 and (i < 1 or (halves and i % 2))]
     if odd:
+        why = " and even (the residual method trains half of each over a regressor trained the other half)"
         raise ValueError(
-            f"budgets and their stage-2 shares {iters2} must be positive{' and even (the residual method trains' if halves else ''}"
-            f"{' half of each on top of a regressor trained the other half)' if halves else ''}, got {budgets}."
+            f"budgets and their stage-2 shares {iters2} must be positive{why if halves else ''}, got {budgets}."
         )
     points1 = sorted({*budgets, *(b // 2 for b in budgets if halves)})
     points2 = sorted({*iters2.values(), *(i // 2 for i in iters2.values() if halves)})
@@ -176,7 +176,9 @@ def xray_budgets(
             with lock:
                 Path(output).write_text(json.dumps(summary, indent=2))
 
-    def train(method: str, stage: int, out: Path, iterations: int, extra: dict | None = None, resume: bool = False) -> float:
+    def train(
+        method: str, stage: int, out: Path, iterations: int, extra: dict | None = None, resume: bool = False
+    ) -> float:
         epoch = unit1 if stage == 1 else unit2
         overrides = {
             **settings,
@@ -373,7 +375,9 @@ def plot_budgets(summary: dict, path: str | Path) -> Path:
             if r["budget"] is None:
                 floor = r
                 continue
-            label = r["method"] if r["num_samples"] == 1 else f"{r['method']} K={r['num_samples']} g={r['guidance_scale']:g}"
+            label = r["method"]
+            if r["num_samples"] > 1:
+                label += f" K={r['num_samples']} g={r['guidance_scale']:g}"
             curves.setdefault(label, []).append((r["budget"], r["psnr"], r["proj_error"]))
             if r["num_samples"] > 1 and r["guidance_scale"] == 0:
                 single = f"{r['method']} 1 sample"
