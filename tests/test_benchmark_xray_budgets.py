@@ -100,8 +100,11 @@ def test_budget_runs_snapshots_and_evaluations(tmp_path):
     assert all(o["seed"] == 3 for _, o in fake.calls)
 
     def ends(method, stage):
-        return [o["max_epochs"] * o["epoch_length"] for o in trainings if o["stage"] == stage and
-                o["mode"] == method and "train" in Path(o["output_dir"]).name]
+        return [
+            o["max_epochs"] * o["epoch_length"]
+            for o in trainings
+            if o["stage"] == stage and o["mode"] == method and "train" in Path(o["output_dir"]).name
+        ]
 
     # one run per method and stage, in segments: direct also stops at half of every budget (the regressors)
     assert ends("direct", 1) == [2, 4, 8, 16] and ends("direct", 2) == [1, 2, 4, 8]

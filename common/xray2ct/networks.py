@@ -628,27 +628,29 @@ class XrayCTSampler(InferenceView):
         estimate: torch.Tensor | None,
         generator: torch.Generator | None,
     ) -> torch.Tensor:
+        """The DDIM samples of one chunk: ``noise`` and the per-sample inputs of its volumes."""
         net = self.network
         denoiser = unwrap(net)
-
         extra = {} if estimate is None else {"estimate": estimate}
 
         def model_fn(x_t: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
             return net(x_t, t, xray, previous, condition=condition, **extra).float()
 
-        to_volume = (lambda r: r) if estimate is None else (lambda r: denoiser.to_volume(r, estimate.double()))
-        to_state = (lambda v: v) if estimate is None else (lambda v: denoiser.to_residual(v, estimate.double()))
-        transform = None
-        if estimate is not None or self.guidance_scale:
+        def to_volume(state: torch.Tensor) -> torch.Tensor:  # the sampled state is the CT or its residual
+            return state if estimate is None else denoiser.to_volume(state, estimate.double())
 
-            def transform(x0: torch.Tensor, t: int) -> torch.Tensor:
-                volume = to_volume(x0)
-                if self.guidance_scale:
-                    volume = denoiser.projector.data_consistency(volume, xray, self.guidance_scale)
-                if self.clip_sample:
-                    volume = volume.clamp(-1.0, 1.0)
-                return to_state(volume)
+        def to_state(volume: torch.Tensor) -> torch.Tensor:
+            return volume if estimate is None else denoiser.to_residual(volume, estimate.double())
 
+        def corrected(x0: torch.Tensor, t: int) -> torch.Tensor:
+            volume = to_volume(x0)
+            if self.guidance_scale:
+                volume = denoiser.projector.data_consistency(volume, xray, self.guidance_scale)
+            if self.clip_sample:
+                volume = volume.clamp(-1.0, 1.0)
+            return to_state(volume)
+
+        transform = corrected if estimate is not None or self.guidance_scale else None
         out = grid_ddim_sample(
             model_fn,
             noise,

@@ -7,6 +7,7 @@
     python scripts/benchmark.py xray_throughput --device cuda --stage 3 --amp bf16 --compile True
     python scripts/benchmark.py xray_quality --iterations 300      # equal budgets: diffusion vs direct vs baseline
     python scripts/benchmark.py xray_quality --num_threads 2 --output /tmp/xray_quality.json
+    python scripts/benchmark.py xray_quality --budgets "[300,1200,2400]" --plot budgets.png  # over budgets
     python scripts/benchmark.py xray_memory --stages "[1,2]"      # peak memory of one training step per stage
 
 ``xray_throughput`` alternates, in one process, (a) a plain loop written as public X-ray -> CT scripts are (CPU
@@ -416,7 +417,7 @@ def xray_quality(
     seed: int = 0,
     budgets: Sequence[int] | None = None,
     methods: Sequence[str] = ("direct", "diffusion", "residual"),
-    num_samples: int = 8,
+    num_samples: int = 4,
     guidance_scale: float = 1.0,
     parallel: int = 2,
     plot: str | None = None,
@@ -458,7 +459,17 @@ def xray_quality(
     """
     if budgets is not None:
         return _quality_budgets(
-            device, stages, output, work_dir, seed, budgets, methods, num_samples, guidance_scale, parallel, plot,
+            device,
+            stages,
+            output,
+            work_dir,
+            seed,
+            budgets,
+            methods,
+            num_samples,
+            guidance_scale,
+            parallel,
+            plot,
             overrides,
         )
     from common.utils import resolve_device

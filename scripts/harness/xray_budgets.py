@@ -115,7 +115,7 @@ def xray_budgets(
     methods: Sequence[str] = ("direct", "diffusion", "residual"),
     stages: int = 2,
     stage2_ratio: float = 0.5,
-    num_samples: int = 8,
+    num_samples: int = 4,
     guidance_scale: float = 1.0,
     parallel: int = 2,
     output: str | None = None,
