@@ -182,7 +182,7 @@ def xray_budgets(
         epoch = unit1 if stage == 1 else unit2
         overrides = {
             **settings,
-            **{k: v for k, v in BUDGET_METHODS[method].items()},
+            **BUDGET_METHODS[method],
             **(extra or {}),
             "stage": stage,
             "output_dir": str(out),
