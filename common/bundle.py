@@ -7,19 +7,18 @@ from __future__ import annotations
 
 import difflib
 import importlib
-import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from common.errors import MissingInputError, install_user_error_hook
+from common.errors import MissingInputError, SettingsError, UserError, install_user_error_hook
 from common.runs import RUN_ARGUMENTS, command_line, config_file_list
 
 __all__ = [
     "bundle_root",
     "check_command_line",
     "check_run",
-    "check_settings_or_exit",
+    "check_settings",
     "demo_generator",
     "find_checkpoint",
     "make_demo_data",
@@ -96,12 +95,15 @@ def find_checkpoint(output_dir: str, bundle_root: str, name: str = "model.pt") -
     )
 
 
-def check_settings_or_exit(check: Callable[..., Any], **settings: Any) -> Any:
-    """Run a bundle's hyperparameter check first thing in ``initialize``: on ``ValueError``/``TypeError`` print
-    its message (which names the config ids) and exit with status 1, before anything is built or written.
+def check_settings(check: Callable[..., Any], **settings: Any) -> Any:
+    """Run a bundle's hyperparameter check first thing in ``initialize``, before anything is built or written: a
+    ``ValueError``/``TypeError`` it raises (whose message names the config ids) becomes a :class:`SettingsError`
+    with the same message; a :class:`UserError` (e.g. ``CheckpointError``) passes as it is.
 
     It also guards builders whose failure is a configuration error (e.g. loading a frozen autoencoder for latent
-    diffusion, or weights that do not fit the configured network: ``CheckpointError``): their result is returned.
+    diffusion, or weights that do not fit the configured network): their result is returned. On the command line
+    the error ends the command with ``error: <message>`` and exit status 1 (:func:`check_run` installs the hook);
+    in a notebook or ``ConfigWorkflow`` it can be caught (MONAI raises it as the cause of a ``RuntimeError``).
 
     Args:
         check: a function raising ``ValueError`` for invalid settings, e.g.
@@ -110,14 +112,16 @@ def check_settings_or_exit(check: Callable[..., Any], **settings: Any) -> Any:
 
     Returns:
         What ``check`` returns.
-    """
-    from common.checkpoint_io import CheckpointError
 
+    Raises:
+        SettingsError: with the message of the check's error.
+    """
     try:
         return check(**settings)
-    except (ValueError, TypeError, CheckpointError) as exc:
-        print(f"configuration error: {exc}", file=sys.stderr, flush=True)
-        raise SystemExit(1) from None
+    except UserError:
+        raise
+    except (ValueError, TypeError) as exc:
+        raise SettingsError(str(exc)) from exc
 
 
 def _kind_problem(name: str, default: Any, value: Any) -> str | None:
@@ -189,7 +193,7 @@ def check_command_line(argv: Sequence[str] | None = None) -> list[str]:
         if problem:
             problems.append(problem)
     if problems:
-        raise ValueError("the command line has problems:\n  " + "\n  ".join(problems))
+        raise SettingsError("the command line has problems:\n  " + "\n  ".join(problems))
     return checked
 
 
@@ -214,4 +218,4 @@ def check_run(amp: str | None = None, device: Any = None, argv: Sequence[str] | 
     except ValueError as exc:
         problems.append(str(exc))
     if problems:
-        raise ValueError("\n".join(problems))
+        raise SettingsError("\n".join(problems))

@@ -8,13 +8,22 @@ from __future__ import annotations
 import sys
 from typing import Any
 
-__all__ = ["MissingInputError", "UserError", "install_user_error_hook", "user_error_in_chain"]
+__all__ = ["MissingInputError", "SettingsError", "UserError", "install_user_error_hook", "user_error_in_chain"]
 
 
-class UserError(Exception):
+class UserError(ValueError):
     """Base of the errors that describe a problem of the user's input, settings or files (not a bug): a bundle
     command that fails with one ends with its message as the last line and exit status 1, without a traceback
-    (:func:`install_user_error_hook`)."""
+    (:func:`install_user_error_hook`).
+
+    Library and workflow code only raise it, so a notebook or a ``ConfigWorkflow`` user can catch it. MONAI wraps
+    an error raised while a config item is evaluated in a ``RuntimeError`` whose cause is the original error:
+    :func:`user_error_in_chain` finds it there.
+    """
+
+
+class SettingsError(UserError):
+    """A bundle's settings (its config ids) are invalid or do not fit together, or weights do not fit them."""
 
 
 def user_error_in_chain(exc: BaseException | None) -> UserError | None:
@@ -49,5 +58,5 @@ def install_user_error_hook() -> None:
     sys.excepthook = hook
 
 
-class MissingInputError(UserError, FileNotFoundError):
+class MissingInputError(FileNotFoundError, UserError):
     """A file or folder the command needs is not there (no input volumes, no trained weights)."""

@@ -391,7 +391,7 @@ def _to_plain(value: Any) -> Any:
     return value
 
 
-class OutputWriteError(UserError, OSError):
+class OutputWriteError(OSError, UserError):
     """A file could not be written (full disk, read-only file system, no permission, file size limit); the
     message names the file, the cause and says that the previous version of the file is unchanged."""
 

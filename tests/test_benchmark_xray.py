@@ -60,7 +60,7 @@ def in_process(monkeypatch):
         threads, start = torch.get_num_threads(), time.perf_counter()
         try:
             fire.Fire({"run": run}, command=cmd[3:])
-        except SystemExit as exc:  # a configuration error of the bundle
+        except SystemExit as exc:  # fire ends a command line it cannot parse with SystemExit
             raise RuntimeError(f"{cmd} exited with {exc.code}") from exc
         finally:
             torch.set_num_threads(threads)

@@ -468,7 +468,7 @@ def test_bad_settings_are_refused_before_anything_is_written(phantoms, tmp_path)
     )
     assert result.returncode == 1
     text = result.stderr
-    assert "configuration error: invalid autoencoder configuration" in text and "Traceback" not in text
+    assert "\nerror: invalid autoencoder configuration" in "\n" + text and "Traceback" not in text
     for key in ("'patch_size' [18, 16, 16]", "'norm_num_groups' 3", "'kl_weight'", "'intensity' HU window is inverted"):
         assert key in text, key
     assert not out.exists()

@@ -234,7 +234,7 @@ def test_bad_settings_are_refused_before_anything_is_written(brats_tree, tmp_pat
     )
     assert result.returncode == 1
     text = result.stderr
-    assert "configuration error" in text and "Traceback" not in text
+    assert "\nerror: " in "\n" + text and "Traceback" not in text
     for key in (
         "'num_grid_steps' must be in [1, num_train_timesteps=1000]",
         "'target_key' 'seg'",
@@ -467,7 +467,7 @@ def test_inference_with_weights_of_another_task_is_refused(trained, brats_tree, 
     )
     result = run_bundle(BUNDLE, ["inference.json", "tiny.json"], run_id="run", check=False, args=args)
     assert result.returncode == 1
-    assert "configuration error" in result.stderr and "Traceback" not in result.stderr
+    assert "\nerror: " in "\n" + result.stderr and "Traceback" not in result.stderr
     assert "takes 4 input channel(s) but this sampler is configured for 2" in result.stderr
     assert not pred.exists()
 

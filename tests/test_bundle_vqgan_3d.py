@@ -414,7 +414,7 @@ def test_bad_settings_are_refused_before_anything_is_written(ct_series, tmp_path
     )
     assert result.returncode == 1
     text = result.stderr
-    assert "configuration error" in text and "Traceback" not in text
+    assert "\nerror: " in "\n" + text and "Traceback" not in text
     for key in ("'patch_size'", "'n_codes'", "'discriminator_iter_start'", "'intensity' HU window is inverted"):
         assert key in text, key
     assert not out.exists()

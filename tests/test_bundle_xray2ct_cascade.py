@@ -244,7 +244,7 @@ def test_stage_2_without_stage_1_is_refused(phantoms, tmp_path):
         BUNDLE, TASK, check=False, args=overrides(dataset_dir=str(phantoms), output_dir=str(tmp_path), stage=2)
     )
     assert result.returncode == 1
-    assert "configuration error" in result.stderr and "Traceback" not in result.stderr
+    assert "\nerror: " in "\n" + result.stderr and "Traceback" not in result.stderr
     assert "stage 2 needs the trained weights of stage(s) 1..1" in result.stderr
     assert str(tmp_path / "stage1" / "models" / "model.pt") in result.stderr
     assert not (tmp_path / "stage2").exists()
@@ -265,7 +265,7 @@ def test_bad_settings_are_refused_before_anything_is_written(phantoms, tmp_path)
     )
     assert result.returncode == 1
     text = result.stderr
-    assert "configuration error" in text and "Traceback" not in text
+    assert "\nerror: " in "\n" + text and "Traceback" not in text
     for key in (
         "'mode' must be one of",
         "'vit_patch_size' 5 must divide",

@@ -281,8 +281,8 @@ def test_cli_exit_codes(tmp_path: Path, repo_root: Path) -> None:
         "--allow_pad",
         "False",
     )
-    assert bad.returncode == 1
-    assert "preflight found 2 problem(s)" in bad.stderr
+    assert bad.returncode == 1 and "Traceback" not in bad.stderr
+    assert "error: preflight found 2 problem(s)" in bad.stderr
     assert "gone.nii.gz: does not exist" in bad.stderr
     assert "is smaller than patch_size (32, 32, 32)" in bad.stderr
 
@@ -381,24 +381,21 @@ def test_invalid_max_cases_is_a_preflight_error(cohort: dict, bad) -> None:
         load_sections(cohort["file"], max_cases=bad)
 
 
-def test_preflight_or_exit_passes_max_cases_on(cohort: dict, capsys) -> None:
-    from common.data.preflight import preflight_or_exit
+def test_run_preflight_passes_max_cases_on(cohort: dict, capsys) -> None:
+    from common.data.preflight import run_preflight
 
-    loaded = preflight_or_exit(cohort["file"], max_cases=1)
+    loaded = run_preflight(cohort["file"], max_cases=1)
     assert [e["image"] for e in loaded["training"]] == [str(cohort["training"][0])]
     assert [e["image"] for e in loaded["validation"]] == [str(cohort["validation"][0])]
-    assert capsys.readouterr().err == ""
-    with pytest.raises(SystemExit) as info:
-        preflight_or_exit(cohort["file"], max_cases=3)
-    assert info.value.code == 1
-    err = capsys.readouterr().err
+    with pytest.raises(PreflightError) as info:
+        run_preflight(cohort["file"], max_cases=3)
+    err = str(info.value)
     assert "preflight found 2 problem(s)" in err and "training[3]" not in err
-    unchecked = preflight_or_exit(cohort["file"], enabled=False, max_cases=3)  # structure only, no volume read
+    unchecked = run_preflight(cohort["file"], enabled=False, max_cases=3)  # structure only, no volume read
     assert [e["image"] for e in unchecked["training"]] == [str(p) for p in cohort["training"][:3]]
-    with pytest.raises(SystemExit) as info:
-        preflight_or_exit(cohort["file"], enabled=False, max_cases=0)
-    assert info.value.code == 1
-    assert "max_cases must be a positive integer or null, got 0" in capsys.readouterr().err
+    with pytest.raises(PreflightError, match="max_cases must be a positive integer or null, got 0"):
+        run_preflight(cohort["file"], enabled=False, max_cases=0)
+    assert capsys.readouterr() == ("", "")  # raised, not printed
 
 
 # ------------------------------------------------------------- multi-modality: channels, shapes, case ids
@@ -596,21 +593,19 @@ def test_preflight_shards_by_entry_when_comparing_shapes(tmp_path: Path, monkeyp
         assert sum({case[k] for k in MODALITIES} <= set(rank_reads) for rank_reads in reads) == 1
 
 
-def test_preflight_or_exit_passes_num_channels_and_same_shape_on(tmp_path: Path, capsys) -> None:
-    from common.data.preflight import preflight_or_exit
+def test_run_preflight_passes_num_channels_and_same_shape_on(tmp_path: Path, capsys) -> None:
+    from common.data.preflight import run_preflight
 
     case = _brats_case(tmp_path, "BraTS-GLI-00005-000", {"t2w": (6, 6, 5, 3), "t2f": (5, 6, 5)})
     file = _write_json(tmp_path / "d.json", {"training": [case]})
-    with pytest.raises(SystemExit) as info:
-        preflight_or_exit(file, keys=MODALITIES, num_channels=1)
-    assert info.value.code == 1
-    err = capsys.readouterr().err
+    with pytest.raises(PreflightError) as info:
+        run_preflight(file, keys=MODALITIES, num_channels=1)
+    err = str(info.value)
     assert "preflight found 1 problem(s)" in err
     assert f"training[0] (case BraTS-GLI-00005-000) {case['t2w']}: has 3 channels; 1 expected for key 't2w'" in err
-    with pytest.raises(SystemExit):
-        preflight_or_exit(file, keys=MODALITIES)
-    assert "spatial shapes differ between keys" in capsys.readouterr().err
-    assert preflight_or_exit(file, keys=MODALITIES, same_shape=False)["training"] == [case]
+    with pytest.raises(PreflightError, match="spatial shapes differ between keys"):
+        run_preflight(file, keys=MODALITIES)
+    assert run_preflight(file, keys=MODALITIES, same_shape=False)["training"] == [case]
 
 
 def test_cli_num_channels_and_same_shape(tmp_path: Path, repo_root: Path) -> None:

@@ -20,6 +20,7 @@ from torch import nn
 from common.data.datalist import DatalistError, file_stem, inference_entries
 from common.data.io import write_nifti
 from common.data.pipeline import CaseMetad, case_name_formatter
+from common.data.preflight import PreflightError
 from common.diffusion.transforms import (
     CopyChannelsd,
     EncodeLatentd,
@@ -475,7 +476,7 @@ def test_inference_inputs_generate_or_list_checked_cases(tmp_path):
     datalist = {"testing": [{"t1": str(files["t1"][0]), "t2": str(files["t2"][0]), "case_id": "one"}]}
     cases = inference_inputs("translation", str(tmp_path), ["t1", "t2"], datalist=datalist)
     assert cases == datalist["testing"]
-    with pytest.raises(SystemExit):
+    with pytest.raises(PreflightError, match="gone.nii.gz"):
         inference_inputs(
             "translation",
             str(tmp_path),

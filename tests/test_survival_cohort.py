@@ -19,10 +19,10 @@ import torch
 from common.survival.cohort import (
     CohortError,
     check_cohort,
-    cohort_or_exit,
     covariate_stats,
     cut_points_from_quantiles,
     inference_cohort,
+    load_cohort,
     read_cohort_csv,
     split_cohort,
 )
@@ -447,7 +447,7 @@ def test_covariate_stats_population_std_and_constant_columns() -> None:
         covariate_stats([])
 
 
-# ------------------------------------------------------------------------------------------------ cohort_or_exit
+# ------------------------------------------------------------------------------------------------ load_cohort
 
 
 @pytest.fixture
@@ -460,8 +460,8 @@ def good_cohort(tmp_path: Path) -> Path:
     return _csv(tmp_path, *rows)
 
 
-def test_cohort_or_exit_returns_sections_cut_points_and_stats(good_cohort: Path, capsys) -> None:
-    cohort = cohort_or_exit(good_cohort, covariates=("age",), horizons=(1, 3), num_intervals=2)
+def test_load_cohort_returns_sections_cut_points_and_stats(good_cohort: Path, capsys) -> None:
+    cohort = load_cohort(good_cohort, covariates=("age",), horizons=(1, 3), num_intervals=2)
     assert [e["case_id"] for e in cohort["training"]] == ["p0", "p2", "p3", "p4", "p5", "p7"]
     assert [e["case_id"] for e in cohort["validation"]] == ["p1", "p6"]
     assert "testing" not in cohort
@@ -471,25 +471,24 @@ def test_cohort_or_exit_returns_sections_cut_points_and_stats(good_cohort: Path,
     assert cohort["covariate_mean"] == pytest.approx([np.mean(ages)]) and cohort["covariate_std"] == pytest.approx(
         [np.std(ages)]
     )
-    explicit = cohort_or_exit(good_cohort, horizons=(1,), cut_points=[0, 1, 2], num_intervals=5, preflight=False)
+    explicit = load_cohort(good_cohort, horizons=(1,), cut_points=[0, 1, 2], num_intervals=5, preflight=False)
     assert explicit["cut_points"] == [0.0, 1.0, 2.0] and explicit["covariate_mean"] == []  # explicit cut points win
-    assert cohort_or_exit(good_cohort, horizons=(1,))["cut_points"] is None  # Cox head: no cut points
+    assert load_cohort(good_cohort, horizons=(1,))["cut_points"] is None  # Cox head: no cut points
     assert capsys.readouterr().err == ""
 
 
-def test_cohort_or_exit_refuses_fewer_quantile_intervals_than_configured(good_cohort: Path, capsys) -> None:
+def test_load_cohort_refuses_fewer_quantile_intervals_than_configured(good_cohort: Path, capsys) -> None:
     """Tied training event times give fewer distinct quantile intervals than the network's outputs."""
     text = good_cohort.read_text().replace(",900,1,", ",400,1,").replace(",300,1,", ",400,1,")
     good_cohort.write_text(text)  # the three training events all at 400 days: quantiles [0, 400 d, 2500 d]
-    with pytest.raises(SystemExit) as info:
-        cohort_or_exit(good_cohort, horizons=(1,), num_intervals=5, preflight=False)
-    assert info.value.code == 1
-    err = capsys.readouterr().err
+    with pytest.raises(CohortError) as info:
+        load_cohort(good_cohort, horizons=(1,), num_intervals=5, preflight=False)
+    err = str(info.value)
     assert "'num_intervals' 5: the training event times give only 2 distinct intervals" in err
     assert "--num_intervals 2" in err
 
 
-def test_cohort_or_exit_reports_rows_and_images_and_writes_nothing(good_cohort: Path, capsys) -> None:
+def test_load_cohort_reports_rows_and_images_and_writes_nothing(good_cohort: Path, capsys) -> None:
     lines = good_cohort.read_text().splitlines()
     lines[2] = "p1,images/p1.nii.gz,abc,0,51,val"  # bad time
     lines[4] = "p3,images/missing.nii.gz,1500,0,53,train"  # image does not exist
@@ -497,57 +496,56 @@ def test_cohort_or_exit_reports_rows_and_images_and_writes_nothing(good_cohort: 
     (good_cohort.parent / "images" / "corrupt.nii.gz").write_bytes(b"not a nifti file at all" * 20)
     good_cohort.write_text("\n".join(lines) + "\n")
     before = _listing(good_cohort.parent)
-    with pytest.raises(SystemExit) as info:
-        cohort_or_exit(good_cohort, covariates=("age",), num_intervals=3)
-    assert info.value.code == 1
-    err = capsys.readouterr().err.strip().splitlines()
-    assert err[0] == f"cohort CSV {str(good_cohort)!r}: 4 problem(s); nothing was started or written:"
+    with pytest.raises(CohortError) as info:
+        load_cohort(good_cohort, covariates=("age",), num_intervals=3)
+    err = str(info.value).splitlines()
+    assert err[0] == f"cohort CSV {str(good_cohort)!r}: 4 problem(s):"
     assert err[1:3] == [
-        "cohort error: row 2 (case p1): time ('time') 'abc' is not a number",
-        "cohort error: row 6 (case p5): event ('event') '3' is not 0 or 1; it must be 0 (censored) or 1 (event)",
+        "  row 2 (case p1): time ('time') 'abc' is not a number",
+        "  row 6 (case p5): event ('event') '3' is not 0 or 1; it must be 0 (censored) or 1 (event)",
     ]
     missing = good_cohort.parent / "images" / "missing.nii.gz"
-    assert err[3] == f"cohort error: row 4 (case p3): image {missing}: does not exist"
-    assert err[4].startswith("cohort error: row 6 (case p5): image ") and "cannot be read" in err[4]
+    assert err[3] == f"  row 4 (case p3): image {missing}: does not exist"
+    assert err[4].startswith("  row 6 (case p5): image ") and "cannot be read" in err[4]
     assert _listing(good_cohort.parent) == before
+    assert capsys.readouterr() == ("", "")  # raised, not printed
 
 
-def test_cohort_or_exit_reports_cohort_checks_and_max_cases(good_cohort: Path, capsys) -> None:
-    with pytest.raises(SystemExit):
-        cohort_or_exit(good_cohort, horizons=(1, 7), cut_points=[0, 9])
-    err = capsys.readouterr().err
-    assert "cohort error: horizon 7 years is at or beyond the largest follow-up time of the training split" in err
-    assert "cohort error: the last cut point 9 years is beyond" in err
+def test_load_cohort_reports_cohort_checks_and_max_cases(good_cohort: Path, capsys) -> None:
+    with pytest.raises(CohortError) as info:
+        load_cohort(good_cohort, horizons=(1, 7), cut_points=[0, 9])
+    err = str(info.value)
+    assert "\n  horizon 7 years is at or beyond the largest follow-up time of the training split" in err
+    assert "\n  the last cut point 9 years is beyond" in err
     # the first 7 rows hold both validation cases; max_cases=1 leaves none
-    assert len(cohort_or_exit(good_cohort, horizons=(1,), max_cases=7)["training"]) == 5
-    with pytest.raises(SystemExit):
-        cohort_or_exit(good_cohort, horizons=(1,), max_cases=1)
-    assert "cohort error: the validation split is empty" in capsys.readouterr().err
-    with pytest.raises(SystemExit):
-        cohort_or_exit(good_cohort, max_cases=0, preflight=False)
-    assert "cohort error: max_cases must be a positive integer or null, got 0" in capsys.readouterr().err
+    assert len(load_cohort(good_cohort, horizons=(1,), max_cases=7)["training"]) == 5
+    with pytest.raises(CohortError, match="the validation split is empty"):
+        load_cohort(good_cohort, horizons=(1,), max_cases=1)
+    with pytest.raises(CohortError, match="max_cases must be a positive integer or null, got 0"):
+        load_cohort(good_cohort, max_cases=0, preflight=False)
 
 
 WORKER = textwrap.dedent(
     """
     import sys
     import torch.distributed as dist
-    from common.survival.cohort import cohort_or_exit
+    from common.survival.cohort import CohortError, load_cohort
 
     dist.init_process_group("gloo")
     try:
-        cohort = cohort_or_exit(sys.argv[1], horizons=(1,))
+        cohort = load_cohort(sys.argv[1], horizons=(1,))
         print(f"rank {dist.get_rank()} ok {len(cohort['training'])}", flush=True)
-    except SystemExit as exc:
-        print(f"rank {dist.get_rank()} exit {exc.code}", flush=True)
-        raise
+    except CohortError as exc:
+        print(f"rank {dist.get_rank()} raised", flush=True)
+        print(exc, file=sys.stderr, flush=True)
+        raise SystemExit(1)
     finally:
         dist.destroy_process_group()
     """
 )
 
 
-def test_cohort_or_exit_under_torch_distributed_every_rank_reports_and_exits(good_cohort: Path, tmp_path: Path) -> None:
+def test_load_cohort_under_torch_distributed_every_rank_reports_and_exits(good_cohort: Path, tmp_path: Path) -> None:
     """2 gloo processes share the image reading; each reports both missing images (one read on each rank)."""
     lines = good_cohort.read_text().splitlines()
     lines[1] = lines[1].replace("images/p0.nii.gz", "images/gone0.nii.gz")
@@ -563,7 +561,7 @@ def test_cohort_or_exit_under_torch_distributed_every_rank_reports_and_exits(goo
            f"--master_port={port}", str(worker), str(good_cohort)]  # fmt: skip
     result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240, cwd=tmp_path)
     assert result.returncode != 0
-    assert "rank 0 exit 1" in result.stdout and "rank 1 exit 1" in result.stdout, result.stdout + result.stderr
+    assert "rank 0 raised" in result.stdout and "rank 1 raised" in result.stdout, result.stdout + result.stderr
     for name, row in (("gone0", 1), ("gone1", 2)):
-        line = f"cohort error: row {row} (case p{row - 1}): image {good_cohort.parent / 'images' / name}.nii.gz: does not exist"
+        line = f"  row {row} (case p{row - 1}): image {good_cohort.parent / 'images' / name}.nii.gz: does not exist"
         assert result.stderr.count(line) == 2, result.stderr  # printed by both ranks

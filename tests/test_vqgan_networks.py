@@ -13,7 +13,9 @@ import torch
 import torch.nn.functional as F
 
 import common.vqgan.networks as vqgan_module
-from common.bundle import check_settings_or_exit
+from common.bundle import check_settings
+from common.checkpoint_io import CheckpointError
+from common.errors import SettingsError
 from common.vqgan.networks import (
     VQGAN,
     EMAVectorQuantizer,
@@ -592,30 +594,36 @@ def test_every_problem_is_listed_in_one_message():
         assert line.strip().startswith(config_id), (config_id, line)
 
 
-def test_check_settings_or_exit_prints_and_exits(capsys):
-    with pytest.raises(SystemExit) as info:
-        check_settings_or_exit(check_vqgan_settings, **{**VALID, "n_codes": 1, "patches_per_volume": 0})
-    assert info.value.code == 1
-    err = capsys.readouterr().err
-    assert err.startswith("configuration error: invalid VQ-GAN configuration:")
-    assert "'n_codes' must be >= 2, got 1" in err and "'patches_per_volume' must be >= 1, got 0" in err
-    assert info.value.__suppress_context__ and info.value.__cause__ is None  # no chained traceback
+def test_check_settings_raises_a_settings_error_with_the_checks_message(capsys):
+    with pytest.raises(SettingsError) as info:
+        check_settings(check_vqgan_settings, **{**VALID, "n_codes": 1, "patches_per_volume": 0})
+    message = str(info.value)
+    assert message.startswith("invalid VQ-GAN configuration:")
+    assert "'n_codes' must be >= 2, got 1" in message and "'patches_per_volume' must be >= 1, got 0" in message
+    assert isinstance(info.value, ValueError) and isinstance(info.value.__cause__, ValueError)
+    assert str(info.value.__cause__) == message
+    assert capsys.readouterr() == ("", "")  # library code prints nothing and does not end the process
 
 
-def test_check_settings_or_exit_passes_valid_settings_and_reports_type_errors(capsys):
-    assert check_settings_or_exit(check_vqgan_settings, **VALID) is None
-    assert capsys.readouterr() == ("", "")
-    with pytest.raises(SystemExit) as info:
-        check_settings_or_exit(check_vqgan_settings, patch_size=[64, 64, 32])  # required settings missing
-    assert info.value.code == 1
-    err = capsys.readouterr().err
-    assert err.startswith("configuration error: ") and "missing" in err and "'n_codes'" in err
+def test_check_settings_passes_valid_settings_and_reports_type_errors(capsys):
+    assert check_settings(check_vqgan_settings, **VALID) is None
+    with pytest.raises(SettingsError, match="missing") as info:
+        check_settings(check_vqgan_settings, patch_size=[64, 64, 32])  # required settings missing
+    assert "'n_codes'" in str(info.value) and isinstance(info.value.__cause__, TypeError)
 
     def broken(**_):
         raise RuntimeError("not a settings problem")
 
     with pytest.raises(RuntimeError, match="not a settings problem"):  # only ValueError/TypeError are reported
-        check_settings_or_exit(broken)
+        check_settings(broken)
+
+    def bad_weights(**_):
+        raise CheckpointError("weights do not fit")
+
+    with pytest.raises(CheckpointError) as info:  # a user error passes as it is
+        check_settings(bad_weights)
+    assert info.value.__cause__ is None
+    assert capsys.readouterr() == ("", "")
 
 
 # ---------------------------------------------------------------------------------------------- DDP (torchrun)

@@ -306,12 +306,12 @@ def test_grid_spacing_spans_the_field_of_view():
 
 
 def test_check_inference_inputs_of_ct_and_xray_files(case, tmp_path):
-    """CT entries go through the preflight (a missing volume exits with status 1); X-ray entries through
+    """CT entries go through the preflight (a missing volume is raised as a ``PreflightError``); X-ray entries through
     :func:`check_view_files`, with paths resolved and problems raised as one ``PreflightError``."""
     proj = projector()
     checked = check_inference_inputs([{"image": case["image"], "case_id": "c0"}], proj, view_files=False)
     assert checked == {"testing": [{"image": case["image"], "case_id": "c0"}]}
-    with pytest.raises(SystemExit):
+    with pytest.raises(PreflightError, match="none.nii.gz"):
         check_inference_inputs([{"image": str(tmp_path / "none.nii.gz")}], proj, view_files=False)
     views = {
         k: str(save_view_nifti(tmp_path / f"c0_{k}.nii.gz", line_integrals((SIDE, SIDE)))) for k in view_keys(proj)

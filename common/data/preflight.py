@@ -12,7 +12,6 @@ from __future__ import annotations
 import itertools
 import math
 import os
-import sys
 import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -27,7 +26,7 @@ from common.data.datalist import (
     parse_datalist_section,
     read_datalist_json,
 )
-from common.errors import UserError
+from common.errors import UserError, install_user_error_hook
 
 __all__ = ["PreflightError", "check_volume", "main", "preflight"]
 
@@ -599,7 +598,7 @@ def preflight(
         num_workers: threads used to read volumes.
         required: sections that must be present.
         shard: ``(index, count)``: read only every ``count``-th distinct volume starting at ``index`` (ranks of
-            a distributed job split the reading; see :func:`preflight_or_exit`). When shapes are compared
+            a distributed job split the reading; see :func:`run_preflight`). When shapes are compared
             between keys, the ranks split the distinct entries instead and each reads all volumes of its
             entries, so every entry is compared on one rank.
         max_cases: keep only the first ``max_cases`` entries of each section (``None``: all).
@@ -694,7 +693,7 @@ def _run_extra_check(
     return error, (result if result is not None and error is None else loaded)
 
 
-def preflight_or_exit(
+def run_preflight(
     datalist: str | os.PathLike | Mapping[str, Any],
     base_dir: str | None = None,
     patch_size: Sequence[int] | None = None,
@@ -702,11 +701,11 @@ def preflight_or_exit(
     extra_check: Callable[[dict[str, list[dict]]], dict[str, list[dict]] | None] | None = None,
     **kwargs: Any,
 ) -> dict[str, list[dict]]:
-    """Preflight for bundle configs: on problems, print them all and exit with status 1 before any work.
+    """Preflight for bundle configs: every problem in one :class:`PreflightError`, raised before any work (on the
+    command line it ends the command with the report and exit status 1, without a traceback).
 
     Under ``torch.distributed`` each rank reads a different share of the volumes and the problems of all ranks
-    are gathered, so every rank reports the same list and stops. Exiting with ``SystemExit`` keeps the report
-    free of a traceback; library code should call :func:`preflight` and handle :class:`PreflightError`.
+    are gathered, so every rank raises the same report and stops.
 
     Args:
         datalist: datalist JSON file or decoded dict.
@@ -717,6 +716,9 @@ def preflight_or_exit(
             volumes have problems; it raises :class:`PreflightError` with its problems, which are reported together
             with the volumes', or returns the sections to use (e.g. with further paths resolved).
         kwargs: further arguments of :func:`preflight`.
+
+    Raises:
+        PreflightError: listing the problems of every rank.
     """
     import torch.distributed as dist
 
@@ -744,8 +746,7 @@ def preflight_or_exit(
         if problems:
             error = PreflightError(problems, next(g[1] for g in gathered if g))
     if error is not None:
-        print(str(error), file=sys.stderr, flush=True)
-        raise SystemExit(1)
+        raise error
     return loaded
 
 
@@ -761,7 +762,8 @@ def main(
     num_channels: int | Mapping[str, int] | None = None,
     same_shape: bool = True,
 ) -> None:
-    """Command-line entry: check a datalist, print a one-line summary, exit with status 1 on problems.
+    """Command-line entry: check a datalist and print a one-line summary; problems are raised in one
+    :class:`PreflightError` (the command ends with ``error: <report>`` and exit status 1).
 
     Example::
 
@@ -781,22 +783,18 @@ def main(
         same_shape: whether the volumes of an entry must share one spatial shape (with several keys).
     """
     sections = (sections,) if isinstance(sections, str) else tuple(sections)
-    try:
-        loaded = preflight(
-            datalist,
-            base_dir=base_dir,
-            sections=sections,
-            keys=keys,
-            patch_size=patch_size,
-            allow_pad=allow_pad,
-            check_values=check_values,
-            num_workers=num_workers,
-            num_channels=num_channels,
-            same_shape=same_shape,
-        )
-    except ValueError as exc:
-        print(str(exc), file=sys.stderr)
-        sys.exit(1)
+    loaded = preflight(
+        datalist,
+        base_dir=base_dir,
+        sections=sections,
+        keys=keys,
+        patch_size=patch_size,
+        allow_pad=allow_pad,
+        check_values=check_values,
+        num_workers=num_workers,
+        num_channels=num_channels,
+        same_shape=same_shape,
+    )
     counts = ", ".join(f"{len(loaded.get(section, []))} {section}" for section in sections)
     print(f"preflight OK: {counts} volumes")
 
@@ -804,4 +802,5 @@ def main(
 if __name__ == "__main__":
     import fire
 
+    install_user_error_hook()
     fire.Fire(main)

@@ -249,15 +249,15 @@ def inference_inputs(
     cases of ``source_keys`` under ``dataset_dir`` (``datalist``'s ``section``, the volumes matching ``pattern`` or
     the BraTS layout, see :func:`common.data.datalist.inference_entries`), checked by the preflight (readable
     single-channel volumes, every source present) before any weights are loaded; problems end the run with their
-    list (:func:`common.data.preflight.preflight_or_exit`).
+    list (:func:`common.data.preflight.run_preflight`).
     """
     from common.data.datalist import inference_entries
-    from common.data.preflight import preflight_or_exit
+    from common.data.preflight import run_preflight
 
     if task == "unconditional":
         return generation_items(num_samples, sample_shape, spacing)
     entries = inference_entries(dataset_dir, source_keys, datalist=datalist, section=section, pattern=pattern)
-    checked = preflight_or_exit(
+    checked = run_preflight(
         {"testing": entries},
         base_dir=dataset_dir,
         keys=list(source_keys),

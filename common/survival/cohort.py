@@ -4,12 +4,12 @@
 what the survival heads need (logistic-hazard cut points, covariate statistics), reporting every problem at once.
 
 Times are converted to YEARS on reading (``time_unit`` says what the CSV holds); everything downstream works in
-years. Bundle configs call :func:`cohort_or_exit`, which also runs the image preflight and stops before anything
+years. Bundle configs call :func:`load_cohort`, which also runs the image preflight and stops before anything
 is written when the cohort is unusable.
 
 Example::
 
-    cohort = cohort_or_exit("cohort.csv", time_unit="days", covariates=("age", "sex"), num_intervals=10)
+    cohort = load_cohort("cohort.csv", time_unit="days", covariates=("age", "sex"), num_intervals=10)
     cohort["training"][0]  # {"case_id", "image", "time", "event", "covariates", "split", "row"}
 """
 
@@ -21,7 +21,6 @@ import math
 import numbers
 import os
 import re
-import sys
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -36,7 +35,7 @@ __all__ = [
     "TIME_UNITS",
     "CohortError",
     "check_cohort",
-    "cohort_or_exit",
+    "load_cohort",
     "covariate_stats",
     "cut_points_from_quantiles",
     "inference_cohort",
@@ -344,7 +343,7 @@ def read_cohort_csv(
     - ``event`` must be exactly ``0``, ``1``, ``0.0`` or ``1.0`` (1 = event, 0 = censored).
     - ``image`` must be non-empty; relative paths are resolved against ``base_dir`` (default: the CSV's folder).
       It may be a file or a DICOM series folder; whether it exists is checked by the image preflight
-      (:func:`cohort_or_exit`), not here.
+      (:func:`load_cohort`), not here.
     - Covariates must be finite numbers. Without an ``id_col`` column the case id is the image file name without
       its image suffix (:func:`common.data.datalist.file_stem`). Case ids must be unique. The ``split_col`` column
       is optional (``split`` is ``None`` without it or for an empty cell); its values are checked by
@@ -847,7 +846,7 @@ def _cohort_problems(
     return result, problems, images, source
 
 
-def cohort_or_exit(
+def load_cohort(
     csv_path: str | os.PathLike,
     image_col: str = "image",
     time_col: str = "time",
@@ -868,18 +867,18 @@ def cohort_or_exit(
     max_cases: int | None = None,
     **preflight_kwargs: Any,
 ) -> dict[str, Any]:
-    """Read, split and check a survival cohort and preflight its images; on any problem print one report and exit.
+    """Read, split and check a survival cohort and preflight its images; every problem is raised in one report.
 
     The CSV is read with :func:`read_cohort_csv` (the first ``max_cases`` data rows only, when given), split with
     :func:`split_cohort` and checked with :func:`check_cohort` (split and cohort checks run once every row is
     valid). With ``preflight``, every row's image (also of rows with other problems) is checked with
-    :func:`common.data.preflight.preflight` (exists, readable, 3D, finite). All problems go to stderr in one
-    report, one ``cohort error:`` line each naming the row and case, and the process exits with status 1 before
-    anything is written. Nothing is written on success either.
+    :func:`common.data.preflight.preflight` (exists, readable, 3D, finite). All problems are raised in one
+    :class:`CohortError`, a line each naming the row and case, before anything is written (on the command line
+    the command ends with the report and exit status 1). Nothing is written on success either.
 
     Under ``torch.distributed`` every rank reads the (small) CSV itself and checks a different share of the
-    images; the problems of all ranks are gathered, so every rank prints the same report and all exit together,
-    as :func:`common.data.preflight.preflight_or_exit` does. Every rank returns the same (deterministic) result.
+    images; the problems of all ranks are gathered, so every rank raises the same report and all stop together,
+    as :func:`common.data.preflight.run_preflight` does. Every rank returns the same (deterministic) result.
 
     Args:
         csv_path: the cohort CSV; see :func:`read_cohort_csv` for the columns and ``time_unit``.
@@ -909,6 +908,9 @@ def cohort_or_exit(
         ``{"training": [...], "validation": [...], ("testing": [...],) "cut_points": [...] or None,
         "covariate_mean": [...], "covariate_std": [...]}``, the entries as :func:`read_cohort_csv` returns them
         (times in years) and the covariate statistics of the training split.
+
+    Raises:
+        CohortError: listing every problem of every rank, rows in order.
     """
     import torch.distributed as dist
 
@@ -938,8 +940,5 @@ def cohort_or_exit(
         image_problems = list(dict.fromkeys(p for g in gathered for p in g[1]))
     lines = problems + [line for _, line in sorted(image_problems, key=lambda item: item[0])]
     if lines:
-        report = [f"{source}: {len(lines)} problem(s); nothing was started or written:"]
-        report += [f"cohort error: {line}" for line in lines]
-        print("\n".join(report), file=sys.stderr, flush=True)
-        raise SystemExit(1)
+        raise CohortError(lines, source)
     return result

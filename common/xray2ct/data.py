@@ -197,7 +197,7 @@ def check_inference_inputs(
 ) -> dict[str, list[dict[str, Any]]]:
     """Check the entries of an inference run (:func:`xray_inference_items`) as section ``testing``: their X-ray
     files (:func:`check_view_files`) with ``view_files``, else their CT volumes (one channel, readable) with
-    :func:`common.data.preflight.preflight_or_exit`, which prints every problem and exits with status 1.
+    :func:`common.data.preflight.run_preflight`, which raises every problem in one :class:`PreflightError`.
 
     Args:
         inputs: the entries.
@@ -208,14 +208,14 @@ def check_inference_inputs(
         ``{"testing": entries}``, with paths resolved.
 
     Raises:
-        PreflightError: listing the problems of the X-ray files.
+        PreflightError: listing the problems of the X-ray files or CT volumes.
     """
-    from common.data.preflight import preflight_or_exit
+    from common.data.preflight import run_preflight
 
     sections = {"testing": [dict(entry) for entry in inputs]}
     if view_files:
         return check_view_files(sections, keys=view_keys(projector), view_size=projector.view_size)
-    return preflight_or_exit(sections, keys=["image"], sections=["testing"], required=["testing"], num_channels=1)
+    return run_preflight(sections, keys=["image"], sections=["testing"], required=["testing"], num_channels=1)
 
 
 class DRRd(MapTransform):

@@ -1,0 +1,87 @@
+# Copyright (c) the 3D MONAI bundle collection contributors.
+# Licensed under the Apache License, Version 2.0.
+"""A user error in library and workflow use is an exception the caller can catch (a ``UserError``, which is a
+``ValueError``), never the end of the process: ``ConfigWorkflow(...).initialize()`` and ``create_workflow(...)``
+on a bad setting raise it (MONAI raises it as the cause of its ``RuntimeError``) with the message the command line
+prints as ``error: ...`` (exit status 1), and nothing is written."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from monai.bundle import ConfigWorkflow, create_workflow
+
+from common.errors import SettingsError, UserError, user_error_in_chain
+from tests.helpers import BUNDLES, REPO_ROOT, bundle_env, overrides
+
+# one invalid setting per bundle, caught by the bundle's settings check, and a phrase of its message
+BAD_SETTINGS = {
+    "autoencoder_3d": ({"kl_weight": -1.0}, "'kl_weight' must be a number >= 0, got -1.0"),
+    "vqgan_3d": ({"n_codes": 1}, "'n_codes' must be >= 2, got 1"),
+    "fast_ddpm_3d": ({"num_grid_steps": 0}, "'num_grid_steps' must be in [1, num_train_timesteps=1000]"),
+    "mace_survival": ({"survival_head": "weibull"}, "'survival_head'"),
+    "xray2ct_cascade": ({"mode": "gan"}, "'mode' must be one of"),
+}
+
+
+def _train_config(bundle: str) -> str:
+    return str(BUNDLES / bundle / "configs" / "train.json")
+
+
+def _settings_error(exc: BaseException) -> UserError:
+    error = user_error_in_chain(exc)
+    assert isinstance(error, SettingsError) and isinstance(error, ValueError), repr(exc)
+    return error
+
+
+def test_user_error_is_a_value_error() -> None:
+    assert issubclass(UserError, ValueError) and issubclass(SettingsError, UserError)
+
+
+@pytest.mark.parametrize("bundle", sorted(BAD_SETTINGS))
+def test_config_workflow_and_create_workflow_raise_the_settings_error(bundle: str, tmp_path: Path) -> None:
+    bad, phrase = BAD_SETTINGS[bundle]
+    out = tmp_path / "out"
+    workflow = ConfigWorkflow(config_file=_train_config(bundle), workflow_type="train", output_dir=str(out), **bad)
+    with pytest.raises(Exception) as info:  # noqa: PT011 - MONAI wraps it; the cause is checked below
+        workflow.initialize()
+    error = _settings_error(info.value)
+    assert phrase in str(error)
+    with pytest.raises(Exception) as again:  # noqa: PT011
+        create_workflow(config_file=_train_config(bundle), workflow_type="train", output_dir=str(out), **bad)
+    assert str(_settings_error(again.value)) == str(error)
+    assert not out.exists()  # refused before anything was written
+
+
+def test_command_line_prints_the_same_message_and_exits_1(tmp_path: Path) -> None:
+    bad, _ = BAD_SETTINGS["autoencoder_3d"]
+    out = tmp_path / "out"
+    with pytest.raises(Exception) as info:  # noqa: PT011
+        ConfigWorkflow(
+            config_file=_train_config("autoencoder_3d"), workflow_type="train", output_dir=str(out), **bad
+        ).initialize()
+    message = str(_settings_error(info.value))
+    cmd = [sys.executable, "-m", "monai.bundle", "run", "training", "--config_file", _train_config("autoencoder_3d")]
+    cmd += overrides(output_dir=str(out), **bad)
+    result = subprocess.run(cmd, cwd=tmp_path, env=bundle_env(), capture_output=True, text=True, timeout=300)
+    assert result.returncode == 1, result.stderr[-3000:]
+    assert result.stderr.endswith(f"error: {message}\n"), result.stderr[-3000:]
+    assert "Traceback" not in result.stderr
+    assert not out.exists()
+
+
+def test_library_code_does_not_end_the_process() -> None:
+    """No module of the shared library calls ``sys.exit`` or raises ``SystemExit``: only the command-line entry
+    points (``scripts/``, ``__main__`` blocks) turn a ``UserError`` into an exit status."""
+    offenders = []
+    for path in sorted((REPO_ROOT / "common").rglob("*.py")):
+        text = path.read_text()
+        body = text.split('\nif __name__ == "__main__":')[0]
+        for number, line in enumerate(body.splitlines(), 1):
+            code = line.split("#")[0]
+            if "sys.exit(" in code or "raise SystemExit" in code:
+                offenders.append(f"{path.relative_to(REPO_ROOT)}:{number}: {line.strip()}")
+    assert not offenders, offenders
