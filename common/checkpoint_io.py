@@ -7,6 +7,7 @@ read and write checkpoints through this module."""
 from __future__ import annotations
 
 import os
+from collections import OrderedDict
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -15,17 +16,25 @@ import torch
 
 from common.errors import UserError
 from common.networks.wrappers import clean_state_dict, unwrap
-from common.runs import RUN_FILE, command_line, default_settings, read_record, settings_differences
+from common.runs import RUN_FILE, command_line, default_settings, read_record, run_dir_of, settings_differences
 from common.utils import write_atomic
 
 __all__ = [
+    "RECORD_KEY",
     "CheckpointError",
+    "checkpoint_record",
     "load_checkpoint",
     "load_network_weights",
     "mismatch_error",
     "save_checkpoint",
+    "save_weights",
     "state_dict_mismatch",
+    "with_record",
 ]
+
+# the entry of a state dict's ``_metadata`` (torch's own per-module version record, saved and loaded with the
+# tensors, ignored by ``load_state_dict`` for names that are no module) holding the training run's record
+RECORD_KEY = "@run"
 
 
 class CheckpointError(UserError, RuntimeError):
@@ -65,6 +74,58 @@ def load_checkpoint(path: str | os.PathLike, map_location: Any = "cpu") -> dict:
         raise CheckpointError(f"checkpoint {str(path)!r} is unreadable (truncated or corrupt): {e}") from e
 
 
+def with_record(state: Mapping[str, Any], record: Mapping[str, Any] | None) -> OrderedDict:
+    """``state`` (a state dict) carrying ``record`` - the content of a training run's ``configs/run.json``: its
+    bundle, version and the settings the weights were trained with - in its ``_metadata`` under
+    :data:`RECORD_KEY`. The file stays a plain state dict: ``load_state_dict``, ``torch.load(weights_only=True)``
+    and MONAI's ``ckpt_export`` read it as before, and the settings travel with the weights wherever the file is
+    copied (:func:`checkpoint_record` reads them back). ``None`` returns ``state`` unchanged."""
+    result = OrderedDict(state)
+    metadata = OrderedDict(getattr(state, "_metadata", None) or {})
+    if record is not None:
+        metadata[RECORD_KEY] = dict(record)
+    if metadata:
+        result._metadata = metadata  # type: ignore[attr-defined]
+    return result
+
+
+def save_weights(state: Mapping[str, Any], path: str | os.PathLike, record: Mapping[str, Any] | None = None) -> Path:
+    """Write a network's state dict (what inference loads) with the record of the run that trained it
+    (:func:`with_record`): ``record``, or by default the ``configs/run.json`` of the run folder whose ``models/``
+    receives ``path``, when there is one. Written atomically (:func:`save_checkpoint`).
+
+    Raises:
+        OutputWriteError: when the file system refuses the write.
+    """
+    if record is None:
+        run_dir = Path(path).resolve().parent.parent
+        record = read_record(run_dir) if (run_dir / RUN_FILE).is_file() else None
+    return save_checkpoint(with_record(state, record), path)
+
+
+def checkpoint_record(path: str | os.PathLike) -> dict[str, Any] | None:
+    """The record of the run that trained the weights in ``path``: the one the file carries (:func:`with_record`),
+    else the ``configs/run.json`` of the run folder whose ``models/`` holds it, else ``None``.
+
+    Raises:
+        CheckpointError: when the file cannot be read.
+        common.runs.RunRecordError: when the run folder's record is unreadable.
+    """
+    return _record_and_source(path)[0]
+
+
+def _record_and_source(path: str | os.PathLike) -> tuple[dict[str, Any] | None, str | None]:
+    """:func:`checkpoint_record` and where it was found (``"recorded in the checkpoint"`` or the run's file)."""
+    content = load_checkpoint(path)
+    record = (getattr(content, "_metadata", None) or {}).get(RECORD_KEY)
+    if isinstance(record, Mapping) and isinstance(record.get("settings"), Mapping):
+        return dict(record), "recorded in the checkpoint"
+    run_dir = run_dir_of(path)
+    if run_dir is None:
+        return None, None
+    return read_record(run_dir), str(run_dir / RUN_FILE)
+
+
 def _shape(value: Any) -> tuple[int, ...] | None:
     return tuple(value.shape) if isinstance(value, torch.Tensor) else None
 
@@ -91,23 +152,22 @@ def state_dict_mismatch(network: torch.nn.Module, state: Mapping[str, Any], stri
     return "; ".join(parts) or None
 
 
-def _recorded_settings(path: Path) -> tuple[dict[str, Any] | None, Path]:
-    """The full settings of the run whose ``models/`` folder holds ``path`` (its ``train.json`` defaults updated
-    with its ``configs/run.json``), or ``None`` when that run recorded none."""
-    run_dir = path.resolve().parent.parent
-    record_path = run_dir / RUN_FILE
+def _recorded_settings(path: Path) -> tuple[dict[str, Any] | None, str]:
+    """The full settings of the run that trained the weights in ``path`` (its ``train.json`` defaults updated with
+    its record, :func:`checkpoint_record`) and where the record was found; ``None`` when there is none."""
+    record_path = path.resolve().parent.parent / RUN_FILE
     try:
-        record = read_record(run_dir)
+        record, source = _record_and_source(path)
     except UserError:
-        return None, record_path
+        return None, f"{str(record_path)!r} is unreadable"
     if record is None:
-        return None, record_path
+        return None, f"{str(record_path)!r} is missing and the checkpoint carries no record"
     settings: dict[str, Any] = {}
     train_json = next(iter(record.get("config_files") or {}), None)
     if train_json and Path(train_json).is_file():
         settings.update(default_settings(Path(train_json).parent.parent))
     settings.update(record["settings"])
-    return settings, record_path
+    return settings, str(source)
 
 
 def mismatch_error(
@@ -131,18 +191,18 @@ def mismatch_error(
     if tensors is None:
         return None
     path = Path(path)
-    recorded, record_path = _recorded_settings(path)
+    recorded, where = _recorded_settings(path)
     current = {**(settings or {}), **(command_line() or {})}
     if recorded is None:
         hint = (
-            f"the run that wrote it recorded no settings ({str(record_path)!r} is missing): pass the network "
-            "settings it was trained with on the command line"
+            f"the run that wrote it recorded no settings ({where}): pass the network settings it was trained with "
+            "on the command line"
         )
     else:
         differences = settings_differences(recorded, current)
         hint = (
             "settings that differ - " + "; ".join(differences) if differences else "no recorded setting differs"
-        ) + f" (the checkpoint's run: {str(record_path)!r})"
+        ) + f" (the checkpoint's run: {where})"
     return CheckpointError(
         f"checkpoint {str(path)!r} does not fit the configured {type(unwrap(network)).__name__}: {hint}. {tensors}."
     )

@@ -2,13 +2,15 @@
 # Licensed under the Apache License, Version 2.0.
 """Package a bundle with its trained weights into a standalone, reproducible ``<name>_v<version>.zip``.
 
-Prints the zip's path and sha256 (give the hash to ``scripts/download_bundle.py --hash_val``). Exits with status 1
-and a one-line error for a missing bundle or checkpoint, a corrupt or pickled checkpoint, or a version without a
-changelog entry. Example::
+Prints the zip's path and sha256 (give the hash to ``scripts/download_bundle.py --hash_val``). The package's
+configs carry the settings the weights were trained with (recorded in the checkpoint by training). Exits with
+status 1 and an ``error:`` line for a missing bundle or checkpoint, a corrupt or pickled checkpoint, weights that do
+not fit the package's configs, no ``--url`` (unless ``--weights_inside True``), or a version without a changelog
+entry; nothing is written then. Example::
 
-    python scripts/package_bundle.py autoencoder_3d --ckpt runs/ae/models/model.pt --output dist
+    python scripts/package_bundle.py autoencoder_3d --ckpt runs/ae/models/model.pt --output dist --weights_inside True
     python scripts/package_bundle.py autoencoder_3d --ckpt runs/ae/models/model.pt \\
-        --url https://example.org/autoencoder_3d/model.pt --version 0.1.0
+        --url https://huggingface.co/<org>/autoencoder_3d/resolve/main/models/model.pt --version 0.1.0
 """
 
 from __future__ import annotations
@@ -19,13 +21,18 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from common.bundle_tools.package import default_checkpoint, file_hash, package_bundle  # noqa: E402
-from common.checkpoint_io import CheckpointError  # noqa: E402
 
 __all__ = ["main"]
 
 
 def main(
-    bundle: str, ckpt: str | None = None, output: str = "dist", url: str | None = None, version: str | None = None
+    bundle: str,
+    ckpt: str | None = None,
+    output: str = "dist",
+    url: str | None = None,
+    version: str | None = None,
+    weights_inside: bool = False,
+    hf_repo: str | None = None,
 ) -> None:
     """Write ``<output>/<name>_v<version>.zip`` and print its path and sha256.
 
@@ -34,19 +41,44 @@ def main(
         ckpt: the weights to ship as ``models/model.pt``; default: what the bundle's ``configs/inference.json``
             loads (``<output_dir>/models/model.pt`` or ``<bundle>/models/model.pt``).
         output: a folder (receives ``<name>_v<version>.zip``) or a path ending in ``.zip``.
-        url: download URL of the weights recorded in ``large_files.yml`` (empty when omitted: they ship in the zip).
+        url: where the weights are hosted (``https://...``), recorded in ``large_files.yml``.
         version: the version being released; must equal ``version`` in ``configs/metadata.json``.
+        weights_inside: the zip is what is distributed, weights inside (``large_files.yml`` lists them with
+            ``url: ""``); required when no ``url`` is given.
+        hf_repo: the Hugging Face model repository (``owner/name``) that will host it: the weights' url is its
+            address, and ``<output>/<name>_v<version>_hf/<name>/`` is the repository laid out, with the commands
+            to upload and download it printed.
     """
+    if weights_inside not in (True, False):
+        print(
+            f"package_bundle: error: --weights_inside must be True or False, got {weights_inside!r}.", file=sys.stderr
+        )
+        sys.exit(1)
     try:
         weights = Path(ckpt) if ckpt is not None else default_checkpoint(str(bundle))
         zip_path = package_bundle(
-            str(bundle), weights, output, url=url, version=None if version is None else str(version)
+            str(bundle),
+            weights,
+            output,
+            url=url,
+            version=None if version is None else str(version),
+            weights_inside=weights_inside,
+            hf_repo=None if hf_repo is None else str(hf_repo),
         )
-    except (FileNotFoundError, ValueError, CheckpointError) as e:
+    except (FileNotFoundError, ValueError) as e:
         print(f"package_bundle: error: {e}", file=sys.stderr)
         sys.exit(1)
     print(f"wrote {zip_path}")
     print(f"sha256 {file_hash(zip_path, 'sha256')}")
+    if hf_repo is not None:
+        name, version = zip_path.stem.rsplit("_v", 1)
+        layout = zip_path.parent / f"{name}_v{version}_hf"
+        print(f"Hugging Face repository {hf_repo} laid out in {layout / name}")
+        print(
+            f"upload: python -m monai.bundle push_to_hf_hub --repo {hf_repo} --name {name} --bundle_dir {layout} "
+            f"--version {version} --tag_as_latest_version True"
+        )
+        print(f"download: python -m monai.bundle download --source huggingface_hub --repo {hf_repo} --name {name}")
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@ import socket
 import subprocess
 import sys
 from collections.abc import Mapping, Sequence
+from http.server import SimpleHTTPRequestHandler
 from pathlib import Path
 from typing import Any
 
@@ -550,3 +551,75 @@ def check_tracked_training_loss(bundle: str, configs: Sequence[str], work_dir: P
     output_transform = DEFAULT_MLFLOW_SETTINGS["configs"]["trainer"]["output_transform"]
     loss = eval(output_transform[1:], {"monai": monai})(trainer.state.output)
     assert isinstance(loss, torch.Tensor) and loss.ndim == 0 and torch.isfinite(loss), f"{bundle}: logs {loss!r}"
+
+
+class HubHandler(SimpleHTTPRequestHandler):
+    """The part of the Hugging Face Hub's HTTP API that ``huggingface_hub.snapshot_download`` (what
+    ``monai.bundle download --source huggingface_hub`` calls) uses, serving the model repositories under
+    ``self.directory`` (``<owner>/<name>/`` each, one commit, reachable as ``main``, any tag or the commit): refs,
+    revision info, the recursive tree, and ``resolve`` with the headers the client reads (``X-Repo-Commit``,
+    ``ETag``, ``Content-Length``)."""
+
+    commit = "0" * 40
+
+    def log_message(self, format: str, *args) -> None:  # noqa: A002 - the signature of the base class
+        pass
+
+    def _files(self, repo: str) -> list[Path]:
+        root = Path(self.directory) / repo
+        return sorted(p for p in root.rglob("*") if p.is_file()) if root.is_dir() else []
+
+    def _send(self, status: int, body: bytes, content_type: str = "application/json", head: bool = False, **headers):
+        self.send_response(status)
+        self.send_header("Content-Type", content_type)
+        self.send_header("Content-Length", str(len(body)))
+        for key, value in headers.items():
+            self.send_header(key.replace("_", "-"), value)
+        self.end_headers()
+        if not head:
+            self.wfile.write(body)
+
+    def _route(self, head: bool) -> None:
+        import hashlib
+        import urllib.parse
+
+        path = urllib.parse.urlsplit(self.path).path
+        parts = [urllib.parse.unquote(p) for p in path.strip("/").split("/")]
+        if parts[:2] == ["api", "models"] and len(parts) >= 5:
+            repo, kind = "/".join(parts[2:4]), parts[4]
+            files = self._files(repo)
+            if not files:
+                return self._send(404, b'{"error": "Repository not found"}', head=head, X_Error_Code="RepoNotFound")
+            root = Path(self.directory) / repo
+            if kind == "refs":
+                ref = {"name": "main", "ref": "refs/heads/main", "targetCommit": self.commit}
+                return self._send(200, json.dumps({"branches": [ref], "tags": [], "converts": []}).encode(), head=head)
+            if kind == "revision":
+                siblings = [{"rfilename": p.relative_to(root).as_posix()} for p in files]
+                info = {"id": repo, "modelId": repo, "sha": self.commit, "private": False, "siblings": siblings}
+                return self._send(200, json.dumps(info).encode(), head=head)
+            if kind == "tree":
+                entries = [
+                    {
+                        "type": "file",
+                        "path": p.relative_to(root).as_posix(),
+                        "size": p.stat().st_size,
+                        "oid": hashlib.sha1(p.read_bytes()).hexdigest(),
+                    }  # fmt: skip
+                    for p in files
+                ]
+                return self._send(200, json.dumps(entries).encode(), head=head)
+        if len(parts) >= 5 and parts[2] == "resolve":
+            target = Path(self.directory) / parts[0] / parts[1] / "/".join(parts[4:])
+            if target.is_file():
+                body = target.read_bytes()
+                etag = '"' + hashlib.sha1(body).hexdigest() + '"'
+                return self._send(200, body, "application/octet-stream", head, X_Repo_Commit=self.commit, ETag=etag)
+            return self._send(404, b'{"error": "Entry not found"}', head=head, X_Error_Code="EntryNotFound")
+        return self._send(404, b'{"error": "not found"}', head=head)
+
+    def do_GET(self) -> None:  # noqa: N802 - the name http.server calls
+        self._route(head=False)
+
+    def do_HEAD(self) -> None:  # noqa: N802
+        self._route(head=True)

@@ -206,7 +206,7 @@ def test_inference_with_a_network_that_does_not_fit_names_the_settings(trained, 
     last = result.stderr.strip().splitlines()[-1]
     assert last.startswith("error: checkpoint ") and "does not fit the configured AutoencoderKL" in last
     assert "channels: checkpoint [8, 16, 16], config [16, 32, 32]" in last
-    assert "tensors differ in shape" in last and str(trained / "configs" / "run.json") in last
+    assert "tensors differ in shape" in last and "(the checkpoint's run: recorded in the checkpoint)" in last
     assert "size mismatch for" not in result.stderr and "Traceback" not in result.stderr
 
 
@@ -606,17 +606,27 @@ def test_compile_saves_clean_keys(phantoms, tmp_path):
 
 def test_packaged_run_carries_its_settings(trained, phantoms, tmp_path):
     """The zip of a run's weights carries the run's settings in its ``train.json`` (locations left out) and its
-    ``run.json``; unzipped elsewhere, its inference runs with no network override."""
+    ``run.json``, also when the weights file was copied out of the run folder (the file carries the record);
+    unzipped elsewhere, its inference runs with no network override."""
     import os
+    import shutil
     import zipfile
 
     from common.bundle_tools.package import package_bundle
+    from common.checkpoint_io import checkpoint_record
 
     train_defaults = json.loads((BUNDLES / BUNDLE / "configs" / "train.json").read_text())
-    zip_path = package_bundle(BUNDLE, trained / "models" / "model.pt", tmp_path / "dist")
-    with zipfile.ZipFile(zip_path) as zf:
+    copied = tmp_path / "elsewhere" / "weights.pt"
+    copied.parent.mkdir()
+    shutil.copy(trained / "models" / "model.pt", copied)
+    assert checkpoint_record(copied) == json.loads((trained / "configs" / "run.json").read_text())
+    zip_path = package_bundle(BUNDLE, trained / "models" / "model.pt", tmp_path / "dist", weights_inside=True)
+    from_copy = package_bundle(BUNDLE, copied, tmp_path / "dist_copy", weights_inside=True)
+    with zipfile.ZipFile(zip_path) as zf, zipfile.ZipFile(from_copy) as copy_zf:
         train = json.loads(zf.read(f"{BUNDLE}/configs/train.json"))
         record = json.loads(zf.read(f"{BUNDLE}/configs/run.json"))
+        for item in ("configs/train.json", "configs/run.json"):
+            assert copy_zf.read(f"{BUNDLE}/{item}") == zf.read(f"{BUNDLE}/{item}"), item
         zf.extractall(tmp_path / "anywhere")
     assert record == json.loads((trained / "configs" / "run.json").read_text())
     from common.runs import LOCATION_IDS

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import nibabel as nib
@@ -175,23 +176,33 @@ def test_backprojection_baseline_needs_no_weights(phantoms, tmp_path):
 
 
 def test_packed_cascade_runs_on_png_and_nifti_radiographs(cascade, evaluated, phantoms, tmp_path):
-    """``run pack`` writes the combined checkpoint a packaged bundle ships; inference from X-ray files made here with
-    the projector from the validation CTs: from exact NIfTI views (``phantom_val_000``) it gives the CT that evaluation
-    made from the same CT; 16-bit PNG views (``phantom_val_001``) read back within half a quantisation step of the
-    radiograph."""
+    """``run pack`` writes the combined checkpoint (into the run folder) with the settings of the highest stage, and
+    the package of that file runs inference with its own configs (nothing merged); from exact NIfTI views
+    (``phantom_val_000``) it gives the CT that evaluation made from the same CT; 16-bit PNG views
+    (``phantom_val_001``) read back within half a quantisation step of the radiograph."""
+    import zipfile
+
+    from common.bundle_tools.package import package_bundle
+    from common.checkpoint_io import checkpoint_record
     from common.xray2ct.data import read_view, save_view_nifti, save_view_png
     from common.xray2ct.drr import DRRProjector
 
-    packaged = tmp_path / "bundle"
-    shutil.copytree(BUNDLES / BUNDLE / "configs", packaged / "configs")
-    run_bundle(
-        BUNDLE,
-        ["inference.json", "tiny.json"],
-        run_id="pack",
-        args=overrides(bundle_root=str(packaged), output_dir=str(cascade), stage=2),
-    )
-    combined = torch.load(packaged / "models" / "model.pt", weights_only=True)
+    work = tmp_path / "run"
+    shutil.copytree(cascade, work)
+    args = overrides(output_dir=str(work), stage=2)
+    result = run_bundle(BUNDLE, ["inference.json", "tiny.json"], run_id="pack", args=args)
+    packed = work / "models" / "model.pt"
+    assert f"package it: python scripts/package_bundle.py xray2ct_cascade --ckpt {packed}" in result.stdout
+    combined = torch.load(packed, weights_only=True)
     assert {key.split(".")[0] for key in combined} == {"stage1", "stage2"}
+    record = checkpoint_record(packed)
+    stage2 = json.loads((work / "stage2" / "configs" / "run.json").read_text())
+    assert record == {**stage2, "settings": {**stage2["settings"], "stage": 2}}
+    zip_path = package_bundle(BUNDLE, packed, tmp_path / "dist", weights_inside=True)
+    with zipfile.ZipFile(zip_path) as zf:
+        zf.extractall(tmp_path / "unzipped")
+    packaged = tmp_path / "unzipped" / BUNDLE
+    assert json.loads((packaged / "configs" / "train.json").read_text())["stage"] == 2
 
     projector, cases = _validation_inputs(phantoms)
     assert [case for case, _ in cases] == ["phantom_val_000", "phantom_val_001"]
@@ -206,19 +217,12 @@ def test_packed_cascade_runs_on_png_and_nifti_radiographs(cascade, evaluated, ph
                 error = DRRProjector.intensity(read) - DRRProjector.intensity(image.as_tensor())
                 assert float(error.abs().max()) <= 1 / 65535 + 8 * torch.finfo(torch.float32).eps
     pred = tmp_path / "pred"
-    run_bundle(
-        BUNDLE,
-        ["inference.json", "tiny.json"],
-        run_id="run",
-        args=overrides(
-            bundle_root=str(packaged),
-            output_dir=str(tmp_path / "none"),
-            dataset_dir=str(xrays),
-            prediction_dir=str(pred),
-            stage=2,
-        ),
-        env=bundle_env(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1"),  # one thread, as evaluation (tiny.json)
-    )
+    cmd = [sys.executable, "-m", "monai.bundle", "run", "--config_file", "configs/inference.json"]
+    cmd += overrides(dataset_dir=str(xrays), prediction_dir=str(pred)) + seed_args(BUNDLE, ["inference.json"])
+    env = bundle_env(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")  # one thread, as evaluation (tiny.json)
+    env.pop("PYTHONPATH")  # the package's own common/
+    result = subprocess.run(cmd, cwd=packaged, env=env, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-4000:]
     written = sorted(p.name for p in pred.iterdir())
     kinds = ("ct.nii.gz", "ct_std.nii.gz", "views.png")  # train.json samples num_samples > 1 CTs per case
     assert written == sorted(f"phantom_val_00{i}_{k}" for i in (0, 1) for k in kinds)

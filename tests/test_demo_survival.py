@@ -15,7 +15,7 @@ import pytest
 from scipy.stats import spearmanr
 
 import common.demo.survival as demo
-from common.survival.cohort import CohortError, check_cohort, cohort_or_exit, read_cohort_csv, split_cohort
+from common.survival.cohort import CohortError, check_cohort, load_cohort, read_cohort_csv, split_cohort
 from common.survival.metrics import harrell_c
 from tests.helpers import shifted_seed
 
@@ -183,7 +183,7 @@ def test_cohort_events_split_and_follow_up(cohort: Path) -> None:
     days = np.asarray([int(r["time"]) for r in _rows(cohort)])
     assert days.min() >= 1 and days.max() <= round(4.0 * (1 + demo.FOLLOWUP_HALF_WIDTH) * 365.25)
     np.testing.assert_allclose([e["time"] for e in entries], days / 365.25, rtol=1e-12)
-    result = cohort_or_exit(cohort, covariates=("age", "sex"), num_intervals=5, patch_size=(32, 32, 32))
+    result = load_cohort(cohort, covariates=("age", "sex"), num_intervals=5, patch_size=(32, 32, 32))
     assert len(result["cut_points"]) == 6
     ages = [e["covariates"][0] for e in sections["training"]]
     assert result["covariate_mean"][0] == pytest.approx(np.mean(ages), rel=1e-12)

@@ -8,6 +8,7 @@ import errno
 import json
 import logging
 import os
+import shutil
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -579,3 +580,26 @@ def test_resume_at_epoch_boundary_is_bit_identical(tmp_path):
         for (key, a), b in zip(module_a.state_dict().items(), module_b.state_dict().values()):
             assert torch.equal(a, b), key
     assert straight.opt.param_groups[0]["lr"] == second.opt.param_groups[0]["lr"]
+
+
+def test_best_checkpoint_saver_writes_the_runs_record_into_the_weights(tmp_path):
+    """In a run folder the saved weights carry the run's ``configs/run.json`` (also after the file is copied out of
+    the run), stay a plain state dict for ``load_state_dict`` and ``weights_only`` loading; outside a run folder
+    they carry nothing."""
+    from common.checkpoint_io import RECORD_KEY, checkpoint_record
+
+    run = tmp_path / "run"
+    (run / "configs").mkdir(parents=True)
+    record = {"schema": 1, "bundle": "b", "name": "B", "version": "1", "settings": {"channels": [8, 16]}}
+    (run / "configs" / "run.json").write_text(json.dumps(record))
+    net = nn.Linear(2, 1)
+    BestCheckpointSaver(run / "models", net, "val_psnr")(_evaluator(1.0, 1))
+    copied = tmp_path / "elsewhere.pt"
+    shutil.copy(run / "models" / "model.pt", copied)
+    (run / "configs" / "run.json").unlink()
+    assert checkpoint_record(copied) == record == checkpoint_record(run / "models" / "model.pt")
+    loaded = torch.load(copied, weights_only=True)
+    assert loaded._metadata[RECORD_KEY] == record and set(loaded) == {"weight", "bias"}
+    nn.Linear(2, 1).load_state_dict(loaded)  # strict: the record is no tensor of the network
+    BestCheckpointSaver(tmp_path / "plain", net, "val_psnr")(_evaluator(1.0, 1))
+    assert checkpoint_record(tmp_path / "plain" / "model.pt") is None

@@ -6,6 +6,7 @@ archives that try to write outside the target folder."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import json
@@ -16,6 +17,7 @@ import sys
 import threading
 import warnings
 import zipfile
+from collections.abc import Iterator
 from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
@@ -26,6 +28,7 @@ import torch
 from common.bundle_tools.package import (
     MODEL_FILE,
     LargeFileError,
+    PackageError,
     UnsafeArchiveError,
     check_archive,
     download_bundle,
@@ -33,8 +36,9 @@ from common.bundle_tools.package import (
     package_bundle,
     verify_large_files,
 )
-from common.checkpoint_io import CheckpointError
-from tests.helpers import BUNDLES, REPO_ROOT, bundle_env, model_zoo_checks, seed_args, shifted_seed
+from common.checkpoint_io import CheckpointError, with_record
+from common.runs import LOCATION_IDS, is_plain
+from tests.helpers import BUNDLES, REPO_ROOT, HubHandler, bundle_env, model_zoo_checks, seed_args, shifted_seed
 
 BUNDLE_NAMES = sorted(p.parent.parent.name for p in BUNDLES.glob("*/configs/metadata.json"))
 ZIP_DATE = (1980, 1, 1, 0, 0, 0)
@@ -45,17 +49,25 @@ class _QuietHandler(SimpleHTTPRequestHandler):
         pass
 
 
+@contextlib.contextmanager
+def _serving(root: Path, handler: type) -> Iterator[tuple[Path, str]]:
+    """A loopback HTTP server on a free port serving ``root`` with ``handler``: ``(root, base url)``."""
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), functools.partial(handler, directory=str(root)))
+    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield root, f"http://127.0.0.1:{httpd.server_address[1]}"
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+        thread.join(timeout=10)
+
+
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     """A loopback HTTP server on a free port serving a temporary folder: ``(folder, base url)``."""
-    root = tmp_path_factory.mktemp("served")
-    httpd = ThreadingHTTPServer(("127.0.0.1", 0), functools.partial(_QuietHandler, directory=str(root)))
-    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
-    thread.start()
-    yield root, f"http://127.0.0.1:{httpd.server_address[1]}"
-    httpd.shutdown()
-    httpd.server_close()
-    thread.join(timeout=10)
+    with _serving(tmp_path_factory.mktemp("served"), _QuietHandler) as served:
+        yield served
 
 
 def _configs(name: str, *files: str) -> list[str]:
@@ -63,8 +75,17 @@ def _configs(name: str, *files: str) -> list[str]:
     return [str(configs / f) for f in files if (configs / f).is_file()]
 
 
-def _tiny_checkpoint(name: str, path: Path) -> Path:
-    """The state dict of the bundle's inference ``network`` at ``configs/tiny.json`` sizes (no training needed).
+def _tiny_record(name: str) -> dict:
+    """The record a training run with ``configs/tiny.json`` merged writes (its settings: tiny.json's values)."""
+    meta = _metadata(name)
+    tiny = json.loads((BUNDLES / name / "configs" / "tiny.json").read_text())
+    settings = {k: v for k, v in tiny.items() if k != "imports" and is_plain(v)}
+    return {"schema": 1, "bundle": name, "name": meta["name"], "version": meta["version"], "settings": settings}
+
+
+def _tiny_checkpoint(name: str, path: Path, record: bool = True) -> Path:
+    """The state dict of the bundle's inference ``network`` at ``configs/tiny.json`` sizes (no training needed),
+    carrying the record a tiny training run writes into its ``model.pt`` (unless ``record`` is False).
 
     A model whose inference needs a calibration from the training predictions (the survival ``predictor``: risk
     percentiles, groups) is calibrated on random training outcomes, as training would write ``model.pt``."""
@@ -78,18 +99,19 @@ def _tiny_checkpoint(name: str, path: Path) -> Path:
     if predictor is not None and hasattr(predictor, "calibrate"):
         n = 12
         predictor.calibrate(torch.randn(n), torch.rand(n) * 10 + 5, (torch.arange(n) % 3 == 0).float())
-    torch.save(network.state_dict(), path)
+    torch.save(with_record(network.state_dict(), _tiny_record(name) if record else None), path)
     return path
 
 
 @pytest.fixture(scope="module")
 def packages(tmp_path_factory) -> dict[str, tuple[Path, Path]]:
-    """Every bundle packaged once with a tiny checkpoint: ``name -> (zip, checkpoint)``."""
+    """Every bundle packaged once with a tiny checkpoint that carries its run's settings: ``name -> (zip,
+    checkpoint)``. Nothing but the package is used afterwards: no ``tiny.json`` is merged."""
     root = tmp_path_factory.mktemp("packages")
     made = {}
     for name in BUNDLE_NAMES:
         ckpt = _tiny_checkpoint(name, root / f"{name}_tiny.pt")
-        made[name] = (package_bundle(name, ckpt, root / "dist"), ckpt)
+        made[name] = (package_bundle(name, ckpt, root / "dist", weights_inside=True), ckpt)
     return made
 
 
@@ -137,9 +159,9 @@ def _standalone_env() -> dict[str, str]:
 
 
 def _run_standalone(bundle: Path, name: str, dataset: Path, *args: str) -> subprocess.CompletedProcess:
-    """``python -m monai.bundle run`` of inference.json (+ tiny.json) from inside the bundle folder (with the
-    shifted seed of :func:`seed_args`)."""
-    configs = [c for c in ("configs/inference.json", "configs/tiny.json") if (bundle / c).is_file()]
+    """``python -m monai.bundle run`` of the package's inference.json alone (its train.json carries the settings of
+    its weights) from inside the bundle folder (with the shifted seed of :func:`seed_args`)."""
+    configs = ["configs/inference.json"]
     cmd = [sys.executable, "-m", "monai.bundle", "run", "--config_file", json.dumps(configs)]
     cmd += ["--dataset_dir", str(dataset), *args, *seed_args(name, [Path(c).name for c in configs], args)]
     result = subprocess.run(cmd, cwd=bundle, env=_standalone_env(), capture_output=True, text=True, timeout=600)
@@ -175,6 +197,21 @@ def _write_zip(path: Path, members: list[tuple[str, bytes, int]]) -> Path:
 
 # ------------------------------------------------------------------------------------------------ packaging
 @pytest.mark.parametrize("name", BUNDLE_NAMES)
+def test_tiny_profile_weights_are_under_1_mb(name, tmp_path):
+    """The weights of every bundle's tiny profile (for the X-ray cascade: all its stages) stay under the model zoo's
+    1 MB limit for files committed with a bundle."""
+    from monai.bundle import ConfigParser
+
+    parser = ConfigParser()
+    parser.read_config(_configs(name, "inference.json", "tiny.json"))
+    if "stage_sizes" in parser:
+        parser["stage"] = len(parser["stage_sizes"])
+    path = tmp_path / "model.pt"
+    torch.save(with_record(parser.get_parsed_content("network").state_dict(), _tiny_record(name)), path)
+    assert path.stat().st_size < 1_000_000, path.stat().st_size
+
+
+@pytest.mark.parametrize("name", BUNDLE_NAMES)
 def test_package_layout(name, packages):
     zip_path, ckpt = packages[name]
     version = _metadata(name)["version"]
@@ -188,9 +225,18 @@ def test_package_layout(name, packages):
         rel = {n[len(name) + 1 :] for n in names}
         bundle = BUNDLES / name
         configs = {f"configs/{p.name}" for p in (bundle / "configs").iterdir() if p.is_file()}
-        assert configs <= rel and {"LICENSE", "docs/README.md", "large_files.yml", MODEL_FILE} <= rel
-        for item in sorted(configs) + ["LICENSE", "docs/README.md"]:
+        assert (
+            configs | {"configs/run.json"} <= rel
+            and {"LICENSE", "docs/README.md", "large_files.yml", MODEL_FILE} <= rel
+        )
+        for item in sorted(configs - {"configs/train.json"}) + ["LICENSE", "docs/README.md"]:
             assert zf.read(f"{name}/{item}") == (bundle / item).read_bytes(), item
+        # the settings the weights carry become the package's defaults; the record is kept beside them
+        record = _tiny_record(name)
+        train = json.loads((bundle / "configs" / "train.json").read_text())
+        shipped = {k: v for k, v in record["settings"].items() if k not in LOCATION_IDS}  # not where it ran
+        assert json.loads(zf.read(f"{name}/configs/train.json")) == {**train, **shipped}
+        assert json.loads(zf.read(f"{name}/configs/run.json")) == record
         assert zf.read(f"{name}/{MODEL_FILE}") == ckpt.read_bytes()
         common = {
             f"common/{p.relative_to(REPO_ROOT / 'common').as_posix()}"
@@ -223,6 +269,7 @@ def test_package_cli_is_deterministic(packages, tmp_path):
     copy.write_bytes(ckpt.read_bytes())
     os.utime(copy, (1_000_000_000, 1_000_000_000))
     cmd = [sys.executable, str(REPO_ROOT / "scripts" / "package_bundle.py"), name, "--ckpt", str(copy)]
+    cmd += ["--weights_inside", "True"]
     result = subprocess.run(
         [*cmd, "--output", str(tmp_path / "out")], cwd=tmp_path, env=bundle_env(), capture_output=True, text=True
     )
@@ -277,6 +324,23 @@ def test_package_refusals(packages, tmp_path):
         package_bundle(unreleased, good, out)
     with pytest.raises(FileNotFoundError, match="no_such_bundle"):
         package_bundle("no_such_bundle", good, out)
+    with pytest.raises(PackageError, match="no url for models/model.pt") as e:  # the zoo could not fetch them
+        package_bundle(name, good, out)
+    assert "--url" in str(e.value) and "--weights_inside True" in str(e.value)
+    with pytest.raises(PackageError, match="url must be"):
+        package_bundle(name, good, out, url="weights.pt")
+    assert not out.exists() or not list(out.iterdir())
+
+
+@pytest.mark.parametrize("name", BUNDLE_NAMES)
+def test_package_refuses_weights_that_do_not_fit_its_configs(name, tmp_path):
+    """Weights without the record of their run (a copied file of a tiny network) do not fit the bundle's default
+    configs: refused when the package is made, naming the file, what differs and the fix; nothing written."""
+    plain = _tiny_checkpoint(name, tmp_path / "copied.pt", record=False)
+    out = tmp_path / "dist"
+    with pytest.raises(PackageError, match="do not fit the package's configs") as e:
+        package_bundle(name, plain, out, weights_inside=True)
+    assert str(plain) in str(e.value) and "train.json" in str(e.value)
     assert not out.exists() or not list(out.iterdir())
 
 
@@ -574,11 +638,124 @@ def test_model_zoo_checks(name, packages, tmp_path):
         nib.save(nib.Nifti1Image(volume, np.diag([14.0, 14.0, 14.0, 1.0])), dataset / "ct.nii.gz")
     else:
         dataset = _input_volume(name, tmp_path / "data")
-    tiny = str(bundle / "configs" / "tiny.json")
-    shape = default_input_shape(bundle, overrides=tiny)
+    shape = default_input_shape(bundle)
     # the survival model's network_def is its exported predictor; the generative bundles' entry point is
     # `network` (the zoo excludes generative bundles from the network_def shape check)
     net_id = "network_def" if name == "mace_survival" else "network"
     overrides = {"dataset_dir": str(dataset)}
-    lines = model_zoo_checks(bundle, ["infer"], ["tiny.json"], overrides, shape, _standalone_env(), net_id)
+    lines = model_zoo_checks(bundle, ["infer"], [], overrides, shape, _standalone_env(), net_id)
     assert lines == ["metadata verified", "infer properties verified", "net in out verified", "torchscript verified"]
+
+
+# ----------------------------------------------------------------------------------- notebook, outside the bundle
+_NOTEBOOK_CHECK = """
+import common, torch
+assert Path(common.__file__).resolve().parent == BUNDLE / "common", common.__file__  # the package's own library
+saved = torch.load(BUNDLE / "models" / "model.pt", weights_only=True)
+own = model.state_dict()
+assert set(saved) <= set(own), sorted(set(saved) - set(own))[:5]
+assert all(torch.equal(own[k].cpu(), v) for k, v in saved.items())
+print("loaded", type(model).__name__, len(saved))
+"""
+
+
+def _notebook_block(readme: Path) -> str:
+    """The Python block of the model card's section "From Python or a notebook, in any folder"."""
+    text = readme.read_text()
+    section = text[text.index("## From Python or a notebook, in any folder") :]
+    return section[
+        section.index("```python\n") + len("```python\n") : section.index("\n```", section.index("```python"))
+    ]
+
+
+@pytest.mark.parametrize("name", BUNDLE_NAMES)
+def test_notebook_step_outside_the_bundle(name, packages, tmp_path):
+    """The model card's block, as written, run from a temporary folder that is not the bundle's, with nothing of
+    this repository importable: the package's own ``common/`` is imported and ``load_weights`` gives the network
+    holding exactly the shipped weights."""
+    zip_path, _ = packages[name]
+    downloads = tmp_path / "downloads"
+    with zipfile.ZipFile(zip_path) as zf:
+        zf.extractall(downloads)
+    block = _notebook_block(downloads / name / "docs" / "README.md")
+    assert f'Path("downloads/{name}")' in block
+    work = tmp_path / "notebooks"
+    work.mkdir()
+    (work / "downloads").symlink_to(downloads, target_is_directory=True)
+    script = work / "cell.py"
+    script.write_text(block + "\n" + _NOTEBOOK_CHECK)
+    result = subprocess.run(
+        [sys.executable, str(script)], cwd=work, env=_standalone_env(), capture_output=True, text=True, timeout=600
+    )
+    assert result.returncode == 0, f"{name}: {result.stdout[-3000:]}\n{result.stderr[-5000:]}"
+    assert "loaded" in result.stdout
+
+
+# ------------------------------------------------------------------------------------------ verify a package
+@pytest.mark.parametrize("name", BUNDLE_NAMES)
+def test_verify_bundle_checks_the_package_with_its_own_weights(name, packages, tmp_path):
+    """``scripts/verify_bundle.py`` on an unzipped package builds the network from the package's configs alone,
+    loads its weights and runs it on a generated input: the package passes; with the bundle's default settings in
+    its ``train.json`` (tiny weights packed without their settings), it fails, naming the weights."""
+    from common.bundle_tools.verify import verify_bundle
+
+    zip_path, _ = packages[name]
+    with zipfile.ZipFile(zip_path) as zf:
+        zf.extractall(tmp_path)
+    bundle = tmp_path / name
+    assert verify_bundle(bundle) == []
+    (bundle / "configs" / "train.json").write_bytes((BUNDLES / name / "configs" / "train.json").read_bytes())
+    (bundle / "configs" / "run.json").unlink()
+    problems = verify_bundle(bundle, schema_file=REPO_ROOT / "tests" / "data" / "meta_schema_20240725.json")
+    assert any("models/model.pt with configs/inference.json: the weights do not fit" in p for p in problems), problems
+
+
+# ----------------------------------------------------------------------------------------- Hugging Face Hub
+@pytest.fixture
+def hub(tmp_path):
+    """A local stand-in for the Hugging Face Hub on 127.0.0.1 (:class:`tests.helpers.HubHandler`): ``(folder of
+    its repositories, endpoint)``."""
+    root = tmp_path / "hub"
+    root.mkdir()
+    with _serving(root, HubHandler) as served:
+        yield served
+
+
+def test_hugging_face_layout_downloads_with_monai_and_runs(hub, tmp_path, monkeypatch):
+    """``package_bundle(..., hf_repo=...)`` lays the package out as its Hugging Face repository, with the weights'
+    address on the Hub in ``large_files.yml``; served by a local endpoint (``HF_ENDPOINT``), ``python -m
+    monai.bundle download --source huggingface_hub`` fetches the same files back, and the bundle runs inference."""
+    pytest.importorskip("huggingface_hub")
+    import yaml
+
+    name = BUNDLE_NAMES[0]
+    served, endpoint = hub
+    monkeypatch.setenv("HF_ENDPOINT", endpoint)
+    ckpt = _tiny_checkpoint(name, tmp_path / "weights.pt")
+    zip_path = package_bundle(name, ckpt, tmp_path / "dist", hf_repo=f"monai-test/{name}")
+    layout = tmp_path / "dist" / f"{zip_path.stem}_hf" / name
+    with zipfile.ZipFile(zip_path) as zf:
+        expected = sorted(n[len(name) + 1 :] for n in zf.namelist())
+    assert sorted(p for p in _listing(layout) if (layout / p).is_file()) == expected
+    large = yaml.safe_load((layout / "large_files.yml").read_text())["large_files"]
+    assert next(e for e in large if e["path"] == MODEL_FILE)["url"] == (
+        f"{endpoint}/monai-test/{name}/resolve/main/{MODEL_FILE}"
+    )
+    import shutil
+
+    shutil.copytree(layout, served / "monai-test" / name)  # what push_to_hf_hub uploads
+    downloads = tmp_path / "downloads"
+    cmd = [sys.executable, "-m", "monai.bundle", "download", "--name", name, "--source", "huggingface_hub"]
+    cmd += ["--repo", f"monai-test/{name}", "--bundle_dir", str(downloads), "--progress", "False"]
+    env = bundle_env(HF_ENDPOINT=endpoint, HF_HUB_DISABLE_XET="1", HF_HOME=str(tmp_path / "hf_home"))
+    result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
+    bundle = downloads / name
+    got = sorted(p for p in _listing(bundle) if (bundle / p).is_file() and not p.startswith(".cache"))
+    assert got == expected
+    for rel in expected:
+        assert (bundle / rel).read_bytes() == (layout / rel).read_bytes(), rel
+    assert verify_large_files(bundle, missing_ok=False) == [MODEL_FILE]
+    out = tmp_path / "predictions_out"
+    _run_standalone(bundle, name, _input_volume(name, tmp_path / "data"), "--output_dir", str(out))
+    assert _predictions(name, out / "predictions") == 1

@@ -115,7 +115,7 @@ def test_covariates_are_fused_and_checked():
     assert not torch.allclose(a[0], b[0]) and torch.allclose(a[1], b[1])  # only the changed case moves
     with pytest.raises(ValueError, match="expects 2 covariates"):
         net(image)
-    with pytest.raises(ValueError, match=r"shape \(2, 2\).*got \(2, 3\)"):
+    with pytest.raises(ValueError, match=r"shape \(2, 2\).*got \[2, 3\]"):
         net(image, torch.zeros(2, 3))
     with pytest.raises(ValueError, match="num_covariates=0"):
         _net()(image, torch.zeros(2, 1))
@@ -465,6 +465,29 @@ def test_predict_on_a_time_grid_and_covariate_checks():
     assert predictor.standardize_covariates(torch.zeros(2, 0)).shape == (2, 0)
     with pytest.raises(ValueError, match=r"shape \(B, 0\)"):
         predictor.standardize_covariates(torch.zeros(2, 1))
+
+
+@pytest.mark.parametrize("head", ["logistic_hazard", "cox"])
+def test_export_view_scripts_with_and_without_covariates(head):
+    """``torch.jit.script`` (what the model zoo's ``ckpt_export`` does) of the calibrated export view gives the
+    eager values for both heads, also with covariates, and keeps the covariate check."""
+    for covariates in (None, torch.tensor([[60.0, 1.0], [45.0, 0.0], [70.0, 1.0]])):
+        k = 0 if covariates is None else covariates.shape[1]
+        net = _net(head=head, num_intervals=3 if head == "logistic_hazard" else 1, num_covariates=k)
+        cuts = CUTS if head == "logistic_hazard" else None
+        predictor = SurvivalPredictor(net, head, HORIZONS, cut_points=cuts, num_covariates=k)
+        if k:
+            predictor.set_covariate_stats(covariates.mean(0), covariates.std(0))
+        risk, time, event = torch.linspace(-1, 1, 20), torch.linspace(0.5, 6.0, 20), (torch.arange(20) % 2 == 0).float()
+        predictor.calibrate(risk, time, event, log_hz=risk if head == "cox" else None)
+        view = SurvivalExportView(predictor)
+        scripted = torch.jit.script(view)
+        image = _image(batch=3, seed=4)
+        with torch.no_grad():
+            torch.testing.assert_close(scripted(image, covariates), view(image, covariates))
+        if k:
+            with pytest.raises(torch.jit.Error, match="covariates of shape"):
+                scripted(image, covariates[:, :1])
 
 
 def test_export_view_is_one_tensor_that_traces(tmp_path):

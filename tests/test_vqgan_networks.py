@@ -750,3 +750,27 @@ def test_ddp_assert_replicas_equal_names_the_differing_tensor(ddp_run):
     _, errors = ddp_run
     assert errors[0] == errors[1]  # every rank raises the same error
     assert errors[0] == "replicas differ from rank 0 in 1 tensor(s): quantizer.embed_sum (ranks [1])"
+
+
+def test_reconstructor_scripts_and_matches_the_vqgan_without_updating_it():
+    """The inference ``network_def``: a VQ-GAN's state dict loads as it is, ``forward`` is the eval-mode
+    reconstruction through the nearest codes, it updates nothing (even in training mode) and ``torch.jit.script``
+    (the model zoo's ``ckpt_export``) gives the same values."""
+    from common.vqgan.networks import VQGANReconstructor
+
+    torch.manual_seed(0)
+    settings = {"n_hiddens": 8, "downsample": [4, 4, 4], "embedding_dim": 8, "n_codes": 32, "norm_num_groups": 4}
+    trained = VQGAN(**settings).train()
+    trained(torch.rand(2, 1, 16, 16, 16))  # initialises and updates the codebook
+    reconstructor = VQGANReconstructor(**settings)
+    reconstructor.load_state_dict(trained.state_dict())
+    trained.eval()
+    x = torch.rand(1, 1, 16, 16, 16)
+    before = {k: v.clone() for k, v in reconstructor.state_dict().items()}
+    with torch.no_grad():
+        out = reconstructor.train()(x)
+        torch.testing.assert_close(out, trained(x)["pred"])
+        scripted = torch.jit.script(reconstructor.eval())
+        torch.testing.assert_close(scripted(x), out)
+    assert all(torch.equal(before[k], v) for k, v in reconstructor.state_dict().items())
+    assert int(reconstructor.quantizer.usage_counts.sum()) == 0

@@ -192,7 +192,8 @@ def _parse_overrides(overrides: Any) -> list[Any]:
 
 
 def _make_parser(bundle_dir: Path, overrides: Any = None, device: str | None = "cpu"):
-    """A ``ConfigParser`` of ``inference.json`` with overrides (dicts and/or config files) applied in order."""
+    """A ``ConfigParser`` of ``inference.json`` with overrides (dicts and/or config files) applied in order; its
+    ``bundle_root`` is ``bundle_dir`` (whichever copy of ``common`` this process imported)."""
     from monai.bundle import ConfigParser
 
     config_file = bundle_dir / "configs" / "inference.json"
@@ -200,6 +201,7 @@ def _make_parser(bundle_dir: Path, overrides: Any = None, device: str | None = "
         raise FileNotFoundError(f"bundle {str(bundle_dir)!r} has no configs/inference.json.")
     parser = ConfigParser()
     parser.read_config(str(config_file))
+    parser["bundle_root"] = str(Path(os.path.abspath(bundle_dir)))
     user_keys: set[str] = set()
     for item in _parse_overrides(overrides):
         if isinstance(item, Mapping):

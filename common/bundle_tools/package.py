@@ -8,10 +8,15 @@ A packaged bundle ``<name>_v<version>.zip`` holds one folder ``<name>/`` with ``
 without the demo-data generators of ``common/demo``), so ``python -m monai.bundle run --config_file
 configs/inference.json ...`` run from that folder needs only the requirements installed: ``python -m`` puts the working directory, which holds ``common/``, on ``sys.path``.
 
-``large_files.yml`` of a package lists ``models/model.pt`` with its sha256. With a ``url`` the entry says where
-the weights can be downloaded again; without one the entry has ``url: ""``: MONAI's ``download_large_files``
-requires the key, and with an empty url it only checks the hash of the file already in the bundle (it fails,
-naming the url, when the file is missing). The same file is checked by :func:`verify_large_files`.
+``large_files.yml`` of a package lists ``models/model.pt`` with its sha256. With a ``url`` (a Hugging Face
+repository's address with ``hf_repo``) the entry says where the weights can be downloaded again, which a model-zoo
+submission needs; a package distributed as the zip itself (``weights_inside``) has ``url: ""``: MONAI's
+``download_large_files`` requires the key, and with an empty url it only checks the hash of the file already in the
+bundle (it fails, naming the url, when the file is missing). The same file is checked by :func:`verify_large_files`.
+
+The weights carry the record of their training run (:func:`common.checkpoint_io.checkpoint_record`), which becomes
+the package's ``train.json`` defaults and ``configs/run.json`` (:func:`run_configs`); a package whose weights do not
+fit its own configs is refused before it is written (:func:`check_package_weights`).
 """
 
 from __future__ import annotations
@@ -30,7 +35,8 @@ from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path, PurePosixPath
 from typing import Any
 
-from common.runs import LOCATION_IDS, RUN_FILE, check_record_bundle, read_record, run_dir_of
+from common.errors import UserError
+from common.runs import LOCATION_IDS, check_record_bundle
 
 __all__ = [
     "COMMON_DIR",
@@ -40,14 +46,18 @@ __all__ = [
     "PACKAGED_ITEMS",
     "REQUIRED_FILES",
     "LargeFileError",
+    "PackageError",
     "UnsafeArchiveError",
     "bundle_version",
     "check_archive",
     "check_checkpoint",
+    "check_package_weights",
     "default_checkpoint",
     "download_bundle",
     "extract_bundle",
     "file_hash",
+    "hf_layout",
+    "hf_weights_url",
     "package_bundle",
     "read_large_files",
     "run_configs",
@@ -74,12 +84,17 @@ _LARGE_FILES_HEADER = (
 )
 
 
-class UnsafeArchiveError(ValueError):
+class UnsafeArchiveError(UserError):
     """A bundle archive that is refused before extraction (unsafe member paths, links, wrong layout)."""
 
 
-class LargeFileError(ValueError):
+class LargeFileError(UserError):
     """A ``large_files.yml`` that is malformed, or a file it lists that is missing or whose hash does not match."""
+
+
+class PackageError(UserError):
+    """A package that is refused when it is made: weights that do not fit its configs, weights with no hosting
+    URL."""
 
 
 # ----------------------------------------------------------------------------------------------------- helpers
@@ -202,7 +217,7 @@ def default_checkpoint(name_or_dir: str | os.PathLike) -> Path:
     parser = ConfigParser()
     parser.read_config(str(bundle_dir / "configs" / "inference.json"))
     try:
-        return Path(parser.get_parsed_content("ckpt_path"))
+        found = parser.get_parsed_content("ckpt_path")
     except RuntimeError as e:  # MONAI wraps errors raised by `$` expressions
         cause: BaseException | None = e
         while cause is not None and not isinstance(cause, FileNotFoundError):
@@ -210,6 +225,13 @@ def default_checkpoint(name_or_dir: str | os.PathLike) -> Path:
         if cause is not None:
             raise FileNotFoundError(f"bundle {bundle_dir.name!r}: {cause} (when packaging: give the checkpoint)") from e
         raise
+    if not isinstance(found, (str, os.PathLike)):  # one file per stage (a cascade): they are combined first
+        raise PackageError(
+            f"bundle {bundle_dir.name!r} loads {len(found)} files ({found}); combine them into one first "
+            f"(python -m monai.bundle run pack --config_file {bundle_dir / 'configs' / 'inference.json'} --output_dir "
+            "<run folder>) and pass --ckpt <run folder>/models/model.pt."
+        )
+    return Path(found)
 
 
 # ----------------------------------------------------------------------------------------------- large files
@@ -295,6 +317,38 @@ def _packaged_large_files(bundle_dir: Path, model_hash: str, url: str | None) ->
     return (_LARGE_FILES_HEADER + body).encode("utf-8")
 
 
+# ------------------------------------------------------------------------------------------- Hugging Face Hub
+_HF_REPO_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9][A-Za-z0-9_.-]*$")
+
+
+def hf_weights_url(repo: str, revision: str = "main") -> str:
+    """Where a Hugging Face model repository ``repo`` (``owner/name``) serves the bundle's weights:
+    ``<HF_ENDPOINT>/<repo>/resolve/<revision>/models/model.pt`` (``HF_ENDPOINT``: the Hub's address, as for the
+    ``huggingface_hub`` client; default ``https://huggingface.co``).
+
+    Raises:
+        PackageError: when ``repo`` is not ``owner/name``.
+    """
+    if not isinstance(repo, str) or not _HF_REPO_ID.match(repo):
+        raise PackageError(f"a Hugging Face repository is named 'owner/name', got {repo!r}.")
+    endpoint = os.environ.get("HF_ENDPOINT", "https://huggingface.co").rstrip("/")
+    return f"{endpoint}/{repo}/resolve/{revision}/{MODEL_FILE}"
+
+
+def hf_layout(zip_path: str | os.PathLike, folder: str | os.PathLike) -> Path:
+    """Lay a package out as the Hugging Face model repository of the bundle: ``<folder>/<name>/`` holds the files of
+    the repository (the bundle folder: ``configs/``, ``models/``, ``docs/``, ``common/``, ...), extracted and checked
+    by :func:`extract_bundle` (an existing layout is replaced). MONAI's ``push_to_hf_hub --name <name>
+    --bundle_dir <folder>`` uploads it (adding ``README.md``, the model card with the Hub's metadata), and
+    ``python -m monai.bundle download --source huggingface_hub --repo <owner/name> --name <name>`` puts the same
+    files back into ``<bundle_dir>/<name>/``.
+
+    Returns:
+        the repository folder ``<folder>/<name>``.
+    """
+    return extract_bundle(zip_path, folder, overwrite=True)
+
+
 # ------------------------------------------------------------------------------------------------- packaging
 def _tree_files(
     root: Path, rel_root: str, python_only: bool = False, skip: Sequence[str] = ()
@@ -313,18 +367,20 @@ def _tree_files(
 
 
 def run_configs(bundle_dir: Path, ckpt: Path) -> dict[str, bytes]:
-    """When ``ckpt`` lies in a training run's ``models/`` folder: ``configs/train.json`` with the run's recorded
-    settings as its defaults (locations such as ``dataset_dir`` and ``output_dir`` left out, see
-    :data:`common.runs.LOCATION_IDS`) and the run's ``configs/run.json``, so the packaged bundle evaluates and runs
-    inference with the settings the weights were trained with, without overrides. Empty otherwise.
+    """The configs that make a package use the settings its weights were trained with: when ``ckpt`` carries the
+    record of its training run (:func:`common.checkpoint_io.checkpoint_record`: inside the file, or the run folder
+    whose ``models/`` holds it), ``configs/train.json`` with the run's recorded settings as its defaults (locations
+    such as ``dataset_dir`` and ``output_dir`` left out, see :data:`common.runs.LOCATION_IDS`) and the record as
+    ``configs/run.json``, so the packaged bundle evaluates and runs inference without overrides. Empty otherwise.
 
     Raises:
-        common.runs.RunRecordError: when the run's record belongs to another bundle.
+        common.runs.RunRecordError: when the record belongs to another bundle.
     """
-    run_dir = run_dir_of(ckpt)
-    if run_dir is None:
+    from common.checkpoint_io import checkpoint_record
+
+    record = checkpoint_record(ckpt)
+    if record is None:
         return {}
-    record = read_record(run_dir) or {}
     check_record_bundle(record, bundle_dir, ckpt)
     train = json.loads((bundle_dir / "configs" / "train.json").read_text(encoding="utf-8"))
     for key, value in record["settings"].items():
@@ -332,7 +388,7 @@ def run_configs(bundle_dir: Path, ckpt: Path) -> dict[str, bytes]:
             train[key] = value
     return {
         "configs/train.json": (json.dumps(train, indent=4) + "\n").encode("utf-8"),
-        "configs/run.json": (run_dir / RUN_FILE).read_bytes(),
+        "configs/run.json": (json.dumps(record, indent=4) + "\n").encode("utf-8"),
     }
 
 
@@ -354,6 +410,46 @@ def _package_members(bundle_dir: Path, ckpt: Path, large_files: bytes) -> dict[s
     members[MODEL_FILE] = ckpt
     members.update(run_configs(bundle_dir, ckpt))
     return members
+
+
+def check_package_weights(bundle_dir: str | os.PathLike, source: str | os.PathLike | None = None) -> None:
+    """Check that a bundle folder's ``models/model.pt`` fits its own configs: ``load_weights`` of
+    ``configs/inference.json`` (the bundle's own loader, which its inference runs first) is evaluated with the
+    folder's ``train.json`` defaults and nothing merged, as a run from that folder would.
+
+    Args:
+        bundle_dir: the bundle folder (a package, unzipped).
+        source: the file the weights were copied from, named in the error instead of ``models/model.pt``.
+
+    Raises:
+        PackageError: naming the loader's explanation (which settings differ) and the fix.
+    """
+    from monai.bundle import ConfigParser
+
+    from common.errors import user_error_in_chain
+
+    bundle_dir = Path(bundle_dir)
+    with tempfile.TemporaryDirectory(prefix="package_check_") as tmp:
+        parser = ConfigParser()
+        parser.read_config(str(bundle_dir / "configs" / "inference.json"))
+        parser.update({"bundle_root": str(bundle_dir), "output_dir": os.path.join(tmp, "outputs")})
+        try:
+            parser.get_parsed_content("load_weights")
+        except Exception as exc:
+            text = _error_text(user_error_in_chain(exc) or exc)
+            if source is not None:
+                text = text.replace(str(bundle_dir / MODEL_FILE), str(source))
+            raise PackageError(
+                f"the weights do not fit the package's configs ({text}). A package must run with its "
+                "own settings: package the models/model.pt a training run wrote (it carries the run's settings; "
+                "for the X-ray cascade, the file 'run pack' writes), or, for weights from elsewhere, set the "
+                "network settings they were trained with in the bundle's configs/train.json first."
+            ) from exc
+
+
+def _error_text(exc: BaseException) -> str:
+    text = " ".join(str(exc).split())
+    return text if len(text) <= 1500 else text[:1500] + " ..."
 
 
 def _write_member(zf: zipfile.ZipFile, arcname: str, source: Path | bytes) -> None:
@@ -378,6 +474,8 @@ def package_bundle(
     output_zip: str | os.PathLike,
     url: str | None = None,
     version: str | None = None,
+    weights_inside: bool = False,
+    hf_repo: str | None = None,
 ) -> Path:
     """Write a standalone, reproducible zip of a bundle with its trained weights.
 
@@ -394,10 +492,16 @@ def package_bundle(
         ckpt: the weights to ship as ``models/model.pt`` (what ``configs/inference.json`` loads); it must load with
             ``torch.load(weights_only=True)``.
         output_zip: a path ending in ``.zip``, or a folder that receives ``<name>_v<version>.zip``.
-        url: where ``models/model.pt`` can be downloaded from, written to ``large_files.yml``; ``None`` writes
-            ``url: ""`` (the weights ship inside the zip).
+        url: where ``models/model.pt`` can be downloaded from (``https://``, ``http://``), written to
+            ``large_files.yml``: a model-zoo submission leaves the weights out and the zoo fetches them from there.
         version: the version being released; must equal ``version`` in ``configs/metadata.json`` (which must have a
             changelog entry). ``None`` takes the metadata's version.
+        weights_inside: the package is distributed as this zip, weights inside, and ``large_files.yml`` lists them
+            with ``url: ""`` (MONAI's ``download_large_files`` then only checks their hash). Without it a ``url``
+            (or ``hf_repo``) is required.
+        hf_repo: the Hugging Face model repository (``owner/name``) that will host the bundle: the weights' url
+            defaults to its address (:func:`hf_weights_url`) and the package is also laid out as that repository
+            in ``<name>_v<version>_hf/<name>/`` beside the zip (:func:`hf_layout`).
 
     Returns:
         the path of the zip.
@@ -405,6 +509,8 @@ def package_bundle(
     Raises:
         FileNotFoundError: for a missing bundle, checkpoint or required bundle file.
         ValueError: for a version mismatch, a version without changelog entry or a symlink in the bundle.
+        PackageError: without ``url`` or ``weights_inside``, or when the weights do not fit the package's configs
+            (:func:`check_package_weights`); nothing is written.
         common.checkpoint_io.CheckpointError: for a corrupt or pickled checkpoint.
     """
     bundle_dir = _resolve_bundle(name_or_dir)
@@ -419,8 +525,17 @@ def package_bundle(
     if not ckpt.is_file():
         raise FileNotFoundError(f"checkpoint {str(ckpt)!r} does not exist.")
     check_checkpoint(ckpt)
-    if url is not None and not isinstance(url, str):
-        raise ValueError(f"url must be a string, got {url!r}.")
+    if hf_repo is not None and url is None:
+        url = hf_weights_url(hf_repo)
+    if url is not None and (not isinstance(url, str) or not re.match(r"^(https?|file)://\S+$", url)):
+        raise PackageError(f"url must be the http(s):// or file:// address of the weights, got {url!r}.")
+    if url is None and not weights_inside:
+        raise PackageError(
+            f"no url for {MODEL_FILE}: large_files.yml would list it with url '', which the MONAI model zoo cannot "
+            "download (a zoo submission leaves weights over 1 MB out of the bundle). Pass --url with the address "
+            "where the weights are hosted (e.g. https://huggingface.co/<org>/<repo>/resolve/main/models/model.pt), "
+            "or --weights_inside True when the package is distributed as this zip with the weights inside."
+        )
 
     large_files = _packaged_large_files(bundle_dir, file_hash(ckpt, "sha256"), url)
     members = _package_members(bundle_dir, ckpt, large_files)
@@ -438,6 +553,10 @@ def package_bundle(
             f.flush()
             os.fsync(f.fileno())
         check_archive(tmp, name)
+        with tempfile.TemporaryDirectory(prefix="package_staging_") as staging:
+            with zipfile.ZipFile(tmp) as zf:
+                zf.extractall(staging)
+            check_package_weights(Path(staging) / name, source=ckpt)
         os.chmod(tmp, _FILE_MODE)
         os.replace(tmp, out)
     except BaseException:
@@ -445,6 +564,9 @@ def package_bundle(
             os.unlink(tmp)
         raise
     logger.info(f"packaged {name} v{meta_version} ({len(members)} files) to {out}")
+    if hf_repo is not None:
+        layout = hf_layout(out, out.parent / f"{name}_v{meta_version}_hf")
+        logger.info(f"laid out as the Hugging Face repository {hf_repo}: {layout}")
     return out
 
 

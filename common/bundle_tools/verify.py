@@ -35,6 +35,7 @@ __all__ = [
     "check_large_files",
     "check_metadata",
     "check_net_in_out",
+    "check_package",
     "display_name",
     "list_bundles",
     "load_json_configs",
@@ -82,6 +83,7 @@ INFERENCE_IDS = (
     "inferer",
     "run",
     "ckpt_path",
+    "load_weights",
     "dataset_dir",
     "output_dir",
 )
@@ -377,8 +379,44 @@ def _resolve_shape(shape: Sequence[str | int], n: int, p: int, any_size: int) ->
     return tuple(_get_fake_spatial_shape(shape, p=p, n=n, any=any_size))
 
 
+def check_package(
+    bundle_dir: Path, meta: dict, device: str = "cpu", n: int = 4, p: int = 1, any_size: int = 16
+) -> list[str]:
+    """For a bundle that ships weights (``models/model.pt``: a package): its own ``configs/inference.json``, with
+    nothing merged, builds the network and loads the weights with the bundle's loader (``load_weights``, see
+    :func:`common.bundle_tools.package.check_package_weights`), and that network with those weights runs on a small
+    generated input checked against the metadata (:func:`check_net_in_out`). Nothing for a bundle without weights.
+    """
+    import tempfile
+
+    from common.bundle_tools.package import MODEL_FILE, PackageError, check_package_weights
+
+    if not (bundle_dir / MODEL_FILE).is_file():
+        return []
+    label = f"{MODEL_FILE} with configs/inference.json"
+    try:
+        check_package_weights(bundle_dir)
+    except PackageError as e:
+        return [f"{label}: {_shorten(str(e))}"]
+    with tempfile.TemporaryDirectory(prefix="verify_package_") as tmp:
+        overrides = {"bundle_root": str(Path(os.path.abspath(bundle_dir))), "device": device, "output_dir": tmp}
+        parser = _parser(bundle_dir, ("inference.json",), overrides)
+        model, problems = _instantiate(parser, "load_weights", label)
+        network, found = _instantiate(parser, "network", label) if model is not None else (None, [])
+        problems += found
+        if network is not None:
+            problems += check_net_in_out(network, meta, device=device, n=n, p=p, any_size=any_size, label=label)
+    return problems
+
+
 def check_net_in_out(
-    network: Any, meta: dict, device: str = "cpu", n: int = 4, p: int = 1, any_size: int = 16
+    network: Any,
+    meta: dict,
+    device: str = "cpu",
+    n: int = 4,
+    p: int = 1,
+    any_size: int = 16,
+    label: str | None = None,
 ) -> list[str]:
     """Run ``network`` once on a random input shaped as ``network_data_format.inputs.image`` declares and
     compare the output with ``network_data_format.outputs.pred`` (channels, spatial shape, dtype), like
@@ -391,8 +429,9 @@ def check_net_in_out(
         n: value of ``n`` in spatial shape expressions such as ``"4*n"``.
         p: value of ``p`` in spatial shape expressions such as ``"2**p"``.
         any_size: size used for ``"*"`` dimensions of the input.
+        label: what the problems are prefixed with (default: the configs the network was built from).
     """
-    label = _label(("inference.json", "tiny.json"))
+    label = label or _label(("inference.json", "tiny.json"))
     in_fmt, out_fmt = _tensor_format(meta, "inputs", "image"), _tensor_format(meta, "outputs", "pred")
     if in_fmt is None or out_fmt is None:
         return []  # reported by check_metadata
@@ -465,7 +504,8 @@ def verify_bundle(
 
     Checks required files, JSON/YAML syntax, metadata (schema, version in changelog, ``image``/``pred`` names)
     and required config ids; unless ``quick``, also instantiates the networks with ``configs/tiny.json`` merged
-    and runs the inference network once on a tiny input checked against the metadata.
+    and runs the inference network once on a tiny input checked against the metadata, and, for a bundle that ships
+    weights (a package), checks them with its own configs (:func:`check_package`).
 
     Args:
         bundle_dir: the bundle folder.
@@ -492,6 +532,8 @@ def verify_bundle(
         problems += found
         if network is not None and meta is not None:
             problems += check_net_in_out(network, meta, device=device, n=n, p=p, any_size=any_size)
+        if meta is not None:
+            problems += check_package(bundle_dir, meta, device=device, n=n, p=p, any_size=any_size)
     return [f"{prefix}: {problem}" for problem in problems]
 
 

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 from ignite.engine import Engine, Events
 
-from common.checkpoint_io import CheckpointError, load_checkpoint, mismatch_error, save_checkpoint
+from common.checkpoint_io import CheckpointError, load_checkpoint, mismatch_error, save_checkpoint, save_weights
 from common.engines.trainer import NonFiniteLossError
 from common.networks.wrappers import clean_state_dict, unwrap
 from common.runs import RunRecord
@@ -302,7 +302,8 @@ class BestCheckpointSaver:
     """Keep the ``n_saved`` best network weights by a validation metric, plus ``filename`` for the best one.
 
     Attach to the evaluator (on every rank: rank 0 writes, the others only check the metric). Files are plain
-    state dicts (what ``ckpt_export`` and ``inference.json`` load), written atomically; worse files are deleted.
+    state dicts (what ``ckpt_export`` and ``inference.json`` load) carrying the run's record when ``save_dir`` is
+    a run's ``models/`` (:func:`common.checkpoint_io.save_weights`), written atomically; worse files are deleted.
     Existing files in ``save_dir`` from an earlier, resumed run are taken into account.
 
     Args:
@@ -368,9 +369,9 @@ class BestCheckpointSaver:
             return
         state = clean_state_dict(unwrap(self.network).state_dict())
         step = int(self.global_step_transform(engine))
-        path = save_checkpoint(state, self.save_dir / f"model_{self.metric_name}={_exact(value)}_step={step}.pt")
+        path = save_weights(state, self.save_dir / f"model_{self.metric_name}={_exact(value)}_step={step}.pt")
         if not ranked or self._better(value, ranked[0][0]):
-            save_checkpoint(state, self.save_dir / self.filename)
+            save_weights(state, self.save_dir / self.filename)
             logger.info(f"new best {self.metric_name}={value:.6g} at step {step}: {self.save_dir / self.filename}")
         # the same value at the same step (a resumed run validating again) rewrites an existing file: count it once
         ranked = [(v, p) for v, p in ranked if p != path]

@@ -24,7 +24,7 @@ from common.engines.evaluator import StepEvaluator
 from common.engines.trainer import StepTrainer
 from common.survival.cohort import TIME_UNITS
 from common.survival.losses import cox_loss, logistic_hazard_loss
-from common.survival.networks import BACKBONES, HEADS
+from common.survival.networks import BACKBONES, HEADS, widen_factor_problem
 from common.utils import flag_problems, get_world_size
 
 __all__ = [
@@ -241,6 +241,7 @@ def check_survival_settings(
     cache_rate: float = 1.0,
     replace_rate: float = 0.1,
     calibration_cache_rate: float = 1.0,
+    widen_factor: float = 1.0,
 ) -> None:
     """Check a survival bundle's settings before anything is built or written.
 
@@ -258,6 +259,9 @@ def check_survival_settings(
         problems.append(f"'survival_head' must be one of {HEADS}, got {survival_head!r}.")
     if backbone not in BACKBONES:
         problems.append(f"'backbone' must be one of {BACKBONES}, got {backbone!r}.")
+    width_problem = widen_factor_problem(widen_factor)
+    if width_problem:
+        problems.append(width_problem)
     if isinstance(conv1_t_stride, bool) or not isinstance(conv1_t_stride, int) or conv1_t_stride < 1:
         problems.append(
             f"'conv1_t_stride' must be a positive integer (2 is the usual ResNet stem; 1 costs ~8x the FLOPs), "

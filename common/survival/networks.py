@@ -39,11 +39,28 @@ __all__ = [
     "log_survival_at",
     "output_size",
     "survival_at",
+    "widen_factor_problem",
 ]
 
 logger = logging.getLogger(__name__)
 
 BACKBONES = ("resnet10", "resnet18", "resnet34", "resnet50")
+# the channels of the backbone's first stage at widen_factor 1 (MONAI's ResNet block_inplanes[0])
+_FIRST_PLANES = 64
+
+
+def widen_factor_problem(widen_factor: Any) -> str | None:
+    """Why ``widen_factor`` cannot scale the backbone's channels (a number > 0 leaving >= 1 channel per stage),
+    or ``None``."""
+    if isinstance(widen_factor, bool) or not isinstance(widen_factor, (int, float)) or widen_factor <= 0:
+        return f"'widen_factor' must be a number > 0 (1 is the standard ResNet width), got {widen_factor!r}."
+    if int(_FIRST_PLANES * widen_factor) < 1:
+        return (
+            f"'widen_factor' {widen_factor!r} leaves no channel in the first stage (it needs >= {1 / _FIRST_PLANES})."
+        )
+    return None
+
+
 HEADS = ("logistic_hazard", "cox")
 CALIBRATION_BUFFERS = (
     "cut_points",
@@ -183,6 +200,8 @@ class SurvivalNet(nn.Module):
         spatial_dims: spatial dimensions of the image.
         shortcut_type: ResNet shortcut type (``"A"`` or ``"B"``); default: the MedicalNet layout.
         bias_downsample: bias in the downsampling shortcut convolutions; default: the MedicalNet layout.
+        widen_factor: scales the channels of every backbone stage (MONAI's ``widen_factor``): 1 is the standard
+            width that MedicalNet weights need; small values make small test models.
 
     Raises:
         ValueError: naming the config id (``backbone``, ``survival_head``, ``num_intervals``, ``conv1_t_stride``,
@@ -204,10 +223,14 @@ class SurvivalNet(nn.Module):
         spatial_dims: int = 3,
         shortcut_type: str | None = None,
         bias_downsample: bool | None = None,
+        widen_factor: float = 1.0,
     ) -> None:
         super().__init__()
         if backbone not in BACKBONES:
             raise ValueError(f"backbone must be one of {BACKBONES}, got {backbone!r}.")
+        width_problem = widen_factor_problem(widen_factor)
+        if width_problem:
+            raise ValueError(width_problem)
         self.survival_head = _check_head(head)
         self.num_covariates = _require_int("num_covariates", num_covariates, 0)
         hidden_channels = _require_int("hidden_channels", hidden_channels, 1)
@@ -232,6 +255,7 @@ class SurvivalNet(nn.Module):
             shortcut_type=shortcut_type,
             bias_downsample=default_bias if bias_downsample is None else bool(bias_downsample),
             feed_forward=False,
+            widen_factor=float(widen_factor),
         )
         self.feature_channels = int(self.backbone.in_planes)
         self.head = nn.Sequential(
@@ -247,17 +271,17 @@ class SurvivalNet(nn.Module):
         if self.num_covariates == 0:
             if covariates is not None and covariates.numel() > 0:
                 raise ValueError(
-                    f"the network was built with num_covariates=0 but got covariates of shape {tuple(covariates.shape)}."
+                    f"the network was built with num_covariates=0 but got covariates of shape {list(covariates.shape)}."
                 )
             return None
         if covariates is None:
             raise ValueError(
                 f"the network expects {self.num_covariates} covariates per case (num_covariates), got none."
             )
-        if covariates.ndim != 2 or covariates.shape != (batch, self.num_covariates):
+        if covariates.ndim != 2 or covariates.shape[0] != batch or covariates.shape[1] != self.num_covariates:
             raise ValueError(
                 f"the network expects covariates of shape ({batch}, {self.num_covariates}) (num_covariates="
-                f"{self.num_covariates}), got {tuple(covariates.shape)}."
+                f"{self.num_covariates}), got {list(covariates.shape)}."
             )
         return covariates
 
@@ -323,8 +347,17 @@ def log_survival_at(
             f"time {float(times[beyond][0]):g} is beyond the last cut point c_K = {float(cuts[-1]):g}; "
             "the logistic-hazard model has no hazard there."
         )
+    return _log_survival(logits, cuts, times)
+
+
+def _log_survival(logits: torch.Tensor, cuts: torch.Tensor, times: torch.Tensor) -> torch.Tensor:
+    """:func:`log_survival_at` of checked tensors (float32 cut points and times on the logits' device); tensors only,
+    so that it scripts, traces and exports to ONNX."""
     log_surv = torch.cat(
-        [logits.new_zeros((logits.shape[0], 1), dtype=torch.float32), -torch.cumsum(F.softplus(logits.float()), dim=1)],
+        [
+            torch.zeros((logits.shape[0], 1), dtype=torch.float32, device=logits.device),
+            -torch.cumsum(F.softplus(logits.float()), dim=1),
+        ],
         dim=1,
     )  # (B, K + 1): log S(c_0 .. c_K)
     # t in (c_k, c_{k+1}] (t = 0 -> k = 0): k = #{j >= 1 : c_j < t}, written with comparisons (no searchsorted)
@@ -412,8 +445,14 @@ def cox_survival_at(
         raise ValueError(
             f"time {float(times[beyond][0]):g} is beyond the baseline hazard grid (last time {float(grid[-1]):g})."
         )
+    return _cox_survival(lp, grid, baseline_cumhaz, times)
+
+
+def _cox_survival(lp: torch.Tensor, grid: torch.Tensor, cumhaz: torch.Tensor, times: torch.Tensor) -> torch.Tensor:
+    """:func:`cox_survival_at` of checked tensors (``lp`` ``(B, 1)``, float32 ``grid`` and ``times`` on its device);
+    tensors only, so that it scripts, traces and exports to ONNX."""
     idx = (grid.unsqueeze(0) <= times.unsqueeze(1)).sum(dim=1) - 1  # last grid point <= t (ONNX-friendly)
-    h0 = torch.where(idx >= 0, baseline_cumhaz.to(lp.device, torch.float32)[idx.clamp(min=0)], torch.zeros_like(times))
+    h0 = torch.where(idx >= 0, cumhaz.to(lp.device, torch.float32)[idx.clamp(min=0)], torch.zeros_like(times))
     return torch.exp(-h0.unsqueeze(0) * torch.exp(lp.float()))
 
 
@@ -715,7 +754,7 @@ class SurvivalPredictor(nn.Module):
             return covariates
         if covariates.ndim != 2 or covariates.shape[1] != self.num_covariates:
             raise ValueError(
-                f"expected covariates of shape (B, {self.num_covariates}) (num_covariates), got {tuple(covariates.shape)}."
+                f"expected covariates of shape (B, {self.num_covariates}) (num_covariates), got {list(covariates.shape)}."
             )
         mean = self.covariate_mean.to(covariates.device)
         std = self.covariate_std.to(covariates.device)
@@ -726,7 +765,8 @@ class SurvivalPredictor(nn.Module):
         ``-log S(max(horizons))`` (a monotone function of ``P(event by that horizon)``; the hazards of the last,
         sparsely populated intervals beyond it do not reorder the cases); Cox: the log-hazard."""
         if self.head == "logistic_hazard":
-            return -log_survival_at(out, self.cut_points, self.horizons.max().reshape(1))[:, 0]
+            longest = self.horizons.max().reshape(1).to(out.device, torch.float32)
+            return -_log_survival(out, self.cut_points.to(out.device, torch.float32), longest)[:, 0]
         return out.reshape(out.shape[0], -1)[:, 0].float()
 
     def survival(self, out: torch.Tensor, times: Sequence[float] | torch.Tensor | None = None) -> torch.Tensor:
@@ -776,11 +816,26 @@ class SurvivalPredictor(nn.Module):
         """
         if check:
             self._require_calibration("prediction")
+        result = self.outputs(image, covariates)
+        if times is not None:
+            result["survival_grid"] = self._survival(result["pred"], times)
+        return result
+
+    def outputs(self, image: torch.Tensor, covariates: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+        """The predictions of :meth:`predict` at the horizons, without the calibration check: tensors in and out
+        only, so that it scripts (TorchScript), traces and exports to ONNX."""
         covariates = self.standardize_covariates(covariates)
         out = self.network(image) if covariates is None else self.network(image, covariates)
         risk = self.risk_score(out)
-        survival = self._survival(out, self.horizons)
-        result = {
+        horizons = self.horizons.to(out.device, torch.float32)
+        if self.head == "logistic_hazard":
+            survival = torch.exp(_log_survival(out, self.cut_points.to(out.device, torch.float32), horizons))
+        else:
+            lp = out.reshape(out.shape[0], -1)
+            survival = _cox_survival(
+                lp, self.baseline_grid.to(out.device, torch.float32), self.baseline_cumhaz, horizons
+            )
+        return {
             "pred": out,
             "risk_score": risk,
             "survival": survival,
@@ -788,11 +843,10 @@ class SurvivalPredictor(nn.Module):
             "risk_percentile": _interpolated_percentile(risk, self.train_risk_quantiles),
             "risk_group": _group_index(risk, self.group_thresholds),
         }
-        if times is not None:
-            result["survival_grid"] = self._survival(out, times)
-        return result
 
+    @torch.jit.unused
     def forward(self, image: torch.Tensor, covariates: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+        """:meth:`predict` (Python only: a scripted predictor is used through :class:`SurvivalExportView`)."""
         return self.predict(image, covariates)
 
 
@@ -857,6 +911,6 @@ class SurvivalExportView(nn.Module):
         return result
 
     def forward(self, image: torch.Tensor, covariates: torch.Tensor | None = None) -> torch.Tensor:
-        out = self.predictor.predict(image, covariates, check=False)
+        out = self.predictor.outputs(image, covariates)
         columns = [out["risk_score"], out["risk_percentile"], out["risk_group"].float()]
         return torch.cat([torch.stack(columns, dim=1), out["p_event"].float()], dim=1)

@@ -30,6 +30,7 @@ from common.data.pipeline import cache_problems, intensity_problems
 __all__ = [
     "EMAVectorQuantizer",
     "VQGAN",
+    "VQGANReconstructor",
     "VQGANDecoder",
     "VQGANEncoder",
     "check_vqgan_settings",
@@ -228,6 +229,7 @@ class EMAVectorQuantizer(nn.Module):
         self.restart_thres = float(restart_thres)
         self.no_random_restart = bool(no_random_restart)
         self.eps = float(eps)
+        self.argmin_chunk = _DIST_ARGMIN_CHUNK  # rows per distance computation (an attribute: it scripts)
         self.register_buffer("embeddings", torch.randn(self.n_codes, self.embedding_dim))
         self.register_buffer("cluster_size", torch.zeros(self.n_codes))
         self.register_buffer("embed_sum", self.embeddings.clone())
@@ -264,11 +266,14 @@ class EMAVectorQuantizer(nn.Module):
     @torch.no_grad()
     def nearest(self, flat: torch.Tensor) -> torch.Tensor:
         """Index of the nearest code for each row of ``flat`` (``(N, D)``), computed in chunks to bound memory."""
+        return self._nearest(flat)
+
+    def _nearest(self, flat: torch.Tensor) -> torch.Tensor:
         codes = self.embeddings.float()
         code_sq = (codes**2).sum(1)
         out = torch.empty(flat.shape[0], dtype=torch.long, device=flat.device)
-        for start in range(0, flat.shape[0], _DIST_ARGMIN_CHUNK):
-            chunk = flat[start : start + _DIST_ARGMIN_CHUNK].float()
+        for start in range(0, flat.shape[0], self.argmin_chunk):
+            chunk = flat[start : start + self.argmin_chunk].float()
             # ||x||^2 is the same for every code of a row, so argmin(||e||^2 - 2 x.e) is the nearest code
             out[start : start + chunk.shape[0]] = torch.addmm(code_sq, chunk, codes.t(), alpha=-2).argmin(1)
         return out
@@ -313,7 +318,16 @@ class EMAVectorQuantizer(nn.Module):
             )
         return F.embedding(indices, self.embeddings).movedim(-1, 1)
 
+    def lookup(self, z: torch.Tensor) -> torch.Tensor:
+        """``z`` ``(B, D, *spatial)`` replaced by its nearest codes, with no update of anything: what
+        :meth:`forward` quantizes in eval mode, in tensors only, so that it scripts (TorchScript)."""
+        flat = z.movedim(1, -1).reshape(-1, self.embedding_dim)
+        quantized = self.embeddings[self._nearest(flat.detach())].to(z.dtype)
+        shape = [z.shape[0]] + list(z.shape[2:]) + [self.embedding_dim]
+        return quantized.reshape(shape).movedim(-1, 1)
+
     # ------------------------------------------------------------------ forward
+    @torch.jit.unused
     def forward(self, z: torch.Tensor) -> dict[str, torch.Tensor]:
         if hasattr(z, "as_tensor"):  # a MetaTensor: its batched metadata cannot follow the flattening
             z = z.as_tensor()
@@ -440,6 +454,19 @@ class VQGAN(nn.Module):
         recon = self.decoder(out.pop("quantized"))
         out.pop("indices")
         return {"pred": recon, **out}
+
+
+class VQGANReconstructor(VQGAN):
+    """The VQ-GAN as a single-tensor reconstruction network, what an inference config's ``network_def`` is (the
+    model zoo builds it, loads ``model.pt`` and checks and exports it): ``forward(x)`` encodes, replaces the latent
+    by its nearest codes (:meth:`EMAVectorQuantizer.lookup`, no codebook update) and decodes, so it scripts
+    (TorchScript), traces and exports to ONNX. Same arguments and state dict as :class:`VQGAN`, whose training
+    methods (``forward`` with the codebook statistics) it keeps under their other names."""
+
+    __jit_unused_properties__ = ["decoder_ndim"]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        return self.decoder(self.quantizer.lookup(self.encoder(x)))
 
 
 def check_vqgan_settings(

@@ -760,26 +760,44 @@ def stage_checkpoint(root: str | os.PathLike, stage: int) -> str:
     return str(Path(root) / f"stage{int(stage)}" / "models" / "model.pt")
 
 
-def cascade_settings(output_dir: str | os.PathLike, bundle_root: str | os.PathLike) -> dict[str, Any]:
-    """The settings of the cascade trained in the run folder ``output_dir``: those of its highest stage folder
-    (``stage<k>/configs/run.json``, with ``stage`` = k), or the bundle's ``train.json`` defaults when no stage was
-    recorded (a packaged bundle) - see :func:`common.runs.run_settings`."""
-    stages = sorted(
+def _stage_runs(output_dir: str | os.PathLike) -> list[tuple[int, Path]]:
+    """``(k, stage folder)`` of every stage of the run folder ``output_dir`` that recorded its run, in order."""
+    return sorted(
         (int(p.parent.parent.name[len("stage") :]), p.parent.parent)
         for p in Path(output_dir).glob(f"stage*/{RUN_FILE.as_posix()}")
         if p.parent.parent.name[len("stage") :].isdigit()
     )
+
+
+def cascade_settings(output_dir: str | os.PathLike, bundle_root: str | os.PathLike) -> dict[str, Any]:
+    """The settings of the cascade trained in the run folder ``output_dir``: those of its highest stage folder
+    (``stage<k>/configs/run.json``, with ``stage`` = k), or the bundle's ``train.json`` defaults when no stage was
+    recorded (a packaged bundle) - see :func:`common.runs.run_settings`."""
+    stages = _stage_runs(output_dir)
     if not stages:
         return run_settings(output_dir, bundle_root)
     stage, folder = stages[-1]
     return {**run_settings(folder, bundle_root), "stage": stage}
 
 
+def cascade_record(output_dir: str | os.PathLike) -> dict[str, Any] | None:
+    """The record the combined cascade file carries (:func:`save_cascade`): the ``configs/run.json`` of the highest
+    recorded stage of the run folder ``output_dir`` with ``stage`` = k among its settings, so a package of the file
+    builds all k stages with the settings they were trained with; ``None`` when no stage recorded its run."""
+    stages = _stage_runs(output_dir)
+    if not stages:
+        return None
+    stage, folder = stages[-1]
+    record = read_record(folder) or {}
+    return {**record, "settings": {**record.get("settings", {}), "stage": stage}}
+
+
 def cascade_checkpoints(
     outputs_root: str | os.PathLike, bundle_root: str | os.PathLike, stages: int
 ) -> str | list[str]:
     """The weights of stages ``1 .. stages``: each stage's file written by training (``outputs/stage<k>/models/
-    model.pt``) when all exist, else the combined cascade file of a packaged bundle (``models/model.pt``).
+    model.pt``) when all exist, else the combined cascade file (:func:`save_cascade`) of the run
+    (``outputs/models/model.pt``) or of a packaged bundle (``<bundle_root>/models/model.pt``).
 
     Raises:
         CheckpointError: naming every missing stage file and the combined file.
@@ -788,12 +806,13 @@ def cascade_checkpoints(
     missing = [p for p in per_stage if not os.path.isfile(p)]
     if not missing:
         return per_stage
-    combined = str(Path(bundle_root) / "models" / "model.pt")
-    if os.path.isfile(combined):
-        return combined
+    combined = [str(Path(root) / "models" / "model.pt") for root in (outputs_root, bundle_root)]
+    for path in combined:
+        if os.path.isfile(path):
+            return path
     raise CheckpointError(
         f"no weights for stage(s) {[per_stage.index(p) + 1 for p in missing]}: {missing} do not exist (train those "
-        f"stages first, in order: --stage 1, then --stage 2, ...) and there is no packaged cascade {combined!r}."
+        f"stages first, in order: --stage 1, then --stage 2, ...) and there is no combined cascade {combined}."
     )
 
 
@@ -826,11 +845,13 @@ def load_cascade(cascade: XrayCTCascade, checkpoints: str | os.PathLike | Sequen
     return cascade
 
 
-def save_cascade(cascade: XrayCTCascade, path: str | os.PathLike) -> Path:
-    """Write the combined cascade checkpoint (what a packaged bundle ships as ``models/model.pt``)."""
-    from common.checkpoint_io import save_checkpoint
+def save_cascade(cascade: XrayCTCascade, path: str | os.PathLike, record: Mapping[str, Any] | None = None) -> Path:
+    """Write the combined cascade checkpoint (what a packaged bundle ships as ``models/model.pt``) carrying
+    ``record`` (:func:`cascade_record`: the settings of its stages, see :func:`common.checkpoint_io.save_weights`).
+    """
+    from common.checkpoint_io import save_weights
 
-    return save_checkpoint(cascade.state_dict(), path)
+    return save_weights(cascade.state_dict(), path, record=record)
 
 
 def previous_stages(

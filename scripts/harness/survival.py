@@ -477,7 +477,7 @@ def mace_cohort_problems(
     csv_path: str | os.PathLike, horizons: Sequence[float] = MACE_HORIZONS, num_intervals: int = MACE_INTERVALS
 ) -> list[str]:
     """Why the ``mace_survival`` job cannot train and validate on the cohort at ``csv_path`` (empty: it can): the
-    checks of the bundle's ``cohort_or_exit`` on the CSV's own split (:func:`check_cohort`: events in both splits,
+    checks of the bundle's ``load_cohort`` on the CSV's own split (:func:`check_cohort`: events in both splits,
     ``horizons`` below every split's largest follow-up time and one inside the validation follow-up) and
     ``num_intervals`` distinct cut points from the training event times."""
     from common.survival.cohort import (
