@@ -98,8 +98,7 @@ def save_weights(state: Mapping[str, Any], path: str | os.PathLike, record: Mapp
         OutputWriteError: when the file system refuses the write.
     """
     if record is None:
-        run_dir = Path(path).resolve().parent.parent
-        record = read_record(run_dir) if (run_dir / RUN_FILE).is_file() else None
+        record = read_record(Path(path).resolve().parent.parent)
     return save_checkpoint(with_record(state, record), path)
 
 

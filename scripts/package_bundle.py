@@ -20,7 +20,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from common.bundle_tools.package import default_checkpoint, file_hash, package_bundle  # noqa: E402
+from common.bundle_tools.package import default_checkpoint, file_hash, hf_layout_dir, package_bundle  # noqa: E402
 
 __all__ = ["main"]
 
@@ -72,7 +72,7 @@ def main(
     print(f"sha256 {file_hash(zip_path, 'sha256')}")
     if hf_repo is not None:
         name, version = zip_path.stem.rsplit("_v", 1)
-        layout = zip_path.parent / f"{name}_v{version}_hf"
+        layout = hf_layout_dir(zip_path)
         print(f"Hugging Face repository {hf_repo} laid out in {layout / name}")
         print(
             f"upload: python -m monai.bundle push_to_hf_hub --repo {hf_repo} --name {name} --bundle_dir {layout} "

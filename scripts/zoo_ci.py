@@ -7,11 +7,11 @@ The zoo's checks stop at the first failure; here every check runs in its own pro
 A check the zoo's own lists exclude for a bundle (``ci/bundle_custom_data.py``) is reported as ``excluded``, and so
 is one the bundle declares excluded, with its reason, in ``metadata.json`` ``model_zoo_ci_exclusions``
 (``verify_data_shape``, ``verify_torchscript``: what a submission adds to those lists); the check still runs and
-its result is shown beside it. The
-extra column ``ckpt_export (trace)`` is MONAI's ``ckpt_export network --use_trace True`` of the shipped weights: the
-inference entry point every model card documents (for most bundles ``network_def`` in a view; for the diffusion
-bundle the whole sampler, whose ``network_def`` needs the time steps). Nothing is
-downloaded: the schema is the local copy and the packages' weights are inside them (``--weights_inside True``).
+its result is shown beside it. The extra column ``ckpt_export (trace)`` is MONAI's ``ckpt_export network
+--use_trace True`` of the shipped weights: the inference entry point every model card documents (for most bundles
+``network_def`` in a view; for the diffusion bundle the whole sampler, whose ``network_def`` needs the time steps).
+Nothing is downloaded: the schema is the local copy and the packages' weights are inside them (``--weights_inside
+True``).
 Example::
 
     python scripts/zoo_ci.py dist/*.zip --zoo /path/to/model-zoo --output zoo_ci.json
@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import os
+import runpy
 import shutil
 import subprocess
 import sys
@@ -75,15 +76,6 @@ def _last_error(text: str) -> str:
     return (errors or lines or ["(no output)"])[-1][:200]
 
 
-def _excluded(ci_dir: Path, bundle: str, check: str) -> bool:
-    name = _EXCLUSION_LISTS.get(check)
-    if name is None:
-        return False
-    code = f"import sys; sys.path.insert(0, {str(ci_dir)!r}); import bundle_custom_data as b; print({bundle!r} in b.{name})"
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=_env())
-    return result.stdout.strip() == "True"
-
-
 def _trace_export(bundle_dir: Path) -> tuple[bool, str]:
     from common.bundle_tools.export import default_input_shape
 
@@ -115,6 +107,7 @@ def run_checks(
     models.mkdir(parents=True, exist_ok=True)
     shutil.copytree(Path(zoo) / "ci", work / "ci", dirs_exist_ok=True)
     (models / "model_info.json").write_text("{}\n")
+    zoo_lists = runpy.run_path(str(work / "ci" / "bundle_custom_data.py"))  # the zoo's exclusion lists
     results: dict[str, dict] = {}
     for package in packages:
         with zipfile.ZipFile(package) as zf:
@@ -127,7 +120,7 @@ def run_checks(
         declared = meta.get("model_zoo_ci_exclusions") or {}
         row = {}
         for check in CHECKS if trace else CHECKS[:-1]:
-            if _excluded(work / "ci", bundle, check):
+            if bundle in zoo_lists.get(_EXCLUSION_LISTS.get(check, ""), ()):
                 row[check] = ("excluded", "in the zoo's exclusion list")
                 continue
             if check == "ckpt_export (trace)":

@@ -9,6 +9,7 @@ anything is written; a 2-process torchrun job; the transform lists and datasets 
 from __future__ import annotations
 
 import json
+import shlex
 import shutil
 import subprocess
 import sys
@@ -182,7 +183,6 @@ def test_packed_cascade_runs_on_png_and_nifti_radiographs(cascade, evaluated, ph
     (``phantom_val_001``) read back within half a quantisation step of the radiograph."""
     import zipfile
 
-    from common.bundle_tools.package import package_bundle
     from common.checkpoint_io import checkpoint_record
     from common.xray2ct.data import read_view, save_view_nifti, save_view_png
     from common.xray2ct.drr import DRRProjector
@@ -192,13 +192,20 @@ def test_packed_cascade_runs_on_png_and_nifti_radiographs(cascade, evaluated, ph
     args = overrides(output_dir=str(work), stage=2)
     result = run_bundle(BUNDLE, ["inference.json", "tiny.json"], run_id="pack", args=args)
     packed = work / "models" / "model.pt"
-    assert f"package it: python scripts/package_bundle.py xray2ct_cascade --ckpt {packed}" in result.stdout
+    printed = next(line for line in result.stdout.splitlines() if line.startswith("package it: "))
+    assert (
+        printed == f"package it: python scripts/package_bundle.py xray2ct_cascade --ckpt {packed} --weights_inside True"
+    )
     combined = torch.load(packed, weights_only=True)
     assert {key.split(".")[0] for key in combined} == {"stage1", "stage2"}
     record = checkpoint_record(packed)
     stage2 = json.loads((work / "stage2" / "configs" / "run.json").read_text())
     assert record == {**stage2, "settings": {**stage2["settings"], "stage": 2}}
-    zip_path = package_bundle(BUNDLE, packed, tmp_path / "dist", weights_inside=True)
+    # the printed command, typed as printed from the repository root
+    cmd = [sys.executable, *shlex.split(printed[len("package it: python ") :]), "--output", str(tmp_path / "dist")]
+    made = subprocess.run(cmd, cwd=REPO_ROOT, env=bundle_env(), capture_output=True, text=True, timeout=600)
+    assert made.returncode == 0, made.stderr[-3000:]
+    zip_path = Path(next(line for line in made.stdout.splitlines() if line.startswith("wrote "))[len("wrote ") :])
     with zipfile.ZipFile(zip_path) as zf:
         zf.extractall(tmp_path / "unzipped")
     packaged = tmp_path / "unzipped" / BUNDLE

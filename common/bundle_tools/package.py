@@ -57,6 +57,7 @@ __all__ = [
     "extract_bundle",
     "file_hash",
     "hf_layout",
+    "hf_layout_dir",
     "hf_weights_url",
     "package_bundle",
     "read_large_files",
@@ -335,18 +336,25 @@ def hf_weights_url(repo: str, revision: str = "main") -> str:
     return f"{endpoint}/{repo}/resolve/{revision}/{MODEL_FILE}"
 
 
-def hf_layout(zip_path: str | os.PathLike, folder: str | os.PathLike) -> Path:
-    """Lay a package out as the Hugging Face model repository of the bundle: ``<folder>/<name>/`` holds the files of
-    the repository (the bundle folder: ``configs/``, ``models/``, ``docs/``, ``common/``, ...), extracted and checked
-    by :func:`extract_bundle` (an existing layout is replaced). MONAI's ``push_to_hf_hub --name <name>
-    --bundle_dir <folder>`` uploads it (adding ``README.md``, the model card with the Hub's metadata), and
+def hf_layout_dir(zip_path: str | os.PathLike) -> Path:
+    """The folder that receives the Hugging Face layout of the package ``zip_path`` (:func:`hf_layout`):
+    ``<name>_v<version>_hf`` beside the zip; the repository's files are in its ``<name>/``."""
+    zip_path = Path(zip_path)
+    return zip_path.with_name(f"{zip_path.stem}_hf")
+
+
+def hf_layout(zip_path: str | os.PathLike) -> Path:
+    """Lay a package out as the Hugging Face model repository of the bundle: ``<hf_layout_dir>/<name>/`` holds the
+    files of the repository (the bundle folder: ``configs/``, ``models/``, ``docs/``, ``common/``, ...), extracted
+    and checked by :func:`extract_bundle` (an existing layout is replaced). MONAI's ``push_to_hf_hub --name <name>
+    --bundle_dir <hf_layout_dir>`` uploads it (adding ``README.md``, the model card with the Hub's metadata), and
     ``python -m monai.bundle download --source huggingface_hub --repo <owner/name> --name <name>`` puts the same
     files back into ``<bundle_dir>/<name>/``.
 
     Returns:
-        the repository folder ``<folder>/<name>``.
+        the repository folder ``<hf_layout_dir>/<name>``.
     """
-    return extract_bundle(zip_path, folder, overwrite=True)
+    return extract_bundle(zip_path, hf_layout_dir(zip_path), overwrite=True)
 
 
 # ------------------------------------------------------------------------------------------------- packaging
@@ -412,7 +420,9 @@ def _package_members(bundle_dir: Path, ckpt: Path, large_files: bytes) -> dict[s
     return members
 
 
-def check_package_weights(bundle_dir: str | os.PathLike, source: str | os.PathLike | None = None) -> None:
+def check_package_weights(
+    bundle_dir: str | os.PathLike, source: str | os.PathLike | None = None, device: str | None = None
+) -> Any:
     """Check that a bundle folder's ``models/model.pt`` fits its own configs: ``load_weights`` of
     ``configs/inference.json`` (the bundle's own loader, which its inference runs first) is evaluated with the
     folder's ``train.json`` defaults and nothing merged, as a run from that folder would.
@@ -420,6 +430,10 @@ def check_package_weights(bundle_dir: str | os.PathLike, source: str | os.PathLi
     Args:
         bundle_dir: the bundle folder (a package, unzipped).
         source: the file the weights were copied from, named in the error instead of ``models/model.pt``.
+        device: the config's ``device`` (default: the config's own choice).
+
+    Returns:
+        The ``ConfigParser`` of ``inference.json`` in which the weights were loaded (its ``network`` holds them).
 
     Raises:
         PackageError: naming the loader's explanation (which settings differ) and the fix.
@@ -429,10 +443,11 @@ def check_package_weights(bundle_dir: str | os.PathLike, source: str | os.PathLi
     from common.errors import user_error_in_chain
 
     bundle_dir = Path(bundle_dir)
+    parser = ConfigParser()
+    parser.read_config(str(bundle_dir / "configs" / "inference.json"))
+    parser.update({"bundle_root": str(bundle_dir), **({} if device is None else {"device": device})})
     with tempfile.TemporaryDirectory(prefix="package_check_") as tmp:
-        parser = ConfigParser()
-        parser.read_config(str(bundle_dir / "configs" / "inference.json"))
-        parser.update({"bundle_root": str(bundle_dir), "output_dir": os.path.join(tmp, "outputs")})
+        parser["output_dir"] = os.path.join(tmp, "outputs")  # no run folder: the weights of models/model.pt load
         try:
             parser.get_parsed_content("load_weights")
         except Exception as exc:
@@ -445,6 +460,7 @@ def check_package_weights(bundle_dir: str | os.PathLike, source: str | os.PathLi
                 "for the X-ray cascade, the file 'run pack' writes), or, for weights from elsewhere, set the "
                 "network settings they were trained with in the bundle's configs/train.json first."
             ) from exc
+    return parser
 
 
 def _error_text(exc: BaseException) -> str:
@@ -501,7 +517,7 @@ def package_bundle(
             (or ``hf_repo``) is required.
         hf_repo: the Hugging Face model repository (``owner/name``) that will host the bundle: the weights' url
             defaults to its address (:func:`hf_weights_url`) and the package is also laid out as that repository
-            in ``<name>_v<version>_hf/<name>/`` beside the zip (:func:`hf_layout`).
+            in ``<name>_v<version>_hf/<name>/`` beside the zip (:func:`hf_layout`, :func:`hf_layout_dir`).
 
     Returns:
         the path of the zip.
@@ -554,9 +570,7 @@ def package_bundle(
             os.fsync(f.fileno())
         check_archive(tmp, name)
         with tempfile.TemporaryDirectory(prefix="package_staging_") as staging:
-            with zipfile.ZipFile(tmp) as zf:
-                zf.extractall(staging)
-            check_package_weights(Path(staging) / name, source=ckpt)
+            check_package_weights(extract_bundle(tmp, staging, name), source=ckpt)
         os.chmod(tmp, _FILE_MODE)
         os.replace(tmp, out)
     except BaseException:
@@ -565,7 +579,7 @@ def package_bundle(
         raise
     logger.info(f"packaged {name} v{meta_version} ({len(members)} files) to {out}")
     if hf_repo is not None:
-        layout = hf_layout(out, out.parent / f"{name}_v{meta_version}_hf")
+        layout = hf_layout(out)
         logger.info(f"laid out as the Hugging Face repository {hf_repo}: {layout}")
     return out
 

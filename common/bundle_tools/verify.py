@@ -387,25 +387,18 @@ def check_package(
     :func:`common.bundle_tools.package.check_package_weights`), and that network with those weights runs on a small
     generated input checked against the metadata (:func:`check_net_in_out`). Nothing for a bundle without weights.
     """
-    import tempfile
-
     from common.bundle_tools.package import MODEL_FILE, PackageError, check_package_weights
 
     if not (bundle_dir / MODEL_FILE).is_file():
         return []
     label = f"{MODEL_FILE} with configs/inference.json"
     try:
-        check_package_weights(bundle_dir)
+        parser = check_package_weights(Path(os.path.abspath(bundle_dir)), device=device)
     except PackageError as e:
         return [f"{label}: {_shorten(str(e))}"]
-    with tempfile.TemporaryDirectory(prefix="verify_package_") as tmp:
-        overrides = {"bundle_root": str(Path(os.path.abspath(bundle_dir))), "device": device, "output_dir": tmp}
-        parser = _parser(bundle_dir, ("inference.json",), overrides)
-        model, problems = _instantiate(parser, "load_weights", label)
-        network, found = _instantiate(parser, "network", label) if model is not None else (None, [])
-        problems += found
-        if network is not None:
-            problems += check_net_in_out(network, meta, device=device, n=n, p=p, any_size=any_size, label=label)
+    network, problems = _instantiate(parser, "network", label)
+    if network is not None:
+        problems += check_net_in_out(network, meta, device=device, n=n, p=p, any_size=any_size, label=label)
     return problems
 
 
