@@ -197,13 +197,17 @@ def check_command_line(argv: Sequence[str] | None = None) -> list[str]:
     return checked
 
 
-def check_run(amp: str | None = None, device: Any = None, argv: Sequence[str] | None = None) -> None:
-    """The checks every bundle runs first in ``initialize``: the command line (:func:`check_command_line`) and
-    the mixed precision against the device (:func:`common.utils.check_amp`).
+def check_run(
+    amp: str | None = None, device: Any = None, argv: Sequence[str] | None = None, memory_format: str | None = None
+) -> None:
+    """The checks every bundle runs first in ``initialize``: the command line (:func:`check_command_line`), the
+    mixed precision against the device (:func:`common.utils.check_amp`) and, for training, the memory layout
+    (:data:`common.networks.wrappers.MEMORY_FORMATS`).
 
     Raises:
         ValueError: listing every problem.
     """
+    from common.networks.wrappers import MEMORY_FORMATS
     from common.utils import check_amp
 
     install_user_error_hook()
@@ -217,5 +221,7 @@ def check_run(amp: str | None = None, device: Any = None, argv: Sequence[str] | 
             check_amp(amp, device)
     except ValueError as exc:
         problems.append(str(exc))
+    if memory_format is not None and memory_format not in MEMORY_FORMATS:
+        problems.append(f"'memory_format' must be one of {MEMORY_FORMATS}, got {memory_format!r}.")
     if problems:
         raise SettingsError("\n".join(problems))

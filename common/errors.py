@@ -8,7 +8,14 @@ from __future__ import annotations
 import sys
 from typing import Any
 
-__all__ = ["MissingInputError", "SettingsError", "UserError", "install_user_error_hook", "user_error_in_chain"]
+__all__ = [
+    "MissingInputError",
+    "OutOfMemoryBackoffError",
+    "SettingsError",
+    "UserError",
+    "install_user_error_hook",
+    "user_error_in_chain",
+]
 
 
 class UserError(ValueError):
@@ -24,6 +31,12 @@ class UserError(ValueError):
 
 class SettingsError(UserError):
     """A bundle's settings (its config ids) are invalid or do not fit together, or weights do not fit them."""
+
+
+class OutOfMemoryBackoffError(UserError, MemoryError):
+    """A training step or a sliding-window inference ran out of GPU memory with nothing left to reduce (one sample
+    per micro-batch or one window per batch, gradient checkpointing on or unsupported), or with the backoff turned
+    off (``oom_backoff`` False); the message names the step and what was tried."""
 
 
 def user_error_in_chain(exc: BaseException | None) -> UserError | None:

@@ -86,6 +86,8 @@ TRAINING_ONLY_IDS = frozenset(
         "deterministic",
         "cudnn_benchmark",
         "compile",
+        "memory_format",
+        "oom_backoff",
         "amp",
         "preflight",
         "cache_rate",

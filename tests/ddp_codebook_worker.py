@@ -103,8 +103,10 @@ def main(outdir: str) -> None:
     initialise = restart._initialise
 
     def spy(flat: torch.Tensor) -> None:
+        fresh = not bool(restart.initialized)
         initialise(flat)
-        inits.append(restart.embeddings.clone())
+        if fresh:  # the calls after the first change nothing
+            inits.append(restart.embeddings.clone())
 
     restart._initialise = spy
     restart_steps = [restart(z) for z in latents]

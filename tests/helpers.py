@@ -456,12 +456,8 @@ HOST_SYNC_CALLS = frozenset(
     + ("unique", "unique_consecutive", "tensor", "type")
 )
 # The host reads a training step is documented to make, as "file:function" of the calling line: the non-finite
-# guard reads one flag per optimizer step; the survival cut points and the EMA's update count are CPU tensors
-# (reading them waits for no device).
-DOCUMENTED_HOST_READS = frozenset(
-    ("common/engines/trainer.py:_finite_or_skip", "common/survival/losses.py:check_cut_points")
-    + ("common/handlers/ema.py:update",)
-)
+# guard reads one flag per optimizer step; the EMA's update count is a CPU tensor (reading it waits for no device).
+DOCUMENTED_HOST_READS = frozenset(("common/engines/trainer.py:_finite_or_skip", "common/handlers/ema.py:update"))
 
 
 class HostSyncRecorder:
@@ -516,10 +512,10 @@ def host_sync_sites(trainer: Any, first: int, last: int) -> dict[str, int]:
     return dict(recorder.sites)
 
 
-def bundle_trainer(bundle: str, configs: Sequence[str], work_dir: Path, iterations: int, **settings: Any) -> Any:
-    """``train#trainer`` of ``bundle`` (``configs`` merged onto ``train.json``) for ``iterations`` iterations of one
-    batch each, validation and checkpoints out of reach; on the CPU without autocast unless ``settings`` say
-    otherwise (``device``, ``amp``: the GPU tests)."""
+def bundle_workflow(bundle: str, configs: Sequence[str], work_dir: Path, iterations: int, **settings: Any) -> Any:
+    """The initialised training workflow of ``bundle`` (``configs`` merged onto ``train.json``) for ``iterations``
+    epochs of one iteration each, validation and checkpoints out of reach; on the CPU without autocast unless
+    ``settings`` say otherwise (``device``, ``amp``: the GPU tests; ``max_epochs``, ``epoch_length``)."""
     from monai.bundle import ConfigWorkflow
 
     files = [str(BUNDLES / bundle / "configs" / name) for name in ("train.json", *configs)]
@@ -527,7 +523,12 @@ def bundle_trainer(bundle: str, configs: Sequence[str], work_dir: Path, iteratio
     run |= {"ckpt_interval": 10**6, "log_interval": 10**6, "resume": False, "device": "cpu", "amp": "none"}
     workflow = ConfigWorkflow(config_file=files, workflow_type="train", **{**run, **settings})
     workflow.initialize()
-    return workflow.parser.get_parsed_content("train#trainer")
+    return workflow
+
+
+def bundle_trainer(bundle: str, configs: Sequence[str], work_dir: Path, iterations: int, **settings: Any) -> Any:
+    """``train#trainer`` of :func:`bundle_workflow`."""
+    return bundle_workflow(bundle, configs, work_dir, iterations, **settings).parser.get_parsed_content("train#trainer")
 
 
 def undocumented_host_syncs(bundle: str, configs: Sequence[str], work_dir: Path, **settings: Any) -> dict[str, int]:

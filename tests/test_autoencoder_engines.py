@@ -728,3 +728,57 @@ def test_autoencoder_settings_name_the_config_id(change, message):
     with pytest.raises(ValueError, match="invalid autoencoder configuration") as info:
         check_autoencoder_settings(**{**GOOD_AUTOENCODER, **change})
     assert message in str(info.value)
+
+
+# ---------------------------------------------------------------------------------------------- out of memory
+class OutOfMemoryAbove(nn.Module):
+    """``module`` on a device that holds at most ``limit`` samples per call (``torch.OutOfMemoryError`` above); with
+    ``training_only``, only while its parameters are trained (the discriminator's own step, not the generator
+    step that calls it frozen)."""
+
+    def __init__(self, module: nn.Module, limit: int, training_only: bool = False) -> None:
+        super().__init__()
+        self.module, self.limit, self.training_only = module, limit, training_only
+
+    def forward(self, x, *args, **kwargs):
+        trained = any(p.requires_grad for p in self.module.parameters())
+        if x.shape[0] > self.limit and (trained or not self.training_only):
+            raise torch.OutOfMemoryError(f"CUDA out of memory ({x.shape[0]} samples)")
+        return self.module(x, *args, **kwargs)
+
+
+@pytest.mark.parametrize("failing", ["generator", "discriminator"])
+def test_out_of_memory_in_either_step_redoes_only_that_step(failing, caplog):
+    """A batch of 4 whose generator (or discriminator) step fits only 2 samples: that step is redone in
+    micro-batches of 2; the generator step is applied once, and both networks end where the un-failed run does."""
+    from common.autoencoder.discriminators import SliceVolumeDiscriminator
+
+    def run(limit):
+        torch.manual_seed(3)
+        disc = SliceVolumeDiscriminator(channels=4, num_layers=2, image=False, norm="INSTANCE")
+        gen = ConvNet()
+        if limit and failing == "generator":
+            gen = OutOfMemoryAbove(gen, limit)
+        d_net = OutOfMemoryAbove(disc, limit, training_only=True) if limit and failing == "discriminator" else disc
+        trainer = make_trainer(
+            gen,
+            random_batches(2, n=4),
+            optimizer=torch.optim.SGD(gen.parameters(), lr=0.1),
+            discriminator=d_net,
+            d_optimizer=torch.optim.SGD(disc.parameters(), lr=0.1),
+            adv_loss=HingeAdversarialLoss(),
+            adv_weight={"video": 0.5},
+        )
+        outputs = record_outputs(trainer)
+        trainer.run()
+        return trainer, [p.detach().clone() for p in [*gen.parameters(), *disc.parameters()]], outputs
+
+    _, reference, ref_out = run(None)
+    with caplog.at_level("WARNING", logger="common.engines.trainer"):
+        trainer, params, out = run(2)
+    assert trainer.micro_batch_size == 2
+    assert f"out of GPU memory in the {failing} step of iteration 1" in caplog.text
+    for a, b in zip(params, reference):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    for name in ("loss", "d_loss", "adv_loss"):
+        assert [float(o[name]) for o in out] == pytest.approx([float(o[name]) for o in ref_out], rel=1e-5)

@@ -59,11 +59,16 @@ def test_peak_of_a_cpu_is_unknown():
 
 
 def test_plan_orders_by_value_and_marks_what_fits(capsys):
+    """The items in value order, those that a stored campaign measured after all the others."""
     result = bc.campaign(plan=True, minutes=10)
     rows = result["plan"]
-    assert [r["name"] for r in rows] == [i.name for i in bc.ITEMS]
-    assert [r["name"] for r in rows[:3]] == ["gpu_tests_sync", "gpu_tests", "throughput_autoencoder_3d_bf16"]
-    assert [r["name"] for r in rows].index("gpu_tests_resume") == 2 + sum(r["name"].endswith("_bf16") for r in rows)
+    measured = bc.measured_items()
+    stored = {r["name"] for p in CAMPAIGNS for r in json.loads(p.read_text())["items"] if r["status"] == "ok"}
+    assert measured == stored
+    names = [i.name for i in bc.ITEMS]
+    assert [r["name"] for r in rows] == [n for n in names if n not in measured] + [n for n in names if n in measured]
+    assert [r["name"] for r in rows[:3]] == ["gpu_tests_sync", "gpu_tests", "throughput_autoencoder_3d_compile"]
+    assert [r["name"] for r in rows][len(names) - len(measured) :] == [n for n in names if n in measured]
     fitting = [r for r in rows if r["fits"]]
     assert sum(r["minutes"] for r in fitting) <= 10 < sum(r["minutes"] for r in rows)
     assert fitting[-1]["cumulative"] == pytest.approx(sum(r["minutes"] for r in fitting))
@@ -180,10 +185,15 @@ def test_tiny_campaign_measures_and_reports(tmp_path):
             assert res["bundle_samples_per_s"] > 0 and res["speedup"] == pytest.approx(
                 res["bundle_samples_per_s"] / res["plain_samples_per_s"]
             )
+    profile = next(r["result"]["profile"] for r in doc["items"] if r["name"].endswith("_bf16"))
+    assert 1 <= len(profile["kernels"]) <= 15 and profile["step_ms"] > 0
+    assert sum(profile["kinds"].values()) == pytest.approx(1.0)
+    assert profile["kernels"][0]["kind"] == "matmul/conv"  # a convolution network's step is convolutions first
+    assert [k["ms"] for k in profile["kernels"]] == sorted((k["ms"] for k in profile["kernels"]), reverse=True)
     text = bc.render_report(json.loads(out.read_text()))
     rows = [line for line in text.splitlines() if line.startswith("| ") and not line.startswith("| device")]
     assert rows and all(line.startswith(f"| {doc['device']}") for line in rows)
-    assert "Training throughput" in text and "Largest size that fits" in text
+    assert "Training throughput" in text and "Largest size that fits" in text and "Kernel profile" in text
 
 
 @pytest.mark.skipif(not CAMPAIGNS, reason="no stored campaign")
@@ -251,3 +261,28 @@ def test_report_keeps_what_a_cut_short_item_measured_and_names_failed_sizes():
     assert "| NVIDIA H100 80GB HBM3 | synthesis | fast | 1500 | 2.0 | 9 | 21.50 | 0.6100 | 0.8300 |" in text
     assert "| 128x128x128 | 1 | bf16 | 20.25 |" in text
     assert "does not fit: torch.OutOfMemoryError: CUDA" in text
+
+
+@pytest.mark.parametrize(
+    "name, kind",
+    [
+        ("sm90_xmma_fprop_implicit_gemm_bf16bf16_bf16f32_f32_nhwckrsc_nhwc_tilesize128x128x64", "matmul/conv"),
+        ("void cudnn::engines_precompiled::nchwToNhwcKernel<__nv_bfloat16>(...)", "layout/copy"),
+        ("void at::native::(anonymous namespace)::RowwiseMomentsCUDAKernel<float>(...)", "normalisation"),
+        ("triton_red_fused_native_group_norm_0", "normalisation"),
+        ("triton_poi_fused_add_mul_silu_3", "elementwise"),
+        ("void at::native::vectorized_elementwise_kernel<4, at::native::direct_copy_kernel_cuda(...)>", "layout/copy"),
+        (
+            "void at::native::multi_tensor_apply_kernel<at::native::(anonymous namespace)::FusedAdamMathFunctor>",
+            "optimizer",
+        ),
+        ("flash_fwd_kernel<Flash_fwd_kernel_traits<64, 128, 128, 4>>", "attention"),
+        ("Memcpy HtoD (Pageable -> Device)", "layout/copy"),
+        ("aten::convolution_backward", "matmul/conv"),
+        ("aten::empty", "other"),
+    ],
+)
+def test_kernel_kinds_of_gpu_and_cpu_names(name, kind):
+    from scripts.harness.tools import kernel_kind
+
+    assert kernel_kind(name) == kind

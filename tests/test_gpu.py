@@ -4,8 +4,8 @@
 evaluates on CUDA with its GPU defaults (bf16 autocast, cuDNN benchmark, flash attention where it has attention)
 and the cache on the GPU, once more with ``torch.compile``; the autoencoder with gradient checkpointing; a job
 killed mid-run on CUDA resumes to the weights of an uninterrupted run; every bundle's training step keeps no host
-synchronisation beyond the documented ones; with 2+ GPUs, a 2-process NCCL job ends with identical replicas. The
-campaign (``python scripts/benchmark.py campaign``) runs these first."""
+synchronisation beyond the documented ones; a real out-of-memory error is redone with a smaller micro-batch; with
+2+ GPUs, a 2-process NCCL job ends with identical replicas. The campaign (``python scripts/benchmark.py campaign``) runs these first."""
 
 from __future__ import annotations
 
@@ -188,3 +188,54 @@ def test_training_step_host_synchronisations(bundle, tmp_path):
         f"{bundle}: {total} synchronising calls in {len(counted)} iterations (documented: {documented} per "
         f"iteration), by calling line: {sites.most_common(12)}"
     )
+
+
+def test_out_of_memory_is_redone_with_a_smaller_micro_batch_on_cuda(caplog):
+    """A real CUDA out-of-memory error: with this process held to 3 GiB (``set_per_process_memory_fraction``), one
+    step of a 3D convolution network on 32 volumes of 96^3 does not fit (about 113 MB per sample and activation).
+    The trainer halves the micro-batch until the step fits and ends where a run that used that micro-batch from the
+    start ends."""
+    from torch import nn
+
+    from common.engines.trainer import StepTrainer
+
+    class Regression(StepTrainer):
+        default_decollate = False
+
+        def prepare_step(self, engine, batchdata):
+            image = batchdata["image"].to(engine.state.device)
+            return {"args": (image,), "output": {}, "target": image}
+
+        def compute_loss(self, engine, step, prediction):
+            return (prediction - step["target"]).square().mean(), {}
+
+    batch = {"image": torch.rand(32, 1, 96, 96, 96, generator=torch.Generator().manual_seed(0))}
+
+    def run(micro_batch_size=None) -> StepTrainer:
+        torch.manual_seed(0)
+        network = nn.Sequential(nn.Conv3d(1, 32, 3, padding=1), nn.ReLU(), nn.Conv3d(32, 1, 3, padding=1)).cuda()
+        trainer = Regression(
+            device="cuda",
+            max_epochs=1,
+            train_data_loader=[batch],
+            network=network,
+            optimizer=torch.optim.SGD(network.parameters(), lr=0.1),
+            micro_batch_size=micro_batch_size,
+        )
+        trainer.run()
+        return trainer
+
+    torch.cuda.empty_cache()
+    fraction = 3 * 2**30 / torch.cuda.get_device_properties(0).total_memory
+    torch.cuda.set_per_process_memory_fraction(fraction)
+    try:
+        with caplog.at_level("WARNING", logger="common.engines.trainer"):
+            recovered = run()
+        assert recovered.micro_batch_size is not None and recovered.micro_batch_size < 32
+        assert "out of GPU memory in the training step of iteration 1" in caplog.text
+        reference = run(recovered.micro_batch_size)
+    finally:
+        torch.cuda.set_per_process_memory_fraction(1.0)
+        torch.cuda.empty_cache()
+    for a, b in zip(recovered.network.parameters(), reference.network.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)

@@ -1,6 +1,7 @@
 # Copyright (c) the 3D MONAI bundle collection contributors.
 # Licensed under the Apache License, Version 2.0.
-"""Tests for the training/inference network wrappers."""
+"""Tests for the training/inference network wrappers: unwrapping, state dicts, inference views, memory layouts,
+gradient checkpointing and the sliding-window out-of-memory backoff."""
 
 from __future__ import annotations
 
@@ -11,14 +12,19 @@ import torch
 from monai.networks.nets import VQVAE
 from torch import nn
 
+from common.errors import OutOfMemoryBackoffError
 from common.networks.wrappers import (
+    BackoffSlidingWindowInferer,
     LatentDecoder,
     LatentEncoder,
     ReconstructionNetwork,
+    blended_windows,
     clean_state_dict,
+    enable_gradient_checkpointing,
     inference_view,
     prepare_network,
     split_autoencoder_output,
+    to_memory_format,
     unwrap,
 )
 from tests.helpers import tiny_autoencoder
@@ -285,3 +291,76 @@ def test_inference_view_by_mode():
         assert torch.equal(inference_view(vq, "decode")(latent), LatentDecoder(vq)(latent))
     with pytest.raises(ValueError, match="'mode' must be one of"):
         inference_view(vq, "segment")
+
+
+# ---------------------------------------------------------------------------------------------- memory layout
+def test_channels_last_3d_converts_5d_tensors_only_and_keeps_values():
+    net = nn.Sequential(nn.Conv3d(2, 4, 3), nn.GroupNorm(2, 4), nn.Linear(6, 3))
+    weights = {k: v.clone() for k, v in net.state_dict().items()}
+    assert to_memory_format(net, "channels_last_3d") is net
+    assert net[0].weight.is_contiguous(memory_format=torch.channels_last_3d) and not net[0].weight.is_contiguous()
+    assert net[2].weight.is_contiguous()  # 2-D: unchanged
+    assert all(torch.equal(v, weights[k]) for k, v in net.state_dict().items())
+    x, xray = torch.randn(2, 2, 4, 5, 6), torch.randn(2, 2, 8, 8)
+    converted = to_memory_format({"args": (x, None, xray)}, "channels_last_3d")
+    assert converted["args"][0].is_contiguous(memory_format=torch.channels_last_3d)
+    assert torch.equal(converted["args"][0], x) and converted["args"][1] is None and converted["args"][2] is xray
+    assert to_memory_format(converted["args"][0], "contiguous").is_contiguous()
+    with pytest.raises(ValueError, match="memory_format must be one of .*got 'nhwc'"):
+        to_memory_format(x, "nhwc")
+
+
+def test_gradient_checkpointing_is_turned_on_where_supported():
+    ae = tiny_autoencoder()
+    assert ae.use_checkpoint is False
+    assert enable_gradient_checkpointing(ae) and ae.use_checkpoint is True
+    assert not enable_gradient_checkpointing(ae)  # already on
+    assert not enable_gradient_checkpointing(nn.Conv3d(1, 1, 3))  # not supported
+
+
+# ---------------------------------------------------------------------------------------------- OOM backoff
+class WindowLimited(nn.Module):
+    """A network on a device that holds at most ``limit`` windows per call."""
+
+    def __init__(self, limit: int) -> None:
+        super().__init__()
+        self.limit, self.calls = limit, []
+
+    def forward(self, x):
+        if x.shape[0] > self.limit:
+            raise torch.OutOfMemoryError(f"CUDA out of memory ({x.shape[0]} windows)")
+        self.calls.append(x.shape[0])
+        return x * 2 + x.mean(dim=(1, 2, 3, 4), keepdim=True)
+
+
+def test_sliding_window_inferer_halves_sw_batch_size_after_out_of_memory(caplog):
+    x = torch.randn(1, 1, 20, 20, 20)
+    settings = {"roi_size": (8, 8, 8), "sw_batch_size": 8, "overlap": 0.25, "mode": "gaussian"}
+    expected = BackoffSlidingWindowInferer(**settings)(x, WindowLimited(limit=100))
+    inferer, network = BackoffSlidingWindowInferer(**settings), WindowLimited(limit=2)
+    with caplog.at_level("WARNING", logger="common.networks.wrappers"):
+        out = inferer(x, network)
+    assert inferer.sw_batch_size == 2 and max(network.calls) == 2
+    assert "sw_batch_size halved from 8 to 4" in caplog.text and "sw_batch_size halved from 4 to 2" in caplog.text
+    torch.testing.assert_close(out, expected)
+    inferer(x, network)  # the next volume starts at 2 windows per call: no new failure
+    assert caplog.text.count("halved") == 2
+
+
+@pytest.mark.parametrize("backoff", [True, False])
+def test_sliding_window_inferer_stops_when_nothing_is_left_to_reduce(backoff):
+    inferer = BackoffSlidingWindowInferer(roi_size=(8, 8, 8), sw_batch_size=1 if backoff else 4, oom_backoff=backoff)
+    with pytest.raises(OutOfMemoryBackoffError) as raised:
+        inferer(torch.randn(1, 1, 12, 12, 12), WindowLimited(limit=0))
+    expected = "nothing is left to reduce (sw_batch_size 1)" if backoff else "oom_backoff is off (sw_batch_size 4)"
+    assert expected in str(raised.value) and "sliding-window inference (CUDA out of memory (" in str(raised.value)
+
+
+def test_blended_windows_of_a_sampler_back_off_on_the_sampler():
+    class Owner:
+        sw_batch_size, oom_backoff = 4, True
+
+    x, owner, network = torch.randn(1, 1, 16, 16, 16), Owner(), WindowLimited(limit=1)
+    expected = blended_windows(x, WindowLimited(limit=100), (8, 8, 8), 4, 0.25)
+    torch.testing.assert_close(blended_windows(x, network, (8, 8, 8), overlap=0.25, owner=owner), expected)
+    assert owner.sw_batch_size == 1 and set(network.calls) == {1}

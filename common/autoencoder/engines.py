@@ -17,11 +17,11 @@ from torch.optim import Optimizer
 from common.autoencoder.adversarial import feature_matching_loss
 from common.autoencoder.losses import kl_divergence
 from common.data.pipeline import cache_problems, intensity_problems
-from common.engines.trainer import StepTrainer
-from common.networks.wrappers import split_autoencoder_output, unwrap
+from common.engines.trainer import StepTrainer, accumulate
+from common.networks.wrappers import split_autoencoder_output, to_memory_format, unwrap
 from common.utils import autocast, flag_problems
 
-__all__ = ["AutoencoderGANTrainer", "check_autoencoder_settings", "prepare_image_batch"]
+__all__ = ["AutoencoderGANTrainer", "check_autoencoder_settings", "frozen", "prepare_image_batch"]
 
 
 def prepare_image_batch(
@@ -40,7 +40,7 @@ def prepare_image_batch(
 
 
 @contextlib.contextmanager
-def _frozen(module: nn.Module):
+def frozen(module: nn.Module):
     """Temporarily stop gradients to ``module``'s parameters (gradients still flow to its input)."""
     flags = [p.requires_grad for p in module.parameters()]
     for p in module.parameters():
@@ -100,10 +100,12 @@ class AutoencoderGANTrainer(StepTrainer):
         quantization_weight: weight of the codebook/commitment loss returned by VQ-VAE style networks.
         perceptual_loss: optional perceptual criterion ``loss(pred, target)``.
         perceptual_weight: its weight (the loss is skipped when 0 or ``perceptual_loss`` is ``None``).
-        micro_batch_size: samples forwarded at once within an iteration (``None``: the whole batch).
         settings: ``device``, ``max_epochs``, ``train_data_loader``, ``amp``, ``accumulation_steps``, ``grad_clip``
-            (for both networks), ``nonfinite`` and the other settings of :class:`StepTrainer`; ``prepare_batch``
-            defaults to :func:`prepare_image_batch`.
+            (for both networks), ``nonfinite``, ``micro_batch_size``, ``compile`` (the generator and the
+            discriminator step are one graph each: :meth:`generator_loss`, :meth:`discriminator_loss`),
+            ``memory_format``, ``oom_backoff`` (each step redone on its own: the discriminator's after an applied
+            generator step) and the other settings of :class:`StepTrainer`; ``prepare_batch`` defaults to
+            :func:`prepare_image_batch`.
     """
 
     default_prepare_batch = staticmethod(prepare_image_batch)
@@ -124,13 +126,10 @@ class AutoencoderGANTrainer(StepTrainer):
         quantization_weight: float = 1.0,
         perceptual_loss: Callable | None = None,
         perceptual_weight: float = 0.0,
-        micro_batch_size: int | None = None,
         **settings: Any,
     ) -> None:
         if discriminator is not None and d_optimizer is None:
             raise ValueError("a discriminator was given without d_optimizer.")
-        if micro_batch_size is not None and int(micro_batch_size) < 1:
-            raise ValueError(f"micro_batch_size must be >= 1 or None, got {micro_batch_size!r}.")
         super().__init__(network=network, optimizer=optimizer, **settings)
         self.recon_loss = recon_loss if recon_loss is not None else nn.L1Loss()
         self.discriminator = discriminator
@@ -146,17 +145,12 @@ class AutoencoderGANTrainer(StepTrainer):
             raise ValueError(f"adv_warmup_iterations must be >= 0, got {adv_warmup_iterations!r}.")
         self.feature_matching_weight = float(feature_matching_weight)
         self.recon_weight = float(recon_weight)
-        self.micro_batch_size = int(micro_batch_size) if micro_batch_size else None
         self.kl_weight = float(kl_weight)
         self.quantization_weight = float(quantization_weight)
         self.perceptual_loss = perceptual_loss
         self.perceptual_weight = float(perceptual_weight)
 
     # ------------------------------------------------------------------ helpers
-    def _chunks(self, *tensors: torch.Tensor) -> list[tuple[torch.Tensor, ...]]:
-        size = self.micro_batch_size or tensors[0].shape[0]
-        return list(zip(*(t.split(size) for t in tensors)))
-
     def _head_weights(self, heads: Mapping[str, Any]) -> dict[str, float]:
         """Per-head weights inside ``adv_loss``: the mapping's values, or 1 for a scalar ``adv_weight`` (which then
         weights ``adv_loss`` as a whole, so that ``adv_loss`` stays the unweighted term of a single head)."""
@@ -187,7 +181,12 @@ class AutoencoderGANTrainer(StepTrainer):
 
     # ------------------------------------------------------------------ iteration
     def _generator_terms(
-        self, recon: torch.Tensor, targets: torch.Tensor, extras: dict[str, torch.Tensor], adversarial: bool
+        self,
+        recon: torch.Tensor,
+        targets: torch.Tensor,
+        extras: dict[str, torch.Tensor],
+        adversarial: bool,
+        views: dict[str, Any],
     ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
         """Loss terms of the generator (unweighted, except ``adv_loss``: the weighted sum over heads) and the
         auxiliary statistics the network returned (e.g. codebook perplexity)."""
@@ -203,40 +202,56 @@ class AutoencoderGANTrainer(StepTrainer):
         if self.perceptual_loss is not None and self.perceptual_weight > 0:
             terms["perceptual_loss"] = self.perceptual_loss(recon.float(), targets.float())
         if adversarial:
-            # the raw, frozen module: the generator step must neither all-reduce nor accumulate
-            # discriminator gradients
-            with _frozen(unwrap(self.discriminator)) as raw:
-                views = self._views(raw, targets)
-                fake = self._heads(raw(recon.contiguous(), **views))
-                weights = self._head_weights(fake)
-                head_losses = {
-                    h: self.adv_loss(self._logits(fake[h]), target_is_real=True, for_discriminator=False)
-                    for h, w in weights.items()
-                    if w > 0
-                }
-                terms["adv_loss"] = sum(weights[h] * loss for h, loss in head_losses.items())
-                if len(head_losses) > 1 or isinstance(self.adv_weight, Mapping):
-                    stats.update({f"adv_loss_{h}": loss.detach().float() for h, loss in head_losses.items()})
-                if self.feature_matching_weight > 0:
-                    with torch.no_grad():
-                        real = self._heads(raw(targets.contiguous(), **views))
-                    terms["feature_matching_loss"] = sum(
-                        feature_matching_loss(fake[h], real[h]) for h, w in weights.items() if w > 0
-                    )
+            raw = unwrap(self.discriminator)  # the raw module, frozen by the caller
+            fake = self._heads(raw(recon.contiguous(), **views))
+            weights = self._head_weights(fake)
+            head_losses = {
+                h: self.adv_loss(self._logits(fake[h]), target_is_real=True, for_discriminator=False)
+                for h, w in weights.items()
+                if w > 0
+            }
+            terms["adv_loss"] = sum(weights[h] * loss for h, loss in head_losses.items())
+            if len(head_losses) > 1 or isinstance(self.adv_weight, Mapping):
+                stats.update({f"adv_loss_{h}": loss.detach().float() for h, loss in head_losses.items()})
+            if self.feature_matching_weight > 0:
+                with torch.no_grad():
+                    real = self._heads(raw(targets.contiguous(), **views))
+                terms["feature_matching_loss"] = sum(
+                    feature_matching_loss(fake[h], real[h]) for h, w in weights.items() if w > 0
+                )
         return terms, stats
 
-    def _iteration(self, engine: AutoencoderGANTrainer, batchdata: dict[str, torch.Tensor]) -> dict[str, Any]:
-        if batchdata is None:
-            raise ValueError("Must provide batch data for current iteration.")
-        inputs, targets = engine.prepare_batch(batchdata, engine.state.device, engine.non_blocking, **engine.to_kwargs)
-        self.log_effective_batch(inputs.shape[0])
-        zero_grad, do_step = self._accumulation_flags(engine)
-        adversarial = self.adversarial_active(engine.state.iteration)
-        output: dict[str, Any] = {Keys.IMAGE: inputs, Keys.LABEL: targets}
-        engine.state.output = output
-        chunks = self._chunks(inputs, targets)
-        total = inputs.shape[0]
-        weights = {
+    def generator_loss(
+        self, x: torch.Tensor, y: torch.Tensor, adversarial: bool, views: dict[str, Any]
+    ) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+        """The compiled region of the generator step: ``(recon, loss, terms, stats)`` of one micro-batch ``x``
+        (target ``y``), the discriminator's ``views`` drawn outside. With ``adversarial`` the discriminator must be
+        frozen by the caller (``requires_grad`` changes break a graph)."""
+        with autocast(self.state.device, self.amp_mode):
+            recon, extras = split_autoencoder_output(self.inferer(x, self.network))
+            terms, stats = self._generator_terms(recon, y, extras, adversarial, views)
+        loss = sum(self._term_weights[name] * value for name, value in terms.items())
+        return recon, loss, terms, stats
+
+    def discriminator_loss(self, x: torch.Tensor, recon: torch.Tensor, views: dict[str, Any]) -> torch.Tensor:
+        """The compiled region of the discriminator step: its loss on one micro-batch of real ``x`` and detached
+        reconstructions ``recon``."""
+        with autocast(self.state.device, self.amp_mode):
+            fake = self._heads(self.discriminator(recon.contiguous(), **views))
+            real = self._heads(self.discriminator(x.contiguous(), **views))
+            return sum(
+                0.5
+                * (
+                    self.adv_loss(self._logits(fake[h]), target_is_real=False, for_discriminator=True)
+                    + self.adv_loss(self._logits(real[h]), target_is_real=True, for_discriminator=True)
+                )
+                for h, w in self._head_weights(fake).items()
+                if w > 0
+            )
+
+    @property
+    def _term_weights(self) -> dict[str, float]:
+        return {
             "recon_loss": self.recon_weight,
             "kl_loss": self.kl_weight,
             "quantization_loss": self.quantization_weight,
@@ -245,32 +260,78 @@ class AutoencoderGANTrainer(StepTrainer):
             "feature_matching_loss": self.feature_matching_weight,
         }
 
+    def _generator_pass(
+        self, engine: AutoencoderGANTrainer, inputs: torch.Tensor, targets: torch.Tensor, size: int | None, sync: bool
+    ) -> tuple[dict[str, torch.Tensor], list[torch.Tensor]]:
+        """Forward and backward of the generator in micro-batches of ``size``: the batch means of its terms
+        (``loss`` included) and the detached reconstructions, micro-batch by micro-batch."""
+        output = engine.state.output
+        adversarial = self.adversarial_active(engine.state.iteration)
+        step = self.compiled("generator", self.generator_loss)
+        size = size or inputs.shape[0]
+        sums: dict[str, torch.Tensor] = {}
+        recons = []
+        chunks = list(zip(inputs.split(size), targets.split(size)))
+        # the raw, frozen discriminator: the generator step must neither all-reduce nor accumulate its gradients
+        with frozen(unwrap(self.discriminator)) if adversarial else contextlib.nullcontext():
+            for i, (x, y) in enumerate(chunks):
+                last = i == len(chunks) - 1
+                fraction = x.shape[0] / inputs.shape[0]
+                views = self._views(self.discriminator, y) if adversarial else {}
+                with self._sync_context(engine.network, sync and last):
+                    recon, g_loss, terms, stats = step(x, y, adversarial, views)
+                    if last:
+                        output[Keys.PRED] = recon
+                        engine.fire_event(IterationEvents.FORWARD_COMPLETED)
+                        output[Keys.LOSS] = g_loss
+                        engine.fire_event(IterationEvents.LOSS_COMPLETED)
+                    self._backward(g_loss, fraction)
+                accumulate(sums, {**terms, **stats, "loss": g_loss}, fraction)
+                recons.append(recon.detach())
+        return sums, recons
+
+    def _discriminator_pass(
+        self, inputs: torch.Tensor, recon: torch.Tensor, size: int | None, sync: bool
+    ) -> torch.Tensor:
+        """Forward and backward of the discriminator in micro-batches of ``size``: its batch-mean loss."""
+        step = self.compiled("discriminator", self.discriminator_loss)
+        size = size or inputs.shape[0]
+        chunks = list(zip(inputs.split(size), recon.split(size)))
+        total: dict[str, torch.Tensor] = {}
+        for i, (x, fake) in enumerate(chunks):
+            last = i == len(chunks) - 1
+            fraction = x.shape[0] / inputs.shape[0]
+            with self._sync_context(self.discriminator, sync and last):
+                d_loss = step(x, fake, self._views(self.discriminator, x))
+                self._backward(d_loss, fraction)
+            accumulate(total, {"d_loss": d_loss}, fraction)
+        return total["d_loss"]
+
+    def _iteration(self, engine: AutoencoderGANTrainer, batchdata: dict[str, torch.Tensor]) -> dict[str, Any]:
+        if batchdata is None:
+            raise ValueError("Must provide batch data for current iteration.")
+        inputs, targets = engine.prepare_batch(batchdata, engine.state.device, engine.non_blocking, **engine.to_kwargs)
+        inputs, targets = to_memory_format((inputs, targets), self.memory_format)
+        self.log_effective_batch(inputs.shape[0])
+        zero_grad, do_step = self._accumulation_flags(engine)
+        adversarial = self.adversarial_active(engine.state.iteration)
+        output: dict[str, Any] = {Keys.IMAGE: inputs, Keys.LABEL: targets}
+        engine.state.output = output
+        batch = inputs.shape[0]
+
         # generator step, micro-batch by micro-batch; gradients are all-reduced with the last one only
         engine.network.train()
         if zero_grad:
             engine.optimizer.zero_grad(set_to_none=True)
-        sums: dict[str, torch.Tensor] = {}
-        recons = []
-        for i, (x, y) in enumerate(chunks):
-            last = i == len(chunks) - 1
-            fraction = x.shape[0] / total
-            with self._sync_context(engine.network, do_step and last):
-                with autocast(self.state.device, self.amp_mode):
-                    recon, extras = split_autoencoder_output(engine.inferer(x, engine.network))
-                    if last:
-                        output[Keys.PRED] = recon
-                        engine.fire_event(IterationEvents.FORWARD_COMPLETED)
-                    terms, stats = self._generator_terms(recon, y, extras, adversarial)
-                g_loss = sum(weights[name] * value for name, value in terms.items())
-                if last:
-                    output[Keys.LOSS] = g_loss
-                    engine.fire_event(IterationEvents.LOSS_COMPLETED)
-                self._backward(g_loss, fraction)
-            for name, value in {**terms, **stats, "loss": g_loss}.items():
-                value = value.detach().float() * fraction
-                sums[name] = sums[name] + value if name in sums else value
-            recons.append(recon.detach())
+        sums, recons = self.with_backoff(
+            "generator",
+            [engine.network],
+            zero_grad,
+            batch,
+            lambda size: self._generator_pass(engine, inputs, targets, size, do_step),
+        )
         engine.fire_event(IterationEvents.BACKWARD_COMPLETED)
+        recon = torch.cat(recons) if len(recons) > 1 else recons[0]
         losses = {name: value for name, value in sums.items() if name.endswith("loss")}
         g_step = do_step and self._finite_or_skip(engine, losses, [engine.optimizer], engine.network)
         d_step = False
@@ -279,31 +340,18 @@ class AutoencoderGANTrainer(StepTrainer):
             if grad_norm is not None:
                 output["grad_norm"] = grad_norm.detach()
 
-        # discriminator step
+        # discriminator step, on the reconstructions of the generator step (redone on its own after an OOM)
         if adversarial:
             self.discriminator.train()
             if zero_grad:
                 self.d_optimizer.zero_grad(set_to_none=True)
-            d_total = None
-            for i, ((x, _), recon) in enumerate(zip(chunks, recons)):
-                last = i == len(chunks) - 1
-                fraction = x.shape[0] / total
-                with self._sync_context(self.discriminator, do_step and last):
-                    with autocast(self.state.device, self.amp_mode):
-                        views = self._views(self.discriminator, x)
-                        fake = self._heads(self.discriminator(recon.contiguous(), **views))
-                        real = self._heads(self.discriminator(x.contiguous(), **views))
-                        d_loss = sum(
-                            0.5
-                            * (
-                                self.adv_loss(self._logits(fake[h]), target_is_real=False, for_discriminator=True)
-                                + self.adv_loss(self._logits(real[h]), target_is_real=True, for_discriminator=True)
-                            )
-                            for h, w in self._head_weights(fake).items()
-                            if w > 0
-                        )
-                    self._backward(d_loss, fraction)
-                d_total = d_loss.detach() * fraction + (d_total if d_total is not None else 0)
+            d_total = self.with_backoff(
+                "discriminator",
+                [self.discriminator],
+                zero_grad,
+                batch,
+                lambda size: self._discriminator_pass(inputs, recon, size, do_step),
+            )
             d_step = do_step and self._finite_or_skip(
                 engine, {"d_loss": d_total}, [self.d_optimizer], self.discriminator
             )
@@ -316,8 +364,7 @@ class AutoencoderGANTrainer(StepTrainer):
             self.scaler.update()
 
         output.update(sums)
-        output[Keys.LOSS] = sums["loss"]
-        output[Keys.PRED] = torch.cat(recons) if len(recons) > 1 else recons[0]
+        output[Keys.PRED] = recon
         engine.fire_event(IterationEvents.MODEL_COMPLETED)  # decollates engine.state.output when enabled
         return engine.state.output
 

@@ -46,6 +46,8 @@ class LatentCodec(nn.Module):
         sw_batch_size: windows per autoencoder call.
         overlap: window overlap.
         scale: a known latent scale (``None``: calibrate, see :class:`LatentScaleCalibration`).
+        oom_backoff: halve ``sw_batch_size`` after running out of GPU memory and redo the volume
+            (:func:`common.networks.wrappers.with_window_backoff`).
     """
 
     def __init__(
@@ -57,8 +59,10 @@ class LatentCodec(nn.Module):
         sw_batch_size: int = 1,
         overlap: float = 0.25,
         scale: float | None = None,
+        oom_backoff: bool = True,
     ) -> None:
         super().__init__()
+        self.oom_backoff = bool(oom_backoff)
         self.autoencoder = autoencoder.eval().requires_grad_(False)
         self.roi_size = [int(r) for r in roi_size]
         factors = [int(downsample)] * len(self.roi_size) if isinstance(downsample, int) else list(downsample)
@@ -89,7 +93,7 @@ class LatentCodec(nn.Module):
         return nn.modules.module._IncompatibleKeys([], [])
 
     def _windows(self, x: torch.Tensor, fn: nn.Module, roi: Sequence[int]) -> torch.Tensor:
-        return blended_windows(x, fn, roi, self.sw_batch_size, self.overlap)
+        return blended_windows(x, fn, roi, overlap=self.overlap, owner=self)
 
     @torch.no_grad()
     def encode(self, image: torch.Tensor) -> torch.Tensor:

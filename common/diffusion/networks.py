@@ -48,6 +48,8 @@ class DiffusionSampler(InferenceView):
         overlap: window overlap.
         loss_timesteps: time steps of :meth:`denoising_loss` (default ``timesteps``).
         latent_codec: a :class:`common.diffusion.latent.LatentCodec` for latent diffusion.
+        oom_backoff: halve ``sw_batch_size`` after running out of GPU memory and redo the time step
+            (:func:`common.networks.wrappers.with_window_backoff`).
     """
 
     def __init__(
@@ -68,8 +70,10 @@ class DiffusionSampler(InferenceView):
         overlap: float = 0.25,
         loss_timesteps: Sequence[int] | torch.Tensor | None = None,
         latent_codec: nn.Module | None = None,
+        oom_backoff: bool = True,
     ) -> None:
         super().__init__(network)
+        self.oom_backoff = bool(oom_backoff)
         self.target_channels = [int(c) for c in target_channels]
         self.in_channels = int(in_channels)
         self.timesteps = torch.as_tensor(timesteps, dtype=torch.long).cpu()
@@ -117,7 +121,7 @@ class DiffusionSampler(InferenceView):
         def predict(window: torch.Tensor) -> torch.Tensor:
             return net(window, torch.full((window.shape[0],), int(t), dtype=torch.long, device=window.device))
 
-        return blended_windows(x, predict, self.roi_size, self.sw_batch_size, self.overlap)
+        return blended_windows(x, predict, self.roi_size, overlap=self.overlap, owner=self)
 
     def _assemble(self, condition: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         """The denoiser input: the channels of ``condition`` with ``target`` at ``target_channels``.

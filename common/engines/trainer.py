@@ -1,9 +1,11 @@
 # Copyright (c) the 3D MONAI bundle collection contributors.
 # Licensed under the Apache License, Version 2.0.
 """The training loop every trainer of the collection shares, on top of ``monai.engines.Trainer``: mixed precision
-with a kept GradScaler, gradient accumulation over iterations with DDP ``no_sync``, the non-finite guard agreed
-across ranks, gradient-norm clipping, and (for one network and one optimizer) the whole iteration, into which a
-model plugs :meth:`StepTrainer.prepare_step` and :meth:`StepTrainer.compute_loss`."""
+with a kept GradScaler, gradient accumulation over iterations with DDP ``no_sync``, micro-batches within an
+iteration, the non-finite guard agreed across ranks, gradient-norm clipping, ``torch.compile`` of the step's
+forward and loss as one graph, the memory layout of its inputs, the out-of-memory backoff, and (for one network and
+one optimizer) the whole iteration, into which a model plugs :meth:`StepTrainer.prepare_step` and
+:meth:`StepTrainer.compute_loss`."""
 
 from __future__ import annotations
 
@@ -24,10 +26,24 @@ from monai.utils import CommonKeys as Keys
 from torch import nn
 from torch.optim import Optimizer
 
-from common.errors import UserError
+from common.errors import OutOfMemoryBackoffError, UserError
+from common.networks.wrappers import (
+    enable_gradient_checkpointing,
+    out_of_memory_message,
+    release_cached_memory,
+    to_memory_format,
+    unwrap,
+)
 from common.utils import amp_dtype, autocast, get_world_size, make_grad_scaler
 
-__all__ = ["NONFINITE_POLICIES", "NonFiniteLossError", "StepTrainer"]
+__all__ = [
+    "NONFINITE_POLICIES",
+    "NonFiniteLossError",
+    "OutOfMemoryBackoffError",
+    "StepTrainer",
+    "accumulate",
+    "split_step",
+]
 
 NONFINITE_POLICIES = ("stop", "skip")
 
@@ -37,6 +53,32 @@ logger = logging.getLogger(__name__)
 class NonFiniteLossError(UserError, FloatingPointError):
     """A training loss (or, without fp16 loss scaling, a gradient) became NaN/Inf; the message names the iteration
     and every loss term."""
+
+
+def split_step(step: Mapping[str, Any], size: int | None) -> list[dict[str, Any]]:
+    """The micro-batches of a training step's inputs (what :meth:`StepTrainer.prepare_step` returns) of at most
+    ``size`` samples each.
+
+    The batch size is that of the first positional input (``step["args"][0]``). Every tensor whose first dimension
+    is the batch size, in ``args`` and in the other entries (recursively through dicts), is per sample and split;
+    other values are shared by every micro-batch. ``output`` and ``stats`` (the iteration's own outputs) are not
+    split. ``size`` ``None`` or at least the batch size gives ``[step]``.
+    """
+    batch = step["args"][0].shape[0]
+    if size is None or size >= batch:
+        return [dict(step)]
+    starts = range(0, batch, size)
+
+    def part(value: Any, start: int) -> Any:
+        if isinstance(value, torch.Tensor) and value.dim() and value.shape[0] == batch:
+            return value[start : start + size]
+        if isinstance(value, Mapping):
+            return {k: part(v, start) for k, v in value.items()}
+        if isinstance(value, tuple):
+            return tuple(part(v, start) for v in value)
+        return value
+
+    return [{k: v if k in ("output", "stats") else part(v, start) for k, v in step.items()} for start in starts]
 
 
 class StepTrainer(Trainer):
@@ -64,6 +106,33 @@ class StepTrainer(Trainer):
     step is dropped (gradients zeroed, counted in ``engine.state.skipped_steps``) and training continues. Under DDP
     the decision is agreed by all ranks, so the replicas stay identical.
 
+    Micro-batches: ``micro_batch_size`` splits each iteration's batch (:func:`split_step`) into chunks forwarded
+    and back-propagated one at a time with loss weights ``len(chunk) / len(batch)``, so the update is that of the
+    whole batch (exactly for networks without batch statistics and losses that are means over samples: a trainer
+    whose loss couples the samples, such as the Cox partial likelihood, sets ``micro_batch_exact`` False and refuses
+    micro-batches) at the memory of one chunk; under DDP only the last chunk all-reduces.
+
+    Compilation: with ``compile`` the step's forward and loss (:meth:`forward_loss`: autocast, the network through
+    the inferer, :meth:`compute_loss`) are one ``torch.compile`` graph, its backward one AOTAutograd graph. Batch
+    preparation, the random draws of :meth:`prepare_step`, DDP's ``no_sync``, the non-finite guard, clipping, the
+    optimizer step and the engine's events stay outside it (they hold the host reads, Python state and library
+    calls that would break the graph). With a fixed patch size a run compiles once; a different last batch or a
+    smaller micro-batch compiles once more.
+
+    Memory layout: ``memory_format`` ``channels_last_3d`` puts the 5-D inputs of each step in that layout (the
+    networks are converted by :func:`common.networks.wrappers.prepare_network` with the same setting).
+
+    Out of memory: with ``oom_backoff`` (the default), a ``torch.OutOfMemoryError`` inside a step's forward or
+    backward frees the step (its gradients back to their state before the iteration), halves the micro-batch (or,
+    at one sample per micro-batch or for a loss that couples the batch, turns on gradient checkpointing where the
+    network supports it, :func:`common.networks.wrappers.enable_gradient_checkpointing`), logs what it changed and
+    redoes the same step on the same batch, so the update is the one the batch would have given (for networks without
+    batch statistics: BatchNorm layers then normalise over the micro-batches, which the log line says). The smaller
+    micro-batch is kept for the rest of the run. When nothing is left to reduce, or with ``oom_backoff`` False,
+    training stops with an :class:`OutOfMemoryBackoffError` naming the step and what was tried. Under DDP every
+    rank backs off on its own (the micro-batches do not change the update); an OOM inside the all-reducing backward
+    of the last micro-batch leaves DDP's reducer mid-collective and cannot be redone.
+
     Subclasses take their own arguments and pass every setting below on as keywords (``**settings``), so a
     setting is declared here only; a subclass's default batch preparation and decollation are its class attributes
     ``default_prepare_batch`` and ``default_decollate``.
@@ -87,12 +156,22 @@ class StepTrainer(Trainer):
         train_handlers, event_names, event_to_attr, to_kwargs: as in ``monai.engines.SupervisedTrainer``.
         inferer: how the network is called on a step's inputs (``inferer(args[0], network, *args[1:])``; default
             ``SimpleInferer``), as in ``monai.engines.SupervisedTrainer``.
+        micro_batch_size: samples forwarded at once within an iteration (``None``: the whole batch).
+        compile: compile the step's forward and loss (see above).
+        compile_kwargs: extra arguments of ``torch.compile`` (e.g. ``mode``, ``backend``).
+        memory_format: ``contiguous`` or ``channels_last_3d``: the layout of the step's 5-D inputs.
+        oom_backoff: redo a step that ran out of GPU memory with less memory (see above).
     """
 
     default_prepare_batch: Callable = staticmethod(default_prepare_batch)
     default_decollate: bool = True
     # whether the iteration's output keeps the network's prediction (``pred``, detached)
     output_prediction: bool = True
+    # whether the loss is a mean over samples, so that micro-batches weighted by their size give the batch's update
+    micro_batch_exact: bool = True
+    # whether compute_loss is inside the compiled region; False for a loss that reads values back or calls a library
+    # whose code breaks graphs: it then runs eagerly after the compiled forward
+    loss_in_graph: bool = True
 
     def __init__(
         self,
@@ -118,7 +197,14 @@ class StepTrainer(Trainer):
         decollate: bool | None = None,
         to_kwargs: dict | None = None,
         inferer: Inferer | None = None,
+        micro_batch_size: int | None = None,
+        compile: bool = False,
+        compile_kwargs: Mapping | None = None,
+        memory_format: str = "contiguous",
+        oom_backoff: bool = True,
     ) -> None:
+        if micro_batch_size is not None and (isinstance(micro_batch_size, bool) or int(micro_batch_size) < 1):
+            raise ValueError(f"micro_batch_size must be >= 1 or None, got {micro_batch_size!r}.")
         if int(accumulation_steps) < 1:
             raise ValueError(f"accumulation_steps must be >= 1, got {accumulation_steps!r}.")
         if nonfinite not in NONFINITE_POLICIES:
@@ -153,6 +239,18 @@ class StepTrainer(Trainer):
         self.scaler = make_grad_scaler(self.state.device, self.amp_mode)
         self.state.skipped_steps = 0
         self._batch_logged = False
+        self.micro_batch_size = int(micro_batch_size) if micro_batch_size else None
+        if self.micro_batch_size and not self.micro_batch_exact:
+            raise ValueError(
+                f"micro_batch_size {micro_batch_size!r}: the loss of {type(self).__name__} couples the samples of a "
+                "batch, so micro-batches would change it; leave micro_batch_size null (or lower batch_size)."
+            )
+        to_memory_format(None, memory_format)  # validates the name
+        self.memory_format = memory_format
+        self.oom_backoff = bool(oom_backoff)
+        self.compile = bool(compile)
+        self.compile_kwargs = dict(compile_kwargs or {})
+        self._compiled: dict[str, Callable] = {}
 
     def _register_decollate(self) -> None:
         """MONAI's decollation of the output after ``MODEL_COMPLETED`` (one dict per sample, scalars replicated into
@@ -183,11 +281,36 @@ class StepTrainer(Trainer):
         put into the output (detached) before the optimizer step, so the non-finite guard checks them too."""
         raise NotImplementedError(f"{type(self).__name__} must implement compute_loss (or its own _iteration).")
 
+    def compiled(self, name: str, fn: Callable) -> Callable:
+        """``fn`` compiled with ``torch.compile`` (once, kept under ``name``) when ``compile`` is on, else ``fn``."""
+        if not self.compile:
+            return fn
+        if name not in self._compiled:
+            self._compiled[name] = torch.compile(fn, **self.compile_kwargs)
+        return self._compiled[name]
+
+    def forward(self, step: dict[str, Any]) -> torch.Tensor:
+        """The network's prediction on one (micro-)batch of ``step``, through the inferer under autocast."""
+        with autocast(self.state.device, self.amp_mode):
+            return self.inferer(step["args"][0], self.network, *step["args"][1:])
+
+    def forward_loss(self, step: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+        """The compiled region of a step: ``(prediction, loss, terms)`` of one (micro-)batch of ``step``
+        (:meth:`forward`, then :meth:`compute_loss`); with ``loss_in_graph`` False only :meth:`forward` is
+        compiled."""
+        if not self.loss_in_graph:
+            prediction = self.compiled("forward", self.forward)(step)
+            return (prediction, *self.compute_loss(self, step, prediction))
+        prediction = self.forward(step)
+        loss, terms = self.compute_loss(self, step, prediction)
+        return prediction, loss, terms
+
     def _iteration(self, engine: Trainer, batchdata: dict[str, Any]) -> dict[str, Any]:
         """One training iteration of ``engine.network`` with ``engine.optimizer`` (see the class docstring)."""
         if batchdata is None:
             raise ValueError("Must provide batch data for current iteration.")
         step = self.prepare_step(engine, batchdata)
+        step["args"] = to_memory_format(tuple(step["args"]), self.memory_format)
         zero_grad, do_step = self._accumulation_flags(engine)
         output: dict[str, Any] = step["output"]
         engine.state.output = output
@@ -195,26 +318,106 @@ class StepTrainer(Trainer):
         engine.network.train()
         if zero_grad:
             engine.optimizer.zero_grad(set_to_none=True)
-        with self._sync_context(engine.network, do_step):
-            with autocast(self.state.device, self.amp_mode):
-                prediction = engine.inferer(step["args"][0], engine.network, *step["args"][1:])
-                if self.output_prediction:
-                    output[Keys.PRED] = prediction
-                engine.fire_event(IterationEvents.FORWARD_COMPLETED)
-            loss, terms = self.compute_loss(engine, step, prediction)
-            output[Keys.LOSS] = loss
-            engine.fire_event(IterationEvents.LOSS_COMPLETED)
-            self._backward(loss)
+        prediction, terms = self.with_backoff(
+            "training",
+            [engine.network],
+            zero_grad,
+            step["args"][0].shape[0],
+            lambda size: self._forward_backward(engine, step, size, do_step),
+        )
         engine.fire_event(IterationEvents.BACKWARD_COMPLETED)
-        output.update({name: value.detach() for name, value in terms.items()})
+        output.update(terms)  # the batch means of the loss and its terms, detached
         if do_step:
             self._step_and_update(engine, output)
-        output[Keys.LOSS] = loss.detach()
         if self.output_prediction:
-            output[Keys.PRED] = prediction.detach()
+            output[Keys.PRED] = prediction
         output.update(step.get("stats", {}))
         engine.fire_event(IterationEvents.MODEL_COMPLETED)
         return engine.state.output
+
+    def _forward_backward(
+        self, engine: Trainer, step: dict[str, Any], size: int | None, sync: bool
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """Forward and backward of ``step`` in micro-batches of ``size``: ``(prediction, terms)``, both detached,
+        the terms (``loss`` included) averaged over the batch. ``FORWARD_COMPLETED`` and ``LOSS_COMPLETED`` fire
+        after the last micro-batch's forward and loss, which are one compiled region."""
+        output = step["output"]
+        forward_loss = self.compiled("forward_loss", self.forward_loss) if self.loss_in_graph else self.forward_loss
+        chunks = split_step(step, size)
+        total = step["args"][0].shape[0]
+        sums: dict[str, torch.Tensor] = {}
+        predictions = []
+        for i, chunk in enumerate(chunks):
+            last = i == len(chunks) - 1
+            fraction = chunk["args"][0].shape[0] / total
+            with self._sync_context(engine.network, sync and last):
+                prediction, loss, terms = forward_loss(chunk)
+                if last:
+                    if self.output_prediction:
+                        output[Keys.PRED] = prediction
+                    engine.fire_event(IterationEvents.FORWARD_COMPLETED)
+                    output[Keys.LOSS] = loss
+                    engine.fire_event(IterationEvents.LOSS_COMPLETED)
+                self._backward(loss, fraction)
+            accumulate(sums, {**terms, Keys.LOSS: loss}, fraction)
+            predictions.append(prediction.detach())
+        return (torch.cat(predictions) if len(predictions) > 1 else predictions[0]), sums
+
+    def with_backoff(
+        self, phase: str, networks: Sequence[nn.Module], fresh: bool, batch: int, run: Callable[[int | None], Any]
+    ) -> Any:
+        """``run(micro_batch_size)``, redone with less memory after a ``torch.OutOfMemoryError`` (see the class
+        docstring).
+
+        Args:
+            phase: the step's name in messages (``training``, ``generator``, ``discriminator``).
+            networks: the networks whose gradients ``run`` accumulates (restored before a redo).
+            fresh: whether the gradients were zeroed for this iteration (else they hold earlier iterations of the
+                accumulation window: a copy is kept aside to be restored, one gradient-sized buffer on the device
+                while the iteration runs).
+            batch: the iteration's batch size.
+            run: forward and backward of the whole batch in micro-batches of the given size.
+
+        Raises:
+            OutOfMemoryBackoffError: when nothing is left to reduce, or the backoff is off.
+        """
+        params = [p for net in networks for p in net.parameters()]
+        kept = None
+        if self.oom_backoff and not fresh:
+            kept = [None if p.grad is None else p.grad.clone() for p in params]
+        while True:
+            try:
+                return run(self.micro_batch_size)
+            except torch.OutOfMemoryError as error:
+                failure = out_of_memory_message(error)
+            # outside the except block, so that the traceback's frames (and the tensors they hold) are released
+            for p, grad in zip(params, kept or [None] * len(params)):
+                p.grad = grad if grad is None else grad.clone()
+            release_cached_memory()
+            where = f"the {phase} step of iteration {self.state.iteration} (epoch {self.state.epoch})"
+            change = self._reduce_memory(batch, networks) if self.oom_backoff else None
+            if change is None:
+                tried = "oom_backoff is off" if not self.oom_backoff else "nothing is left to reduce"
+                raise OutOfMemoryBackoffError(
+                    f"out of GPU memory in {where} ({failure}); {tried} (micro-batch "
+                    f"{self.micro_batch_size or batch} of a batch of {batch}). Lower patch_size or batch_size, or "
+                    "use a GPU with more memory."
+                )
+            logger.warning(f"out of GPU memory in {where}: {change}; redoing the step ({failure}).")
+
+    def _reduce_memory(self, batch: int, networks: Sequence[nn.Module]) -> str | None:
+        """Halve the micro-batch or else turn on gradient checkpointing; what was changed, or ``None``."""
+        current = self.micro_batch_size or batch
+        if self.micro_batch_exact and current > 1:
+            self.micro_batch_size = current // 2
+            change = f"micro-batch halved from {current} to {self.micro_batch_size} sample(s)"
+            if any(isinstance(m, nn.modules.batchnorm._BatchNorm) for net in networks for m in net.modules()):
+                change += " (its BatchNorm layers now normalise over the micro-batches, not the whole batch)"
+            return change
+        for network in networks:
+            if enable_gradient_checkpointing(network):
+                return f"gradient checkpointing turned on in {type(unwrap(network)).__name__}"
+        return None
 
     def log_effective_batch(self, batch_size: int) -> None:
         """Log, once per run, the effective batch of an optimizer step: samples per rank and iteration x ranks x
@@ -328,6 +531,13 @@ class StepTrainer(Trainer):
         else:
             optimizer.step()
         return grad_norm
+
+
+def accumulate(sums: dict[str, torch.Tensor], values: Mapping[str, torch.Tensor], fraction: float) -> None:
+    """Add ``fraction`` x each of ``values`` (detached, float32) to ``sums``: a batch mean from its micro-batches."""
+    for name, value in values.items():
+        value = value.detach().float() * fraction
+        sums[name] = sums[name] + value if name in sums else value
 
 
 def _describe(value: torch.Tensor) -> str:

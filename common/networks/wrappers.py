@@ -5,25 +5,92 @@ applying them to whole volumes by blended windows."""
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
-from monai.inferers import sliding_window_inference
+from monai.inferers import SlidingWindowInferer, sliding_window_inference
 from torch import nn
 
+from common.errors import OutOfMemoryBackoffError
+
 __all__ = [
+    "MEMORY_FORMATS",
+    "BackoffSlidingWindowInferer",
     "InferenceView",
     "LatentDecoder",
     "LatentEncoder",
     "ReconstructionNetwork",
     "blended_windows",
     "clean_state_dict",
+    "enable_gradient_checkpointing",
     "inference_view",
+    "out_of_memory_message",
+    "release_cached_memory",
+    "with_window_backoff",
     "prepare_network",
     "split_autoencoder_output",
+    "to_memory_format",
     "unwrap",
 ]
+
+logger = logging.getLogger(__name__)
+
+#: the memory layouts of 5-D (``B, C, D, H, W``) tensors a network and its inputs may use: ``contiguous``
+#: (NCDHW) or ``channels_last_3d`` (NDHWC, what cuDNN's fastest 3D convolution kernels read)
+MEMORY_FORMATS = ("contiguous", "channels_last_3d")
+
+
+def _memory_format(name: str) -> torch.memory_format:
+    if name not in MEMORY_FORMATS:
+        raise ValueError(f"memory_format must be one of {MEMORY_FORMATS}, got {name!r}.")
+    return torch.channels_last_3d if name == "channels_last_3d" else torch.contiguous_format
+
+
+def to_memory_format(value, memory_format: str = "contiguous"):
+    """``value`` with its 5-D tensors in ``memory_format`` (one of :data:`MEMORY_FORMATS`).
+
+    A module is converted in place (its 5-D parameters and buffers: 3D convolution kernels) and returned; a tensor
+    is returned converted (a copy only when its layout differs); tuples, lists and dicts are converted item by item;
+    anything else (``None``, 2-D X-rays, numbers) is returned unchanged. The values are the same: only the strides
+    change, so a layout is a speed setting, never a change of the arithmetic beyond the summation order of a kernel.
+
+    Raises:
+        ValueError: for an unknown ``memory_format``.
+    """
+    fmt = _memory_format(memory_format)
+    if isinstance(value, nn.Module):
+        for tensor in [*value.parameters(), *value.buffers()]:
+            if tensor.dim() == 5:
+                tensor.data = tensor.data.contiguous(memory_format=fmt)
+        return value
+    if isinstance(value, torch.Tensor):
+        return value.contiguous(memory_format=fmt) if value.dim() == 5 else value
+    if isinstance(value, (tuple, list)):
+        return type(value)(to_memory_format(v, memory_format) for v in value)
+    if isinstance(value, Mapping):
+        return {k: to_memory_format(v, memory_format) for k, v in value.items()}
+    return value
+
+
+def enable_gradient_checkpointing(network: nn.Module) -> bool:
+    """Turn on activation (gradient) checkpointing in ``network`` where it supports it: a
+    ``set_gradient_checkpointing(enabled)`` method (:class:`common.xray2ct.networks.XrayCTDenoiser`) or a
+    ``use_checkpoint`` flag read at forward time (MONAI ``AutoencoderKL``).
+
+    Returns:
+        ``True`` when checkpointing was off and is now on; ``False`` when it was on already or is not supported.
+    """
+    net = unwrap(network)
+    if getattr(net, "gradient_checkpointing", None) is False and hasattr(net, "set_gradient_checkpointing"):
+        net.set_gradient_checkpointing(True)
+        return True
+    if getattr(net, "use_checkpoint", None) is False:
+        net.use_checkpoint = True
+        return True
+    return False
 
 
 def prepare_network(
@@ -36,6 +103,7 @@ def prepare_network(
     find_unused_parameters: bool = False,
     broadcast_buffers: bool = False,
     compile_kwargs: Mapping | None = None,
+    memory_format: str = "contiguous",
 ) -> nn.Module:
     """Move ``network`` to ``device`` and wrap it for (distributed, compiled) training.
 
@@ -55,9 +123,14 @@ def prepare_network(
         broadcast_buffers: DDP ``broadcast_buffers``; off by default (BatchNorm statistics stay per rank or are
             synchronised by SyncBatchNorm).
         compile_kwargs: extra arguments of ``torch.compile``.
+        memory_format: the layout of the network's 5-D weights (:func:`to_memory_format`); trainers convert their
+            inputs to the same layout (their ``memory_format`` setting).
+
+    Raises:
+        ValueError: for an unknown ``memory_format``.
     """
     device = torch.device(device)
-    network = network.to(device)
+    network = to_memory_format(network.to(device), memory_format)
     if distributed is None:
         distributed = dist.is_available() and dist.is_initialized()
     if distributed:
@@ -231,9 +304,88 @@ def blended_windows(
     roi_size: Sequence[int] | None,
     sw_batch_size: int = 1,
     overlap: float = 0.25,
+    owner: Any = None,
 ) -> torch.Tensor:
     """``fn`` applied to ``x`` directly when it fits ``roi_size`` (or ``roi_size`` is ``None``), else to overlapping
-    ``roi_size`` windows whose outputs are blended with Gaussian weights (MONAI ``sliding_window_inference``)."""
+    ``roi_size`` windows whose outputs are blended with Gaussian weights (MONAI ``sliding_window_inference``).
+
+    With an ``owner`` (a sampler or codec with ``sw_batch_size`` and ``oom_backoff`` attributes), the windows per
+    batch are the owner's, halved after an out-of-memory error (:func:`with_window_backoff`)."""
     if roi_size is None or all(s <= r for s, r in zip(x.shape[2:], roi_size)):
         return fn(x)
-    return sliding_window_inference(x, list(roi_size), int(sw_batch_size), fn, overlap=overlap, mode="gaussian")
+    if owner is None:
+        return sliding_window_inference(x, list(roi_size), int(sw_batch_size), fn, overlap=overlap, mode="gaussian")
+    return with_window_backoff(
+        owner,
+        lambda: sliding_window_inference(
+            x, list(roi_size), int(owner.sw_batch_size), fn, overlap=overlap, mode="gaussian"
+        ),
+        getattr(owner, "oom_backoff", True),
+    )
+
+
+def out_of_memory_message(error: BaseException) -> str:
+    """The first line of an out-of-memory error's message (CUDA's names the size it tried to allocate)."""
+    text = str(error).strip()
+    return text.splitlines()[0] if text else type(error).__name__
+
+
+def release_cached_memory() -> None:
+    """Return the CUDA caching allocator's free blocks to the device after an out-of-memory error (a no-op without
+    CUDA), so that a redone step starts from the memory the failed one held."""
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def with_window_backoff(
+    owner: Any, run: Callable[[], Any], enabled: bool = True, what: str = "sliding-window inference"
+):
+    """``run()``, redone after a ``torch.OutOfMemoryError`` with ``owner.sw_batch_size`` (the windows forwarded
+    at once, which ``run`` reads) halved; the smaller value is kept for the next calls, and logged.
+
+    Args:
+        owner: an object with an ``sw_batch_size`` attribute (an inferer, a sampler).
+        run: the inference, reading ``owner.sw_batch_size`` when called.
+        enabled: whether to back off (``oom_backoff``); off, the error becomes an :class:`OutOfMemoryBackoffError`.
+        what: what ``run`` is, in messages.
+
+    Raises:
+        OutOfMemoryBackoffError: at one window per batch, or when not ``enabled``.
+    """
+    while True:
+        try:
+            return run()
+        except torch.OutOfMemoryError as error:
+            failure = out_of_memory_message(error)
+        release_cached_memory()  # outside the except block: the failed attempt's tensors are released
+        current = int(owner.sw_batch_size)
+        if not enabled or current <= 1:
+            tried = "oom_backoff is off" if not enabled else "nothing is left to reduce"
+            raise OutOfMemoryBackoffError(
+                f"out of GPU memory in {what} ({failure}); {tried} (sw_batch_size {current}). Lower the window size "
+                "(patch_size / roi_size), or use a GPU with more memory."
+            )
+        owner.sw_batch_size = current // 2
+        logger.warning(
+            f"out of GPU memory in {what}: sw_batch_size halved from {current} to {owner.sw_batch_size}; redoing it "
+            f"({failure})."
+        )
+
+
+class BackoffSlidingWindowInferer(SlidingWindowInferer):
+    """MONAI's ``SlidingWindowInferer`` that survives running out of GPU memory: the volume is redone with half the
+    windows per batch (:func:`with_window_backoff`), which blends to the same output up to the summation order.
+
+    Args:
+        oom_backoff: back off (default); ``False`` turns an out-of-memory error into an
+            :class:`common.errors.OutOfMemoryBackoffError` at once.
+        args, kwargs: those of ``monai.inferers.SlidingWindowInferer``.
+    """
+
+    def __init__(self, *args: Any, oom_backoff: bool = True, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.oom_backoff = bool(oom_backoff)
+
+    def __call__(self, inputs: torch.Tensor, network: Callable, *args: Any, **kwargs: Any):
+        call = super().__call__
+        return with_window_backoff(self, lambda: call(inputs, network, *args, **kwargs), self.oom_backoff)

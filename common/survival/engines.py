@@ -23,7 +23,7 @@ from common.data.pipeline import batch_case_ids, cache_problems, intensity_probl
 from common.engines.evaluator import StepEvaluator
 from common.engines.trainer import StepTrainer
 from common.survival.cohort import TIME_UNITS
-from common.survival.losses import cox_loss, logistic_hazard_loss
+from common.survival.losses import check_cut_points, cox_loss, logistic_hazard_loss
 from common.survival.networks import BACKBONES, HEADS, widen_factor_problem
 from common.utils import flag_problems, get_world_size
 
@@ -140,19 +140,31 @@ class SurvivalTrainer(StepTrainer):
             raise ValueError(f"'survival_head' must be one of {HEADS}, got {head!r}.")
         if head == "logistic_hazard" and cut_points is None:
             raise ValueError("a logistic hazard head needs cut_points (K + 1 interval boundaries in years).")
-        super().__init__(network=network, optimizer=optimizer, **settings)
         self.head = head
-        self.cut_points = None if cut_points is None else torch.as_tensor(cut_points, dtype=torch.float32)
+        super().__init__(network=network, optimizer=optimizer, **settings)
+        # checked here once, so that the loss of each step reads nothing back (check_values=False below)
+        self.cut_points = None if cut_points is None else check_cut_points(cut_points).float()
         self.prepare_covariates = prepare_covariates
         self.global_risk_set = bool(global_risk_set)
+
+    @property
+    def micro_batch_exact(self) -> bool:
+        """The Cox partial likelihood couples the samples of a batch (its risk set): no micro-batches."""
+        return self.head != "cox"
+
+    @property
+    def loss_in_graph(self) -> bool:
+        """The Cox loss gathers the risk set over ranks (sizes read back) and counts the events (torchsurv's
+        special cases): it runs outside the compiled region, after the compiled network."""
+        return self.head != "cox"
 
     def loss(self, output: torch.Tensor, time: torch.Tensor, event: torch.Tensor) -> torch.Tensor:
         """The survival loss of a batch of network outputs (float32)."""
         output = output.float()
         if self.head == "cox":
             return cox_loss(output.reshape(-1), time, event, global_risk_set=self.global_risk_set)
-        # the cut points stay on the CPU: their checks then need no device synchronisation; the loss moves them.
-        # The batch's times and events were checked when the cohort was read, not again on the device.
+        # The cut points were checked when the trainer was built and the batch's times and events when the cohort
+        # was read: nothing is checked again on the device (no host read, no graph break).
         return logistic_hazard_loss(output, time, event, self.cut_points, check_values=False)
 
     def prepare_step(self, engine: SurvivalTrainer, batchdata: dict[str, Any]) -> dict[str, Any]:

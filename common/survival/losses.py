@@ -37,13 +37,17 @@ def check_cut_points(cut_points: Sequence[float] | torch.Tensor) -> torch.Tensor
     Raises:
         ValueError: when they are not 1-D, fewer than 2, not finite, do not start at 0 or do not increase strictly.
     """
-    cuts = torch.as_tensor(cut_points).detach()
-    cuts = cuts.to(torch.float64 if cuts.dtype == torch.float64 else torch.float32)
+    cuts = _cut_tensor(cut_points)
     if cuts.ndim != 1 or cuts.numel() < 2:
         raise ValueError(f"cut_points must be K + 1 >= 2 boundaries [0, c_1, ..., c_K], got {cuts.tolist()!r}.")
     if not bool(torch.isfinite(cuts).all()) or float(cuts[0]) != 0.0 or not bool((cuts[1:] > cuts[:-1]).all()):
         raise ValueError(f"cut_points must be finite, start at 0 and increase strictly, got {cuts.tolist()!r}.")
     return cuts
+
+
+def _cut_tensor(cut_points: Sequence[float] | torch.Tensor) -> torch.Tensor:
+    cuts = torch.as_tensor(cut_points).detach()
+    return cuts.to(torch.float64 if cuts.dtype == torch.float64 else torch.float32)
 
 
 def _as_vector(name: str, value: torch.Tensor, n: int | None = None) -> torch.Tensor:
@@ -84,9 +88,10 @@ def discretize(
         time: ``(N,)`` follow-up times in years (non-negative).
         event: ``(N,)`` event indicators (1 = event, 0 = censored).
         cut_points: the ``K + 1`` boundaries ``[0, c_1, ..., c_K]``.
-        check_values: check that times are finite and non-negative and events 0/1. Reading the result on the host
-            waits for a GPU; a trainer whose batches come from a cohort checked row by row
-            (:func:`common.survival.cohort.read_cohort_csv`) switches it off.
+        check_values: check the cut points (:func:`check_cut_points`), and that times are finite and non-negative
+            and events 0/1. Reading the result on the host waits for a GPU (and breaks a ``torch.compile`` graph);
+            a trainer whose cut points were checked when it was built and whose batches come from a cohort checked
+            row by row (:func:`common.survival.cohort.read_cohort_csv`) switches it off.
 
     Returns:
         ``(index, observed)``: ``(N,)`` long tensors.
@@ -94,7 +99,7 @@ def discretize(
     Raises:
         ValueError: for bad cut points, shapes, negative or non-finite times, or events other than 0/1.
     """
-    cuts = check_cut_points(cut_points)
+    cuts = check_cut_points(cut_points) if check_values else _cut_tensor(cut_points)
     time = _as_vector("time", time)
     event = _as_vector("event", event, time.shape[0])
     if check_values and (not bool(torch.isfinite(time).all()) or bool((time < 0).any())):
@@ -148,7 +153,7 @@ def logistic_hazard_loss(
             :func:`discretize` rejects.
     """
     _check_reduction(reduction)
-    cuts = check_cut_points(cut_points)
+    cuts = check_cut_points(cut_points) if check_values else _cut_tensor(cut_points)
     if logits.ndim != 2 or logits.shape[1] != cuts.numel() - 1:
         raise ValueError(
             f"logits must have shape (N, K={cuts.numel() - 1}) for {cuts.numel()} cut points, "

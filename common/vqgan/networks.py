@@ -235,11 +235,6 @@ class EMAVectorQuantizer(nn.Module):
         self.register_buffer("embed_sum", self.embeddings.clone())
         self.register_buffer("initialized", torch.tensor(False))
         self.register_buffer("usage_counts", torch.zeros(self.n_codes, dtype=torch.long), persistent=False)
-        self._known_initialized = False  # host-side cache of ``initialized`` (reset when a state dict is loaded)
-
-    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs) -> None:
-        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
-        self._known_initialized = False
 
     # ------------------------------------------------------------------ helpers
     def _candidates(self, flat: torch.Tensor) -> torch.Tensor:
@@ -257,10 +252,16 @@ class EMAVectorQuantizer(nn.Module):
 
     @torch.no_grad()
     def _initialise(self, flat: torch.Tensor) -> None:
+        """Every code from random rows of ``flat`` if the codebook is not initialised yet, else nothing.
+
+        Decided on the device (``torch.where`` on ``initialized``), not by reading the flag back: a training step
+        then neither waits for the GPU nor breaks a ``torch.compile`` graph, at the cost of one candidate draw per
+        step (``n_codes`` rows, the size of the restart's)."""
+        fresh = ~self.initialized
         candidates = self._candidates(flat)
-        self.embeddings.copy_(candidates)
-        self.embed_sum.copy_(candidates)
-        self.cluster_size.fill_(1.0)
+        self.embeddings.copy_(torch.where(fresh, candidates, self.embeddings))
+        self.embed_sum.copy_(torch.where(fresh, candidates, self.embed_sum))
+        self.cluster_size.copy_(torch.where(fresh, torch.ones_like(self.cluster_size), self.cluster_size))
         self.initialized.fill_(True)
 
     @torch.no_grad()
@@ -334,13 +335,13 @@ class EMAVectorQuantizer(nn.Module):
         if z.shape[1] != self.embedding_dim:
             raise ValueError(f"expected {self.embedding_dim} latent channels, got input of shape {tuple(z.shape)}.")
         flat = z.movedim(1, -1).reshape(-1, self.embedding_dim)
-        if self.training and not self._known_initialized:
-            self._known_initialized = bool(self.initialized)  # one host synchronisation, then cached
-        if self.training and not self._known_initialized:
+        if self.training:
             self._initialise(flat.detach().float())
-            self._known_initialized = True
         indices = self.nearest(flat.detach())
-        counts = torch.bincount(indices, minlength=self.n_codes).float()
+        # a histogram of static shape (bincount's length depends on the values: it breaks a compiled graph)
+        counts = torch.zeros(self.n_codes, device=z.device).index_add_(
+            0, indices, torch.ones_like(indices, dtype=torch.float)
+        )
         if _distributed() and self.training:
             dist.all_reduce(counts)
         quantized_flat = self.embeddings[indices].to(z.dtype)

@@ -172,6 +172,7 @@ def throughput(
     device: str = "auto",
     amp: str | None = None,
     compile: bool = False,
+    profile: bool = False,
     baseline_workers: int | None = None,
     num_threads: int | None = None,
     output: str | None = None,
@@ -190,6 +191,8 @@ def throughput(
         amp: the bundle's autocast, ``bf16``/``fp16``/``none`` (default: bf16 on GPUs, none on CPUs); the plain
             loop runs in fp32, as the tutorial does.
         compile: ``torch.compile`` the bundle's networks (its ``compile`` id); compilation happens in the warm-up.
+        profile: also profile one bundle iteration with ``torch.profiler`` (its top kernels, in the result's
+            ``profile``; :func:`scripts.harness.tools.kernel_profile`).
         baseline_workers: DataLoader workers of the plain loop (default: 4 on GPU machines, 0 on 2-core CPUs).
         num_threads: torch CPU threads.
         output: JSON file for the results.
@@ -205,7 +208,15 @@ def throughput(
         "compile": s["compile"],
         "timed_iterations": iterations,
         **alternate(
-            s, "autoencoder_3d", _plain_loop, iterations, warmup, repeats, workers, extra=_autoencoder_overrides(s)
+            s,
+            "autoencoder_3d",
+            _plain_loop,
+            iterations,
+            warmup,
+            repeats,
+            workers,
+            extra=_autoencoder_overrides(s),
+            profile=profile,
         ),
     }
     print_throughput(

@@ -13,7 +13,8 @@
 Each item is one command of ``scripts/benchmark.py`` (or the GPU tests, ``pytest -m gpu``) run in a fresh
 process with a deadline: an item starts only when its estimate fits in the time left, is stopped (its process
 group killed) when the campaign's time is up, and every finished item is written to ``--output`` at once
-(atomically), so a campaign cut short keeps what it measured. The order is the value order:
+(atomically), so a campaign cut short keeps what it measured. The order is the value order, except that the items an earlier campaign measured (``docs/campaigns``) come
+after all those never measured:
 
     (a) the GPU tests, in three items so that a short lease still runs the first ones: the CUDA synchronisations
         of every bundle's training step, then train -> evaluate of every bundle on CUDA in bf16 with the GPU cache
@@ -130,16 +131,22 @@ def _throughput_items() -> list[Item]:
     items = []
     for label, precision, minutes in _PRECISIONS:
         compiled = {"compile": True} if label == "compile" else {}
+        # the kernel profile of one step: of the compiled bf16 step on a GPU, of the bf16 row's step in tiny mode
+        gpu_profile = {"profile": True} if label == "compile" else {}
+        tiny_profile = {"profile": True} if label == "bf16" else {}
         for name, command, gpu, tiny in _THROUGHPUT:
             tiny_amp = {} if label == "bf16" else precision  # bf16 autocast on a CPU is slow and not the point
             items.append(
                 Item(
                     name=f"throughput_{name}_{label}",
                     section="b",
-                    what=f"{name}: bundle vs plain loop, {label}" + (" (bf16 + torch.compile)" if compiled else ""),
+                    what=f"{name}: bundle vs plain loop, {label}"
+                    + (" (bf16 + torch.compile), and the kernel profile of one step" if compiled else ""),
                     minutes=minutes * (1.5 if name.startswith("xray2ct_stage2") else 1.0),
-                    gpu=_args(command, **_GPU_RUN, **gpu, **precision, **compiled),
-                    tiny=_args(command, **_TINY_RUN, **tiny, **tiny_amp, **compiled) if label != "compile" else None,
+                    gpu=_args(command, **_GPU_RUN, **gpu, **precision, **compiled, **gpu_profile),
+                    tiny=_args(command, **_TINY_RUN, **tiny, **tiny_amp, **tiny_profile)
+                    if label != "compile"
+                    else None,
                     tags=(label, name.split("_stage")[0]),
                 )
             )
@@ -148,6 +155,8 @@ def _throughput_items() -> list[Item]:
 
 _GPU_TESTS = ("pytest", "-m", "gpu and not compile", "-k")
 
+# the order of value: correctness on CUDA, then the compiled bf16 step (the goal's figures: bundle / plain, MFU, the
+# kernel profile), then the rest; items measured by an earlier campaign (docs/campaigns) move to the end
 ITEMS: tuple[Item, ...] = (
     Item(
         "gpu_tests_sync",
@@ -162,12 +171,13 @@ ITEMS: tuple[Item, ...] = (
         "gpu_tests",
         "a",
         "pytest -m gpu: train -> evaluate of every bundle on CUDA (bf16, cuDNN benchmark, GPU cache), the autoencoder "
-        "with gradient checkpointing and flash attention",
+        "with gradient checkpointing and flash attention, a real out-of-memory error redone with a smaller micro-batch",
         6.5,
-        (*_GPU_TESTS, "trains_and_evaluates_on_cuda or gradient_checkpointing"),
+        (*_GPU_TESTS, "trains_and_evaluates_on_cuda or gradient_checkpointing or out_of_memory"),
         None,
         ("gpu_tests",),
     ),
+    *[i for i in _throughput_items() if i.tags[0] == "compile"],
     *[i for i in _throughput_items() if i.tags[0] == "bf16"],
     Item(
         "gpu_tests_resume",
@@ -271,7 +281,6 @@ ITEMS: tuple[Item, ...] = (
         ("vqgan_3d",),
     ),
     *[i for i in _throughput_items() if i.tags[0] == "fp32"],
-    *[i for i in _throughput_items() if i.tags[0] == "compile"],
     Item(
         "xray_budgets",
         "f",
@@ -313,14 +322,33 @@ def _now() -> str:
     return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
 
 
-def _selected(only: Sequence[str] | str | None, tiny: bool) -> list[Item]:
+#: where the results of earlier campaigns are kept (one JSON document each)
+CAMPAIGNS_DIR = REPO_ROOT / "docs" / "campaigns"
+
+
+def measured_items(folder: Path = CAMPAIGNS_DIR) -> set[str]:
+    """The items that an earlier GPU campaign (not a tiny one) in ``folder`` measured."""
+    names = set()
+    for path in sorted(folder.glob("*.json")):
+        doc = json.loads(path.read_text())
+        if not doc.get("tiny"):
+            names |= {r["name"] for r in doc.get("items", []) if r.get("status") == "ok"}
+    return names
+
+
+def _selected(only: Sequence[str] | str | None, tiny: bool, measured: set[str] | None = None) -> list[Item]:
+    """The items to run in order: those never measured first (in :data:`ITEMS` order), then those in
+    ``measured``."""
     names = [only] if isinstance(only, str) else list(only or [])
     known = {i.name for i in ITEMS} | {t for i in ITEMS for t in i.tags} | {i.section for i in ITEMS}
     unknown = [n for n in names if n not in known]
     if unknown:
         raise SystemExit(f"campaign --only: unknown item or tag {unknown}; known: {sorted(known)}")
     items = [i for i in ITEMS if not names or i.name in names or i.section in names or set(i.tags) & set(names)]
-    return [i for i in items if i.tiny is not None] if tiny else items
+    if tiny:
+        return [i for i in items if i.tiny is not None]
+    measured = measured or set()
+    return [i for i in items if i.name not in measured] + [i for i in items if i.name in measured]
 
 
 def _command(item: Item, tiny: bool, result_file: Path) -> list[str]:
@@ -544,7 +572,7 @@ def campaign(
         else:
             print(text)
         return text
-    items = _selected(only, bool(tiny))
+    items = _selected(only, bool(tiny), measured_items())
     if plan:
         rows = _plan_rows(items, float(minutes), bool(tiny))
         print(f"campaign plan for {float(minutes):g} minutes ({'tiny, CPU' if tiny else 'GPU'}):")
@@ -629,6 +657,27 @@ def _throughput_rows(doc: dict) -> list[list[str]]:
                 _f(res.get("mfu"), ".1%"),
             ]
         )
+    return rows
+
+
+def _profile_rows(doc: dict) -> list[list[str]]:
+    """The top kernels of each profiled step, with the share of their kind and, for the matrix products and
+    convolutions, their achieved TFLOP/s (the step's model FLOPs over those kernels' time)."""
+    rows = []
+    for r in doc["items"]:
+        if r["section"] != "b" or r["status"] != "ok" or not r["result"].get("profile"):
+            continue
+        res, prof = r["result"], r["result"]["profile"]
+        bundle = r["name"].removeprefix("throughput_").rsplit("_", 1)[0]
+        mm_ms = prof["kinds"].get("matmul/conv", 0.0) * prof["step_ms"]
+        mm_tflops = res["step_flops"] / (mm_ms * 1e9) if res.get("step_flops") and mm_ms else None
+        kinds = ", ".join(f"{kind} {share:.0%}" for kind, share in prof["kinds"].items() if share >= 0.01)
+        rows.append([res["device"], bundle, "step", f"{prof['step_ms']:.1f} ms: {kinds}", "-", "-", "100%",
+                     _f(mm_tflops, ".1f")])  # fmt: skip
+        for rank, k in enumerate(prof["kernels"], 1):
+            name = k["name"].replace("|", "/")
+            rows.append([res["device"], bundle, str(rank), name[:90], k["kind"], str(k["calls"]),
+                         _f(k["share"], ".1%"), "-"])  # fmt: skip
     return rows
 
 
@@ -806,6 +855,9 @@ def render_report(docs: dict | Sequence[dict]) -> str:
           "TFLOP / step", "MFU"]),
         (_fit_rows, "Largest size that fits (peak memory of training steps)",
          ["device", "bundle", "patch", "batch / micro-batch", "amp", "peak mem (GiB)", "s / step"]),
+        (_profile_rows, "Kernel profile of one training step (torch.profiler; on a CPU the operators; TFLOP/s: the step's "
+         "model FLOPs over the time of its matrix-product and convolution kernels)",
+         ["device", "bundle", "rank", "kernel", "kind", "calls", "share of step", "TFLOP/s"]),
         (_quality_rows, "fast_ddpm_3d after equal training budgets (final EMA weights, whole validation volumes)",
          ["device", "task", "mode", "iterations", "training (min)", "evaluation (s)", "PSNR (dB)", "SSIM",
           "MS-SSIM"]),

@@ -384,6 +384,7 @@ def ddpm_throughput(
     repeats: int = 2,
     amp: str | None = None,
     compile: bool = False,
+    profile: bool = False,
     device: str = "auto",
     baseline_workers: int | None = None,
     num_threads: int | None = None,
@@ -405,6 +406,8 @@ def ddpm_throughput(
         amp: the bundle's autocast, ``bf16``/``fp16``/``none`` (default: bf16 on GPUs, none on CPUs); the plain
             loop always runs in fp32, as the public scripts do.
         compile: ``torch.compile`` the bundle's U-Net (its ``compile`` id); compilation happens in the warm-up.
+        profile: also profile one bundle iteration with ``torch.profiler`` (its top kernels, in the result's
+            ``profile``; :func:`scripts.harness.tools.kernel_profile`).
         device: ``auto``, ``cpu`` or ``cuda``.
         baseline_workers: DataLoader workers of the plain loop (default: 4 on GPU machines, 0 on 2-core CPUs).
         num_threads: torch CPU threads.
@@ -459,6 +462,7 @@ def ddpm_throughput(
             functools.partial(make_diffusion_demo, kind="translation"),
             ("t1", "gm"),
             extra,
+            profile=profile,
         ),
     }
     print_throughput(

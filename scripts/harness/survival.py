@@ -202,6 +202,7 @@ def mace_throughput(
     repeats: int = 2,
     amp: str | None = None,
     compile: bool = False,
+    profile: bool = False,
     cache_device: str | None = None,
     device: str = "auto",
     baseline_workers: int | None = None,
@@ -225,6 +226,8 @@ def mace_throughput(
         repeats: runs of each side; the median is reported.
         amp: the bundle's autocast (default: bf16 on GPUs, none on CPUs); the plain loop runs in fp32.
         compile: ``torch.compile`` the bundle's network.
+        profile: also profile one bundle iteration with ``torch.profiler`` (its top kernels, in the result's
+            ``profile``; :func:`scripts.harness.tools.kernel_profile`).
         cache_device: where the bundle caches the volumes (default: the GPU on CUDA, else the CPU).
         device: ``auto``, ``cpu`` or ``cuda``.
         baseline_workers: DataLoader workers of the plain loop (default: 4 on GPU machines, 0 on CPUs).
@@ -268,6 +271,7 @@ def mace_throughput(
         functools.partial(_make_cohort, n_cases=n_cases, shape=size, seed=seed, censoring=censoring),
         extra=extra,
         load_data=functools.partial(_load_cohort, num_intervals=num_intervals, horizons=horizons, chosen=chosen),
+        profile=profile,
     )
     summary = {
         "device": device_name(dev),

@@ -34,6 +34,8 @@ __all__ = [
     "bundle_trainer",
     "count_flops",
     "device_name",
+    "kernel_kind",
+    "kernel_profile",
     "peak_bf16_tflops",
     "print_table",
     "print_throughput",
@@ -182,6 +184,74 @@ def bundle_trainer(
     return trainer, monitor
 
 
+# what a kernel (or, on a CPU, an operator) does, from its name: the first pattern found in the lower-case name wins
+KERNEL_KINDS = (
+    ("layout/copy", ("nchwtonhwc", "nhwctonchw", "memcpy", "memset", "direct_copy")),  # cuDNN's layout conversions
+    ("attention", ("flash", "fmha", "attention", "softmax", "sdpa")),
+    ("matmul/conv", ("gemm", "conv", "cudnn", "xmma", "cutlass", "wgmma", "matmul", "addmm", "mm_", "aten::mm", "bmm")),
+    ("normalisation", ("norm", "welford", "moments", "computefusedparams")),
+    ("optimizer", ("adam", "foreach", "multi_tensor", "lerp")),
+    ("layout/copy", ("copy", "memcpy", "memset", "cat", "transpose", "permute", "contiguous", "nchw", "nhwc", "fill")),
+    ("reduction", ("reduce", "triton_red", "sum", "mean", "max", "min", "argmin")),
+    (
+        "elementwise",
+        ("elementwise", "vectorized", "unrolled", "triton_poi", "pointwise", "mul", "add", "silu", "sigmoid"),
+    ),
+)
+
+
+def kernel_kind(name: str) -> str:
+    """The kind of a kernel or operator by its name (:data:`KERNEL_KINDS`), ``other`` when none matches."""
+    low = name.lower()
+    return next((kind for kind, patterns in KERNEL_KINDS if any(p in low for p in patterns)), "other")
+
+
+def kernel_profile(trainer, warmup: int, top: int = 15) -> dict:
+    """Profile one training iteration of ``trainer`` (the one after ``warmup`` iterations; the trainer must run at
+    least ``warmup + 1``) with ``torch.profiler``.
+
+    Returns:
+        ``step_ms``: the device time of the iteration's kernels (CPU operator self time on a CPU); ``kernels``: the
+        ``top`` kernels by time (``name``, ``kind`` of :func:`kernel_kind`, ``calls``, ``ms``, ``share`` of the
+        step); ``kinds``: the share of each kind over all kernels. (The profiler counts no FLOPs of 3D
+        convolutions: the report divides the step's model FLOPs by the time of its ``matmul/conv`` kernels.)
+    """
+    from ignite.engine import Events
+    from torch.profiler import ProfilerActivity, profile
+
+    device = torch.device(trainer.state.device)
+    cuda = device.type == "cuda"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    profiler = profile(activities=activities)
+
+    @trainer.on(Events.ITERATION_STARTED(once=warmup + 1))
+    def _start(engine):
+        sync(device)
+        profiler.__enter__()
+
+    @trainer.on(Events.ITERATION_COMPLETED(once=warmup + 1))
+    def _stop(engine):
+        sync(device)
+        profiler.__exit__(None, None, None)
+
+    trainer.run()
+    events = profiler.key_averages()
+    if cuda:  # kernels: the events that ran on the device
+        timed = [(e.key, e.count, e.self_device_time_total) for e in events if e.self_device_time_total > 0]
+        timed = [t for t in timed if not t[0].startswith("aten::") and not t[0].startswith("cuda")]
+    else:  # no kernels on a CPU: the operators' own time
+        timed = [(e.key, e.count, e.self_cpu_time_total) for e in events if e.key.startswith("aten::")]
+    total_us = sum(t[2] for t in timed) or 1.0
+    kinds: dict[str, float] = {}
+    for name, _, us in timed:
+        kinds[kernel_kind(name)] = kinds.get(kernel_kind(name), 0.0) + us / total_us
+    kernels = [
+        {"name": name[:160], "kind": kernel_kind(name), "calls": calls, "ms": us / 1e3, "share": us / total_us}
+        for name, calls, us in sorted(timed, key=lambda t: -t[2])[:top]
+    ]
+    return {"step_ms": total_us / 1e3, "kernels": kernels, "kinds": dict(sorted(kinds.items(), key=lambda kv: -kv[1]))}
+
+
 def time_engine(trainer, warmup: int) -> tuple[float, int]:
     from ignite.engine import Events
 
@@ -235,6 +305,7 @@ def alternate(
     keys: Sequence[str] = ("image",),
     extra: dict | None = None,
     load_data: Callable[[Path], tuple[list[dict], dict]] | None = None,
+    profile: bool = False,
 ) -> dict:
     """Run ``plain`` and the bundle's trainer alternately ``repeats`` times on a demo data set.
 
@@ -247,12 +318,14 @@ def alternate(
         load_data: maps what ``make_data`` returned to ``(training entries of the plain loop, bundle overrides
             locating the data)``; default: the ``training`` section of the datalist and its folder as
             ``dataset_dir``.
+        profile: also profile one more bundle iteration (:func:`kernel_profile`).
 
     Returns:
         Medians of samples/s of each side and of the bundle's data-wait fraction, their ratio (bundle / plain),
         the largest peak memory, the model FLOPs of one bundle training step, the bundle's achieved TFLOP/s and its
-        model FLOPs utilisation (``mfu``: achieved / the device's dense bf16 peak; None where the peak is unknown)
-        and every run under ``runs``.
+        model FLOPs utilisation (``mfu``: achieved / the device's dense bf16 peak; None where the peak is unknown),
+        every run under ``runs`` and, with ``profile``, the kernel profile of one more bundle iteration
+        (``profile``, :func:`kernel_profile`).
     """
     from common.data.datalist import load_datalist
     from common.demo.images import make_demo_dataset
@@ -277,6 +350,10 @@ def alternate(
             runs["data_wait"].append(monitor.history[-1]["data_wait"] if monitor.history else float("nan"))
             runs["peak_mem_gib"].append(monitor.history[-1]["peak_mem_gib"] if monitor.history else float("nan"))
         flops = step_flops(s, bundle, {**located, **(extra or {})}, str(Path(tmp) / "flops"))
+        profiled = None
+        if profile:  # one more run, not timed: the profiler's own overhead stays out of the rates
+            trainer, _ = bundle_trainer(s, warmup + 1, str(Path(tmp) / "profile"), {**located, **(extra or {})}, bundle)
+            profiled = kernel_profile(trainer, warmup)
     plain_rate = statistics.median(runs["plain"]) if runs["plain"] else None
     bundle_rate = statistics.median(runs["bundle"])
     achieved = flops * bundle_rate / (s["batch_size"] * s["num_samples"]) / 1e12
@@ -292,6 +369,7 @@ def alternate(
         "peak_bf16_tflops": peak,
         "mfu": achieved / peak if peak else None,
         "runs": runs,
+        **({"profile": profiled} if profiled else {}),
     }
 
 

@@ -239,6 +239,7 @@ def vqgan_throughput(
     device: str = "auto",
     amp: str | None = None,
     compile: bool = False,
+    profile: bool = False,
     baseline_workers: int | None = None,
     num_threads: int | None = None,
     output: str | None = None,
@@ -270,6 +271,8 @@ def vqgan_throughput(
         amp: the bundle's autocast, ``bf16``/``fp16``/``none`` (default: bf16 on GPUs, none on CPUs); the plain
             loop runs in fp32.
         compile: ``torch.compile`` the bundle's networks (its ``compile`` id).
+        profile: also profile one bundle iteration with ``torch.profiler`` (its top kernels, in the result's
+            ``profile``; :func:`scripts.harness.tools.kernel_profile`).
         baseline_workers: DataLoader workers of the plain loop (default: 4 on GPU machines, 0 on 2-core CPUs).
         num_threads: torch CPU threads.
         output: JSON file for the results.
@@ -298,7 +301,17 @@ def vqgan_throughput(
         "amp": s["amp"],
         "compile": s["compile"],
         "timed_iterations": iterations,
-        **alternate(s, "vqgan_3d", _vqgan_plain_loop, iterations, warmup, repeats, workers, extra=_vqgan_overrides(s)),
+        **alternate(
+            s,
+            "vqgan_3d",
+            _vqgan_plain_loop,
+            iterations,
+            warmup,
+            repeats,
+            workers,
+            extra=_vqgan_overrides(s),
+            profile=profile,
+        ),
     }
     print_throughput(
         summary,

@@ -223,6 +223,7 @@ def xray_throughput(
     vit_heads: int | None = None,
     amp: str | None = None,
     compile: bool = False,
+    profile: bool = False,
     gradient_checkpointing: bool = False,
     plain: bool = True,
     num_threads: int | None = None,
@@ -255,6 +256,8 @@ def xray_throughput(
         amp: the bundle's autocast, ``bf16``/``fp16``/``none`` (default: bf16 on GPUs, none on CPUs); the plain
             loop always runs in fp32, as the public scripts do.
         compile: ``torch.compile`` the bundle's denoiser (its ``compile`` id).
+        profile: also profile one bundle iteration with ``torch.profiler`` (its top kernels, in the result's
+            ``profile``; :func:`scripts.harness.tools.kernel_profile`).
         gradient_checkpointing: the bundle's ``gradient_checkpointing`` (recompute the U-Net blocks in backward).
         plain: run the plain loop too; ``False`` times the bundle alone (e.g. stage 3 at 256^3, which the fp32
             plain loop without checkpointing does not fit).
@@ -350,6 +353,7 @@ def xray_throughput(
             make_data,
             ("image",),
             extra,
+            profile=profile,
         )
     summary = {
         "device": device_name(dev),

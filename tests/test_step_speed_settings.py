@@ -1,0 +1,219 @@
+# Copyright (c) the 3D MONAI bundle collection contributors.
+# Licensed under the Apache License, Version 2.0.
+"""The speed settings of every bundle's training step change its speed, not its arithmetic: the step (both steps
+of the GANs) and the per-window predictor compile to one graph with ``torch.compile``, an epoch at a fixed patch
+size compiles once, and ``memory_format`` ``channels_last_3d`` gives the contiguous step's loss and gradients.
+
+Graph breaks are found by ``torch._dynamo.explain`` (tracing only, no code generation), compilations counted with
+dynamo's ``CompileCounter`` backend, which runs each graph as traced: both cost seconds on the CPU."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from ignite.engine import Events
+from monai.engines.utils import IterationEvents
+from torch._dynamo.testing import CompileCounter
+
+from tests.helpers import bundle_workflow, shifted_seed
+
+# each case: its bundle (the case's name unless given), its extra configs and its settings
+BUNDLES: dict[str, dict[str, Any]] = {
+    "autoencoder_3d": {"configs": ["tiny.json"], "settings": {"adv_warmup_iterations": 0}},
+    "vqgan_3d": {"configs": ["tiny.json"], "settings": {"discriminator_iter_start": 0}},
+    "fast_ddpm_3d": {"configs": ["brats.json", "tiny.json"], "settings": {}},
+    "mace_survival": {"configs": ["tiny.json"], "settings": {"horizons": [1.0, 2.0]}},
+    # the Cox loss reads values back: only the network is compiled (SurvivalTrainer.loss_in_graph)
+    "mace_survival[cox]": {
+        "bundle": "mace_survival",
+        "configs": ["tiny.json"],
+        "settings": {"horizons": [1.0, 2.0], "survival_head": "cox"},
+    },
+    "xray2ct_cascade": {"configs": ["tiny.json"], "settings": {}},
+}
+
+
+def _write_data(bundle: str, root: Path) -> dict[str, str]:
+    """Tiny generated data for ``bundle`` under ``root``: the settings that point the bundle at it."""
+    from common.demo.images import make_xray2ct_demo, write_brats_phantom_dataset, write_phantom_dataset
+    from common.demo.survival import make_mace_cohort
+
+    seed = shifted_seed(0)
+    if bundle == "autoencoder_3d":
+        write_phantom_dataset(root, n_train=4, n_val=2, shape=(24, 24, 24), seed=seed)
+    elif bundle == "vqgan_3d":
+        write_phantom_dataset(
+            root, n_train=4, n_val=2, shape=(24, 24, 24), kind="ct", spacing=(1.5, 1.5, 2.0), seed=seed
+        )
+    elif bundle == "fast_ddpm_3d":
+        write_brats_phantom_dataset(root, n_train=4, n_val=2, shape=(24, 24, 16), spacing=(1.5, 1.5, 2.0), seed=seed)
+    elif bundle == "xray2ct_cascade":
+        make_xray2ct_demo(root, n_train=4, n_val=2, shape=(24, 24, 24), seed=seed)
+    else:
+        csv = make_mace_cohort(root, n_cases=16, shape=(24, 24, 20), spacing=(14, 14, 16), seed=seed)
+        return {"csv_path": str(csv)}
+    return {"dataset_dir": str(root)}
+
+
+@pytest.fixture(scope="module", params=sorted(BUNDLES))
+def bundle(request, tmp_path_factory) -> tuple[str, dict[str, Any]]:
+    """A case's bundle and the settings of a tiny run of it on generated data."""
+    case = BUNDLES[request.param]
+    name = case.get("bundle", request.param)
+    data = _write_data(name, tmp_path_factory.mktemp(f"{name}_data"))
+    return name, {**case["settings"], **data, "configs": case["configs"]}
+
+
+def _workflow(bundle: tuple[str, dict[str, Any]], work_dir: Path, iterations: int = 1, **settings: Any):
+    name, data = bundle
+    data = dict(data)
+    configs = data.pop("configs")
+    return bundle_workflow(name, configs, work_dir, iterations, **data, **settings)
+
+
+def graph_breaks(fn: Callable, *args: Any) -> list[str]:
+    """The graph breaks ``torch.compile`` makes in ``fn(*args)``: ``"reason (file:line)"`` each, empty for one
+    graph."""
+    torch._dynamo.reset()
+    explained = torch._dynamo.explain(fn)(*args)
+    breaks = []
+    for item in explained.break_reasons:
+        frame = item.user_stack[-1] if item.user_stack else None
+        where = f"{Path(frame.filename).name}:{frame.lineno}" if frame else "?"
+        breaks.append(f"{str(item.reason).strip().splitlines()[0]} ({where})")
+    assert explained.graph_count >= 1
+    return breaks
+
+
+def compiled_regions(trainer: Any) -> dict[str, tuple[Callable, tuple]]:
+    """The regions ``compile`` puts into graphs in one training iteration of ``trainer`` on its first batch, with
+    their arguments: the generator and discriminator steps of a GAN, the step's forward and loss otherwise."""
+    from common.autoencoder.engines import AutoencoderGANTrainer, frozen
+
+    batch = next(iter(trainer.data_loader))
+    trainer.state.iteration = 1
+    if isinstance(trainer, AutoencoderGANTrainer):
+        x, y = trainer.prepare_batch(batch, trainer.state.device, False)
+        views = trainer._views(trainer.discriminator, y)
+        recon = trainer.generator_loss(x, y, False, {})[0].detach()
+
+        def generator(*args):
+            with frozen(trainer.discriminator):  # the trainer freezes it outside the region
+                return trainer.generator_loss(*args)
+
+        return {
+            "generator": (generator, (x, y, True, views)),
+            "discriminator": (trainer.discriminator_loss, (x, recon, views)),
+        }
+    step = trainer.prepare_step(trainer, batch)
+    region = trainer.forward_loss if trainer.loss_in_graph else trainer.forward
+    return {"step": (region, (step,))}
+
+
+def test_training_step_is_one_graph(bundle, tmp_path):
+    """``torch.compile`` of the training step makes no graph break: the break's reason and line are printed when
+    one appears."""
+    trainer = _workflow(bundle, tmp_path).parser.get_parsed_content("train#trainer")
+    regions = compiled_regions(trainer)
+    assert {name: graph_breaks(fn, *args) for name, (fn, args) in regions.items()} == dict.fromkeys(regions, [])
+
+
+def test_an_epoch_compiles_once(bundle, tmp_path):
+    """Three iterations of an epoch at a fixed patch size, with ``compile`` on, trace each compiled region once:
+    nothing of the step changes its guards from one iteration to the next (iteration counters, random draws,
+    codebook initialisation), and the trainer really runs the compiled regions."""
+    counter = CompileCounter()
+    trainer = _workflow(bundle, tmp_path, compile=True, max_epochs=1, epoch_length=3).parser.get_parsed_content(
+        "train#trainer"
+    )
+    trainer.compile_kwargs = {"backend": counter}
+    torch._dynamo.reset()
+    trainer.run()
+    assert trainer.state.iteration == 3
+    assert counter.frame_count == len(trainer._compiled) >= 1, (counter.frame_count, sorted(trainer._compiled))
+
+
+def _predictor(name: str, workflow: Any) -> tuple[torch.nn.Module, tuple]:
+    """The network the bundle's inference applies to each window (or volume), in eval mode, with an input."""
+    parser = workflow.parser
+    trainer = parser.get_parsed_content("train#trainer")
+    batch = next(iter(trainer.data_loader))
+    if name in ("autoencoder_3d", "vqgan_3d"):
+        target = {"autoencoder_3d": "common.autoencoder.networks.AutoencoderKLReconstructor"}
+        target["vqgan_3d"] = "common.vqgan.networks.VQGANReconstructor"
+        parser["network_def"]["_target_"] = target[name]
+        network = parser.get_parsed_content("network_def", instantiate=True, lazy=False)
+        image = trainer.prepare_batch(batch, "cpu", False)[0]
+        return network.eval(), (image,)
+    if name == "mace_survival":
+        from common.survival.networks import SurvivalExportView
+
+        image = trainer.prepare_step(trainer, batch)["args"][0]
+        return SurvivalExportView(parser.get_parsed_content("predictor")), (image,)
+    # the diffusion samplers call the denoiser on each window at one time step
+    step = trainer.prepare_step(trainer, batch)
+    return trainer.network.eval(), tuple(step["args"])
+
+
+def test_predictor_is_one_graph(bundle, tmp_path):
+    """What inference applies to each sliding window (the reconstruction network, the survival predictor, the
+    denoiser of one sampling step) compiles without a graph break; the window loop and the sampling loop (MONAI's
+    ``sliding_window_inference``, the DDIM grid with its host-side time steps) stay outside."""
+    name = bundle[0]
+    network, args = _predictor(name, _workflow(bundle, tmp_path))
+    with torch.no_grad():
+        assert graph_breaks(network, *args) == []
+
+
+def _first_step(bundle: tuple[str, dict[str, Any]], work_dir: Path, **settings: Any) -> tuple[dict, list[torch.Tensor]]:
+    """The losses of ``bundle``'s first training iteration and the gradients of its (first) network's backward."""
+    torch.manual_seed(0)
+    trainer = _workflow(bundle, work_dir, **settings).parser.get_parsed_content("train#trainer")
+    kernels = [p for p in trainer.network.parameters() if p.dim() == 5 and p.shape[1] > 1 and p.shape[2:].numel() > 1]
+    channels_last = settings.get("memory_format") == "channels_last_3d"
+    assert kernels and all(p.is_contiguous() != channels_last for p in kernels)  # the layout asked for
+    grads: list[torch.Tensor] = []
+
+    def keep(engine) -> None:
+        grads.extend(p.grad.detach().clone() for p in engine.network.parameters() if p.grad is not None)
+
+    trainer.add_event_handler(IterationEvents.BACKWARD_COMPLETED, keep)
+    losses: dict[str, float] = {}
+
+    def read(engine) -> None:
+        output = engine.state.output
+        output = output[0] if isinstance(output, list) else output
+        losses.update({k: float(v) for k, v in output.items() if k.endswith("loss")})
+
+    trainer.add_event_handler(Events.ITERATION_COMPLETED, read)
+    trainer.run()
+    return losses, grads
+
+
+def test_channels_last_step_equals_the_contiguous_step(bundle, tmp_path):
+    """One training iteration with the networks and the inputs in ``channels_last_3d`` gives the losses and the
+    gradients of the contiguous iteration on the same batch and random draws. The layout changes only the
+    convolution kernels' summation order: float32 rounding of sums over a 3^3 x C receptive field, so agreement to
+    a relative 1e-4 (and 1e-5 of the largest gradient in absolute terms) is what the arithmetic allows."""
+    contiguous, grads = _first_step(bundle, tmp_path / "contiguous")
+    channels_last, grads_cl = _first_step(bundle, tmp_path / "channels_last", memory_format="channels_last_3d")
+    assert contiguous and list(channels_last) == list(contiguous)
+    assert channels_last == pytest.approx(contiguous, rel=1e-4, abs=1e-7)
+    assert len(grads_cl) == len(grads) > 0
+    scale = max(float(g.abs().max()) for g in grads)
+    for a, b in zip(grads_cl, grads):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5 * scale)
+
+
+def test_a_graph_break_is_reported_with_its_reason_and_line():
+    """The check above can fail: a value read back inside the region is one break, named with its line."""
+
+    def reads_back(x: torch.Tensor) -> torch.Tensor:
+        return x * float(x.sum())
+
+    breaks = graph_breaks(reads_back, torch.ones(2))
+    assert len(breaks) == 1 and "test_step_speed_settings.py:" in breaks[0], breaks
