@@ -203,7 +203,7 @@ class AutoencoderGANTrainer(StepTrainer):
             terms["perceptual_loss"] = self.perceptual_loss(recon.float(), targets.float())
         if adversarial:
             raw = unwrap(self.discriminator)  # the raw module, frozen by the caller
-            fake = self._heads(raw(recon.contiguous(), **views))
+            fake = self._heads(raw(to_memory_format(recon, self.memory_format), **views))
             weights = self._head_weights(fake)
             head_losses = {
                 h: self.adv_loss(self._logits(fake[h]), target_is_real=True, for_discriminator=False)
@@ -215,7 +215,7 @@ class AutoencoderGANTrainer(StepTrainer):
                 stats.update({f"adv_loss_{h}": loss.detach().float() for h, loss in head_losses.items()})
             if self.feature_matching_weight > 0:
                 with torch.no_grad():
-                    real = self._heads(raw(targets.contiguous(), **views))
+                    real = self._heads(raw(to_memory_format(targets, self.memory_format), **views))
                 terms["feature_matching_loss"] = sum(
                     feature_matching_loss(fake[h], real[h]) for h, w in weights.items() if w > 0
                 )
@@ -237,8 +237,8 @@ class AutoencoderGANTrainer(StepTrainer):
         """The compiled region of the discriminator step: its loss on one micro-batch of real ``x`` and detached
         reconstructions ``recon``."""
         with autocast(self.state.device, self.amp_mode):
-            fake = self._heads(self.discriminator(recon.contiguous(), **views))
-            real = self._heads(self.discriminator(x.contiguous(), **views))
+            fake = self._heads(self.discriminator(to_memory_format(recon, self.memory_format), **views))
+            real = self._heads(self.discriminator(to_memory_format(x, self.memory_format), **views))
             return sum(
                 0.5
                 * (

@@ -52,9 +52,10 @@ def _memory_format(name: str) -> torch.memory_format:
 def to_memory_format(value, memory_format: str = "contiguous"):
     """``value`` with its 5-D tensors in ``memory_format`` (one of :data:`MEMORY_FORMATS`).
 
-    A module is converted in place (its 5-D parameters and buffers: 3D convolution kernels) and returned; a tensor
-    is returned converted (a copy only when its layout differs); tuples, lists and dicts are converted item by item;
-    anything else (``None``, 2-D X-rays, numbers) is returned unchanged. The values are the same: only the strides
+    A module is converted in place (its 5-D parameters and buffers: 3D convolution kernels) and returned; a 5-D
+    tensor is returned in that layout, another tensor (2-D X-rays, time steps) contiguous (a copy only when its
+    layout differs); tuples, lists and dicts are converted item by item; anything else (``None``, numbers) is
+    returned unchanged. The values are the same: only the strides
     change, so a layout is a speed setting, never a change of the arithmetic beyond the summation order of a kernel.
 
     Raises:
@@ -67,7 +68,7 @@ def to_memory_format(value, memory_format: str = "contiguous"):
                 tensor.data = tensor.data.contiguous(memory_format=fmt)
         return value
     if isinstance(value, torch.Tensor):
-        return value.contiguous(memory_format=fmt) if value.dim() == 5 else value
+        return value.contiguous(memory_format=fmt) if value.dim() == 5 else value.contiguous()
     if isinstance(value, (tuple, list)):
         return type(value)(to_memory_format(v, memory_format) for v in value)
     if isinstance(value, Mapping):
