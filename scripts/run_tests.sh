@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Install what is needed, then run the whole test suite (CPU; about 25 minutes on 2 cores).
+# Install what is needed, then run the whole test suite (CPU; about 20 minutes on 2 cores).
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 bash scripts/setup_env.sh

@@ -1,7 +1,8 @@
 # Copyright (c) the 3D MONAI bundle collection contributors.
 # Licensed under the Apache License, Version 2.0.
-"""Wrapping networks for training (SyncBatchNorm, DDP, torch.compile) and for inference (reconstruction only), and
-applying them to whole volumes by blended windows."""
+"""Wrapping networks for training (SyncBatchNorm, DDP, torch.compile, the memory layout, gradient checkpointing) and
+for inference (reconstruction only), and applying them to whole volumes by blended windows, with fewer windows at
+once after running out of GPU memory."""
 
 from __future__ import annotations
 
@@ -28,12 +29,12 @@ __all__ = [
     "enable_gradient_checkpointing",
     "inference_view",
     "out_of_memory_message",
-    "release_cached_memory",
-    "with_window_backoff",
     "prepare_network",
+    "release_cached_memory",
     "split_autoencoder_output",
     "to_memory_format",
     "unwrap",
+    "with_window_backoff",
 ]
 
 logger = logging.getLogger(__name__)
@@ -49,14 +50,14 @@ def _memory_format(name: str) -> torch.memory_format:
     return torch.channels_last_3d if name == "channels_last_3d" else torch.contiguous_format
 
 
-def to_memory_format(value, memory_format: str = "contiguous"):
+def to_memory_format(value: Any, memory_format: str = "contiguous") -> Any:
     """``value`` with its 5-D tensors in ``memory_format`` (one of :data:`MEMORY_FORMATS`).
 
     A module is converted in place (its 5-D parameters and buffers: 3D convolution kernels) and returned; a 5-D
     tensor is returned in that layout, another tensor (2-D X-rays, time steps) contiguous (a copy only when its
     layout differs); tuples, lists and dicts are converted item by item; anything else (``None``, numbers) is
-    returned unchanged. The values are the same: only the strides
-    change, so a layout is a speed setting, never a change of the arithmetic beyond the summation order of a kernel.
+    returned unchanged. The values are the same: only the strides change, so a layout is a speed setting, never a
+    change of the arithmetic beyond the summation order of a kernel.
 
     Raises:
         ValueError: for an unknown ``memory_format``.
@@ -340,7 +341,7 @@ def release_cached_memory() -> None:
 
 def with_window_backoff(
     owner: Any, run: Callable[[], Any], enabled: bool = True, what: str = "sliding-window inference"
-):
+) -> Any:
     """``run()``, redone after a ``torch.OutOfMemoryError`` with ``owner.sw_batch_size`` (the windows forwarded
     at once, which ``run`` reads) halved; the smaller value is kept for the next calls, and logged.
 

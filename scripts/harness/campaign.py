@@ -13,16 +13,17 @@
 Each item is one command of ``scripts/benchmark.py`` (or the GPU tests, ``pytest -m gpu``) run in a fresh
 process with a deadline: an item starts only when its estimate fits in the time left, is stopped (its process
 group killed) when the campaign's time is up, and every finished item is written to ``--output`` at once
-(atomically), so a campaign cut short keeps what it measured. The order is the value order, except that the items an earlier campaign measured (``docs/campaigns``) come
-after all those never measured:
+(atomically), so a campaign cut short keeps what it measured. The order is the value order, except that the items
+an earlier campaign measured (``docs/campaigns``) come after all those never measured:
 
     (a) the GPU tests, in three items so that a short lease still runs the first ones: the CUDA synchronisations
         of every bundle's training step, then train -> evaluate of every bundle on CUDA in bf16 with the GPU cache
-        (and the autoencoder with gradient checkpointing), and - after the bf16 rows of (b) - resume after a kill on
-        CUDA and the 2-GPU NCCL replicas;
-    (b) every bundle's trainer vs a plain PyTorch loop at a realistic size in bf16, then fp32, then bf16 + compile:
-        samples/s, the ratio, data wait, peak memory and model FLOPs utilisation (MFU: FLOPs of one step counted
-        by ``torch.utils.flop_counter``, divided by the step time and the device's dense bf16 peak of
+        (and the autoencoder with gradient checkpointing, and a real out-of-memory error redone with a smaller
+        micro-batch), and - after the bf16 rows of (b) - resume after a kill on CUDA and the 2-GPU NCCL replicas;
+    (b) every bundle's trainer vs a plain PyTorch loop at a realistic size in bf16 + compile (with the kernel
+        profile of one step, :func:`scripts.harness.tools.kernel_profile`), then bf16, then - after (c) to (e) -
+        fp32: samples/s, the ratio, data wait, peak memory and model FLOPs utilisation (MFU: FLOPs of one step
+        counted by ``torch.utils.flop_counter``, divided by the step time and the device's dense bf16 peak of
         :data:`scripts.harness.tools.PEAK_BF16_TFLOPS`);
     (c) the VQ-GAN whole-volume reconstruction of a 512x512x604 CT at ``sw_batch_size`` 1, 2 and 4;
     (d) one xray2ct stage 3 (256^3) training step with gradient checkpointing and bf16;
@@ -855,8 +856,8 @@ def render_report(docs: dict | Sequence[dict]) -> str:
           "TFLOP / step", "MFU"]),
         (_fit_rows, "Largest size that fits (peak memory of training steps)",
          ["device", "bundle", "patch", "batch / micro-batch", "amp", "peak mem (GiB)", "s / step"]),
-        (_profile_rows, "Kernel profile of one training step (torch.profiler; on a CPU the operators; TFLOP/s: the step's "
-         "model FLOPs over the time of its matrix-product and convolution kernels)",
+        (_profile_rows, "Kernel profile of one training step (torch.profiler; on a CPU the operators; TFLOP/s: the "
+         "step's model FLOPs over the time of its matrix-product and convolution kernels)",
          ["device", "bundle", "rank", "kernel", "kind", "calls", "share of step", "TFLOP/s"]),
         (_quality_rows, "fast_ddpm_3d after equal training budgets (final EMA weights, whole validation volumes)",
          ["device", "task", "mode", "iterations", "training (min)", "evaluation (s)", "PSNR (dB)", "SSIM",
