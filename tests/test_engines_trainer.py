@@ -134,9 +134,11 @@ class MemoryLimited(nn.Module):
         return self.network(x)
 
 
-def _limited_run(batches, limit=None, fail_at=None, **settings):
+def _limited_run(batches, limit=None, fail_at=None, network=None, **settings):
     trainer = _trainer(batches, **settings)
-    trainer.network = MemoryLimited(trainer.network, limit, fail_at)
+    if network is not None:
+        trainer.optimizer = torch.optim.SGD(network.parameters(), lr=0.1)
+    trainer.network = MemoryLimited(network if network is not None else trainer.network, limit, fail_at)
     outputs = []
     trainer.add_event_handler(Events.ITERATION_COMPLETED, lambda e: outputs.append(dict(e.state.output)))
     trainer.run()
@@ -236,6 +238,7 @@ def test_split_step_splits_the_per_sample_values_only():
 
 
 def test_out_of_memory_log_says_when_batchnorm_sees_smaller_batches(caplog):
+    """BatchNorm in training needs more than one value per channel: its micro-batches keep 2 samples at least."""
     batches = _batches(1, 4)
     trainer = _trainer(batches)
     torch.manual_seed(0)
@@ -246,3 +249,6 @@ def test_out_of_memory_log_says_when_batchnorm_sees_smaller_batches(caplog):
     assert "micro-batch halved from 4 to 2 sample(s) (its BatchNorm layers now normalise over the micro-batches" in (
         caplog.text
     )
+
+    with pytest.raises(OutOfMemoryBackoffError, match=r"nothing is left to reduce \(micro-batch 2 of a batch of 4\)"):
+        _limited_run(_batches(1, 4), limit=1, network=network)

@@ -9,6 +9,7 @@ dynamo's ``CompileCounter`` backend, which runs each graph as traced: both cost 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -169,10 +170,21 @@ def test_predictor_is_one_graph(bundle, tmp_path):
         assert graph_breaks(network, *args) == []
 
 
-def _first_step(bundle: tuple[str, dict[str, Any]], work_dir: Path, **settings: Any) -> tuple[dict, list[torch.Tensor]]:
-    """The losses of ``bundle``'s first training iteration and the gradients of its (first) network's backward."""
+def _first_step(
+    bundle: tuple[str, dict[str, Any]], work_dir: Path, fits: int | None = None, **settings: Any
+) -> tuple[dict, list[torch.Tensor], Any]:
+    """The losses of ``bundle``'s first training iteration, the gradients of its (first) network's backward and the
+    trainer; with ``fits``, the network holds at most that many samples per forward (``torch.OutOfMemoryError``
+    above, as a GPU out of memory)."""
     torch.manual_seed(0)
     trainer = _workflow(bundle, work_dir, **settings).parser.get_parsed_content("train#trainer")
+    if fits is not None:
+
+        def out_of_memory(module, args) -> None:
+            if args[0].shape[0] > fits:
+                raise torch.OutOfMemoryError(f"CUDA out of memory (a batch of {args[0].shape[0]})")
+
+        trainer.network.register_forward_pre_hook(out_of_memory)
     kernels = [p for p in trainer.network.parameters() if p.dim() == 5 and p.shape[1] > 1 and p.shape[2:].numel() > 1]
     channels_last = settings.get("memory_format") == "channels_last_3d"
     assert kernels and all(p.is_contiguous() != channels_last for p in kernels)  # the layout asked for
@@ -191,7 +203,7 @@ def _first_step(bundle: tuple[str, dict[str, Any]], work_dir: Path, **settings: 
 
     trainer.add_event_handler(Events.ITERATION_COMPLETED, read)
     trainer.run()
-    return losses, grads
+    return losses, grads, trainer
 
 
 def test_channels_last_step_equals_the_contiguous_step(bundle, tmp_path):
@@ -199,8 +211,8 @@ def test_channels_last_step_equals_the_contiguous_step(bundle, tmp_path):
     gradients of the contiguous iteration on the same batch and random draws. The layout changes only the
     convolution kernels' summation order: float32 rounding of sums over a 3^3 x C receptive field, so agreement to
     a relative 1e-4 (and 1e-5 of the largest gradient in absolute terms) is what the arithmetic allows."""
-    contiguous, grads = _first_step(bundle, tmp_path / "contiguous")
-    channels_last, grads_cl = _first_step(bundle, tmp_path / "channels_last", memory_format="channels_last_3d")
+    contiguous, grads, _ = _first_step(bundle, tmp_path / "contiguous")
+    channels_last, grads_cl, _ = _first_step(bundle, tmp_path / "channels_last", memory_format="channels_last_3d")
     assert contiguous and list(channels_last) == list(contiguous)
     assert channels_last == pytest.approx(contiguous, rel=1e-4, abs=1e-7)
     assert len(grads_cl) == len(grads) > 0
@@ -217,3 +229,29 @@ def test_a_graph_break_is_reported_with_its_reason_and_line():
 
     breaks = graph_breaks(reads_back, torch.ones(2))
     assert len(breaks) == 1 and "test_step_speed_settings.py:" in breaks[0], breaks
+
+
+# bundles whose step gives the same update in micro-batches: the random draws are made before the forward and the
+# networks have no batch statistics (not the autoencoder's posterior sample, the VQ-GAN's codebook update per
+# micro-batch, mace's BatchNorm)
+SAME_UPDATE_IN_MICRO_BATCHES = ("fast_ddpm_3d", "xray2ct_cascade")
+
+
+def test_a_step_that_runs_out_of_memory_is_redone_in_smaller_micro_batches(bundle, tmp_path):
+    """The trainer's network holds one sample per forward (two with BatchNorm, its smallest micro-batch): the first
+    iteration runs out of memory, is redone in micro-batches of that size and completes; where micro-batches give
+    the same update, its losses and gradients are the un-failed iteration's (up to the summation order)."""
+    name, settings = bundle
+    if settings.get("survival_head") == "cox":
+        pytest.skip("the Cox loss couples the batch: no micro-batches (tests/test_engines_trainer.py checks the error)")
+    whole = {"micro_batch_size": None} if name == "vqgan_3d" else {}
+    fits = 2 if name == "mace_survival" else 1  # BatchNorm: at least 2 samples per micro-batch
+    losses, grads, trainer = _first_step(bundle, tmp_path / "limited", fits=fits, **whole)
+    assert trainer.micro_batch_size == fits  # from the whole batch (None), halved until it fits
+    assert losses and all(math.isfinite(v) for v in losses.values())
+    if name in SAME_UPDATE_IN_MICRO_BATCHES:
+        expected, expected_grads, _ = _first_step(bundle, tmp_path / "whole")
+        assert losses == pytest.approx(expected, rel=1e-5, abs=1e-7)
+        scale = max(float(g.abs().max()) for g in expected_grads)
+        for a, b in zip(grads, expected_grads, strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5 * scale)

@@ -123,11 +123,13 @@ class StepTrainer(Trainer):
     networks are converted by :func:`common.networks.wrappers.prepare_network` with the same setting).
 
     Out of memory: with ``oom_backoff`` (the default), a ``torch.OutOfMemoryError`` inside a step's forward or
-    backward frees the step (its gradients back to their state before the iteration), halves the micro-batch (or,
+    backward frees the step (its gradients and the networks' buffers back to their state before the iteration, so a
+    BatchNorm statistic or an EMA codebook is not updated twice), halves the micro-batch (or,
     at one sample per micro-batch or for a loss that couples the batch, turns on gradient checkpointing where the
     network supports it, :func:`common.networks.wrappers.enable_gradient_checkpointing`), logs what it changed and
     redoes the same step on the same batch, so the update is the one the batch would have given (for networks without
-    batch statistics: BatchNorm layers then normalise over the micro-batches, which the log line says). The smaller
+    batch statistics: BatchNorm layers then normalise over the micro-batches, which the log line says, and keep at
+    least 2 samples each). The smaller
     micro-batch is kept for the rest of the run. When nothing is left to reduce, or with ``oom_backoff`` False,
     training stops with an :class:`OutOfMemoryBackoffError` naming the step and what was tried. Under DDP every
     rank backs off on its own (the micro-batches do not change the update); an OOM inside the all-reducing backward
@@ -374,7 +376,8 @@ class StepTrainer(Trainer):
             networks: the networks whose gradients ``run`` accumulates (restored before a redo).
             fresh: whether the gradients were zeroed for this iteration (else they hold earlier iterations of the
                 accumulation window: a copy is kept aside to be restored, one gradient-sized buffer on the device
-                while the iteration runs).
+                while the iteration runs). The networks' buffers (BatchNorm statistics, an EMA codebook), which a
+                forward pass may change, are kept aside and restored the same way.
             batch: the iteration's batch size.
             run: forward and backward of the whole batch in micro-batches of the given size.
 
@@ -382,9 +385,13 @@ class StepTrainer(Trainer):
             OutOfMemoryBackoffError: when nothing is left to reduce, or the backoff is off.
         """
         params = [p for net in networks for p in net.parameters()]
-        kept = None
-        if self.oom_backoff and not fresh:
-            kept = [None if p.grad is None else p.grad.clone() for p in params]
+        buffers = [b for net in networks for b in net.buffers()]
+        kept, kept_buffers = None, None
+        if self.oom_backoff:
+            # what a forward pass may change (BatchNorm statistics, an EMA codebook), to undo a failed attempt
+            kept_buffers = [b.clone() for b in buffers]
+            if not fresh:
+                kept = [None if p.grad is None else p.grad.clone() for p in params]
         while True:
             try:
                 return run(self.micro_batch_size)
@@ -393,6 +400,9 @@ class StepTrainer(Trainer):
             # outside the except block, so that the traceback's frames (and the tensors they hold) are released
             for p, grad in zip(params, kept or [None] * len(params)):
                 p.grad = grad if grad is None else grad.clone()
+            with torch.no_grad():
+                for b, value in zip(buffers, kept_buffers or []):
+                    b.copy_(value)
             release_cached_memory()
             where = f"the {phase} step of iteration {self.state.iteration} (epoch {self.state.epoch})"
             change = self._reduce_memory(batch, networks) if self.oom_backoff else None
@@ -408,10 +418,12 @@ class StepTrainer(Trainer):
     def _reduce_memory(self, batch: int, networks: Sequence[nn.Module]) -> str | None:
         """Halve the micro-batch or else turn on gradient checkpointing; what was changed, or ``None``."""
         current = self.micro_batch_size or batch
-        if self.micro_batch_exact and current > 1:
+        batch_norm = any(isinstance(m, nn.modules.batchnorm._BatchNorm) for net in networks for m in net.modules())
+        smallest = 2 if batch_norm else 1  # BatchNorm needs more than one value per channel in training
+        if self.micro_batch_exact and current // 2 >= smallest:
             self.micro_batch_size = current // 2
             change = f"micro-batch halved from {current} to {self.micro_batch_size} sample(s)"
-            if any(isinstance(m, nn.modules.batchnorm._BatchNorm) for net in networks for m in net.modules()):
+            if batch_norm:
                 change += " (its BatchNorm layers now normalise over the micro-batches, not the whole batch)"
             return change
         for network in networks:
