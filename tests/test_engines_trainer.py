@@ -13,7 +13,8 @@ from ignite.engine import Events
 from monai.engines.utils import IterationEvents
 from torch import nn
 
-from common.engines.trainer import NonFiniteLossError, OutOfMemoryBackoffError, StepTrainer, split_step
+from common.engines.trainer import NonFiniteLossError, StepTrainer, split_step
+from common.errors import OutOfMemoryBackoffError
 
 
 class Regression(StepTrainer):

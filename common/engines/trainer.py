@@ -26,11 +26,10 @@ from monai.utils import CommonKeys as Keys
 from torch import nn
 from torch.optim import Optimizer
 
-from common.errors import OutOfMemoryBackoffError, UserError
+from common.errors import UserError
 from common.networks.wrappers import (
     enable_gradient_checkpointing,
-    out_of_memory_message,
-    release_cached_memory,
+    redo_after_out_of_memory,
     to_memory_format,
     unwrap,
 )
@@ -39,7 +38,6 @@ from common.utils import amp_dtype, autocast, get_world_size, make_grad_scaler
 __all__ = [
     "NONFINITE_POLICIES",
     "NonFiniteLossError",
-    "OutOfMemoryBackoffError",
     "StepTrainer",
     "accumulate",
     "split_step",
@@ -298,14 +296,17 @@ class StepTrainer(Trainer):
 
     def forward_loss(self, step: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
         """The compiled region of a step: ``(prediction, loss, terms)`` of one (micro-)batch of ``step``
-        (:meth:`forward`, then :meth:`compute_loss`); with ``loss_in_graph`` False only :meth:`forward` is
-        compiled."""
-        if not self.loss_in_graph:
-            prediction = self.compiled("forward", self.forward)(step)
-            return (prediction, *self.compute_loss(self, step, prediction))
+        (:meth:`forward`, then :meth:`compute_loss`)."""
         prediction = self.forward(step)
         loss, terms = self.compute_loss(self, step, prediction)
         return prediction, loss, terms
+
+    def _compiled_step(self, step: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+        """:meth:`forward_loss` as compiled: whole, or with ``loss_in_graph`` False the forward alone."""
+        if self.loss_in_graph:
+            return self.compiled("forward_loss", self.forward_loss)(step)
+        prediction = self.compiled("forward", self.forward)(step)
+        return (prediction, *self.compute_loss(self, step, prediction))
 
     def _iteration(self, engine: Trainer, batchdata: dict[str, Any]) -> dict[str, Any]:
         """One training iteration of ``engine.network`` with ``engine.optimizer`` (see the class docstring)."""
@@ -344,7 +345,6 @@ class StepTrainer(Trainer):
         the terms (``loss`` included) averaged over the batch. ``FORWARD_COMPLETED`` and ``LOSS_COMPLETED`` fire
         after the last micro-batch's forward and loss, which are one compiled region."""
         output = step["output"]
-        forward_loss = self.compiled("forward_loss", self.forward_loss) if self.loss_in_graph else self.forward_loss
         chunks = split_step(step, size)
         total = step["args"][0].shape[0]
         sums: dict[str, torch.Tensor] = {}
@@ -353,7 +353,7 @@ class StepTrainer(Trainer):
             last = i == len(chunks) - 1
             fraction = chunk["args"][0].shape[0] / total
             with self._sync_context(engine.network, sync and last):
-                prediction, loss, terms = forward_loss(chunk)
+                prediction, loss, terms = self._compiled_step(chunk)
                 if last:
                     if self.output_prediction:
                         output[Keys.PRED] = prediction
@@ -386,34 +386,29 @@ class StepTrainer(Trainer):
         """
         params = [p for net in networks for p in net.parameters()]
         buffers = [b for net in networks for b in net.buffers()]
-        kept, kept_buffers = None, None
+        kept, kept_buffers = None, []
         if self.oom_backoff:
             # what a forward pass may change (BatchNorm statistics, an EMA codebook), to undo a failed attempt
             kept_buffers = [b.clone() for b in buffers]
             if not fresh:
                 kept = [None if p.grad is None else p.grad.clone() for p in params]
-        while True:
-            try:
-                return run(self.micro_batch_size)
-            except torch.OutOfMemoryError as error:
-                failure = out_of_memory_message(error)
-            # outside the except block, so that the traceback's frames (and the tensors they hold) are released
+
+        def undo() -> None:
             for p, grad in zip(params, kept or [None] * len(params)):
                 p.grad = grad if grad is None else grad.clone()
             with torch.no_grad():
-                for b, value in zip(buffers, kept_buffers or []):
+                for b, value in zip(buffers, kept_buffers):
                     b.copy_(value)
-            release_cached_memory()
-            where = f"the {phase} step of iteration {self.state.iteration} (epoch {self.state.epoch})"
-            change = self._reduce_memory(batch, networks) if self.oom_backoff else None
-            if change is None:
-                tried = "oom_backoff is off" if not self.oom_backoff else "nothing is left to reduce"
-                raise OutOfMemoryBackoffError(
-                    f"out of GPU memory in {where} ({failure}); {tried} (micro-batch "
-                    f"{self.micro_batch_size or batch} of a batch of {batch}). Lower patch_size or batch_size, or "
-                    "use a GPU with more memory."
-                )
-            logger.warning(f"out of GPU memory in {where}: {change}; redoing the step ({failure}).")
+
+        return redo_after_out_of_memory(
+            lambda: run(self.micro_batch_size),
+            lambda: self._reduce_memory(batch, networks),
+            f"the {phase} step of iteration {self.state.iteration} (epoch {self.state.epoch})",
+            lambda: f"micro-batch {self.micro_batch_size or batch} of a batch of {batch}",
+            "Lower patch_size or batch_size, or use a GPU with more memory.",
+            self.oom_backoff,
+            undo,
+        )
 
     def _reduce_memory(self, batch: int, networks: Sequence[nn.Module]) -> str | None:
         """Halve the micro-batch or else turn on gradient checkpointing; what was changed, or ``None``."""

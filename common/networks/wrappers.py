@@ -30,6 +30,7 @@ __all__ = [
     "inference_view",
     "out_of_memory_message",
     "prepare_network",
+    "redo_after_out_of_memory",
     "release_cached_memory",
     "split_autoencoder_output",
     "to_memory_format",
@@ -339,39 +340,79 @@ def release_cached_memory() -> None:
         torch.cuda.empty_cache()
 
 
-def with_window_backoff(
-    owner: Any, run: Callable[[], Any], enabled: bool = True, what: str = "sliding-window inference"
+def redo_after_out_of_memory(
+    run: Callable[[], Any],
+    reduce: Callable[[], str | None],
+    where: str,
+    current: Callable[[], str],
+    advice: str,
+    enabled: bool = True,
+    undo: Callable[[], None] | None = None,
 ) -> Any:
-    """``run()``, redone after a ``torch.OutOfMemoryError`` with ``owner.sw_batch_size`` (the windows forwarded
-    at once, which ``run`` reads) halved; the smaller value is kept for the next calls, and logged.
+    """``run()``, redone after a ``torch.OutOfMemoryError`` with less memory: ``undo()`` puts back what the failed
+    attempt changed, the cached memory is released and, when ``enabled``, ``reduce()`` lowers what ``run`` needs
+    and says what it changed (logged), or returns ``None`` when nothing is left to reduce.
 
     Args:
-        owner: an object with an ``sw_batch_size`` attribute (an inferer, a sampler).
-        run: the inference, reading ``owner.sw_batch_size`` when called.
-        enabled: whether to back off (``oom_backoff``); off, the error becomes an :class:`OutOfMemoryBackoffError`.
-        what: what ``run`` is, in messages.
+        run: the work; it reads the settings ``reduce`` changes when it is called.
+        reduce: lowers the memory ``run`` needs; what it changed, or ``None``.
+        where: what ``run`` is, in messages (``the training step of iteration 3 (epoch 1)``).
+        current: the settings ``reduce`` works on, for the error message.
+        advice: what the user can do, for the error message.
+        enabled: whether to redo (``oom_backoff``); off, the first error becomes an :class:`OutOfMemoryBackoffError`.
+        undo: restores the state a failed attempt may have changed (gradients, buffers).
 
     Raises:
-        OutOfMemoryBackoffError: at one window per batch, or when not ``enabled``.
+        OutOfMemoryBackoffError: when nothing is left to reduce, or when not ``enabled``.
     """
     while True:
         try:
             return run()
         except torch.OutOfMemoryError as error:
             failure = out_of_memory_message(error)
-        release_cached_memory()  # outside the except block: the failed attempt's tensors are released
-        current = int(owner.sw_batch_size)
-        if not enabled or current <= 1:
-            tried = "oom_backoff is off" if not enabled else "nothing is left to reduce"
-            raise OutOfMemoryBackoffError(
-                f"out of GPU memory in {what} ({failure}); {tried} (sw_batch_size {current}). Lower the window size "
-                "(patch_size / roi_size), or use a GPU with more memory."
-            )
-        owner.sw_batch_size = current // 2
-        logger.warning(
-            f"out of GPU memory in {what}: sw_batch_size halved from {current} to {owner.sw_batch_size}; redoing it "
-            f"({failure})."
-        )
+        # outside the except block, so that the traceback's frames (and the tensors they hold) are released
+        if undo is not None:
+            undo()
+        release_cached_memory()
+        change = reduce() if enabled else None
+        if change is None:
+            tried = "nothing is left to reduce" if enabled else "oom_backoff is off"
+            raise OutOfMemoryBackoffError(f"out of GPU memory in {where} ({failure}); {tried} ({current()}). {advice}")
+        logger.warning(f"out of GPU memory in {where}: {change}; redoing it ({failure}).")
+
+
+def with_window_backoff(
+    owner: Any, run: Callable[[], Any], enabled: bool = True, what: str = "sliding-window inference"
+) -> Any:
+    """``run()``, redone after a ``torch.OutOfMemoryError`` with ``owner.sw_batch_size`` (the windows forwarded
+    at once, which ``run`` reads) halved (:func:`redo_after_out_of_memory`); the smaller value is kept for the next
+    calls.
+
+    Args:
+        owner: an object with an ``sw_batch_size`` attribute (an inferer, a sampler).
+        run: the inference, reading ``owner.sw_batch_size`` when called.
+        enabled: whether to back off (``oom_backoff``).
+        what: what ``run`` is, in messages.
+
+    Raises:
+        OutOfMemoryBackoffError: at one window per batch, or when not ``enabled``.
+    """
+
+    def halve() -> str | None:
+        windows = int(owner.sw_batch_size)
+        if windows <= 1:
+            return None
+        owner.sw_batch_size = windows // 2
+        return f"sw_batch_size halved from {windows} to {owner.sw_batch_size}"
+
+    return redo_after_out_of_memory(
+        run,
+        halve,
+        what,
+        lambda: f"sw_batch_size {int(owner.sw_batch_size)}",
+        "Lower the window size (patch_size / roi_size), or use a GPU with more memory.",
+        enabled,
+    )
 
 
 class BackoffSlidingWindowInferer(SlidingWindowInferer):

@@ -27,6 +27,7 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 __all__ = [
     "BUNDLES_DIR",
     "GIB",
+    "KERNEL_KINDS",
     "PEAK_BF16_TFLOPS",
     "REPO_ROOT",
     "alternate",
