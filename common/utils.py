@@ -43,6 +43,7 @@ __all__ = [
     "is_positive_int",
     "is_rank0",
     "make_grad_scaler",
+    "os_error_in_chain",
     "resolve_device",
     "scale_lr",
     "setup_logging",
@@ -406,7 +407,7 @@ _WRITE_CAUSES = {
 }
 
 
-def _os_error_in_chain(exc: BaseException) -> OSError | None:
+def os_error_in_chain(exc: BaseException) -> OSError | None:
     """The ``OSError`` behind ``exc``: itself or a cause/context (``torch.save`` re-raises a failed write as a
     ``RuntimeError`` of its zip writer)."""
     seen: set[int] = set()
@@ -445,7 +446,7 @@ def write_atomic(path: str | os.PathLike, write: Callable[[BinaryIO], Any]) -> P
         if tmp is not None:
             with contextlib.suppress(OSError):
                 os.unlink(tmp)
-        os_error = _os_error_in_chain(exc)
+        os_error = os_error_in_chain(exc)
         if os_error is not None and not isinstance(exc, OutputWriteError):
             cause = _WRITE_CAUSES.get(os_error.errno, os_error.strerror or str(os_error))
             kept = "the previous file is unchanged" if path.exists() else "no file was written"

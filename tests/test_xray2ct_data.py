@@ -19,12 +19,12 @@ from common.data.datalist import load_datalist
 from common.data.preflight import PreflightError
 from common.demo.images import make_xray2ct_demo
 from common.xray2ct.data import (
-    check_inference_inputs,
     check_view_files,
     grid_spacing,
     read_view,
     save_view_nifti,
     save_view_png,
+    screen_inputs,
     view_keys,
     xray2ct_transforms,
 )
@@ -305,17 +305,15 @@ def test_grid_spacing_spans_the_field_of_view():
     assert grid_spacing(proj, (16, 20, 12)) == [10.0, 10.0, 20.0]
 
 
-def test_check_inference_inputs_of_ct_and_xray_files(case, tmp_path):
-    """CT entries go through the preflight (a missing volume is raised as a ``PreflightError``); X-ray entries through
-    :func:`check_view_files`, with paths resolved and problems raised as one ``PreflightError``."""
+def test_screen_inputs_of_ct_and_xray_files(case, tmp_path):
+    """CT entries are screened by their headers (a missing volume is a problem of its entry); X-ray entries by
+    their files (each problem names the view's key); a usable entry has no problem."""
     proj = projector()
-    checked = check_inference_inputs([{"image": case["image"], "case_id": "c0"}], proj, view_files=False)
-    assert checked == {"testing": [{"image": case["image"], "case_id": "c0"}]}
-    with pytest.raises(PreflightError, match="none.nii.gz"):
-        check_inference_inputs([{"image": str(tmp_path / "none.nii.gz")}], proj, view_files=False)
+    assert screen_inputs([{"image": case["image"], "case_id": "c0"}], proj, view_files=False) == [[]]
+    assert screen_inputs([{"image": str(tmp_path / "none.nii.gz")}], proj, view_files=False) == [["does not exist"]]
     views = {
         k: str(save_view_nifti(tmp_path / f"c0_{k}.nii.gz", line_integrals((SIDE, SIDE)))) for k in view_keys(proj)
     }
-    assert check_inference_inputs([views], proj, view_files=True) == {"testing": [views]}
-    with pytest.raises(PreflightError, match="xray_lateral"):
-        check_inference_inputs([{**views, "xray_lateral": str(tmp_path / "none.png")}], proj, view_files=True)
+    bad = {**views, "xray_lateral": str(tmp_path / "none.png")}
+    problems = screen_inputs([views, bad], proj, view_files=True)
+    assert problems[0] == [] and len(problems[1]) == 1 and problems[1][0].startswith("xray_lateral")

@@ -28,7 +28,7 @@ from common.data.datalist import (
 )
 from common.errors import UserError, install_user_error_hook
 
-__all__ = ["PreflightError", "check_volume", "main", "preflight"]
+__all__ = ["PreflightError", "check_volume", "main", "preflight", "screen_entries"]
 
 NIFTI_SUFFIXES = (".nii", ".nii.gz")
 SLAB_BYTES = 32 * 1024 * 1024
@@ -231,19 +231,86 @@ def _itk_header_reason(path: str) -> str | None:
     :func:`_declared_size_reason`); ``None`` when fine or when ITK cannot read the header (the full read reports
     that)."""
     try:
-        import itk
-
-        with ITK_LOCK:
-            io = itk.ImageIOFactory.CreateImageIO(path, itk.CommonEnums.IOFileMode_ReadMode)
-            if io is None:
-                return None
-            io.SetFileName(path)
-            io.ReadImageInformation()
-            shape = [int(io.GetDimensions(i)) for i in range(io.GetNumberOfDimensions())]
-            itemsize = int(io.GetComponentSize()) * max(1, int(io.GetNumberOfComponents()))
+        header = _itk_header(path)
     except Exception:  # noqa: BLE001 - the full read reports unreadable files
         return None
-    return _declared_size_reason(shape, itemsize)
+    return None if header is None else _declared_size_reason(header[0], header[2])
+
+
+def _itk_header(path: str) -> tuple[list[int], int, int] | None:
+    """``(dimensions, pixel components, bytes per voxel)`` from the header of an ITK-readable file, or ``None`` when
+    no ITK reader recognises it. Raises what ITK raises for a header it recognises but cannot read."""
+    import itk
+
+    with ITK_LOCK:
+        io = itk.ImageIOFactory.CreateImageIO(path, itk.CommonEnums.IOFileMode_ReadMode)
+        if io is None:
+            return None
+        io.SetFileName(path)
+        io.ReadImageInformation()
+        shape = [int(io.GetDimensions(i)) for i in range(io.GetNumberOfDimensions())]
+        components = max(1, int(io.GetNumberOfComponents()))
+        return shape, components, int(io.GetComponentSize()) * components
+
+
+def _inspect_header(
+    path: str | os.PathLike | Sequence[str], patch: tuple[int, ...] | None, allow_pad: bool, size_name: str
+) -> _Inspection:
+    """What the header of one volume says (see :func:`screen_entries`); never raises for problems with the file."""
+    try:
+        if not isinstance(path, (str, os.PathLike)):
+            files = [os.fspath(p) for p in path]
+            missing = [f for f in files if not os.path.isfile(f)]
+            if missing:
+                return _Inspection(f"{len(missing)} of {len(files)} series files do not exist (first: {missing[0]})")
+            return _series_header(files, patch, allow_pad, size_name)
+        path = os.fspath(path)
+        if not os.path.exists(path):
+            return _Inspection("does not exist")
+        if os.path.isdir(path):
+            from common.data.dicom import series_files
+
+            if not any(os.path.isfile(os.path.join(path, name)) for name in os.listdir(path)):
+                return _Inspection("is a folder without files; a DICOM series folder is required")
+            try:
+                files = series_files(path)
+            except (ValueError, FileNotFoundError) as exc:
+                return _Inspection(str(exc).replace(f"{os.path.abspath(path)} holds", "holds", 1))
+            return _series_header(files, patch, allow_pad, size_name)
+        if not os.path.isfile(path):
+            return _Inspection("is not a regular file or a folder")
+        if path.lower().endswith(NIFTI_SUFFIXES):
+            import nibabel as nib
+
+            img = nib.load(path)
+            full = tuple(int(s) for s in img.shape)
+            itemsize = max(1, img.get_data_dtype().itemsize)
+            spatial = _spatial_from_array_shape(full)
+            reason = _declared_size_reason(full, itemsize) or _truncated_reason(path, img, full, itemsize)
+            reason = reason or _shape_reason(spatial, full, patch, allow_pad, size_name)
+            return _Inspection(reason, spatial, None if reason else _channels_from_array_shape(full))
+        header = _itk_header(path)
+        if header is None:
+            return _Inspection("cannot be read: not a volume format (no reader recognises it)")
+        shape, components, itemsize = header
+        full = tuple(shape) + ((components,) if components > 1 else ())
+        reason = _declared_size_reason(full, itemsize) or _shape_reason(tuple(shape), full, patch, allow_pad, size_name)
+        return _Inspection(reason, tuple(shape), components)
+    except Exception as exc:  # noqa: BLE001 - a bad file is a reason, never a crash
+        return _Inspection(_error_reason(exc))
+
+
+def _series_header(files: list[str], patch: tuple[int, ...] | None, allow_pad: bool, size_name: str) -> _Inspection:
+    """A DICOM series from its first file's header: its rows and columns, and one slice per file."""
+    header = _itk_header(files[0])
+    if header is None:
+        return _Inspection(f"cannot be read: {files[0]} is not a DICOM file")
+    shape, components, itemsize = header
+    if len(files) > 1 or len(shape) < 3:
+        shape = [*shape[:2], len(files)]
+    full = tuple(shape) + ((components,) if components > 1 else ())
+    reason = _declared_size_reason(full, itemsize) or _shape_reason(tuple(shape), full, patch, allow_pad, size_name)
+    return _Inspection(reason, tuple(shape), components)
 
 
 def _check_nifti(
@@ -533,6 +600,34 @@ def _paths_to_read(
     return [path for path in ordered if path in wanted]
 
 
+def _entry_reasons(
+    entry: Mapping[str, Any],
+    keys: Sequence[str],
+    found: Mapping[str | tuple[str, ...], _Inspection],
+    expected: Mapping[str, int],
+    compare: bool,
+) -> list[tuple[str | None, str]]:
+    """``(key, reason)`` per problem of one entry from what reading its volumes found (volumes not read here are
+    skipped); ``key`` is ``None`` for a problem of the entry as a whole."""
+    problems: list[tuple[str | None, str]] = []
+    shapes: dict[str, tuple[int, ...]] = {}
+    for k in keys:
+        inspection = found.get(_path_key(entry[k]))
+        if inspection is None:
+            continue
+        reason = inspection.reason or _channel_reason(inspection.channels, expected.get(k), k)
+        if reason:
+            problems.append((k, reason))
+        elif inspection.spatial is not None:
+            shapes[k] = inspection.spatial
+    if compare and not problems and len(shapes) == len(set(keys)) and len(set(shapes.values())) > 1:
+        listing = ", ".join(f"{k} {shape}" for k, shape in shapes.items())
+        problems.append(
+            (None, f"spatial shapes differ between keys: {listing}; modalities of a case must share one grid")
+        )
+    return problems
+
+
 def _entry_problems(
     where: str,
     entry: Mapping[str, Any],
@@ -541,24 +636,54 @@ def _entry_problems(
     expected: Mapping[str, int],
     compare: bool,
 ) -> list[str]:
-    """Problem lines of one entry from what reading its volumes found (volumes not read here are skipped)."""
-    problems: list[str] = []
-    shapes: dict[str, tuple[int, ...]] = {}
-    for k in keys:
-        inspection = found.get(_path_key(entry[k]))
-        if inspection is None:
+    """Problem lines of one entry (:func:`_entry_reasons`), each naming ``where`` and the volume."""
+    return [
+        f"{where}: {reason}" if key is None else f"{where} {_display(entry[key])}: {reason}"
+        for key, reason in _entry_reasons(entry, keys, found, expected, compare)
+    ]
+
+
+def screen_entries(
+    entries: Sequence[Mapping[str, Any]],
+    keys: Sequence[str] = ("image",),
+    patch_size: Sequence[int] | None = None,
+    allow_pad: bool = True,
+    num_channels: int | Mapping[str, int] | None = None,
+    same_shape: bool = True,
+    num_workers: int = 4,
+    size_name: str = "patch_size",
+) -> list[list[str]]:
+    """Check the headers of the volumes of ``entries`` (absolute paths under ``keys``) without reading their voxels:
+    the checks of :func:`check_volume` that a header answers (the file exists and its header can be read, it is 3D,
+    its size, its channels, an uncompressed NIfTI holds the data its header declares, the declared size is sane) and,
+    with several keys and ``same_shape``, one grid per entry. Inference screens its cases with it: a problem here
+    costs one header read, a compressed file truncated in its voxel data is only found when it is loaded.
+
+    Returns:
+        One list per entry, in order, of its problems (``"<reason>"`` for one key, ``"<key> <path>: <reason>"`` with
+        several keys); empty for a usable entry. Problems with the files never raise.
+    """
+    patch = _validate_patch_size(patch_size)
+    keys = (keys,) if isinstance(keys, str) else tuple(keys)
+    expected = _validate_num_channels(num_channels, keys)
+    paths = list(dict.fromkeys(_path_key(entry[k]) for entry in entries for k in keys if k in entry))
+    with ThreadPoolExecutor(max_workers=max(1, int(num_workers))) as pool:
+        found = dict(zip(paths, pool.map(lambda p: _inspect_header(p, patch, allow_pad, size_name), paths)))
+    compare = bool(same_shape) and len(set(keys)) > 1
+    result = []
+    for entry in entries:
+        missing = [k for k in keys if k not in entry]
+        if missing:
+            result.append([f"has no {k!r}" for k in missing])
             continue
-        reason = inspection.reason or _channel_reason(inspection.channels, expected.get(k), k)
-        if reason:
-            problems.append(f"{where} {_display(entry[k])}: {reason}")
-        elif inspection.spatial is not None:
-            shapes[k] = inspection.spatial
-    if compare and not problems and len(shapes) == len(set(keys)) and len(set(shapes.values())) > 1:
-        listing = ", ".join(f"{k} {shape}" for k, shape in shapes.items())
-        problems.append(
-            f"{where}: spatial shapes differ between keys: {listing}; modalities of a case must share one grid"
+        reasons = _entry_reasons(entry, keys, found, expected, compare)
+        result.append(
+            [
+                reason if key is None or len(keys) == 1 else f"{key} {_display(entry[key])}: {reason}"
+                for key, reason in reasons
+            ]
         )
-    return problems
+    return result
 
 
 def preflight(

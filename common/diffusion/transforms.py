@@ -247,22 +247,11 @@ def inference_inputs(
 
     ``unconditional``: ``num_samples`` empty volumes of ``sample_shape`` (:func:`generation_items`). Otherwise the
     cases of ``source_keys`` under ``dataset_dir`` (``datalist``'s ``section``, the volumes matching ``pattern`` or
-    the BraTS layout, see :func:`common.data.datalist.inference_entries`), checked by the preflight (readable
-    single-channel volumes, every source present) before any weights are loaded; problems end the run with their
-    list (:func:`common.data.preflight.run_preflight`).
+    the BraTS layout, see :func:`common.data.datalist.inference_entries`); the inference run checks their headers
+    before it processes them (:class:`common.engines.cases.CaseRun`).
     """
     from common.data.datalist import inference_entries
-    from common.data.preflight import run_preflight
 
     if task == "unconditional":
         return generation_items(num_samples, sample_shape, spacing)
-    entries = inference_entries(dataset_dir, source_keys, datalist=datalist, section=section, pattern=pattern)
-    checked = run_preflight(
-        {"testing": entries},
-        base_dir=dataset_dir,
-        keys=list(source_keys),
-        sections=["testing"],
-        required=["testing"],
-        num_channels=1,
-    )
-    return checked["testing"]
+    return inference_entries(dataset_dir, source_keys, datalist=datalist, section=section, pattern=pattern)

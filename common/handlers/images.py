@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
+from monai.engines.utils import IterationEvents
 from monai.utils import IgniteInfo, min_version, optional_import
 
 Events, _ = optional_import("ignite.engine", IgniteInfo.OPT_IMPORT_VERSION, min_version, "Events")
@@ -387,7 +388,8 @@ class XrayCTWriter:
         self.save_volume = bool(save_volume)
 
     def attach(self, engine: Engine) -> None:
-        engine.add_event_handler(Events.ITERATION_COMPLETED, self)
+        # inside the iteration, as MONAI's postprocessing: an inference run's guard covers the writing
+        engine.add_event_handler(IterationEvents.MODEL_COMPLETED, self)
 
     def __call__(self, engine: Engine) -> None:
         from common.data.io import write_nifti

@@ -11,7 +11,7 @@ import json
 import logging
 import math
 import os
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -25,9 +25,11 @@ from common.survival.metrics import SurvivalPredictionCollector, followup_window
 from common.utils import autocast, get_rank, write_text_atomic
 
 __all__ = [
+    "CohortReport",
     "SurvivalCalibration",
     "SurvivalMetricsHandler",
     "SurvivalReport",
+    "case_values",
     "describe_risk_groups",
     "draw_km_by_group",
     "risk_group_table",
@@ -158,7 +160,15 @@ class SurvivalMetricsHandler:
         )
 
     def __call__(self, engine: Engine) -> None:
-        g = self.collector.gather()
+        engine.state.survival = self.summarize(self.collector.gather())
+        metrics = engine.state.survival.get("metrics") or {}
+        engine.state.metrics.update(
+            {k: float(v) for k, v in metrics.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+        )
+
+    def summarize(self, g: dict[str, np.ndarray]) -> dict[str, Any]:
+        """What ``engine.state.survival`` holds (see the class description) for the gathered predictions ``g``
+        (:meth:`common.survival.metrics.SurvivalPredictionCollector.gather`); rank 0 logs the risk groups."""
         risk = torch.as_tensor(g["risk"], dtype=torch.float32)
         horizons = [float(h) for h in self.predictor.horizons.tolist()]
         labels = list(self.predictor.group_labels)
@@ -173,19 +183,17 @@ class SurvivalMetricsHandler:
             "event": g["event"].tolist(),
         }
         thresholds = [float(t) for t in self.predictor.group_thresholds.tolist()]
-        engine.state.survival = {"predictions": predictions, "group_labels": labels, "group_thresholds": thresholds}
+        survival = {"predictions": predictions, "group_labels": labels, "group_thresholds": thresholds}
         has_outcomes = len(g["time"]) > 0 and np.isfinite(g["time"]).all() and np.isfinite(g["event"]).all()
         metrics, usable = (
             self._metrics(g, horizons, predictions["risk_group"]) if self.compute and has_outcomes else (None, [])
         )
         if metrics is not None:
-            engine.state.survival.update({"metrics": metrics, "horizons": usable})
-            engine.state.metrics.update(
-                {k: float(v) for k, v in metrics.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
-            )
+            survival.update({"metrics": metrics, "horizons": usable})
         if get_rank() == 0:
             km = None if metrics is None else metrics["km"]
             logger.info(describe_risk_groups(risk_group_table(predictions, labels, thresholds, km), km))
+        return survival
 
     def _metrics(self, g: dict, horizons: list[float], groups: list[str]) -> tuple[dict[str, Any] | None, list[float]]:
         """The survival metrics of the gathered cases and the usable horizons among ``horizons``; no metrics (with a
@@ -356,8 +364,11 @@ class SurvivalReport:
 
     def __call__(self, engine: Engine) -> None:
         result = getattr(engine.state, "survival", None)
-        if get_rank() != 0 or not result:
-            return
+        if get_rank() == 0 and result:
+            self.write(result)
+
+    def write(self, result: dict[str, Any]) -> None:
+        """Write the files of ``result`` (:meth:`SurvivalMetricsHandler.summarize`)."""
         self.output_dir.mkdir(parents=True, exist_ok=True)
         predictions, metrics = result["predictions"], result.get("metrics")
         self._write_csv(predictions)
@@ -441,3 +452,45 @@ class SurvivalReport:
             fig.tight_layout()
             fig.savefig(self.output_dir / "calibration.png", dpi=120)
             plt.close(fig)
+
+
+def case_values(batch: Any, output: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """The per-case predictions of a :class:`common.survival.engines.SurvivalEvaluator` iteration as JSON values
+    (``risk``, ``time``, ``event``, ``surv_at_horizons`` and ``surv_grid`` when computed): what an inference run
+    keeps of each case (:class:`common.engines.cases.CaseRun` ``values``) to build the cohort's tables
+    (:class:`CohortReport`)."""
+    rows = []
+    for i in range(len(output["case_id"])):
+        row = {
+            name: float(output[key][i]) for name, key in (("risk", "risk_score"), ("time", "time"), ("event", "event"))
+        }
+        row["surv_at_horizons"] = [float(v) for v in output["survival"][i].tolist()]
+        if output.get("survival_grid") is not None:
+            row["surv_grid"] = [float(v) for v in output["survival_grid"][i].tolist()]
+        rows.append(row)
+    return rows
+
+
+class CohortReport:
+    """The cohort tables of an inference run from the records of its cases (:func:`case_values`): the predictions,
+    risk groups and, with outcomes, metrics of :class:`SurvivalMetricsHandler` written by :class:`SurvivalReport`;
+    the ``merge`` of :class:`common.engines.cases.CaseRun` (rank 0, after every rank is done, so cases written by
+    an earlier run or another rank are in the tables).
+
+    Args:
+        metrics: computes the predictions' groups and metrics (its ``summarize``).
+        report: writes them.
+    """
+
+    def __init__(self, metrics: SurvivalMetricsHandler, report: SurvivalReport) -> None:
+        self.metrics = metrics
+        self.report = report
+
+    def __call__(self, records: Sequence[Mapping[str, Any]]) -> None:
+        collector = SurvivalPredictionCollector()
+        for record in records:
+            v = record["values"]
+            grid = None if v.get("surv_grid") is None else [v["surv_grid"]]
+            collector.add([record["case_id"]], [v["risk"]], [v["time"]], [v["event"]], [v["surv_at_horizons"]], grid)
+        if len(collector):
+            self.report.write(self.metrics.summarize(collector.gather()))

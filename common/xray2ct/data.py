@@ -42,12 +42,12 @@ __all__ = [
     "IMAGE_SUFFIXES",
     "DRRd",
     "LoadViewsd",
-    "check_inference_inputs",
     "check_view_files",
     "grid_spacing",
     "read_view",
     "save_view_nifti",
     "save_view_png",
+    "screen_inputs",
     "view_keys",
     "xray2ct_transforms",
     "xray_inference_items",
@@ -152,6 +152,29 @@ def save_view_nifti(path: str | os.PathLike, xray: torch.Tensor | np.ndarray) ->
     return path
 
 
+def _view_problems(entry: dict[str, Any], keys: Sequence[str], view_size: Sequence[int], base_dir: Any) -> list[str]:
+    """The problems of one entry's X-ray files (see :func:`check_view_files`); relative paths in ``entry`` are
+    resolved against ``base_dir`` in place."""
+    problems = []
+    for key in keys:
+        path = entry.get(key)
+        if not path or not isinstance(path, str):
+            problems.append(f"missing {key!r} (one X-ray file per view: {list(keys)})")
+            continue
+        if base_dir is not None and not os.path.isabs(path):
+            path = entry[key] = os.path.join(os.fspath(base_dir), path)
+        if not os.path.isfile(path):
+            problems.append(f"{key} {path!r} does not exist")
+            continue
+        try:
+            problem = _size_problem(_view_shape(path), view_size)
+        except (OSError, ValueError) as exc:
+            problem = str(exc)
+        if problem:
+            problems.append(f"{key} {path!r} {problem}")
+    return problems
+
+
 def check_view_files(
     sections: Mapping[str, Sequence[Mapping[str, Any]]],
     keys: Sequence[str],
@@ -171,51 +194,21 @@ def check_view_files(
             entry = dict(entry)
             checked[section].append(entry)
             where = f"{section}[{i}]" + (f" (case {entry['case_id']})" if "case_id" in entry else "")
-            for key in keys:
-                path = entry.get(key)
-                if not path or not isinstance(path, str):
-                    problems.append(f"{where}: missing {key!r} (one X-ray file per view: {list(keys)})")
-                    continue
-                if base_dir is not None and not os.path.isabs(path):
-                    path = entry[key] = os.path.join(os.fspath(base_dir), path)
-                if not os.path.isfile(path):
-                    problems.append(f"{where}: {key} {path!r} does not exist")
-                    continue
-                try:
-                    problem = _size_problem(_view_shape(path), view_size)
-                except (OSError, ValueError) as exc:
-                    problem = str(exc)
-                if problem:
-                    problems.append(f"{where}: {key} {path!r} {problem}")
+            problems += [f"{where}: {p}" for p in _view_problems(entry, keys, view_size, base_dir)]
     if problems:
         raise PreflightError(problems, "the X-ray files")
     return checked
 
 
-def check_inference_inputs(
-    inputs: Sequence[Mapping[str, Any]], projector: DRRProjector, view_files: bool
-) -> dict[str, list[dict[str, Any]]]:
-    """Check the entries of an inference run (:func:`xray_inference_items`) as section ``testing``: their X-ray
-    files (:func:`check_view_files`) with ``view_files``, else their CT volumes (one channel, readable) with
-    :func:`common.data.preflight.run_preflight`, which raises every problem in one :class:`PreflightError`.
+def screen_inputs(entries: Sequence[Mapping[str, Any]], projector: DRRProjector, view_files: bool) -> list[list[str]]:
+    """The problems of each inference entry (:func:`xray_inference_items`), one list per entry: its X-ray files
+    (present, 2D grey-scale, ``view_size``) with ``view_files``, else the header of its CT volume (one channel,
+    3D: :func:`common.data.preflight.screen_entries`); the check of :class:`common.engines.cases.CaseRun`."""
+    from common.data.preflight import screen_entries
 
-    Args:
-        inputs: the entries.
-        projector: the DRR projector (views, view size).
-        view_files: the entries hold X-ray files (``xray_<view>``) rather than CT volumes (``image``).
-
-    Returns:
-        ``{"testing": entries}``, with paths resolved.
-
-    Raises:
-        PreflightError: listing the problems of the X-ray files or CT volumes.
-    """
-    from common.data.preflight import run_preflight
-
-    sections = {"testing": [dict(entry) for entry in inputs]}
     if view_files:
-        return check_view_files(sections, keys=view_keys(projector), view_size=projector.view_size)
-    return run_preflight(sections, keys=["image"], sections=["testing"], required=["testing"], num_channels=1)
+        return [_view_problems(dict(e), view_keys(projector), projector.view_size, None) for e in entries]
+    return screen_entries(entries, keys=["image"], num_channels=1)
 
 
 class DRRd(MapTransform):
@@ -237,6 +230,8 @@ class DRRd(MapTransform):
 class LoadViewsd(MapTransform):
     """Reads the X-ray files under ``keys`` (one per view, in order) into ``xray`` ``(V, H, W)`` (a MetaTensor
     carrying the entry's ``case_id`` and first file name), dropping the path entries."""
+
+    reads_files = True  # its errors are reading errors (:class:`common.engines.cases.CaseDataset`)
 
     def __init__(self, keys: Sequence[str], view_size: Sequence[int], output_key: str = "xray") -> None:
         super().__init__(keys)
