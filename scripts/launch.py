@@ -1,9 +1,12 @@
 # Copyright (c) the 3D MONAI bundle collection contributors.
 # Licensed under the Apache License, Version 2.0.
-"""Train a bundle on one process, all GPUs of this node, several nodes, under SLURM or in a Kubernetes job.
+"""Train a bundle, or run its inference over a cohort, on one process, all GPUs of this node, several nodes, under
+SLURM or in a Kubernetes job.
 
 Builds the right command (``python -m monai.bundle run training`` for one process, torchrun with the bundle's
-``multi_gpu_train.json`` otherwise) and runs it from the repository root; ``--dry_run True`` prints it instead.
+``multi_gpu_train.json`` otherwise; with ``--job inference`` the same with ``inference.json`` and
+``multi_gpu_inference.json``, the ranks sharing the cases) and runs it from the repository root; ``--dry_run True``
+prints it instead.
 Every ``--key value`` that is not a launcher option is a bundle override (``--max_epochs 5``); ``--overrides
 "{...}"`` passes ids that clash with launcher options. Examples::
 
@@ -12,8 +15,10 @@ Every ``--key value`` that is not a launcher option is a bundle override (``--ma
     python scripts/launch.py autoencoder_3d --nnodes 2 --node_rank 0 --rdzv_endpoint node001:29500  # on each node
     srun python scripts/launch.py autoencoder_3d --slurm True --max_restarts 3   # one per node of an allocation
     python scripts/launch.py autoencoder_3d --nproc_per_node 8 --dry_run True    # print, do not run
+    python scripts/launch.py autoencoder_3d --job inference --dataset_dir /data/ct  # score a folder on all GPUs
 
-Exit status: the training command's; 2 for invalid arguments (the message names the bad value).
+Exit status: the command's (for inference, see docs/inference.md); 2 for invalid arguments (the message names the bad
+value).
 """
 
 from __future__ import annotations
@@ -42,12 +47,13 @@ def main(
     slurm: bool | str = "auto",
     extra_configs: list[str] | str | None = None,
     overrides: dict[str, Any] | None = None,
-    run_id: str = "training",
+    run_id: str | None = None,
     log_dir: str | None = None,
     dry_run: bool = False,
+    job: str = "training",
     **bundle_overrides: Any,
 ) -> None:
-    """Launch (or with ``dry_run`` print) the training command of ``bundle``.
+    """Launch (or with ``dry_run`` print) the training or inference command of ``bundle``.
 
     Args:
         bundle: bundle name under ``bundles/`` (or a bundle folder).
@@ -62,9 +68,10 @@ def main(
         slurm: ``auto`` (read the SLURM environment when inside a job), ``True`` or ``False``.
         extra_configs: config files merged last: paths, or names in the bundle's ``configs/`` (``tiny.json``).
         overrides: bundle overrides as a dict (for ids that clash with the options above).
-        run_id: the config id to run.
+        run_id: the config id to run (default: ``training``, ``run`` for inference).
         log_dir: folder for torchrun's per-attempt, per-rank log files.
         dry_run: print the command (copy-pasteable) and exit with status 0.
+        job: ``training`` or ``inference`` (``inference.json``; ``multi_gpu_inference.json`` for more processes).
         bundle_overrides: any other ``--key value``: a bundle override (``--max_epochs 5``).
     """
     try:
@@ -85,6 +92,7 @@ def main(
             overrides={**(overrides or {}), **bundle_overrides},
             run_id=run_id,
             log_dir=log_dir,
+            job=job,
         )
     except LaunchError as e:
         print(f"error: {e}", file=sys.stderr)

@@ -9,6 +9,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 from collections.abc import Mapping, Sequence
 from http.server import SimpleHTTPRequestHandler
 from pathlib import Path
@@ -624,3 +625,15 @@ class HubHandler(SimpleHTTPRequestHandler):
 
     def do_HEAD(self) -> None:  # noqa: N802
         self._route(head=True)
+
+
+class Pause:
+    """An ignite handler that sleeps after every iteration, so that a run lasts long enough to be killed half-way."""
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = float(seconds)
+
+    def attach(self, engine: Any) -> None:
+        from ignite.engine import Events
+
+        engine.add_event_handler(Events.ITERATION_COMPLETED, lambda _: time.sleep(self.seconds))

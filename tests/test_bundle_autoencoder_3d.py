@@ -240,12 +240,14 @@ def test_inference_on_nrrd_metaimage_and_dicom_keeps_geometry_and_units(tmp_path
             prediction_dir=str(tmp_path / units),
             output_units=units,
             network="$torch.nn.Identity()",
+            **{"cases#identity": None},  # no weights
             **{k: TINY[k] for k in ("patch_size", "channels", "norm_num_groups")},
         )
         assert parser.get_parsed_content("input_pattern") is None
         assert sorted(e["case_id"] for e in parser.get_parsed_content("datalist")) == sorted(cases)
         parser.get_parsed_content("evaluator").run()
-        assert sorted(p.name for p in (tmp_path / units).iterdir()) == sorted(f"{c}_recon.nii.gz" for c in cases)
+        assert parser.get_parsed_content("cases").finish()["written"] == len(cases)
+        assert sorted(p.name for p in (tmp_path / units).glob("*.nii.gz")) == sorted(f"{c}_recon.nii.gz" for c in cases)
         for case, path in cases.items():
             check_restored_volume(tmp_path / units / f"{case}_recon.nii.gz", path, expected)
 

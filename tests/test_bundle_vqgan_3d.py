@@ -503,10 +503,11 @@ def test_inference_on_nrrd_metaimage_and_dicom_in_hounsfield_units(tmp_path):
     parser = ConfigParser()
     parser.read_config(str(BUNDLES / BUNDLE / "configs" / "inference.json"))
     settings = dict(dataset_dir=str(tmp_path / "in"), prediction_dir=str(tmp_path / "out"), device="cpu", **ARCH)
-    for key, value in {**settings, "network": "$torch.nn.Identity()"}.items():
-        parser[key] = value
+    for key, value in {**settings, "network": "$torch.nn.Identity()", "cases#identity": None}.items():
+        parser[key] = value  # an identity network: no weights
     assert parser.get_parsed_content("intensity")["mode"] == "ct"
     parser.get_parsed_content("evaluator").run()
+    assert parser.get_parsed_content("cases").finish()["written"] == len(cases)
     window = parser.get_parsed_content("ct_window")
     for case, path in cases.items():
         expected = np.clip(array, window["a_min"], window["a_max"])

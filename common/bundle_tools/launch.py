@@ -1,11 +1,12 @@
 # Copyright (c) the 3D MONAI bundle collection contributors.
 # Licensed under the Apache License, Version 2.0.
-"""The command that trains a bundle wherever it runs: one process, all GPUs of a node, several nodes, a SLURM
-allocation or a Kubernetes job.
+"""The command that trains a bundle, or runs its inference over a cohort, wherever it runs: one process, all GPUs
+of a node, several nodes, a SLURM allocation or a Kubernetes job.
 
 One process in total gives ``python -m monai.bundle run training --config_file <train.json>``; more give
 ``python -m torch.distributed.run`` (torchrun) with the bundle's ``multi_gpu_train.json`` merged on top of
-``train.json``. The command is built from explicit arguments, or from the SLURM environment (``SLURM_NNODES``,
+``train.json``. The ``inference`` job is the same with ``inference.json``, ``multi_gpu_inference.json`` (the ranks
+share the cases) and the run id ``run``. The command is built from explicit arguments, or from the SLURM environment (``SLURM_NNODES``,
 ``SLURM_NODEID``, the first host of ``SLURM_JOB_NODELIST`` as the rendezvous host, ``SLURM_JOB_ID`` as the
 rendezvous id). Paths are written relative to the repository root, where the command runs.
 """
@@ -28,6 +29,7 @@ from typing import Any
 __all__ = [
     "BUNDLES_DIR",
     "DEFAULT_RDZV_PORT",
+    "JOBS",
     "MULTI_PROCESS_CONFIG",
     "REPO_ROOT",
     "RESERVED_OVERRIDES",
@@ -51,6 +53,11 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 BUNDLES_DIR = REPO_ROOT / "bundles"
 TRAIN_CONFIG = "train.json"
 MULTI_PROCESS_CONFIG = "multi_gpu_train.json"
+#: job -> (its config, the config merged on it for more than one process, its default run id)
+JOBS = {
+    "training": (TRAIN_CONFIG, MULTI_PROCESS_CONFIG, "training"),
+    "inference": ("inference.json", "multi_gpu_inference.json", "run"),
+}
 DEFAULT_RDZV_PORT = 29500
 RESERVED_OVERRIDES = ("config_file",)
 SHARED_STORE_SWITCH = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
@@ -413,13 +420,14 @@ def build_plan(
     slurm: bool | str = "auto",
     extra_configs: Sequence[str] | str | None = None,
     overrides: Mapping[str, Any] | None = None,
-    run_id: str = "training",
+    run_id: str | None = None,
     log_dir: str | os.PathLike | None = None,
     bundles_dir: str | os.PathLike | None = None,
     env: Mapping[str, str] | None = None,
     python: str | None = None,
+    job: str = "training",
 ) -> LaunchPlan:
-    """Build the command that trains ``bundle`` on this node.
+    """Build the command that runs ``bundle``'s ``job`` (training or inference) on this node.
 
     One process in total (and no restarts or log folder requested) runs ``monai.bundle`` directly; otherwise
     torchrun starts ``nproc_per_node`` processes here: ``--standalone`` on a single node without an endpoint,
@@ -446,17 +454,22 @@ def build_plan(
         extra_configs: config files merged after the bundle's configs: paths, or names in the bundle's
             ``configs/`` folder (``tiny.json``).
         overrides: config ids and values passed as ``--key value``.
-        run_id: the config id to run.
+        run_id: the config id to run (default: the job's, ``training`` or ``run``).
         log_dir: folder for torchrun's per-attempt, per-rank logs (``<log_dir>/<run>/attempt_<n>/<rank>/``).
         bundles_dir: folder of the bundles (default: ``bundles/`` of this repository).
         env: the environment read for SLURM variables (default ``os.environ``).
         python: the interpreter (default: the running one).
+        job: ``training`` (``train.json``, ``multi_gpu_train.json``) or ``inference`` (``inference.json``,
+            ``multi_gpu_inference.json``: each case is processed by one rank; a restart skips the cases written).
 
     Raises:
-        LaunchError: for an unknown bundle or config, ``nnodes < 1``, ``node_rank`` outside ``[0, nnodes)``,
+        LaunchError: for an unknown job, bundle or config, ``nnodes < 1``, ``node_rank`` outside ``[0, nnodes)``,
             several nodes without an endpoint, more processes than visible GPUs, or malformed values.
     """
     env = os.environ if env is None else env
+    if job not in JOBS:
+        raise LaunchError(f"job must be one of {list(JOBS)}, got {job!r}.")
+    run_id = JOBS[job][2] if run_id is None else run_id
     bundle_dir = _resolve_bundle(bundle, Path(bundles_dir) if bundles_dir is not None else BUNDLES_DIR)
     configs_dir = bundle_dir / "configs"
     extras = [_resolve_config(name, configs_dir) for name in _as_list("extra_configs", extra_configs)]
@@ -471,19 +484,22 @@ def build_plan(
     use_slurm = _as_flag("slurm", slurm, allow_auto=True)
     if use_slurm is None:
         use_slurm = bool(env.get("SLURM_JOB_ID")) and bool(env.get("SLURM_NNODES") or env.get("SLURM_JOB_NUM_NODES"))
-    job = slurm_topology(env) if use_slurm else None
-    nnodes, node_rank = _node_position(nnodes, node_rank, job)
+    allocation = slurm_topology(env) if use_slurm else None
+    nnodes, node_rank = _node_position(nnodes, node_rank, allocation)
     nproc = _processes_per_node(nproc_per_node, cpu)
-    endpoint = _rendezvous_endpoint(rdzv_endpoint, rdzv_port, nnodes, job)
+    endpoint = _rendezvous_endpoint(rdzv_endpoint, rdzv_port, nnodes, allocation)
     if rdzv_id in (None, ""):
-        rdzv_id = job.job_id if job else bundle_dir.name
+        rdzv_id = allocation.job_id if allocation else bundle_dir.name
     notes = []
-    if job is not None:
+    if allocation is not None:
         where = f", rendezvous at {endpoint}" if nnodes > 1 else ""
-        notes.append(f"SLURM job {job.job_id}: node {node_rank} of {nnodes}, {nproc} process(es) per node{where}")
+        notes.append(
+            f"SLURM job {allocation.job_id}: node {node_rank} of {nnodes}, {nproc} process(es) per node{where}"
+        )
 
-    configs = _bundle_configs(bundle_dir, multi_process=nnodes * nproc > 1) + extras
-    _check_total_batch(configs, dict(overrides or {}), nnodes * nproc)
+    configs = _bundle_configs(bundle_dir, multi_process=nnodes * nproc > 1, job=job) + extras
+    if job == "training":
+        _check_total_batch(configs, dict(overrides or {}), nnodes * nproc)
     bundle_args = ["-m", "monai.bundle", "run", run_id, "--config_file", _config_arg(configs), *override_words]
     torchrun = nnodes * nproc > 1 or max_restarts > 0 or log_dir is not None
     argv = [python or sys.executable]
@@ -583,9 +599,11 @@ def _rendezvous_options(nnodes: int, node_rank: int, endpoint: str | None, rdzv_
     ]
 
 
-def _bundle_configs(bundle_dir: Path, multi_process: bool) -> list[Path]:
-    """``train.json``, plus ``multi_gpu_train.json`` for more than one process."""
-    names = [TRAIN_CONFIG, MULTI_PROCESS_CONFIG] if multi_process else [TRAIN_CONFIG]
+def _bundle_configs(bundle_dir: Path, multi_process: bool, job: str = "training") -> list[Path]:
+    """The job's config (``train.json``), plus its multi-process config (``multi_gpu_train.json``) for more than one
+    process."""
+    single, multi, _ = JOBS[job]
+    names = [single, multi] if multi_process else [single]
     paths = [bundle_dir / "configs" / name for name in names]
     for path in paths:
         if not path.is_file():

@@ -410,17 +410,19 @@ class CaseRun:
             self._discard_staged()
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
-            if len(ids) > 1 and not self.fail_fast:  # redo case by case: only the culprit fails
-                output = None
-                for single in decollate_batch(batch, detach=False):
-                    output = self._run_batch(process, engine, list_data_collate([single])) or output
-                return output
-            case = ids[0] if ids else "?"
-            failure = CaseFailure(case, self.inputs.get(case, ""), _stage_of_write(exc, "model"), _reason(exc))
-            if self.fail_fast:
-                raise CaseFailedError(failure.line()) from exc
-            self.fail(failure)
-            return None
+            if len(ids) > 1 and not self.fail_fast:
+                output = values = None  # redone case by case below, outside this handler's context
+            else:
+                case = ids[0] if ids else "?"
+                failure = CaseFailure(case, self.inputs.get(case, ""), _stage_of_write(exc, "model"), _reason(exc))
+                if self.fail_fast:
+                    raise CaseFailedError(failure.line()) from exc
+                self.fail(failure)
+                return None
+        if values is None:  # only the culprit fails
+            for single in decollate_batch(batch, detach=False):
+                output = self._run_batch(process, engine, list_data_collate([single])) or output
+            return output
         self._commit(ids, values)
         return output
 
