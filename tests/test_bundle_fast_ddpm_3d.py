@@ -8,6 +8,7 @@ checkpoint, unconditional generation and a 2-process torchrun job. Resume after 
 
 from __future__ import annotations
 
+import csv
 import json
 import shutil
 import subprocess
@@ -50,7 +51,7 @@ INFERENCE = ["inference.json", "brats.json", "tiny.json"]
 
 def inference_parts(**settings):
     """The sampler (weights of ``ckpt_path`` loaded), dataset and postprocessing of an inference run of
-    ``INFERENCE`` with ``settings``, built in this process. The seed is the run's: ``inference.json``'s, shifted as
+    ``INFERENCE`` with ``settings``, built in this process (the postprocessing writes into ``prediction_dir``). The seed is the run's: ``inference.json``'s, shifted as
     ``run_bundle`` shifts it."""
     from monai.bundle import ConfigParser
 
@@ -61,6 +62,8 @@ def inference_parts(**settings):
     settings = {"device": "cpu", "seed": shifted_seed(parser["seed"]), **settings}
     for key, value in settings.items():
         parser[key] = value
+    if "prediction_dir" in settings:  # the writer straight into it (a run stages each case's files first)
+        parser["postprocessing#output_dir"] = settings["prediction_dir"]
     sampler = parser.get_parsed_content("network")
     load_network_weights(sampler, parser.get_parsed_content("ckpt_path"))
     parts = {name: parser.get_parsed_content(name) for name in ("dataset", "postprocessing")}
@@ -191,10 +194,23 @@ def test_inference_synthesises_the_missing_modality(trained, brats_tree, tmp_pat
     for entry in datalist["validation"]:
         folder = brats_tree / entry["t1n"]
         shutil.copytree(folder.parent, cases / folder.parent.name, ignore=shutil.ignore_patterns("*-t2f.*"))
+    first = next(p for p in sorted(cases.iterdir()))
+    broken = cases / "BraTS-BROKEN-00000-000"  # a case whose t1c export was cut short: a row of failures.csv
+    broken.mkdir()
+    for path in first.iterdir():
+        data = path.read_bytes()
+        (broken / path.name.replace(first.name, broken.name)).write_bytes(
+            data[: len(data) // 2] if "-t1c" in path.name else data
+        )
     pred = tmp_path / "pred"
     settings = dict(output_dir=str(trained), dataset_dir=str(cases), prediction_dir=str(pred))
-    run_bundle(BUNDLE, INFERENCE, run_id="run", args=overrides(**settings))
-    written = sorted(p.name for p in pred.iterdir() if not p.name.startswith("."))  # not the case records
+    result = run_bundle(BUNDLE, INFERENCE, run_id="run", check=False, args=overrides(**settings))
+    assert result.returncode == 2, result.stdout[-3000:] + result.stderr[-3000:]
+    with open(pred / "failures.csv", newline="") as handle:
+        (failure,) = list(csv.DictReader(handle))
+    assert failure["case_id"] == broken.name and failure["stage"] == "read" and "EOFError" in failure["reason"]
+    shutil.rmtree(broken)
+    written = sorted(p.name for p in pred.iterdir() if not p.name.startswith(".") and p.name != "failures.csv")
     expected = sorted(f"{Path(entry['t1n']).parent.name}_t2f.nii.gz" for entry in datalist["validation"])
     assert written == expected
     source = nib.load(next(cases.glob("*/*-t1n.nii.gz")))

@@ -301,6 +301,50 @@ def test_inference_without_outcomes_writes_one_row_per_case(evaluated, cohort, t
             assert r["risk_group"] == ref["risk_group"], r["case_id"]
 
 
+def test_inference_fails_bad_cases_only_restarts_and_shares_cases_over_two_processes(evaluated, cohort, tmp_path):
+    """A cohort CSV naming a truncated and a missing volume: the other cases are scored, the two are rows of
+    failures.csv (exit status 2); re-run, every case is skipped and the tables are written again, the same; two
+    torchrun processes write the same tables (each merged once by rank 0 from the records of all cases)."""
+    rows = _split(cohort, "validation")
+    image = cohort.parent / rows[0]["image"]
+    data = image.read_bytes()
+    (tmp_path / "truncated.nii.gz").write_bytes(data[: len(data) // 2])
+    new_csv = tmp_path / "new.csv"
+    with open(new_csv, "w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow(["case_id", "image"])
+        writer.writerows([[r["case_id"], str(cohort.parent / r["image"])] for r in rows])
+        writer.writerows([["zz_truncated", str(tmp_path / "truncated.nii.gz")], ["zz_missing", "gone.nii.gz"]])
+    configs = ["inference.json", "tiny.json"]
+
+    def infer(pred: Path, *extra: str, processes: int = 1) -> subprocess.CompletedProcess:
+        args = overrides(csv_path=str(new_csv), output_dir=str(evaluated), prediction_dir=str(pred), horizons=HORIZONS)
+        if processes == 1:
+            return run_bundle(BUNDLE, configs, run_id="run", check=False, args=args)
+        cmd = torchrun_cmd(
+            processes, "-m", "monai.bundle", "run", "--config_file", config_arg(BUNDLE, *configs, *extra)
+        )
+        return subprocess.run(
+            [*cmd, *args], cwd=REPO_ROOT, env=bundle_env(), capture_output=True, text=True, timeout=600
+        )
+
+    pred = tmp_path / "pred"
+    first = infer(pred)
+    assert first.returncode == 2, first.stdout[-3000:] + first.stderr[-3000:]
+    assert first.stdout.strip().splitlines()[-1] == f"{len(rows)} written, 2 failed: see {pred / 'failures.csv'}"
+    failed = {r["case_id"]: r for r in _rows(pred / "failures.csv")}
+    assert failed["zz_missing"]["stage"] == "check" and failed["zz_missing"]["reason"] == "does not exist"
+    assert failed["zz_truncated"]["stage"] == "read" and "EOFError" in failed["zz_truncated"]["reason"]
+    assert sorted(r["case_id"] for r in _rows(pred / "predictions.csv")) == sorted(r["case_id"] for r in rows)
+    tables = {name: (pred / name).read_bytes() for name in ("predictions.csv", "risk_groups.csv", "failures.csv")}
+    again = infer(pred)
+    assert f"0 written ({len(rows)} already written, skipped), 2 failed" in again.stdout
+    assert {name: (pred / name).read_bytes() for name in tables} == tables
+    shared = infer(tmp_path / "shared", "multi_gpu_inference.json", processes=2)
+    assert f"{len(rows)} written, 2 failed" in shared.stdout, shared.stdout[-3000:] + shared.stderr[-3000:]
+    assert {name: (tmp_path / "shared" / name).read_bytes() for name in tables} == tables
+
+
 def test_bad_csv_is_reported_per_row_before_anything_is_written(cohort, tmp_path):
     rows = _rows(cohort)
     bad = tmp_path / "bad.csv"

@@ -8,6 +8,7 @@ anything is written; a 2-process torchrun job; the transform lists and datasets 
 
 from __future__ import annotations
 
+import csv
 import json
 import shlex
 import shutil
@@ -223,14 +224,21 @@ def test_packed_cascade_runs_on_png_and_nifti_radiographs(cascade, evaluated, ph
             else:  # 16 bit: the radiograph 2 g / 65535 - 1 is within half a step (1 / 65535) of the original
                 error = DRRProjector.intensity(read) - DRRProjector.intensity(image.as_tensor())
                 assert float(error.abs().max()) <= 1 / 65535 + 8 * torch.finfo(torch.float32).eps
+    for view in projector.views:  # a pair whose lateral view has the wrong size: a row of failures.csv
+        image = cases[0][1]["xray"][0]
+        save_view_png(xrays / f"small_{view}.png", image[::2, ::2] if view == "lateral" else image)
     pred = tmp_path / "pred"
     cmd = [sys.executable, "-m", "monai.bundle", "run", "--config_file", "configs/inference.json"]
     cmd += overrides(dataset_dir=str(xrays), prediction_dir=str(pred)) + seed_args(BUNDLE, ["inference.json"])
     env = bundle_env(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")  # one thread, as evaluation (tiny.json)
     env.pop("PYTHONPATH")  # the package's own common/
     result = subprocess.run(cmd, cwd=packaged, env=env, capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, result.stderr[-4000:]
-    written = sorted(p.name for p in pred.iterdir() if not p.name.startswith("."))  # not the case records
+    assert result.returncode == 2, result.stderr[-4000:]
+    assert result.stdout.strip().splitlines()[-1] == f"2 written, 1 failed: see {pred / 'failures.csv'}"
+    with open(pred / "failures.csv", newline="") as handle:
+        (failure,) = list(csv.DictReader(handle))
+    assert failure["case_id"] == "small" and failure["stage"] == "check" and "xray_lateral" in failure["reason"]
+    written = sorted(p.name for p in pred.iterdir() if not p.name.startswith(".") and p.name != "failures.csv")
     kinds = ("ct.nii.gz", "ct_std.nii.gz", "views.png")  # train.json samples num_samples > 1 CTs per case
     assert written == sorted(f"phantom_val_00{i}_{k}" for i in (0, 1) for k in kinds)
     for i in (0, 1):
