@@ -147,3 +147,16 @@ def test_two_processes_share_the_cases(trained, cohort, reference, tmp_path):
     assert "100 case(s): 100 to do, 50 on this rank of 2." in result.stdout
     assert result.stdout.count("case case_013 (") == 1  # read (and failed) by one rank only
     assert _tree(predictions) == _tree(reference[1])
+
+
+def test_inference_benchmark_measures_each_process_count(tmp_path):
+    """``scripts/benchmark.py inference``: one row per process count from the runs' own throughput lines, every
+    case written in each run (no timing is asserted)."""
+    from scripts.harness.autoencoder import inference
+
+    rows = inference(cases=4, shape=(16, 16, 16), processes=(1, 2), repeats=1, work_dir=str(tmp_path))
+    assert [(r["processes"], r["cases"], r["written"], r["threads"]) for r in rows] == [(1, 4, 4, 1), (2, 4, 4, 1)]
+    assert rows[0]["speedup"] == 1.0 and rows[1]["speedup"] == pytest.approx(
+        rows[1]["cases_per_s"] / rows[0]["cases_per_s"]
+    )
+    assert all(r["cases_per_s"] > 0 and r["seconds"] > 0 for r in rows)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import csv
 import errno
 import json
+import sys
 from pathlib import Path
 
 import nibabel as nib
@@ -203,3 +204,20 @@ def test_bad_settings_and_inputs_are_refused(tmp_path, monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "2")
     with pytest.raises(UserError, match="multi_gpu_inference.json"):
         CaseRun(tmp_path)
+
+
+def test_progress_is_a_bar_on_a_terminal_and_log_lines_elsewhere(tmp_path, caplog, capsys, monkeypatch):
+    write_cases(tmp_path / "in")
+    with caplog.at_level("INFO"):
+        run_cases(tmp_path / "in", tmp_path / "logged", log_every_s=0.0)
+    lines = [r.getMessage() for r in caplog.records if "case/s, about" in r.getMessage()]
+    assert len(lines) == 11 and lines[-1].startswith("11/11 case(s), ")  # every case counted, failed ones too
+    assert any(r.getMessage().startswith("11 case(s) in ") for r in caplog.records)  # the run's throughput
+    capsys.readouterr()
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True)
+    caplog.clear()
+    with caplog.at_level("INFO"):
+        run_cases(tmp_path / "in", tmp_path / "bar", log_every_s=0.0)
+    bar = capsys.readouterr().err
+    assert "inference: 100%" in bar and "11/11" in bar and "case/s" in bar
+    assert not [r for r in caplog.records if "case/s, about" in r.getMessage()]

@@ -290,6 +290,7 @@ class CaseRun:
         self.inputs: dict[str, str] = {}
         self.failures: list[CaseFailure] = []
         self.written = self.skipped = self.total = 0
+        self.elapsed = 0.0  # seconds from the first case read to the end of the evaluator's run
         self._bar: Any = None
         self._started = self._last_log = time.monotonic()
 
@@ -398,8 +399,16 @@ class CaseRun:
             return self._run_batch(process, engine, batch)
 
         engine._process_function = guarded
-        engine.add_event_handler(Events.EPOCH_STARTED, lambda e: setattr(e.state, "epoch_length", None))
-        engine.add_event_handler(Events.COMPLETED, lambda e: self._close_bar())
+        engine.add_event_handler(Events.EPOCH_STARTED, self._epoch_started)
+        engine.add_event_handler(Events.COMPLETED, self._completed)
+
+    def _epoch_started(self, engine: Engine) -> None:
+        engine.state.epoch_length = None  # ends when the loader runs out
+        self._started = self._last_log = time.monotonic()
+
+    def _completed(self, engine: Engine) -> None:
+        self.elapsed = time.monotonic() - self._started
+        self._close_bar()
 
     def _run_batch(self, process: Callable, engine: Engine, batch: Any) -> Any:
         ids = [str(c) for c in (batch.get("case_id") or [])] if isinstance(batch, Mapping) else []
@@ -493,12 +502,19 @@ class CaseRun:
             ``{"written", "skipped", "failed", "status"}`` (all ranks).
         """
         self._close_bar()
-        failures, written = list(self.failures), self.written
+        failures, written, elapsed = list(self.failures), self.written, self.elapsed
         if self.world > 1:
             gathered: list = [None] * self.world
-            dist.all_gather_object(gathered, (failures, written))
-            failures = [f for part, _ in gathered for f in part]
-            written = sum(n for _, n in gathered)
+            dist.all_gather_object(gathered, (failures, written, elapsed))
+            failures = [f for part, _, _ in gathered for f in part]
+            written = sum(n for _, n, _ in gathered)
+            elapsed = max(t for _, _, t in gathered)
+        processed = written + len(failures)
+        if self.rank == 0 and processed:
+            logger.info(
+                f"{processed} case(s) in {elapsed:.2f} s on {self.world} process(es): "
+                f"{processed / max(elapsed, 1e-9):.3f} case/s"
+            )
         failures.sort(key=lambda f: self.order.get(f.case_id, len(self.order)))
         shutil.rmtree(self.staging_dir, ignore_errors=True)
         if self.world > 1:  # every rank is done: rank 0 alone writes what gathers all cases

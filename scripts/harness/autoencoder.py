@@ -5,6 +5,8 @@
     python scripts/benchmark.py throughput                         # autoencoder_3d, CPU or GPU
     python scripts/benchmark.py throughput --patch_size "[64,64,64]" --iterations 40
     python scripts/benchmark.py memory --patch_sizes "[[32,32,32],[64,64,64]]"
+    python scripts/benchmark.py inference                          # cases/s of 1 and 2 processes (CPU)
+    python scripts/benchmark.py inference --device cuda --processes "[1]" --cases 200 --shape "[128,128,128]"
 
 ``throughput`` runs, in one process and alternating, (a) the plain loop of MONAI's 3D latent-diffusion tutorial
 (CPU ``CacheDataset`` + ``DataLoader``, fp32, the same AutoencoderKL + PatchDiscriminator, L1 + KL + least-squares
@@ -12,7 +14,10 @@ adversarial losses, batch and patch) and (b) the bundle's own trainer built from
 handler it normally has. It reports samples/s of each, their ratio, the bundle's data-wait fraction, peak
 memory, and the model FLOPs of one bundle step with the model FLOPs utilisation they give against the device's bf16
 peak (every ``*_throughput`` benchmark does). ``memory`` measures peak memory of training steps at each patch size,
-each in a fresh subprocess. Results are printed as a Markdown table and written as JSON.
+each in a fresh subprocess. ``inference`` runs the bundle's inference command over a folder of volumes with one
+process and with several under torchrun (``multi_gpu_inference.json``: the ranks share the cases), the same threads
+per process, and reports the cases per second each run logs (first case read to last case written, start-up
+excluded). Results are printed as a Markdown table and written as JSON.
 """
 
 from __future__ import annotations
@@ -33,7 +38,7 @@ from scripts.harness.tools import (
     timed_loop,
 )
 
-__all__ = ["BENCHMARKS", "fault_case", "memory", "memory_probe", "plain_loader", "throughput"]
+__all__ = ["BENCHMARKS", "fault_case", "inference", "memory", "memory_probe", "plain_loader", "throughput"]
 
 BUNDLE = "autoencoder_3d"
 
@@ -337,4 +342,108 @@ def fault_case(root: Path, seed: int) -> BundleCase:
     )
 
 
-BENCHMARKS = {"throughput": throughput, "memory": memory}
+def _inference_rate(plan, prediction_dir: Path) -> dict:
+    """Run an inference ``plan``; its logged throughput (cases, seconds, cases/s) and the outputs it wrote."""
+    import re
+    import subprocess
+
+    print("$ " + plan.shell(), flush=True)
+    result = subprocess.run(plan.argv, cwd=plan.cwd, env=plan.environ(), capture_output=True, text=True)
+    found = re.search(r"(\d+) case\(s\) in ([\d.]+) s on (\d+) process\(es\): ([\d.]+) case/s", result.stdout)
+    if result.returncode != 0 or found is None:
+        raise RuntimeError(f"inference failed ({result.returncode}):\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}")
+    return {
+        "cases": int(found[1]),
+        "seconds": float(found[2]),
+        "processes": int(found[3]),
+        "cases_per_s": float(found[4]),
+        "written": len(list(prediction_dir.glob("*_recon.nii.gz"))),
+    }
+
+
+def inference(
+    cases: int = 80,
+    shape=(48, 48, 48),
+    threads: int = 1,
+    processes=(1, 2),
+    device: str = "cpu",
+    repeats: int = 2,
+    work_dir: str | None = None,
+    output: str | None = None,
+) -> list[dict]:
+    """Cases per second of ``inference.json`` (reconstruction) over ``cases`` random volumes of ``shape``, with a
+        tiny model (``tiny.json``, one epoch), for each number of ``processes`` (more than one: torchrun with
+        ``multi_gpu_inference.json``) at ``threads`` intra-op threads per process. ``device`` ``cpu`` hides the GPUs;
+        ``cuda`` gives each process its GPU (as many processes as GPUs at most). Each count runs ``repeats`` times,
+    alternating with the others, and its best run is reported. Every run must write every case."""
+    import subprocess
+    import tempfile
+
+    import nibabel as nib
+    import numpy as np
+
+    from common.bundle_tools.launch import build_plan
+    from common.demo.images import write_phantom_dataset
+
+    work = Path(work_dir or tempfile.mkdtemp(prefix="inference_benchmark_"))
+    write_phantom_dataset(work / "phantoms", n_train=2, n_val=1, shape=(24, 24, 24), seed=0)
+    cpu = str(device) == "cpu"
+    train = build_plan(
+        BUNDLE,
+        nproc_per_node=1,
+        cpu=cpu,
+        extra_configs=["tiny.json"],
+        overrides={"dataset_dir": str(work / "phantoms"), "output_dir": str(work / "run"), "max_epochs": 1},
+    )
+    made = subprocess.run(train.argv, cwd=train.cwd, env=train.environ(), capture_output=True, text=True)
+    if made.returncode != 0:
+        raise RuntimeError(f"training the model failed:\n{made.stderr[-3000:]}")
+    (work / "cases").mkdir(exist_ok=True)
+    rng = np.random.default_rng(0)
+    for i in range(int(cases)):
+        volume = rng.random(tuple(int(s) for s in shape)).astype(np.float32)
+        nib.save(nib.Nifti1Image(volume, np.eye(4)), work / "cases" / f"case_{i:04d}.nii.gz")
+    best: dict[int, dict] = {}
+    for _ in range(int(repeats)):  # alternating, the best run of each count (others on the machine only slow runs)
+        for n in processes:
+            prediction_dir = work / f"predictions_{n}"
+            overrides = {
+                "dataset_dir": str(work / "cases"),
+                "output_dir": str(work / "run"),
+                "prediction_dir": str(prediction_dir),
+                "num_threads": int(threads),
+                "overwrite": True,
+            }
+            plan = build_plan(BUNDLE, nproc_per_node=int(n), cpu=cpu, overrides=overrides, job="inference")
+            plan.env.update({"OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)})
+            row = {"device": "cpu" if cpu else device_name(torch.device("cuda")), "threads": int(threads)}
+            row.update(_inference_rate(plan, prediction_dir))
+            if row["written"] != int(cases):
+                raise RuntimeError(f"{n} process(es) wrote {row['written']} of {cases} cases.")
+            if n not in best or row["cases_per_s"] > best[n]["cases_per_s"]:
+                best[n] = {**row, "repeats": int(repeats)}
+    rows = [best[int(n)] for n in processes]
+    base = rows[0]["cases_per_s"]
+    for row in rows:
+        row["speedup"] = row["cases_per_s"] / base
+    print_table(
+        ["device", "processes", "threads each", "cases", "seconds", "cases/s", "x one process"],
+        [
+            [
+                r["device"],
+                r["processes"],
+                r["threads"],
+                r["cases"],
+                f"{r['seconds']:.2f}",
+                f"{r['cases_per_s']:.2f}",
+                f"{r['speedup']:.2f}",
+            ]
+            for r in rows
+        ],
+    )
+    if output:
+        Path(output).write_text(json.dumps(rows, indent=2))
+    return rows
+
+
+BENCHMARKS = {"throughput": throughput, "memory": memory, "inference": inference}

@@ -74,7 +74,7 @@ class Item:
     Attributes:
         name: unique name (``--only`` selects by name or by tag).
         section: the issue's letter of the measurement: ``a`` GPU tests, ``b`` throughput, ``c`` reconstruction,
-            ``d`` stage 3 step, ``e`` largest fit, ``f`` quality.
+            ``d`` stage 3 step, ``e`` largest fit, ``f`` quality, ``g`` inference.
         what: one line for ``--plan`` and the report.
         minutes: estimated minutes on an H100 (``--plan`` and the start rule use it).
         gpu: arguments after ``python scripts/benchmark.py`` on a GPU (``pytest ...`` for the GPU tests).
@@ -306,6 +306,15 @@ ITEMS: tuple[Item, ...] = (
         _args("ddpm_quality", device="cuda", iterations=1500),
         None,
         ("fast_ddpm_3d",),
+    ),
+    Item(
+        "inference_cases",
+        "g",
+        "autoencoder_3d inference over a folder: cases/s of one process on the GPU (bf16, 128^3 volumes)",
+        2.0,
+        _args("inference", device="cuda", processes=[1], cases=60, shape=[128, 128, 128], threads=4, repeats=1),
+        _args("inference", device="cpu", processes=[1, 2], cases=4, shape=[16, 16, 16], repeats=1),
+        ("inference",),
     ),
     Item(
         "gpu_tests_compile",
@@ -713,6 +722,26 @@ def _reconstruction_rows(doc: dict) -> list[list[str]]:
     return rows
 
 
+def _inference_rows(doc: dict) -> list[list[str]]:
+    rows = []
+    for r in doc["items"]:
+        if r["section"] != "g" or r["status"] != "ok":
+            continue
+        for m in r["result"]:
+            rows.append(
+                [
+                    m["device"],
+                    str(m["processes"]),
+                    str(m["threads"]),
+                    str(m["cases"]),
+                    _f(m["seconds"], ".2f"),
+                    _f(m["cases_per_s"], ".2f"),
+                    _f(m["speedup"], ".2f"),
+                ]
+            )
+    return rows
+
+
 def _step_rows(doc: dict) -> list[list[str]]:
     rows = []
     for r in doc["items"]:
@@ -859,6 +888,9 @@ def render_report(docs: dict | Sequence[dict]) -> str:
         (_profile_rows, "Kernel profile of one training step (torch.profiler; on a CPU the operators; TFLOP/s: the "
          "step's model FLOPs over the time of its matrix-product and convolution kernels)",
          ["device", "bundle", "rank", "kernel", "kind", "calls", "share of step", "TFLOP/s"]),
+        (_inference_rows, "Inference over a folder of volumes (autoencoder_3d reconstruction; cases/s from the first "
+         "case read to the last written)",
+         ["device", "processes", "threads each", "cases", "seconds", "cases/s", "x one process"]),
         (_quality_rows, "fast_ddpm_3d after equal training budgets (final EMA weights, whole validation volumes)",
          ["device", "task", "mode", "iterations", "training (min)", "evaluation (s)", "PSNR (dB)", "SSIM",
           "MS-SSIM"]),
