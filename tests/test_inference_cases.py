@@ -71,7 +71,7 @@ def entries(folder: Path) -> list[dict]:
 
 def run_cases(folder: Path, out: Path, batch_size: int = 1, **settings) -> tuple[dict, CaseRun]:
     """One inference run over ``folder`` into ``out``: ``(finish()'s summary, the run)``."""
-    cases = CaseRun(out, check=lambda e: screen_entries(e, num_channels=1), exit_status=False, **settings)
+    cases = CaseRun(out, check=lambda e: screen_entries(e, num_channels=1), **settings)
     preprocessing = Compose([LoadVolumed("image", image_only=True), EnsureChannelFirstd("image")])
     loader = CaseLoader(CaseDataset(cases.select(entries(folder)), preprocessing), cases, batch_size=batch_size)
     postprocessing = Compose(
@@ -175,20 +175,18 @@ def test_nothing_written_is_exit_status_1(tmp_path):
     (tmp_path / "in" / "b.nii.gz").write_text("no")
     summary, _ = run_cases(tmp_path / "in", tmp_path / "out")
     assert summary == {"written": 0, "skipped": 0, "failed": 2, "status": EXIT_NONE_WRITTEN}
-    cases = CaseRun(tmp_path / "out", exit_status=False)
+    cases = CaseRun(tmp_path / "out")
     cases.select([])
     assert cases.finish()["status"] == 0
     assert not (tmp_path / "out" / FAILURES_CSV).exists()  # the old list is gone with its failures
 
 
-def test_exit_status_ends_the_process(tmp_path, capsys):
+def test_the_exit_code_and_the_last_line(tmp_path, capsys):
     (tmp_path / "in").mkdir()
     (tmp_path / "in" / "a.nii.gz").write_text("no")
     cases = CaseRun(tmp_path / "out", check=screen_entries)
     assert cases.select(entries(tmp_path / "in")) == []
-    with pytest.raises(SystemExit) as ended:
-        cases.finish()
-    assert ended.value.code == EXIT_NONE_WRITTEN
+    assert cases.exit_code == 0 and cases.finish()["status"] == cases.exit_code == EXIT_NONE_WRITTEN
     assert capsys.readouterr().out.strip().splitlines()[-1] == (
         f"0 written, 1 failed: see {tmp_path / 'out' / FAILURES_CSV}"
     )

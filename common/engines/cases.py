@@ -19,7 +19,7 @@ A bundle's inference config builds one :class:`CaseRun` (id ``cases``) and route
   identity of the weights and settings) says it is complete.
 - :meth:`CaseRun.finish` gathers the ranks' failures into ``failures.csv`` and, with ``merge``, the records of
   every case into the bundle's cohort tables (rank 0, after every rank is done), prints
-  ``N written, M failed: see <output_dir>/failures.csv`` and ends the process with the exit status
+  ``N written, M failed: see <output_dir>/failures.csv`` and sets the exit status the bundle's ``run`` ends with
   (:data:`EXIT_ALL_WRITTEN` 0, :data:`EXIT_NONE_WRITTEN` 1, :data:`EXIT_SOME_FAILED` 2).
 
 With ``fail_fast`` the first problem ends the run with ``error: ...`` instead (exit status 1).
@@ -252,7 +252,6 @@ class CaseRun:
             cohort's table).
         progress: show a progress bar on an interactive rank 0 (a log line per ``log_every_s`` elsewhere).
         log_every_s: seconds between progress log lines when there is no bar.
-        exit_status: end the process with the exit status in :meth:`finish` when a case failed.
     """
 
     def __init__(
@@ -267,7 +266,6 @@ class CaseRun:
         merge: Callable[[list[dict]], Any] | None = None,
         progress: bool = True,
         log_every_s: float = 60.0,
-        exit_status: bool = True,
     ) -> None:
         for name, flag in (("fail_fast", fail_fast), ("overwrite", overwrite), ("progress", progress)):
             if not isinstance(flag, bool):
@@ -277,7 +275,6 @@ class CaseRun:
         self.check, self.values, self.merge = check, values, merge
         self.fail_fast, self.overwrite, self.progress = fail_fast, overwrite, progress
         self.log_every_s = float(log_every_s)
-        self.exit_status = bool(exit_status)
         self.identity = _digest(identity)
         self.rank, self.world = get_rank(), get_world_size()
         if self.world > 1 and not (dist.is_available() and dist.is_initialized()):
@@ -291,6 +288,7 @@ class CaseRun:
         self.failures: list[CaseFailure] = []
         self.written = self.skipped = self.total = 0
         self.elapsed = 0.0  # seconds from the first case read to the end of the evaluator's run
+        self.exit_code = EXIT_ALL_WRITTEN  # the process's exit status after :meth:`finish` (rank 0 carries it)
         self._bar: Any = None
         self._started = self._last_log = time.monotonic()
 
@@ -495,8 +493,10 @@ class CaseRun:
 
     def finish(self) -> dict[str, Any]:
         """After the evaluator's run: gather the ranks' failures, write ``failures.csv`` (removed when nothing
-        failed) and, with ``merge``, the cohort tables (rank 0); print the summary line and, with ``exit_status``
-        and a failed case, end the process (``SystemExit``: 1 when no case is written, 2 when some are).
+        failed) and, with ``merge``, the cohort tables (rank 0, after every rank is done); print the summary line and
+        set :attr:`exit_code` (:data:`EXIT_NONE_WRITTEN` when no case is written and some failed,
+        :data:`EXIT_SOME_FAILED` when some are written and some failed; on rank 0 only, which carries a torchrun
+        job's status). A bundle's ``run`` ends the process with it: ``"$@cases.exit_code and sys.exit(...)"``.
 
         Returns:
             ``{"written", "skipped", "failed", "status"}`` (all ranks).
@@ -530,9 +530,8 @@ class CaseRun:
                 self.merge(self.records())
             skipped = f" ({self.skipped} already written, skipped)" if self.skipped else ""
             print(f"{written} written{skipped}, {len(failures)} failed" + (f": see {csv_path}" if failures else ""))
-        if status != EXIT_ALL_WRITTEN and self.exit_status and self.rank == 0:  # torchrun reports rank 0's status
-            sys.stdout.flush()
-            raise SystemExit(status)
+        sys.stdout.flush()
+        self.exit_code = status if self.rank == 0 else EXIT_ALL_WRITTEN  # torchrun reports rank 0's status
         return summary
 
     def _write_failures(self, failures: list[CaseFailure]) -> Path:

@@ -313,8 +313,8 @@ ITEMS: tuple[Item, ...] = (
         "autoencoder_3d inference over a folder: cases/s of one process on the GPU (bf16, 128^3 volumes)",
         2.0,
         _args("inference", device="cuda", processes=[1], cases=60, shape=[128, 128, 128], threads=4, repeats=1),
-        _args("inference", device="cpu", processes=[1, 2], cases=4, shape=[16, 16, 16], repeats=1),
-        ("inference",),
+        None,  # the toy run is tests/test_cohort_inference.py's
+        ("autoencoder_3d", "inference"),
     ),
     Item(
         "gpu_tests_compile",
