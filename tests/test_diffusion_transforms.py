@@ -20,7 +20,7 @@ from torch import nn
 from common.data.datalist import DatalistError, file_stem, inference_entries
 from common.data.io import write_nifti
 from common.data.pipeline import CaseMetad, case_name_formatter
-from common.data.preflight import PreflightError
+from common.data.preflight import screen_entries
 from common.diffusion.transforms import (
     CopyChannelsd,
     EncodeLatentd,
@@ -466,9 +466,9 @@ def test_keeps_values_only_for_intensity_mode_none():
         assert not keeps_values(intensity), intensity
 
 
-def test_inference_inputs_generate_or_list_checked_cases(tmp_path):
-    """Unconditional generation makes empty volumes; otherwise the listed cases pass the preflight, and a case
-    missing a source or a multi-channel source ends the run with the problem named, before any weights load."""
+def test_inference_inputs_generate_or_list_cases(tmp_path):
+    """Unconditional generation makes empty volumes; otherwise the listed cases, with paths resolved against the
+    dataset folder, unread (the run screens their headers: a missing source is a problem of its case)."""
     generated = inference_inputs("unconditional", str(tmp_path), [], num_samples=2, sample_shape=(8, 6, 4))
     assert [item["case_id"] for item in generated] == ["sample_000", "sample_001"]
     assert generated[0]["image"].shape == (1, 8, 6, 4)
@@ -476,10 +476,9 @@ def test_inference_inputs_generate_or_list_checked_cases(tmp_path):
     datalist = {"testing": [{"t1": str(files["t1"][0]), "t2": str(files["t2"][0]), "case_id": "one"}]}
     cases = inference_inputs("translation", str(tmp_path), ["t1", "t2"], datalist=datalist)
     assert cases == datalist["testing"]
-    with pytest.raises(PreflightError, match="gone.nii.gz"):
-        inference_inputs(
-            "translation",
-            str(tmp_path),
-            ["t1", "t2"],
-            datalist={"testing": [{"t1": "gone.nii.gz", "t2": "x.nii.gz", "case_id": "a"}]},
-        )
+    gone = {"testing": [{"t1": "gone.nii.gz", "t2": str(files["t2"][0]), "case_id": "a"}]}
+    listed = inference_inputs("translation", str(tmp_path), ["t1", "t2"], datalist=gone)
+    assert listed[0]["t1"] == str(tmp_path / "gone.nii.gz")
+    assert screen_entries(listed, keys=["t1", "t2"], num_channels=1) == [
+        [f"t1 {tmp_path / 'gone.nii.gz'}: does not exist"]
+    ]

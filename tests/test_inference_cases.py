@@ -69,16 +69,25 @@ def entries(folder: Path) -> list[dict]:
     return [{"image": str(p)} for p in sorted(folder.glob("*.nii.gz"))]
 
 
-def run_cases(folder: Path, out: Path, batch_size: int = 1, **settings) -> tuple[dict, CaseRun]:
-    """One inference run over ``folder`` into ``out``: ``(finish()'s summary, the run)``."""
+def run_cases(
+    folder: Path,
+    out: Path,
+    batch_size: int = 1,
+    postfixes: tuple[str, ...] = ("out",),
+    num_workers: int = 0,
+    **settings,
+) -> tuple[dict, CaseRun]:
+    """One inference run over ``folder`` into ``out`` writing one file per postfix and case: ``(finish()'s summary,
+    the run)``."""
     cases = CaseRun(out, check=lambda e: screen_entries(e, num_channels=1), **settings)
     preprocessing = Compose([LoadVolumed("image", image_only=True), EnsureChannelFirstd("image")])
-    loader = CaseLoader(CaseDataset(cases.select(entries(folder)), preprocessing), cases, batch_size=batch_size)
+    dataset = CaseDataset(cases.select(entries(folder)), preprocessing)
+    loader = CaseLoader(dataset, cases, batch_size=batch_size, num_workers=num_workers)
     postprocessing = Compose(
         [
             Lambdad("pred", _full_disk),
             CaseMetad("pred"),
-            nifti_saver("pred", cases.staging_dir, "out", name_formatter=case_name_formatter),
+            *[nifti_saver("pred", cases.staging_dir, p, name_formatter=case_name_formatter) for p in postfixes],
         ]
     )
     evaluator = SupervisedEvaluator(
@@ -97,12 +106,13 @@ def failures(out: Path) -> dict[str, dict]:
         return {row["case_id"]: row for row in csv.DictReader(handle)}
 
 
-@pytest.mark.parametrize("batch_size", [1, 3])
-def test_every_stage_fails_its_case_only(tmp_path, batch_size):
+@pytest.mark.parametrize("batch_size, num_workers", [(1, 0), (3, 0), (1, 2)])
+def test_every_stage_fails_its_case_only(tmp_path, batch_size, num_workers):
     """Six good cases are written, each failing case is one row naming its stage and cause; with batches of three
-    a model or write failure is redone case by case, so only the culprit fails."""
+    a model or write failure is redone case by case, so only the culprit fails; worker processes pass the reading
+    failures on."""
     expected = write_cases(tmp_path / "in")
-    summary, _ = run_cases(tmp_path / "in", tmp_path / "out", batch_size=batch_size)
+    summary, _ = run_cases(tmp_path / "in", tmp_path / "out", batch_size=batch_size, num_workers=num_workers)
     assert summary == {"written": 6, "skipped": 0, "failed": 5, "status": EXIT_SOME_FAILED}
     written = sorted(p.name for p in (tmp_path / "out").glob("*_out.nii.gz"))
     assert written == [f"good{i}_out.nii.gz" for i in range(6)]
@@ -116,6 +126,16 @@ def test_every_stage_fails_its_case_only(tmp_path, batch_size):
     saved = nib.load(tmp_path / "out" / "good0_out.nii.gz").get_fdata()
     source = nib.load(tmp_path / "in" / "good0.nii.gz").get_fdata()
     np.testing.assert_allclose(saved, 2 * source, rtol=1e-6)
+
+
+def test_the_files_of_a_batch_go_to_their_cases(tmp_path):
+    """Two files per case, three cases per batch: each record lists its case's two files, named after it."""
+    write_cases(tmp_path / "in")
+    summary, _ = run_cases(tmp_path / "in", tmp_path / "out", batch_size=3, postfixes=("a", "b"))
+    assert summary["written"] == 6
+    for i in range(6):
+        record = json.loads((tmp_path / "out" / DONE_DIR / f"good{i}.json").read_text())
+        assert record["outputs"] == [f"good{i}_a.nii.gz", f"good{i}_b.nii.gz"]
 
 
 def test_a_restart_skips_what_is_written_and_overwrite_redoes_it(tmp_path):
@@ -171,8 +191,11 @@ def test_fail_fast_stops_at_the_first_problem(tmp_path):
 
 def test_nothing_written_is_exit_status_1(tmp_path):
     (tmp_path / "in").mkdir()
-    (tmp_path / "in" / "a.nii.gz").write_text("no")
-    (tmp_path / "in" / "b.nii.gz").write_text("no")
+    (tmp_path / "in" / "a.nii.gz").write_text("no")  # fails the check
+    volume = np.random.default_rng(1).random((20, 20, 20)).astype(np.float32)
+    nib.save(nib.Nifti1Image(volume, np.eye(4)), tmp_path / "b.nii.gz")
+    data = (tmp_path / "b.nii.gz").read_bytes()
+    (tmp_path / "in" / "b.nii.gz").write_bytes(data[: len(data) // 2])  # fails when read: the loader yields nothing
     summary, _ = run_cases(tmp_path / "in", tmp_path / "out")
     assert summary == {"written": 0, "skipped": 0, "failed": 2, "status": EXIT_NONE_WRITTEN}
     cases = CaseRun(tmp_path / "out")

@@ -182,6 +182,29 @@ def test_every_bundle_gets_existing_configs(bundle):
         assert len(configs) == nproc + 1 and all((REPO_ROOT / c).is_file() for c in configs)
 
 
+def test_inference_job_shares_the_cases_over_the_processes():
+    """``--job inference``: inference.json (run id ``run``) for one process, with multi_gpu_inference.json for more;
+    the batch check of training does not apply; an unknown job is refused."""
+    line = "--job inference --nproc_per_node 2 --cpu True --dry_run True --dataset_dir /data/ct"
+    result = _cli(EXAMPLE, *line.split())
+    assert result.returncode == 0, result.stderr
+    expected = [
+        *[PY, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc_per_node", "2", "--standalone"],
+        *"-m monai.bundle run run --config_file".split(),
+        _configs(EXAMPLE, "inference.json", "multi_gpu_inference.json"),
+        *["--dataset_dir", "/data/ct"],
+    ]
+    assert result.stdout.strip() == f"CUDA_VISIBLE_DEVICES='' {shlex.join(expected)}"
+    for bundle in ALL_BUNDLES:
+        plan = build_plan(bundle, nproc_per_node=1, cpu=True, job="inference", env={})
+        assert plan.argv[plan.argv.index("run") + 1] == "run" and plan.argv[-1].endswith("configs/inference.json")
+    refused = _cli(EXAMPLE, "--job", "predict", "--dry_run", "True")
+    assert (
+        refused.returncode == 2
+        and "error: job must be one of ['training', 'inference'], got 'predict'." in refused.stderr
+    )
+
+
 def test_paths_and_cd_prefix_from_another_folder(tmp_path):
     """Config paths are made absolute (the command runs in the repository root); a bare name of a bundle config
     means the bundle's file even when the current folder has one of that name."""

@@ -14,9 +14,9 @@ A bundle's inference config builds one :class:`CaseRun` (id ``cases``) and route
   ``ThreadDataLoader``: reading overlaps the model) hands the failures to the run and never yields an empty batch.
 - :meth:`CaseRun.attach` guards the evaluator's iteration: an error in the model or the writers fails the case
   (stage ``model`` or ``write``; a batch of several cases is redone case by case so that only the culprit fails),
-  the others go on. Writers write into :attr:`CaseRun.staging_dir`; after a case's iteration its files are moved
-  (``os.replace``, atomic) into ``output_dir`` and a record ``.done/<case>.json`` (its files, its values, the
-  identity of the weights and settings) says it is complete.
+  the others go on. Writers write into :func:`staging_dir` of ``output_dir``; after a case's iteration its files
+  are moved (``os.replace``, atomic) into ``output_dir`` and a record ``.done/<case>.json`` (its files, its values,
+  the identity of the weights and settings) says it is complete.
 - :meth:`CaseRun.finish` gathers the ranks' failures into ``failures.csv`` and, with ``merge``, the records of
   every case into the bundle's cohort tables (rank 0, after every rank is done), prints
   ``N written, M failed: see <output_dir>/failures.csv`` and sets the exit status the bundle's ``run`` ends with
@@ -68,6 +68,7 @@ __all__ = [
     "CaseRun",
     "case_collate",
     "case_id_of",
+    "staging_dir",
 ]
 
 logger = logging.getLogger(__name__)
@@ -212,6 +213,12 @@ class CaseLoader(ThreadDataLoader):
                 yield batch
 
 
+def staging_dir(output_dir: str | os.PathLike) -> str:
+    """Where this rank's writers put a case's files until the case is complete (:class:`CaseRun` then moves them
+    into ``output_dir``): ``<output_dir>/.staging/rank<r>``."""
+    return os.path.join(os.fspath(output_dir), STAGING_DIR, f"rank{get_rank()}")
+
+
 def _digest(value: Any) -> str:
     """A short hash of ``value`` (JSON), in which a path of an existing file stands for the hash of its bytes: the
     identity of the weights and settings that made a run's outputs."""
@@ -282,7 +289,7 @@ class CaseRun:
                 f"this is one of {self.world} processes (WORLD_SIZE) but no process group is set up: add "
                 "configs/multi_gpu_inference.json after configs/inference.json, so that the processes share the cases."
             )
-        self.staging_dir = str(self.output_dir / STAGING_DIR / f"rank{self.rank}")
+        self.staging_dir = staging_dir(self.output_dir)
         self.order: dict[str, int] = {}
         self.inputs: dict[str, str] = {}
         self.failures: list[CaseFailure] = []
