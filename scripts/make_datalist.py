@@ -1,6 +1,7 @@
 # Copyright (c) the 3D MONAI bundle collection contributors.
 # Licensed under the Apache License, Version 2.0.
-"""Build a training/validation datalist JSON from a folder of volumes (NIfTI, NRRD, MetaImage) or DICOM series.
+"""Build a training/validation datalist JSON from a folder of volumes (NIfTI, NRRD, MetaImage) or DICOM series: by
+default every volume inference would read there (the same rule), ``--pattern`` narrowing it.
 
 Example::
 
@@ -19,7 +20,13 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from common.data.datalist import BRATS_MODALITIES, find_brats_cases, find_volumes, write_datalist  # noqa: E402
+from common.data.datalist import (  # noqa: E402
+    BRATS_MODALITIES,
+    find_brats_cases,
+    find_volumes,
+    no_volumes_error,
+    write_datalist,
+)
 
 __all__ = ["main", "make_datalist", "split_items"]
 
@@ -55,7 +62,7 @@ def split_items(items: list, val_fraction: float, seed: int) -> tuple[list, list
 def make_datalist(
     data_dir: str,
     output: str | None = None,
-    pattern: str = "*.nii.gz",
+    pattern: str | None = None,
     val_fraction: float = 0.2,
     seed: int = 0,
     dicom: bool = False,
@@ -67,8 +74,9 @@ def make_datalist(
         data_dir: folder holding the volumes (searched recursively).
         output: the JSON file to write; defaults to ``<data_dir>/datalist.json``. Its paths are relative to
             ``data_dir``, so when it is written elsewhere pass ``base_dir=data_dir`` when loading it.
-        pattern: glob of the volumes, matched against the end of their path (``"*flair.nii.gz"``); ignored with
-            ``dicom``.
+        pattern: ``None`` lists every volume as inference does (NIfTI, NRRD, MetaImage files and DICOM series
+            folders: :func:`common.data.datalist.find_volumes`); a glob matched against the end of the path
+            (``"*flair.nii.gz"``) lists only what matches; ignored with ``dicom``.
         val_fraction: fraction of volumes for validation, in ``[0, 1)``.
         seed: seed of the shuffle.
         dicom: list the DICOM series: a folder of DICOM files (``.dcm`` or the ``DICM`` marker) is one volume, and
@@ -95,7 +103,8 @@ def make_datalist(
         what = "no folders holding DICOM files"
     else:
         items = find_volumes(root, pattern)
-        what = f"no files matching {pattern!r}"
+        if not items:
+            raise no_volumes_error(root, pattern, options="--data_dir or --pattern")  # inference's rule and message
     if not items:
         raise FileNotFoundError(f"{what} under data_dir {str(root)!r}")
     training, validation = split_items(items, val_fraction, seed)
@@ -124,7 +133,7 @@ def make_datalist(
 def main(
     data_dir: str,
     output: str | None = None,
-    pattern: str = "*.nii.gz",
+    pattern: str | None = None,
     val_fraction: float = 0.2,
     seed: int = 0,
     dicom: bool = False,

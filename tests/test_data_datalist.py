@@ -196,6 +196,26 @@ def test_make_datalist_split_and_relative_paths(tmp_path: Path, repo_root: Path)
     assert again == raw  # the same seed gives the same split
 
 
+def test_make_datalist_lists_what_inference_lists(tmp_path: Path, repo_root: Path) -> None:
+    """Without a pattern, every volume inference would read (a folder of NRRD chest CTs, a MetaImage file), by
+    the same rule (:func:`find_volumes`); ``pattern`` narrows it."""
+    import itk
+    import numpy as np
+
+    script = _load_script(repo_root)
+    volume = itk.image_from_array(np.zeros((4, 5, 6), np.float32))
+    for name in ("ct1.nrrd", "ct2.nrrd", "sub/ct3.mha"):
+        (tmp_path / "ct" / name).parent.mkdir(parents=True, exist_ok=True)
+        itk.imwrite(volume, str(tmp_path / "ct" / name))
+    (tmp_path / "ct" / "notes.txt").write_text("not a volume")
+    raw = json.loads(script.make_datalist(str(tmp_path / "ct")).read_text())
+    expected = sorted(e["image"] for e in find_volumes(tmp_path / "ct"))
+    assert sorted(str(tmp_path / "ct" / e["image"]) for e in raw["training"] + raw["validation"]) == expected
+    assert len(expected) == 3
+    narrowed = json.loads(script.make_datalist(str(tmp_path / "ct"), pattern="*.nrrd").read_text())
+    assert sorted(e["image"] for e in narrowed["training"] + narrowed["validation"]) == ["ct1.nrrd", "ct2.nrrd"]
+
+
 def test_make_datalist_small_sets_and_dicom(tmp_path: Path, repo_root: Path) -> None:
     script = _load_script(repo_root)
     assert script.split_items(["a", "b"], 0.0, 0)[1] != []  # at least one validation item from two
@@ -215,8 +235,12 @@ def test_make_datalist_errors_name_data_dir(tmp_path: Path, repo_root: Path) -> 
     with pytest.raises(FileNotFoundError, match="missing_dir"):
         script.make_datalist(str(tmp_path / "missing_dir"))
     (tmp_path / "empty").mkdir()
-    with pytest.raises(FileNotFoundError, match=r"no files matching '\*flair.nii.gz' under data_dir .*empty"):
+    with pytest.raises(
+        FileNotFoundError, match=r"no input volumes found under '.*empty': .* matching '\*flair.nii.gz'"
+    ):
         script.make_datalist(str(tmp_path / "empty"), pattern="*flair.nii.gz")
+    with pytest.raises(FileNotFoundError, match=r"NRRD \(.nrrd, .nhdr\).*\(set --data_dir or --pattern\)"):
+        script.make_datalist(str(tmp_path / "empty"))
     with pytest.raises(ValueError, match="val_fraction"):
         script.split_items(["a", "b"], 1.0, 0)
 

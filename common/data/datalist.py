@@ -527,9 +527,13 @@ def find_volumes(
     return [{"case_id": case, key: value} for case, (_, value) in zip(ids, found)]
 
 
-def no_volumes_error(dataset_dir: str | os.PathLike, pattern: str | None = None) -> MissingInputError:
-    """The error of an inference run that found no input under ``dataset_dir``: it names the folder and what was
-    looked for (the formats of :func:`find_volumes`, or ``pattern``)."""
+def no_volumes_error(
+    dataset_dir: str | os.PathLike,
+    pattern: str | None = None,
+    options: str = "--dataset_dir, --input_pattern or --datalist",
+) -> MissingInputError:
+    """The error of a command that found no volume under ``dataset_dir`` (:func:`find_volumes`): it names the folder,
+    what was looked for (the formats, or ``pattern``) and the command's ``options`` that change it."""
     root = os.path.abspath(os.path.expanduser(os.fspath(dataset_dir)))
     if pattern is None:
         formats = ", ".join(f"{name} ({', '.join(suffixes)})" for name, suffixes in VOLUME_FORMATS.items())
@@ -538,8 +542,7 @@ def no_volumes_error(dataset_dir: str | os.PathLike, pattern: str | None = None)
         wanted = f"files or DICOM series folders matching {pattern!r}"
     missing = "" if os.path.isdir(root) else " (the folder does not exist)"
     return MissingInputError(
-        f"no input volumes found under {root!r}{missing}: looked for {wanted}, recursively "
-        "(set --dataset_dir, --input_pattern or --datalist)."
+        f"no input volumes found under {root!r}{missing}: looked for {wanted}, recursively (set {options})."
     )
 
 
