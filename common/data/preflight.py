@@ -253,53 +253,6 @@ def _itk_header(path: str) -> tuple[list[int], int, int] | None:
         return shape, components, int(io.GetComponentSize()) * components
 
 
-def _inspect_header(
-    path: str | os.PathLike | Sequence[str], patch: tuple[int, ...] | None, allow_pad: bool, size_name: str
-) -> _Inspection:
-    """What the header of one volume says (see :func:`screen_entries`); never raises for problems with the file."""
-    try:
-        if not isinstance(path, (str, os.PathLike)):
-            files = [os.fspath(p) for p in path]
-            missing = [f for f in files if not os.path.isfile(f)]
-            if missing:
-                return _Inspection(f"{len(missing)} of {len(files)} series files do not exist (first: {missing[0]})")
-            return _series_header(files, patch, allow_pad, size_name)
-        path = os.fspath(path)
-        if not os.path.exists(path):
-            return _Inspection("does not exist")
-        if os.path.isdir(path):
-            from common.data.dicom import series_files
-
-            if not any(os.path.isfile(os.path.join(path, name)) for name in os.listdir(path)):
-                return _Inspection("is a folder without files; a DICOM series folder is required")
-            try:
-                files = series_files(path)
-            except (ValueError, FileNotFoundError) as exc:
-                return _Inspection(str(exc).replace(f"{os.path.abspath(path)} holds", "holds", 1))
-            return _series_header(files, patch, allow_pad, size_name)
-        if not os.path.isfile(path):
-            return _Inspection("is not a regular file or a folder")
-        if path.lower().endswith(NIFTI_SUFFIXES):
-            import nibabel as nib
-
-            img = nib.load(path)
-            full = tuple(int(s) for s in img.shape)
-            itemsize = max(1, img.get_data_dtype().itemsize)
-            spatial = _spatial_from_array_shape(full)
-            reason = _declared_size_reason(full, itemsize) or _truncated_reason(path, img, full, itemsize)
-            reason = reason or _shape_reason(spatial, full, patch, allow_pad, size_name)
-            return _Inspection(reason, spatial, None if reason else _channels_from_array_shape(full))
-        header = _itk_header(path)
-        if header is None:
-            return _Inspection("cannot be read: not a volume format (no reader recognises it)")
-        shape, components, itemsize = header
-        full = tuple(shape) + ((components,) if components > 1 else ())
-        reason = _declared_size_reason(full, itemsize) or _shape_reason(tuple(shape), full, patch, allow_pad, size_name)
-        return _Inspection(reason, tuple(shape), components)
-    except Exception as exc:  # noqa: BLE001 - a bad file is a reason, never a crash
-        return _Inspection(_error_reason(exc))
-
-
 def _series_header(files: list[str], patch: tuple[int, ...] | None, allow_pad: bool, size_name: str) -> _Inspection:
     """A DICOM series from its first file's header: its rows and columns, and one slice per file."""
     header = _itk_header(files[0])
@@ -308,15 +261,33 @@ def _series_header(files: list[str], patch: tuple[int, ...] | None, allow_pad: b
     shape, components, itemsize = header
     if len(files) > 1 or len(shape) < 3:
         shape = [*shape[:2], len(files)]
+    return _header_inspection(shape, components, itemsize, patch, allow_pad, size_name)
+
+
+def _header_inspection(
+    shape: Sequence[int],
+    components: int,
+    itemsize: int,
+    patch: tuple[int, ...] | None,
+    allow_pad: bool,
+    size_name: str,
+) -> _Inspection:
+    """What an ITK header's dimensions, pixel components and bytes per voxel say (declared size, 3D, size)."""
     full = tuple(shape) + ((components,) if components > 1 else ())
     reason = _declared_size_reason(full, itemsize) or _shape_reason(tuple(shape), full, patch, allow_pad, size_name)
     return _Inspection(reason, tuple(shape), components)
 
 
 def _check_nifti(
-    path: str, patch: tuple[int, ...] | None, allow_pad: bool, check_values: bool, size_name: str = "patch_size"
+    path: str,
+    patch: tuple[int, ...] | None,
+    allow_pad: bool,
+    check_values: bool,
+    size_name: str = "patch_size",
+    header_only: bool = False,
 ) -> _Inspection:
-    """Check a NIfTI file, reading the data slab by slab so memory stays bounded."""
+    """Check a NIfTI file, reading the data slab by slab so memory stays bounded (with ``header_only``, not at
+    all)."""
     import nibabel as nib
 
     try:
@@ -331,6 +302,8 @@ def _check_nifti(
     if reason:
         return _Inspection(reason, spatial)
     channels = _channels_from_array_shape(full)
+    if header_only:
+        return _Inspection(None, spatial, channels)
     non_finite = 0
     try:
         for index in _slabs(full, itemsize):
@@ -353,9 +326,11 @@ def _check_itk(
     allow_pad: bool,
     check_values: bool,
     size_name: str = "patch_size",
+    header_only: bool = False,
 ) -> _Inspection:
     """Check a DICOM series (a folder holding one series, or a list of the files of one series) as the bundles' loader
-    (:class:`common.data.dicom.LoadVolumed`) reads it; its channels are ITK's pixel components."""
+    (:class:`common.data.dicom.LoadVolumed`) reads it; its channels are ITK's pixel components. With ``header_only``,
+    from its first file's header (:func:`_series_header`)."""
     if isinstance(path, str) and not any(os.path.isfile(os.path.join(path, name)) for name in os.listdir(path)):
         return _Inspection("is a folder without files; a DICOM series folder is required")
     spatial: tuple[int, ...] | None = None
@@ -371,6 +346,8 @@ def _check_itk(
             return _Inspection(
                 str(exc).replace(f"{os.path.abspath(path)} holds", "holds", 1) if isinstance(path, str) else str(exc)
             )
+        if header_only:
+            return _series_header(files, patch, allow_pad, size_name)
         reason = _itk_header_reason(files[0])
         if reason:
             return _Inspection(reason)
@@ -390,14 +367,26 @@ def _check_itk(
 
 
 def _check_monai(
-    path: str, patch: tuple[int, ...] | None, allow_pad: bool, check_values: bool, size_name: str = "patch_size"
+    path: str,
+    patch: tuple[int, ...] | None,
+    allow_pad: bool,
+    check_values: bool,
+    size_name: str = "patch_size",
+    header_only: bool = False,
 ) -> _Inspection:
     """Check any other format with ``monai.transforms.LoadImage`` (its ``original_channel_dim`` metadata decides
-    the layout and the channel count; without a channel axis the volume has 1 channel)."""
+    the layout and the channel count; without a channel axis the volume has 1 channel). With ``header_only``, from
+    the header ITK reads (dimensions and pixel components)."""
     spatial: tuple[int, ...] | None = None
     channels: int | None = None
     try:
         from monai.transforms import LoadImage
+
+        if header_only:
+            header = _itk_header(path)
+            if header is None:
+                return _Inspection("cannot be read: not a volume format (no reader recognises it)")
+            return _header_inspection(*header, patch, allow_pad, size_name)
 
         reason = _itk_header_reason(path)
         if reason:
@@ -427,25 +416,27 @@ def _inspect(
     allow_pad: bool,
     check_values: bool,
     size_name: str = "patch_size",
+    header_only: bool = False,
 ) -> _Inspection:
-    """Read one volume (see :func:`check_volume`); never raises for problems with the file."""
+    """Read one volume (see :func:`check_volume`), or with ``header_only`` its header (see :func:`screen_entries`);
+    never raises for problems with the file."""
     try:
         if not isinstance(path, (str, os.PathLike)):
             files = [os.fspath(p) for p in path]
             missing = [f for f in files if not os.path.isfile(f)]
             if missing:
                 return _Inspection(f"{len(missing)} of {len(files)} series files do not exist (first: {missing[0]})")
-            return _check_itk(files, patch, allow_pad, check_values, size_name)
+            return _check_itk(files, patch, allow_pad, check_values, size_name, header_only)
         path = os.fspath(path)
         if not os.path.exists(path):
             return _Inspection("does not exist")
         if os.path.isdir(path):
-            return _check_itk(path, patch, allow_pad, check_values, size_name)
+            return _check_itk(path, patch, allow_pad, check_values, size_name, header_only)
         if not os.path.isfile(path):
             return _Inspection("is not a regular file or a folder")
         if path.lower().endswith(NIFTI_SUFFIXES):
-            return _check_nifti(path, patch, allow_pad, check_values, size_name)
-        return _check_monai(path, patch, allow_pad, check_values, size_name)
+            return _check_nifti(path, patch, allow_pad, check_values, size_name, header_only)
+        return _check_monai(path, patch, allow_pad, check_values, size_name, header_only)
     except Exception as exc:  # noqa: BLE001 - a bad file must never stop the whole check
         return _Inspection(_error_reason(exc, "cannot be checked"))
 
@@ -668,7 +659,9 @@ def screen_entries(
     expected = _validate_num_channels(num_channels, keys)
     paths = list(dict.fromkeys(_path_key(entry[k]) for entry in entries for k in keys if k in entry))
     with ThreadPoolExecutor(max_workers=max(1, int(num_workers))) as pool:
-        found = dict(zip(paths, pool.map(lambda p: _inspect_header(p, patch, allow_pad, size_name), paths)))
+        found = dict(
+            zip(paths, pool.map(lambda p: _inspect(p, patch, allow_pad, False, size_name, header_only=True), paths))
+        )
     compare = bool(same_shape) and len(set(keys)) > 1
     result = []
     for entry in entries:

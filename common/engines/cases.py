@@ -361,9 +361,9 @@ class CaseRun:
         if self.check is None or not mine:
             return [dict(item, case_id=case) for case, item in mine]
         problems = self.check([item for _, item in mine])
-        bad = [(case, item, p) for (case, item), p in zip(mine, problems) if p]
+        bad = [(case, p) for (case, _), p in zip(mine, problems) if p]
         if bad:
-            lines = [f"case {case} ({self.inputs[case]}): {'; '.join(p)}" for case, _, p in bad]
+            lines = [f"case {case} ({self.inputs[case]}): {'; '.join(p)}" for case, p in bad]
             if self.fail_fast:
                 from common.data.preflight import PreflightError
 
@@ -372,10 +372,10 @@ class CaseRun:
                 f"{len(bad)} of {len(mine)} case(s) fail the input check and are skipped (see "
                 f"{self.output_dir / FAILURES_CSV}):\n" + "\n".join(f"  {line}" for line in lines)
             )
-            for case, _, p in bad:
+            for case, p in bad:
                 self.failures.append(CaseFailure(case, self.inputs[case], "check", "; ".join(p)))
                 self._tick()
-        failed = {case for case, _, _ in bad}
+        failed = {case for case, _ in bad}
         return [dict(item, case_id=case) for case, item in mine if case not in failed]
 
     # -- running them ------------------------------------------------------------------------------------------------
@@ -424,20 +424,20 @@ class CaseRun:
             self._discard_staged()
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
-            if len(ids) > 1 and not self.fail_fast:
-                output = values = None  # redone case by case below, outside this handler's context
-            else:
+            if len(ids) == 1 or self.fail_fast:
                 case = ids[0] if ids else "?"
                 failure = CaseFailure(case, self.inputs.get(case, ""), _stage_of_write(exc, "model"), _reason(exc))
                 if self.fail_fast:
                     raise CaseFailedError(failure.line()) from exc
                 self.fail(failure)
                 return None
-        if values is None:  # only the culprit fails
-            for single in decollate_batch(batch, detach=False):
-                output = self._run_batch(process, engine, list_data_collate([single])) or output
+        else:
+            self._commit(ids, values)
             return output
-        self._commit(ids, values)
+        # several cases: redone one by one (outside the handler's context), so only the culprit fails
+        output = None
+        for single in decollate_batch(batch, detach=False):
+            output = self._run_batch(process, engine, list_data_collate([single])) or output
         return output
 
     def _discard_staged(self) -> None:
@@ -531,6 +531,9 @@ class CaseRun:
         else:
             status = EXIT_SOME_FAILED if failures else EXIT_ALL_WRITTEN
         summary = {"written": written, "skipped": self.skipped, "failed": len(failures), "status": status}
+        staging = self.output_dir / STAGING_DIR
+        if self.rank == 0 and staging.is_dir() and not any(staging.iterdir()):
+            staging.rmdir()
         if self.rank == 0:
             csv_path = self._write_failures(failures)
             if self.merge is not None:
@@ -542,10 +545,7 @@ class CaseRun:
         return summary
 
     def _write_failures(self, failures: list[CaseFailure]) -> Path:
-        """``failures.csv`` of ``failures`` (removed when there is none); the staging folder goes."""
-        staging = self.output_dir / STAGING_DIR
-        if staging.is_dir() and not any(staging.iterdir()):
-            staging.rmdir()
+        """``failures.csv`` of ``failures`` (removed when there is none)."""
         path = self.output_dir / FAILURES_CSV
         if not failures:
             path.unlink(missing_ok=True)

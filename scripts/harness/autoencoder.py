@@ -23,6 +23,9 @@ excluded). Results are printed as a Markdown table and written as JSON.
 from __future__ import annotations
 
 import json
+import re
+import subprocess
+import tempfile
 from pathlib import Path
 
 import torch
@@ -344,9 +347,6 @@ def fault_case(root: Path, seed: int) -> BundleCase:
 
 def _inference_rate(plan, prediction_dir: Path) -> dict:
     """Run an inference ``plan``; its logged throughput (cases, seconds, cases/s) and the outputs it wrote."""
-    import re
-    import subprocess
-
     print("$ " + plan.shell(), flush=True)
     result = subprocess.run(plan.argv, cwd=plan.cwd, env=plan.environ(), capture_output=True, text=True)
     found = re.search(r"(\d+) case\(s\) in ([\d.]+) s on (\d+) process\(es\): ([\d.]+) case/s", result.stdout)
@@ -376,9 +376,6 @@ def inference(
         ``multi_gpu_inference.json``) at ``threads`` intra-op threads per process. ``device`` ``cpu`` hides the GPUs;
         ``cuda`` gives each process its GPU (as many processes as GPUs at most). Each count runs ``repeats`` times,
     alternating with the others, and its best run is reported. Every run must write every case."""
-    import subprocess
-    import tempfile
-
     import nibabel as nib
     import numpy as np
 
