@@ -158,8 +158,8 @@ def test_load_network_weights_mismatch_names_the_network(tmp_path):
 
 
 # ---------------------------------------------------------------------------------------------- best-k saver
-def _evaluator(value: float, step: int) -> SimpleNamespace:
-    return SimpleNamespace(state=SimpleNamespace(metrics={"val_psnr": value}, epoch=step), global_step=step * 10)
+def _evaluator(value: float, step: int, name: str = "val_psnr") -> SimpleNamespace:
+    return SimpleNamespace(state=SimpleNamespace(metrics={name: value}, epoch=step), global_step=step * 10)
 
 
 def _marked_network(net: nn.Module, value: float) -> None:
@@ -174,7 +174,7 @@ def _ranked_files(folder: Path) -> list[str]:
 
 def test_best_checkpoint_saver_keeps_top_k_max(tmp_path):
     net = nn.Linear(2, 1)
-    saver = BestCheckpointSaver(tmp_path, net, "val_psnr", n_saved=2, mode="max")
+    saver = BestCheckpointSaver(tmp_path, net, "val_psnr", n_saved=2)
     for step, value in enumerate([1.0, 3.0, 2.0, 0.5, 4.0], start=1):
         _marked_network(net, value)
         saver(_evaluator(value, step))
@@ -186,7 +186,7 @@ def test_best_checkpoint_saver_keeps_top_k_max(tmp_path):
     assert sorted(os.listdir(tmp_path)) == ["model.pt", *_ranked_files(tmp_path)]  # no temporary files
 
     # a new saver on the same folder (a resumed run) continues the ranking
-    resumed = BestCheckpointSaver(tmp_path, net, "val_psnr", n_saved=2, mode="max")
+    resumed = BestCheckpointSaver(tmp_path, net, "val_psnr", n_saved=2)
     _marked_network(net, 3.5)
     resumed(_evaluator(3.5, 6))
     assert _ranked_files(tmp_path) == ["model_val_psnr=3.5_step=60.pt", "model_val_psnr=4_step=50.pt"]
@@ -200,13 +200,14 @@ def test_best_checkpoint_saver_keeps_top_k_max(tmp_path):
     assert torch.all(load_checkpoint(tmp_path / "model.pt")["weight"] == 5.0)
 
 
-def test_best_checkpoint_saver_mode_min(tmp_path):
+def test_best_checkpoint_saver_lower_is_better(tmp_path):
+    """A loss ranks lowest first: the mode comes from the metric's name (common.metrics.key_metric)."""
     net = nn.Linear(2, 1)
-    saver = BestCheckpointSaver(tmp_path, net, "val_psnr", n_saved=2, mode="min", filename="best.pt")
+    saver = BestCheckpointSaver(tmp_path, net, "val_loss", n_saved=2, filename="best.pt")
     for step, value in enumerate([1.0, 3.0, 2.0, 0.5, 4.0], start=1):
         _marked_network(net, value)
-        saver(_evaluator(value, step))
-    assert _ranked_files(tmp_path) == ["model_val_psnr=0.5_step=40.pt", "model_val_psnr=1_step=10.pt"]
+        saver(_evaluator(value, step, "val_loss"))
+    assert _ranked_files(tmp_path) == ["model_val_loss=0.5_step=40.pt", "model_val_loss=1_step=10.pt"]
     assert torch.all(load_checkpoint(tmp_path / "best.pt")["weight"] == 0.5)
 
 
@@ -255,8 +256,8 @@ def test_best_checkpoint_saver_ignores_other_metrics_and_nan(tmp_path, caplog):
     assert _ranked_files(tmp_path) == ["model_val_psnr=20_step=10.pt", other.name]
     with pytest.raises(KeyError, match="val_dice"):
         BestCheckpointSaver(tmp_path, net, "val_dice")(_evaluator(1.0, 3))
-    with pytest.raises(ValueError, match="'best'"):
-        BestCheckpointSaver(tmp_path, net, "val_psnr", mode="best")
+    with pytest.raises(TypeError, match="mode"):  # which way a metric improves is not a choice of the handler
+        BestCheckpointSaver(tmp_path, net, "val_psnr", mode="min")
 
 
 def test_best_checkpoint_saver_writes_on_rank_0_only(tmp_path, monkeypatch):

@@ -225,7 +225,7 @@ def _evaluator(metrics: dict, step: int, epoch: int = 1) -> SimpleNamespace:
 
 def test_metrics_recorder_json_csv_and_best_max(tmp_path):
     writer = FakeWriter()
-    recorder = MetricsRecorder(tmp_path, summary_writer=writer, key_metric="val_psnr", mode="max", tag_prefix="val/")
+    recorder = MetricsRecorder(tmp_path, summary_writer=writer, key_metric="val_psnr", tag_prefix="val/")
     for step, psnr in [(10, 20.0), (20, 25.0), (30, 22.0)]:
         recorder(_evaluator({"val_psnr": psnr, "val_ssim": torch.tensor(psnr / 100), "note": "text"}, step))
     summary = json.loads((tmp_path / "metrics.json").read_text())
@@ -240,7 +240,7 @@ def test_metrics_recorder_json_csv_and_best_max(tmp_path):
     assert ("val/val_psnr", 22.0, 30) in writer.scalars
 
     # a new recorder (resumed run) continues the history and keeps the best
-    resumed = MetricsRecorder(tmp_path, key_metric="val_psnr", mode="max")
+    resumed = MetricsRecorder(tmp_path, key_metric="val_psnr")
     resumed(_evaluator({"val_psnr": 24.0}, 40))
     summary = json.loads((tmp_path / "metrics.json").read_text())
     assert [h["step"] for h in summary["history"]] == [10, 20, 30, 40]
@@ -250,7 +250,7 @@ def test_metrics_recorder_json_csv_and_best_max(tmp_path):
 
 
 def test_metrics_recorder_best_min_and_nan(tmp_path):
-    recorder = MetricsRecorder(tmp_path, key_metric="val_loss", mode="min")
+    recorder = MetricsRecorder(tmp_path, key_metric="val_loss")
     for step, value in [(1, 0.5), (2, 0.2), (3, float("nan")), (4, 0.3)]:
         recorder(_evaluator({"val_loss": value}, step))
     summary = json.loads((tmp_path / "metrics.json").read_text())

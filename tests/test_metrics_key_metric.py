@@ -32,14 +32,30 @@ def test_higher_is_better(name: str) -> None:
 
 
 def test_every_bundle_reads_the_rule_from_one_place() -> None:
-    """No bundle config writes its own min/max rule: each one that chooses a mode calls the shared function."""
-    users = []
+    """No bundle config states a min/max rule or a mode: the handlers derive it from ``key_metric``, and every
+    evaluator ranking by a key metric takes its ``metric_cmp_fn`` from the shared function."""
+    import json
+
+    def nodes(value):
+        if isinstance(value, dict):
+            yield value
+            for v in value.values():
+                yield from nodes(v)
+        elif isinstance(value, list):
+            for v in value:
+                yield from nodes(v)
+
     for config in sorted(REPO.glob("bundles/*/configs/*.json")):
         text = config.read_text()
         assert "endswith('loss')" not in text and "lambda current, prev" not in text, config
-        if "key_metric_mode" in text or "metric_cmp_fn" in text:
-            users.append(config.parent.parent.name)
-    assert {"fast_ddpm_3d", "mace_survival", "xray2ct_cascade"} <= set(users)
+        assert "key_metric_mode" not in text and "metric_name" not in text, config
+        for node in nodes(json.loads(text)):
+            target = str(node.get("_target_", ""))
+            if target.endswith(("MetricsRecorder", "BestCheckpointSaver")):
+                assert "mode" not in node, f"{config}: {target} derives its mode from key_metric"
+            if "key_val_metric" in node and target:
+                cmp_fn = node.get("metric_cmp_fn", {})
+                assert cmp_fn.get("_target_") == "common.metrics.key_metric.metric_cmp_fn", f"{config}: {target}"
 
 
 def test_the_key_metric_and_the_others_partition_the_validation_metrics() -> None:

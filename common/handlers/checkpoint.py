@@ -22,6 +22,7 @@ from ignite.engine import Engine, Events
 
 from common.checkpoint_io import CheckpointError, load_checkpoint, mismatch_error, save_checkpoint, save_weights
 from common.engines.trainer import NonFiniteLossError
+from common.metrics.key_metric import key_metric_mode
 from common.networks.wrappers import clean_state_dict, unwrap
 from common.runs import RunRecord
 from common.utils import (
@@ -309,9 +310,9 @@ class BestCheckpointSaver:
     Args:
         save_dir: destination folder.
         network: the network to save (unwrapped automatically).
-        metric_name: key in ``engine.state.metrics``.
+        key_metric: the ranking metric, a key in ``engine.state.metrics``; which way it improves follows
+            :func:`common.metrics.key_metric.key_metric_mode`.
         n_saved: how many ranked checkpoints to keep.
-        mode: ``max`` (higher is better) or ``min``.
         filename: file holding the single best model.
         global_step_transform: gives the step recorded in the file name (e.g. the trainer's iteration).
     """
@@ -322,19 +323,16 @@ class BestCheckpointSaver:
         self,
         save_dir: str | os.PathLike,
         network: torch.nn.Module,
-        metric_name: str,
+        key_metric: str,
         n_saved: int = 3,
-        mode: str = "max",
         filename: str = "model.pt",
         global_step_transform: Callable[[Engine], int] | None = None,
     ) -> None:
-        if mode not in ("max", "min"):
-            raise ValueError(f"mode must be 'max' or 'min', got {mode!r}.")
         self.save_dir = Path(save_dir)
         self.network = network
-        self.metric_name = metric_name
+        self.key_metric = key_metric
         self.n_saved = int(n_saved)
-        self.mode = mode
+        self.mode = key_metric_mode(key_metric)
         self.filename = filename
         self.global_step_transform = global_step_transform or (
             lambda engine: getattr(engine, "global_step", engine.state.epoch)
@@ -348,7 +346,7 @@ class BestCheckpointSaver:
         if self.save_dir.is_dir():
             for path in self.save_dir.iterdir():
                 m = self._pattern.match(path.name)
-                if m and m.group("metric") == self.metric_name:
+                if m and m.group("metric") == self.key_metric:
                     found.append((float(m.group("value")), path))
         return found
 
@@ -356,23 +354,23 @@ class BestCheckpointSaver:
         return a > b if self.mode == "max" else a < b
 
     def __call__(self, engine: Engine) -> None:
-        if self.metric_name not in engine.state.metrics:
-            raise KeyError(f"metric {self.metric_name!r} not in {sorted(engine.state.metrics)}; check key_metric.")
+        if self.key_metric not in engine.state.metrics:
+            raise KeyError(f"metric {self.key_metric!r} not in {sorted(engine.state.metrics)}; check key_metric.")
         if not is_rank0():
             return
-        value = float(engine.state.metrics[self.metric_name])
+        value = float(engine.state.metrics[self.key_metric])
         if math.isnan(value):
-            logger.warning(f"{self.metric_name} is NaN: no best checkpoint written.")
+            logger.warning(f"{self.key_metric} is NaN: no best checkpoint written.")
             return
         ranked = sorted(self._existing(), key=lambda t: t[0], reverse=self.mode == "max")
         if len(ranked) >= self.n_saved and not self._better(value, ranked[self.n_saved - 1][0]):
             return
         state = clean_state_dict(unwrap(self.network).state_dict())
         step = int(self.global_step_transform(engine))
-        path = save_weights(state, self.save_dir / f"model_{self.metric_name}={_exact(value)}_step={step}.pt")
+        path = save_weights(state, self.save_dir / f"model_{self.key_metric}={_exact(value)}_step={step}.pt")
         if not ranked or self._better(value, ranked[0][0]):
             save_weights(state, self.save_dir / self.filename)
-            logger.info(f"new best {self.metric_name}={value:.6g} at step {step}: {self.save_dir / self.filename}")
+            logger.info(f"new best {self.key_metric}={value:.6g} at step {step}: {self.save_dir / self.filename}")
         # the same value at the same step (a resumed run validating again) rewrites an existing file: count it once
         ranked = [(v, p) for v, p in ranked if p != path]
         ranked = sorted([*ranked, (value, path)], key=lambda t: t[0], reverse=self.mode == "max")

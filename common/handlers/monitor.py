@@ -28,6 +28,7 @@ from ignite.engine import Engine, Events
 from ignite.handlers import ProgressBar as _IgniteProgressBar
 from monai.handlers import ValidationHandler
 
+from common.metrics.key_metric import key_metric_mode
 from common.utils import get_rank, get_world_size, rng_state, set_rng_state, write_text_atomic
 
 if TYPE_CHECKING:
@@ -248,8 +249,8 @@ class MetricsRecorder:
         output_dir: folder of ``metrics.json``/``metrics.csv`` (rank 0 writes; ``None`` disables files).
         summary_writer: TensorBoard writer or ``None``.
         global_step_transform: step of a validation (e.g. ``lambda e: trainer.state.iteration``).
-        key_metric: metric whose best value is tracked.
-        mode: ``max`` or ``min`` for ``key_metric``.
+        key_metric: metric whose best value is tracked; which way it improves follows
+            :func:`common.metrics.key_metric.key_metric_mode`.
         tag_prefix: prefix of TensorBoard/CSV tags.
         json_name: file name of the JSON summary.
         per_volume: also write ``metrics_per_volume.csv`` (one row per volume, from the metric handlers'
@@ -262,7 +263,6 @@ class MetricsRecorder:
         summary_writer: Any = None,
         global_step_transform: Callable[[Engine], int] | None = None,
         key_metric: str | None = None,
-        mode: str = "max",
         tag_prefix: str = "",
         json_name: str = "metrics.json",
         per_volume: bool = False,
@@ -271,7 +271,7 @@ class MetricsRecorder:
         self.writer = summary_writer
         self.global_step_transform = global_step_transform or global_step
         self.key_metric = key_metric
-        self.mode = mode
+        self.mode = key_metric_mode(key_metric) if key_metric is not None else "max"
         self.tag_prefix = tag_prefix
         self.json_name = json_name
         self.per_volume = per_volume
