@@ -7,39 +7,81 @@ from __future__ import annotations
 
 import difflib
 import importlib
+import os
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from common.errors import MissingInputError, SettingsError, UserError, install_user_error_hook
+from common.errors import BundleNotFoundError, MissingInputError, SettingsError, UserError, install_user_error_hook
 from common.runs import RUN_ARGUMENTS, command_line, config_file_list
 
 __all__ = [
+    "BUNDLES_DIR",
+    "ROOT",
+    "bundle_names",
     "bundle_root",
     "check_command_line",
     "check_run",
     "check_settings",
     "demo_generator",
     "find_checkpoint",
+    "is_bundle",
     "make_demo_data",
+    "resolve_bundle",
 ]
 
 
-def bundle_root(name: str) -> str:
-    """The folder of bundle ``name``.
+ROOT = Path(__file__).resolve().parent.parent
+"""The folder holding ``common/``: the repository, or a packaged bundle's folder (``common/`` beside ``configs/``)."""
+BUNDLES_DIR = ROOT / "bundles"
+"""The repository's bundles, one folder each (absent in a packaged bundle)."""
+METADATA = Path("configs") / "metadata.json"
 
-    In the repository, ``common/`` sits beside ``bundles/`` and the bundle is ``bundles/<name>``; in a packaged
-    bundle, ``common/`` is copied into the bundle folder itself (beside ``configs/``).
+
+def is_bundle(folder: str | os.PathLike) -> bool:
+    """Whether ``folder`` is a bundle folder: it holds ``configs/metadata.json``."""
+    return (Path(folder) / METADATA).is_file()
+
+
+def bundle_names(bundles_dir: str | os.PathLike | None = None) -> list[str]:
+    """The names of the bundle folders directly under ``bundles_dir``, sorted.
+
+    Args:
+        bundles_dir: the folder holding one sub-folder per bundle; default: :data:`BUNDLES_DIR`.
+    """
+    root = Path(bundles_dir) if bundles_dir is not None else BUNDLES_DIR
+    return sorted(p.parent.parent.name for p in root.glob(f"*/{METADATA.as_posix()}") if p.is_file())
+
+
+def resolve_bundle(target: str | os.PathLike, bundles_dir: str | os.PathLike | None = None) -> Path:
+    """The folder of the bundle meant by ``target``, absolute: a bundle name under ``bundles_dir``, the path of a
+    bundle folder, or, inside a packaged bundle (``common/`` copied beside ``configs/``), that bundle's own name.
+
+    Args:
+        target: a bundle name (``autoencoder_3d``) or a folder path (``/tmp/copy/autoencoder_3d``).
+        bundles_dir: where names are looked up; default: :data:`BUNDLES_DIR`.
 
     Raises:
-        FileNotFoundError: when neither layout is found.
+        BundleNotFoundError: naming ``target`` and the bundles there are.
     """
-    parent = Path(__file__).resolve().parent.parent
-    candidates = [parent / "bundles" / name, parent]
+    root = Path(bundles_dir) if bundles_dir is not None else BUNDLES_DIR
+    name = str(target)
+    candidates = [root / name, Path(name).expanduser()]
+    if bundles_dir is None and is_bundle(ROOT):
+        candidates.append(ROOT)  # a packaged bundle: the folder holding common/ is the bundle
     for candidate in candidates:
-        if (candidate / "configs" / "metadata.json").is_file():
-            return str(candidate)
-    raise FileNotFoundError(f"bundle {name!r} not found; looked in {[str(c) for c in candidates]}.")
+        if is_bundle(candidate):
+            return candidate.resolve()
+    names = bundle_names(root)
+    raise BundleNotFoundError(
+        f"unknown bundle {name!r}: neither a bundle in {str(root)!r} nor a folder with {METADATA.as_posix()}; "
+        f"available: {', '.join(names) or '(none)'}."
+    )
+
+
+def bundle_root(name: str) -> str:
+    """The folder of bundle ``name`` (:func:`resolve_bundle`), as a config's ``bundle_root`` reads it."""
+    return str(resolve_bundle(name))
 
 
 def demo_generator(path: str) -> Callable[..., Any]:

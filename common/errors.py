@@ -73,3 +73,8 @@ def install_user_error_hook() -> None:
 
 class MissingInputError(FileNotFoundError, UserError):
     """A file or folder the command needs is not there (no input volumes, no trained weights)."""
+
+
+class BundleNotFoundError(MissingInputError):
+    """A bundle named or given by path that is not there (no ``configs/metadata.json``); the message lists the
+    bundles that are."""

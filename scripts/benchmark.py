@@ -31,12 +31,7 @@ Each command is a function of the bundle's module in ``scripts/harness`` (the ta
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 if __name__ == "__main__":
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a file: the repository root is the path
-
     import fire
 
     from scripts.harness.bundles import benchmarks

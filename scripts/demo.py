@@ -33,8 +33,6 @@ from pathlib import Path
 from typing import Any
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-if str(REPO_ROOT) not in sys.path:
-    sys.path.insert(0, str(REPO_ROOT))
 
 # Brief-run settings per device: the CPU profile finishes in a few minutes on 2 cores; the GPU one uses the
 # bundle's full-size network and patches.

@@ -16,13 +16,10 @@ from __future__ import annotations
 
 import logging
 import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from monai.apps.utils import HashCheckError
 
-from monai.apps.utils import HashCheckError  # noqa: E402
-
-from common.bundle_tools.package import LargeFileError, UnsafeArchiveError, download_bundle  # noqa: E402
+from common.bundle_tools.package import LargeFileError, UnsafeArchiveError, download_bundle
 
 __all__ = ["main"]
 

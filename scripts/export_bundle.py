@@ -22,21 +22,18 @@ from __future__ import annotations
 
 import logging
 import sys
-from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from common.bundle_tools.export import (  # noqa: E402
+from common.bundle import bundle_names
+from common.bundle_tools.export import (
     EXPORT_FORMATS,
     ExportError,
-    bundle_names,
     default_input_shape,
     export_all,
     format_results,
     run_export,
 )
-from common.checkpoint_io import CheckpointError  # noqa: E402
+from common.checkpoint_io import CheckpointError
 
 __all__ = ["all_formats", "bundles", "main", "onnx", "shape", "torchscript"]
 

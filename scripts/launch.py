@@ -27,9 +27,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from common.bundle_tools.launch import LaunchError, build_plan, run_plan  # noqa: E402
+from common.bundle_tools.launch import LaunchError, build_plan, run_plan
+from common.errors import UserError
 
 __all__ = ["main"]
 
@@ -94,7 +93,7 @@ def main(
             log_dir=log_dir,
             job=job,
         )
-    except LaunchError as e:
+    except UserError as e:  # a LaunchError, or an unknown bundle
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
     for note in plan.notes:

@@ -18,9 +18,7 @@ import random
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from common.data.datalist import (  # noqa: E402
+from common.data.datalist import (
     BRATS_MODALITIES,
     find_brats_cases,
     find_volumes,

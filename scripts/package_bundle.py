@@ -18,9 +18,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from common.bundle_tools.package import default_checkpoint, file_hash, hf_layout_dir, package_bundle  # noqa: E402
+from common.bundle_tools.package import default_checkpoint, file_hash, hf_layout_dir, package_bundle
 
 __all__ = ["main"]
 

@@ -4,5 +4,4 @@
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 bash scripts/setup_env.sh
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 exec "${PYTHON:-python3}" scripts/demo.py "$@"

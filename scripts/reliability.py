@@ -12,12 +12,7 @@ input, and a long run's memory (the harness: ``scripts/harness/faults.py``; each
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 if __name__ == "__main__":
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a file: the repository root is the path
-
     import fire
 
     from scripts.harness.faults import faults, fuzz, report, soak

@@ -14,15 +14,10 @@ with status 1 when any problem was found. Example::
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from common.bundle_tools.verify import verify_bundles  # noqa: E402
+from common.bundle_tools.verify import verify_bundles
 
 __all__ = ["main"]
-
-DEFAULT_BUNDLES_DIR = Path(__file__).resolve().parents[1] / "bundles"
 
 
 def main(*names: str, bundles_dir: str | None = None, quick: bool = False, device: str = "cpu", n: int = 4) -> None:
@@ -35,9 +30,7 @@ def main(*names: str, bundles_dir: str | None = None, quick: bool = False, devic
         device: device for building and running the networks.
         n: value of ``n`` in the metadata spatial shapes of the test input (``"4*n"`` gives 16 with 4).
     """
-    lines, status = verify_bundles(
-        [str(name) for name in names], bundles_dir or DEFAULT_BUNDLES_DIR, quick=bool(quick), device=device, n=n
-    )
+    lines, status = verify_bundles([str(name) for name in names], bundles_dir, quick=bool(quick), device=device, n=n)
     print("\n".join(lines), flush=True)
     sys.exit(status)
 

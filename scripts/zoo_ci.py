@@ -29,22 +29,19 @@ import tempfile
 import zipfile
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from common.bundle import ROOT
 
 __all__ = ["CHECKS", "main", "run_checks"]
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
-SCHEMA = REPO_ROOT / "tests" / "data" / "meta_schema_20240725.json"
+SCHEMA = ROOT / "tests" / "data" / "meta_schema_20240725.json"
 CHECKS = ("directory", "version", "metadata", "properties", "data_shape", "torchscript", "ckpt_export (trace)")
 _EXCLUSION_LISTS = {"data_shape": "exclude_verify_shape_list", "torchscript": "exclude_verify_torchscript_list"}
 _DECLARED = {"data_shape": "verify_data_shape", "torchscript": "verify_torchscript"}
 _DRIVER = """
 import os, sys
-sys.path.insert(0, "ci")
-import verify_bundle as vb
+import verify_bundle as vb  # ci/ and the bundle folder are on PYTHONPATH, as the zoo's CI runs it
 bundle, models, check = sys.argv[1:4]
 path = os.path.join(models, bundle)
-sys.path.insert(0, path)
 net_id = vb._get_net_id(bundle)
 config_file = os.path.join("configs", vb._find_bundle_file(os.path.join(path, "configs"), "inference"))
 if check == "directory":
@@ -127,7 +124,8 @@ def run_checks(
                 ok, detail = _trace_export(models / bundle)
             else:
                 cmd = [sys.executable, "-c", _DRIVER, bundle, str(models), check]
-                result = subprocess.run(cmd, cwd=work, capture_output=True, text=True, env=_env(), timeout=1200)
+                env = {**_env(), "PYTHONPATH": os.pathsep.join([str(work / "ci"), str(models / bundle)])}
+                result = subprocess.run(cmd, cwd=work, capture_output=True, text=True, env=env, timeout=1200)
                 ok, detail = result.returncode == 0, _last_error(result.stdout + result.stderr)
             status, detail = ("passed", "") if ok else ("failed", detail)
             if _DECLARED.get(check) in declared:

@@ -1,19 +1,16 @@
 # Copyright (c) the 3D MONAI bundle collection contributors.
 # Licensed under the Apache License, Version 2.0.
-"""Shared pytest setup: one thread per process (or `OMP_NUM_THREADS`), repository root importable."""
+"""Shared pytest setup: one thread per process (or `OMP_NUM_THREADS`)."""
 
 from __future__ import annotations
 
 import os
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-if str(REPO_ROOT) not in sys.path:
-    sys.path.insert(0, str(REPO_ROOT))
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")  # one thread per process unless the suite is started with more
 torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))

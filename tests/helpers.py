@@ -19,8 +19,9 @@ import numpy as np
 import torch
 from monai.networks.nets import AutoencoderKL, PatchDiscriminator
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
-BUNDLES = REPO_ROOT / "bundles"
+from common.bundle import BUNDLES_DIR as BUNDLES
+from common.bundle import ROOT as REPO_ROOT
+
 SCHEMA = REPO_ROOT / "tests" / "data" / "meta_schema_20240725.json"
 
 
@@ -58,6 +59,23 @@ def bundle_env(**extra: str) -> dict[str, str]:
     env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
     env.update({"OMP_NUM_THREADS": suite_threads(), "MKL_NUM_THREADS": suite_threads(), "PYTHONWARNINGS": "ignore"})
     env.update(extra)
+    return env
+
+
+STANDALONE_PYTHON = (sys.executable, "-S")
+"""The interpreter of a standalone run: without ``site``, so no ``.pth`` file (the editable install of this
+repository included) makes ``common`` importable; :func:`standalone_env` puts the installed packages back."""
+
+
+def standalone_env() -> dict[str, str]:
+    """Environment of a :data:`STANDALONE_PYTHON` subprocess: the installed packages (site-packages, without their
+    ``.pth`` files) importable, nothing of this repository, one thread."""
+    import site
+
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONSAFEPATH")}
+    installed = [*site.getsitepackages(), site.getusersitepackages()]
+    env.update(PYTHONPATH=os.pathsep.join(installed), OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
+    env.update(PYTHONWARNINGS="ignore")
     return env
 
 
@@ -166,7 +184,7 @@ def model_zoo_checks(
     extra_configs: Sequence[str] = (),
     overrides: dict | None = None,
     shape: Sequence[int] | None = None,
-    env: dict[str, str] | None = None,
+    standalone: bool = False,
     net_id: str = "network_def",
 ) -> list[str]:
     """Run the checks of the MONAI model zoo's CI (``ci/verify_bundle.py``) on ``bundle_dir`` in a subprocess:
@@ -175,12 +193,14 @@ def model_zoo_checks(
     ``check_properties()``; with ``shape``, ``verify_net_in_out`` on ``net_id`` (the zoo's ``network_def``; the zoo
     excludes generative bundles from this check, which name their documented entry point instead) and
     ``ckpt_export`` by tracing of the bundle's ``models/model.pt`` into ``net_id``. Returns the lines it printed (one
-    per passed check).
+    per passed check). ``standalone``: with :data:`STANDALONE_PYTHON` (nothing of this repository importable).
     """
     overrides = {"device": "cpu", **(overrides or {})}
     args = [json.dumps(list(kinds)), json.dumps(list(extra_configs)), json.dumps(overrides), json.dumps(shape)]
-    cmd = [sys.executable, "-c", _ZOO_CHECKS, str(bundle_dir), *args, str(SCHEMA), net_id]
-    result = subprocess.run(cmd, cwd=bundle_dir, env=env or bundle_env(), capture_output=True, text=True, timeout=600)
+    python = STANDALONE_PYTHON if standalone else (sys.executable,)
+    cmd = [*python, "-c", _ZOO_CHECKS, str(bundle_dir), *args, str(SCHEMA), net_id]
+    env = standalone_env() if standalone else bundle_env()
+    result = subprocess.run(cmd, cwd=bundle_dir, env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, f"{bundle_dir}: {result.stdout[-3000:]}\n{result.stderr[-5000:]}"
     return [line for line in result.stdout.splitlines() if line.endswith(" verified")]
 

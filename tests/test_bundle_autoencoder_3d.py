@@ -20,6 +20,7 @@ from tests.helpers import (
     BUNDLES,
     REPO_ROOT,
     SCHEMA,
+    STANDALONE_PYTHON,
     bundle_env,
     bundle_parser,
     check_json_training_dataset,
@@ -32,6 +33,7 @@ from tests.helpers import (
     same_tensor,
     seed_args,
     shifted_seed,
+    standalone_env,
     torchrun_cmd,
     undocumented_host_syncs,
 )
@@ -610,7 +612,6 @@ def test_packaged_run_carries_its_settings(trained, phantoms, tmp_path):
     """The zip of a run's weights carries the run's settings in its ``train.json`` (locations left out) and its
     ``run.json``, also when the weights file was copied out of the run folder (the file carries the record);
     unzipped elsewhere, its inference runs with no network override."""
-    import os
     import shutil
     import zipfile
 
@@ -637,9 +638,8 @@ def test_packaged_run_carries_its_settings(trained, phantoms, tmp_path):
         assert train[key] == (train_defaults[key] if key in LOCATION_IDS else value), key
     assert train["dataset_dir"] == train_defaults["dataset_dir"]  # where this run's data was is not shipped
     bundle = tmp_path / "anywhere" / BUNDLE
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONSAFEPATH")}
-    env.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
-    cmd = [sys.executable, "-m", "monai.bundle", "run", "--config_file", "configs/inference.json"]
+    env = standalone_env()
+    cmd = [*STANDALONE_PYTHON, "-m", "monai.bundle", "run", "--config_file", "configs/inference.json"]
     cmd += ["--dataset_dir", str(phantoms / "images"), "--device", "cpu"]
     result = subprocess.run(cmd, cwd=bundle, env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]

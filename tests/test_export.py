@@ -16,9 +16,9 @@ import pytest
 import torch
 from torch import nn
 
+from common.bundle import bundle_names
 from common.bundle_tools.export import (
     ExportError,
-    bundle_names,
     compare_outputs,
     default_input_shape,
     export_module_onnx,

@@ -5,6 +5,7 @@ bundle's benchmarks and fault-test job, and the command lines are thin."""
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -58,9 +59,20 @@ def test_make_case_goes_through_the_table(tmp_path: Path) -> None:
     assert not (tmp_path / "x").exists()
 
 
-def test_harness_does_not_edit_sys_path() -> None:
-    offenders = [p.name for p in (REPO / "scripts" / "harness").glob("*.py") if "sys.path" in p.read_text()]
+def test_no_code_edits_the_import_path() -> None:
+    """One mechanism makes ``common`` and ``scripts`` importable: the editable install of ``scripts/setup_env.sh``
+    (pytest reads ``pythonpath`` from pyproject.toml for ``tests.helpers``). No module edits ``sys.path`` and no
+    shell script exports ``PYTHONPATH``."""
+    edit = re.compile(r"sys\.path\.(insert|append|extend)\(|sys\.path\s*\+?=")
+    offenders = [
+        str(p.relative_to(REPO))
+        for folder in ("common", "scripts", "tests")
+        for p in (REPO / folder).rglob("*.py")
+        if edit.search(p.read_text())
+    ]
+    offenders += [str(p.relative_to(REPO)) for p in (REPO / "scripts").glob("*.sh") if "PYTHONPATH" in p.read_text()]
     assert not offenders
+    assert "--editable ." in (REPO / "scripts" / "setup_env.sh").read_text()
 
 
 @pytest.mark.parametrize("script", ["benchmark.py", "reliability.py"])

@@ -19,15 +19,21 @@ import fire
 import pytest
 import yaml
 
+from common.bundle import BUNDLES_DIR, bundle_names
 from common.bundle_tools import launch
-from common.bundle_tools.launch import LaunchError, LaunchPlan, available_bundles, build_plan, format_overrides
+from common.bundle_tools.launch import LaunchError, LaunchPlan, build_plan, format_overrides
+from common.errors import UserError
 from tests.helpers import REPO_ROOT, bundle_env
 
 SCRIPT = REPO_ROOT / "scripts" / "launch.py"
 SBATCH = REPO_ROOT / "scripts" / "slurm" / "train.sbatch"
 K8S = REPO_ROOT / "scripts" / "k8s"
 EXAMPLE = "autoencoder_3d"
-ALL_BUNDLES = available_bundles()
+ALL_BUNDLES = bundle_names()
+UNKNOWN = (
+    f"unknown bundle 'nope': neither a bundle in {str(BUNDLES_DIR)!r} nor a folder with configs/metadata.json; "
+    f"available: {', '.join(ALL_BUNDLES)}."
+)
 PY = sys.executable
 STORE = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1"
 
@@ -250,7 +256,7 @@ def test_overrides_survive_the_bundle_command_line():
 @pytest.mark.parametrize(
     "kwargs, message",
     [
-        ({"bundle": "nope"}, "unknown bundle 'nope'; available in bundles: " + ", ".join(ALL_BUNDLES)),
+        ({"bundle": "nope"}, UNKNOWN),
         ({"nnodes": 0}, "nnodes must be an integer >= 1, got 0"),
         ({"nnodes": 2, "node_rank": 2, "rdzv_endpoint": "h:1"}, "node_rank must be in [0, nnodes=2), got 2"),
         ({"node_rank": -1}, "node_rank must be in [0, nnodes=1), got -1"),
@@ -270,7 +276,7 @@ def test_overrides_survive_the_bundle_command_line():
 )
 def test_invalid_launches_are_refused(kwargs, message):
     kwargs = {"bundle": EXAMPLE, "env": {}, **kwargs}
-    with pytest.raises(LaunchError) as info:
+    with pytest.raises(UserError) as info:  # a LaunchError, or the unknown bundle's BundleNotFoundError
         build_plan(**kwargs)
     assert message in str(info.value)
 
@@ -278,7 +284,7 @@ def test_invalid_launches_are_refused(kwargs, message):
 def test_cli_error_exit_status():
     result = _cli("nope", "--dry_run", "True")
     assert result.returncode == 2 and result.stdout == ""
-    assert result.stderr.strip() == f"error: unknown bundle 'nope'; available in bundles: {', '.join(ALL_BUNDLES)}."
+    assert result.stderr.strip() == f"error: {UNKNOWN}"
     result = _cli(EXAMPLE, "--overrides", "[1]", "--dry_run", "True")
     assert result.returncode == 2 and "overrides must be a dict" in result.stderr
 

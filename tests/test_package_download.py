@@ -38,7 +38,17 @@ from common.bundle_tools.package import (
 )
 from common.checkpoint_io import CheckpointError, with_record
 from common.runs import LOCATION_IDS, is_plain
-from tests.helpers import BUNDLES, REPO_ROOT, HubHandler, bundle_env, model_zoo_checks, seed_args, shifted_seed
+from tests.helpers import (
+    BUNDLES,
+    REPO_ROOT,
+    STANDALONE_PYTHON,
+    HubHandler,
+    bundle_env,
+    model_zoo_checks,
+    seed_args,
+    shifted_seed,
+    standalone_env,
+)
 
 BUNDLE_NAMES = sorted(p.parent.parent.name for p in BUNDLES.glob("*/configs/metadata.json"))
 ZIP_DATE = (1980, 1, 1, 0, 0, 0)
@@ -151,20 +161,13 @@ def _input_volume(name: str, folder: Path) -> Path:
     return folder
 
 
-def _standalone_env() -> dict[str, str]:
-    """A subprocess environment in which only the installed packages (not this repository) are importable."""
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONSAFEPATH")}
-    env.update({"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"})
-    return env
-
-
 def _run_standalone(bundle: Path, name: str, dataset: Path, *args: str) -> subprocess.CompletedProcess:
     """``python -m monai.bundle run`` of the package's inference.json alone (its train.json carries the settings of
     its weights) from inside the bundle folder (with the shifted seed of :func:`seed_args`)."""
     configs = ["configs/inference.json"]
-    cmd = [sys.executable, "-m", "monai.bundle", "run", "--config_file", json.dumps(configs)]
+    cmd = [*STANDALONE_PYTHON, "-m", "monai.bundle", "run", "--config_file", json.dumps(configs)]
     cmd += ["--dataset_dir", str(dataset), *args, *seed_args(name, [Path(c).name for c in configs], args)]
-    result = subprocess.run(cmd, cwd=bundle, env=_standalone_env(), capture_output=True, text=True, timeout=600)
+    result = subprocess.run(cmd, cwd=bundle, env=standalone_env(), capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, f"{name}: {result.stdout[-3000:]}\n{result.stderr[-5000:]}"
     return result
 
@@ -436,13 +439,13 @@ def test_standalone_inference(name, packages, tmp_path):
     dataset = _input_volume(name, tmp_path / "data")
     probe = subprocess.run(
         [
-            sys.executable,
+            *STANDALONE_PYTHON,
             "-c",
             f"import sys, common, common.bundle; print(common.__file__); print(common.bundle.bundle_root({name!r})); "
             "print(sys.path)",
         ],
         cwd=bundle,
-        env=_standalone_env(),
+        env=standalone_env(),
         capture_output=True,
         text=True,
     )
@@ -643,7 +646,7 @@ def test_model_zoo_checks(name, packages, tmp_path):
     # `network` (the zoo excludes generative bundles from the network_def shape check)
     net_id = "network_def" if name == "mace_survival" else "network"
     overrides = {"dataset_dir": str(dataset)}
-    lines = model_zoo_checks(bundle, ["infer"], [], overrides, shape, _standalone_env(), net_id)
+    lines = model_zoo_checks(bundle, ["infer"], [], overrides, shape, True, net_id)
     assert lines == ["metadata verified", "infer properties verified", "net in out verified", "torchscript verified"]
 
 
@@ -685,7 +688,7 @@ def test_notebook_step_outside_the_bundle(name, packages, tmp_path):
     script = work / "cell.py"
     script.write_text(block + "\n" + _NOTEBOOK_CHECK)
     result = subprocess.run(
-        [sys.executable, str(script)], cwd=work, env=_standalone_env(), capture_output=True, text=True, timeout=600
+        [*STANDALONE_PYTHON, str(script)], cwd=work, env=standalone_env(), capture_output=True, text=True, timeout=600
     )
     assert result.returncode == 0, f"{name}: {result.stdout[-3000:]}\n{result.stderr[-5000:]}"
     assert "loaded" in result.stdout

@@ -15,18 +15,19 @@ from pathlib import Path
 import pytest
 import torch
 
+from common.bundle import bundle_names, resolve_bundle
 from common.bundle_tools.verify import (
     check_large_files,
     check_net_in_out,
-    list_bundles,
     verify_bundle,
     verify_bundles,
 )
+from common.errors import BundleNotFoundError
 from tests.helpers import BUNDLES, REPO_ROOT, bundle_env
 
 SCRIPT = REPO_ROOT / "scripts" / "verify_bundle.py"
 EXAMPLE = "autoencoder_3d"
-ALL_BUNDLES = list_bundles(BUNDLES)
+ALL_BUNDLES = [BUNDLES / name for name in bundle_names()]
 IN = "configs/inference.json + configs/tiny.json"
 
 
@@ -178,16 +179,27 @@ def test_unknown_bundle_name(in_repo_root):
     lines, status = verify_bundles(["no_such_bundle"], BUNDLES, quick=True)
     assert status == 1
     assert lines == [
-        f"no bundle 'no_such_bundle': neither '{BUNDLES / 'no_such_bundle'}' nor 'no_such_bundle' is a folder"
+        f"unknown bundle 'no_such_bundle': neither a bundle in {str(BUNDLES)!r} nor a folder with "
+        f"configs/metadata.json; available: {', '.join(p.name for p in ALL_BUNDLES)}."
     ]
 
 
-def test_list_bundles(tmp_path):
+def test_bundle_names_and_resolve_bundle(tmp_path, monkeypatch):
+    """One way to list and find bundles: folders with configs/metadata.json, by name under a bundles folder or by
+    path (relative to the working directory or absolute); anything else is one error naming what there is."""
     for name in ("b", "a"):
         (tmp_path / name / "configs").mkdir(parents=True)
         (tmp_path / name / "configs" / "metadata.json").write_text("{}")
     (tmp_path / "not_a_bundle").mkdir()
-    assert list_bundles(tmp_path) == [tmp_path / "a", tmp_path / "b"]
+    assert bundle_names(tmp_path) == ["a", "b"]
+    assert resolve_bundle("a", tmp_path) == tmp_path / "a"
+    assert resolve_bundle(tmp_path / "b") == tmp_path / "b"
+    monkeypatch.chdir(tmp_path)
+    assert resolve_bundle("b", tmp_path / "not_a_bundle") == tmp_path / "b"  # a relative path
+    assert resolve_bundle(EXAMPLE) == BUNDLES / EXAMPLE  # a name under the repository's bundles/
+    with pytest.raises(BundleNotFoundError, match=r"unknown bundle 'not_a_bundle': .*; available: a, b\.$") as info:
+        resolve_bundle("not_a_bundle", tmp_path)
+    assert isinstance(info.value, FileNotFoundError) and isinstance(info.value, ValueError)
     lines, status = verify_bundles([], tmp_path / "not_a_bundle")
     assert status == 1 and lines == [f"{tmp_path / 'not_a_bundle'}: no bundles found (no */configs/metadata.json)"]
 

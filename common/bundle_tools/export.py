@@ -41,7 +41,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from common.bundle import bundle_root
+from common.bundle import resolve_bundle
 from common.checkpoint_io import load_network_weights
 from common.runs import run_dir_of
 
@@ -50,7 +50,6 @@ __all__ = [
     "ExportError",
     "ExportResult",
     "build_network",
-    "bundle_names",
     "compare_outputs",
     "default_input_shape",
     "export_all",
@@ -60,13 +59,11 @@ __all__ = [
     "export_torchscript",
     "format_results",
     "random_input",
-    "resolve_bundle",
     "run_export",
 ]
 
 logger = logging.getLogger(__name__)
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
 EXPORT_FORMATS = ("torchscript", "onnx")
 DEFAULT_SIDE = 64
 """Smallest side chosen for a symbolic spatial dimension when the config has no ``patch_size``."""
@@ -129,35 +126,6 @@ class ExportResult:
             f"input {self.input_shape}, max |diff| vs PyTorch {self.max_abs_diff:.3g} "
             f"(output scale {self.output_scale:.3g}), {self.seconds:.1f} s"
         )
-
-
-# ----------------------------------------------------------------------------------------------- bundle access
-def bundle_names(bundles_dir: str | os.PathLike | None = None) -> list[str]:
-    """Names of every bundle folder (``bundles/*/configs/metadata.json``), sorted.
-
-    Args:
-        bundles_dir: the folder holding the bundles; default: ``bundles/`` of this repository.
-    """
-    root = Path(bundles_dir) if bundles_dir is not None else REPO_ROOT / "bundles"
-    return sorted(p.parent.parent.name for p in root.glob("*/configs/metadata.json"))
-
-
-def resolve_bundle(bundle: str | os.PathLike) -> Path:
-    """The folder of a bundle given by path or by name (looked up as :func:`common.bundle.bundle_root` does).
-
-    Raises:
-        FileNotFoundError: when ``bundle`` is neither a bundle folder (one with ``configs/metadata.json``) nor
-            the name of one.
-    """
-    if (Path(bundle) / "configs" / "metadata.json").is_file():
-        return Path(bundle).resolve()
-    try:
-        return Path(bundle_root(str(bundle))).resolve()
-    except FileNotFoundError as e:
-        raise FileNotFoundError(
-            f"bundle {str(bundle)!r} is not a folder with configs/metadata.json and not a bundle name ({e}); "
-            f"available bundles: {bundle_names()}."
-        ) from None
 
 
 def _read_json(path: Path) -> dict:

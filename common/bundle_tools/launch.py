@@ -26,19 +26,19 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from common.bundle import ROOT, resolve_bundle
+from common.errors import UserError
+
 __all__ = [
-    "BUNDLES_DIR",
     "DEFAULT_RDZV_PORT",
     "JOBS",
     "MULTI_PROCESS_CONFIG",
-    "REPO_ROOT",
     "RESERVED_OVERRIDES",
     "SHARED_STORE_SWITCH",
     "TRAIN_CONFIG",
     "LaunchError",
     "LaunchPlan",
     "SlurmTopology",
-    "available_bundles",
     "build_plan",
     "expand_first_host",
     "first_slurm_host",
@@ -49,8 +49,6 @@ __all__ = [
     "visible_gpus",
 ]
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
-BUNDLES_DIR = REPO_ROOT / "bundles"
 TRAIN_CONFIG = "train.json"
 MULTI_PROCESS_CONFIG = "multi_gpu_train.json"
 #: job -> (its config, the config merged on it for more than one process, its default run id)
@@ -65,7 +63,7 @@ SHARED_STORE_SWITCH = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
 _ENDPOINT = re.compile(r"^(?P<host>\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_.\-]+)(?::(?P<port>\d+))?$")
 
 
-class LaunchError(ValueError):
+class LaunchError(UserError):
     """An argument or environment that does not describe a valid launch."""
 
 
@@ -141,15 +139,6 @@ class LaunchPlan:
         env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(paths))
         env.update(self.env)
         return env
-
-
-def available_bundles(bundles_dir: str | os.PathLike = BUNDLES_DIR) -> list[str]:
-    """Names of the bundles under ``bundles_dir``: folders holding ``configs/metadata.json``, sorted.
-
-    Args:
-        bundles_dir: the folder holding one sub-folder per bundle.
-    """
-    return sorted(p.parent.parent.name for p in Path(bundles_dir).glob("*/configs/metadata.json") if p.is_file())
 
 
 def visible_gpus() -> int:
@@ -360,22 +349,9 @@ def _display(path: Path) -> str:
     """``path`` relative to the repository root when inside it (the command runs there), else absolute."""
     path = Path(os.path.abspath(path))
     try:
-        return path.relative_to(REPO_ROOT).as_posix()
+        return path.relative_to(ROOT).as_posix()
     except ValueError:
         return str(path)
-
-
-def _resolve_bundle(bundle: str, bundles_dir: Path) -> Path:
-    named = bundles_dir / str(bundle)
-    if (named / "configs" / "metadata.json").is_file():
-        return named
-    as_path = Path(str(bundle)).expanduser()
-    if (as_path / "configs" / "metadata.json").is_file():
-        return as_path.resolve()
-    names = available_bundles(bundles_dir)
-    raise LaunchError(
-        f"unknown bundle {str(bundle)!r}; available in {_display(bundles_dir)}: {', '.join(names) or '(none)'}."
-    )
 
 
 def _resolve_config(name: str, configs_dir: Path) -> Path:
@@ -470,7 +446,7 @@ def build_plan(
     if job not in JOBS:
         raise LaunchError(f"job must be one of {list(JOBS)}, got {job!r}.")
     run_id = JOBS[job][2] if run_id is None else run_id
-    bundle_dir = _resolve_bundle(bundle, Path(bundles_dir) if bundles_dir is not None else BUNDLES_DIR)
+    bundle_dir = resolve_bundle(bundle, bundles_dir)
     configs_dir = bundle_dir / "configs"
     extras = [_resolve_config(name, configs_dir) for name in _as_list("extra_configs", extra_configs)]
     override_words = format_overrides(dict(overrides or {}))
@@ -518,7 +494,7 @@ def build_plan(
         # read a dead peer's address and fail to connect (pytorch/pytorch#135712, #167288). A fresh store per
         # attempt avoids it.
         extra_env[SHARED_STORE_SWITCH] = "1"
-    return LaunchPlan(argv, extra_env, REPO_ROOT, nnodes, nproc, node_rank, torchrun, notes)
+    return LaunchPlan(argv, extra_env, ROOT, nnodes, nproc, node_rank, torchrun, notes)
 
 
 def _check_total_batch(configs: Sequence[Path], overrides: Mapping[str, Any], world: int) -> None:

@@ -35,12 +35,12 @@ from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path, PurePosixPath
 from typing import Any
 
+from common.bundle import resolve_bundle
 from common.errors import UserError
 from common.runs import LOCATION_IDS, check_record_bundle
 
 __all__ = [
     "COMMON_DIR",
-    "DEFAULT_BUNDLES_DIR",
     "LARGE_FILES",
     "MODEL_FILE",
     "PACKAGED_ITEMS",
@@ -68,7 +68,6 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 COMMON_DIR = Path(__file__).resolve().parents[1]
-DEFAULT_BUNDLES_DIR = COMMON_DIR.parent / "bundles"
 # folders of ``common/`` a trained bundle does not need: the demo-data generators
 UNPACKAGED_COMMON = ("demo",)
 PACKAGED_ITEMS = ("configs", "docs", "LICENSE")
@@ -162,11 +161,7 @@ def bundle_version(bundle_dir: str | os.PathLike) -> str:
 
 
 def _resolve_bundle(name_or_dir: str | os.PathLike) -> Path:
-    from common.bundle_tools.verify import resolve_bundle
-
-    bundle_dir = resolve_bundle(name_or_dir, DEFAULT_BUNDLES_DIR).resolve()
-    if not (bundle_dir / "configs" / "metadata.json").is_file():
-        raise FileNotFoundError(f"{str(bundle_dir)!r} is not a bundle folder: it has no configs/metadata.json.")
+    bundle_dir = resolve_bundle(name_or_dir)
     if not _SAFE_NAME.match(bundle_dir.name):
         raise ValueError(f"bundle folder name {bundle_dir.name!r} must match {_SAFE_NAME.pattern}.")
     return bundle_dir

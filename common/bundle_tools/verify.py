@@ -23,6 +23,9 @@ from monai.bundle import ConfigParser
 from monai.bundle.scripts import _get_fake_spatial_shape
 from monai.utils import get_equivalent_dtype
 
+from common.bundle import BUNDLES_DIR, bundle_names, resolve_bundle
+from common.errors import BundleNotFoundError
+
 __all__ = [
     "DEFAULT_SCHEMA",
     "INFERENCE_IDS",
@@ -37,9 +40,7 @@ __all__ = [
     "check_net_in_out",
     "check_package",
     "display_name",
-    "list_bundles",
     "load_json_configs",
-    "resolve_bundle",
     "verify_bundle",
     "verify_bundles",
 ]
@@ -90,33 +91,6 @@ INFERENCE_IDS = (
 LARGE_FILE_KEYS = ("path", "url", "hash_val", "hash_type")
 DEFAULT_SCHEMA = Path(__file__).resolve().parents[2] / "tests" / "data" / "meta_schema_20240725.json"
 _MAX_MESSAGE = 300
-
-
-def list_bundles(bundles_dir: str | Path) -> list[Path]:
-    """The bundle folders directly under ``bundles_dir``: those holding ``configs/metadata.json``, sorted by name.
-
-    Args:
-        bundles_dir: the folder holding one sub-folder per bundle.
-    """
-    return sorted(p.parent.parent for p in Path(bundles_dir).glob("*/configs/metadata.json") if p.is_file())
-
-
-def resolve_bundle(target: str | Path, bundles_dir: str | Path) -> Path:
-    """The bundle folder meant by ``target``: a name under ``bundles_dir`` or a path to a bundle folder.
-
-    Args:
-        target: a bundle name (``autoencoder_3d``) or a folder path (``/tmp/copy/autoencoder_3d``).
-        bundles_dir: where bundle names are looked up.
-
-    Raises:
-        FileNotFoundError: when ``target`` is neither a folder under ``bundles_dir`` nor an existing folder.
-    """
-    named = Path(bundles_dir) / str(target)
-    if named.is_dir():
-        return named
-    if Path(target).is_dir():
-        return Path(target)
-    raise FileNotFoundError(f"no bundle {str(target)!r}: neither {str(named)!r} nor {str(target)!r} is a folder")
 
 
 def display_name(bundle_dir: str | Path) -> str:
@@ -531,13 +505,13 @@ def verify_bundle(
 
 
 def verify_bundles(
-    targets: Sequence[str | Path], bundles_dir: str | Path, quick: bool = False, **kwargs: Any
+    targets: Sequence[str | Path], bundles_dir: str | Path | None = None, quick: bool = False, **kwargs: Any
 ) -> tuple[list[str], int]:
     """Verify the bundles named by ``targets`` (all bundles under ``bundles_dir`` when empty).
 
     Args:
         targets: bundle names under ``bundles_dir`` or paths to bundle folders.
-        bundles_dir: the folder holding the bundles.
+        bundles_dir: the folder holding the bundles; default: :data:`common.bundle.BUNDLES_DIR`.
         quick: skip the instantiation and forward checks.
         kwargs: further arguments of :func:`verify_bundle`.
 
@@ -552,11 +526,12 @@ def verify_bundles(
         for target in targets:
             try:
                 folders.append(resolve_bundle(target, bundles_dir))
-            except FileNotFoundError as e:
+            except BundleNotFoundError as e:
                 lines.append(str(e))
     else:
-        folders = list_bundles(bundles_dir)
-        lines = [] if folders else [f"{bundles_dir}: no bundles found (no */configs/metadata.json)"]
+        root = Path(bundles_dir) if bundles_dir is not None else BUNDLES_DIR
+        folders = [root / name for name in bundle_names(root)]
+        lines = [] if folders else [f"{root}: no bundles found (no */configs/metadata.json)"]
     status = 1 if lines else 0
     for folder in folders:
         problems = verify_bundle(folder, quick=quick, **kwargs)

@@ -56,7 +56,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
+from common.bundle import ROOT as REPO_ROOT
 
 __all__ = ["ITEMS", "SCHEMA_VERSION", "Item", "campaign", "render_report"]
 

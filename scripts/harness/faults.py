@@ -38,9 +38,9 @@ from typing import Any
 import numpy as np
 import torch
 
+from common.bundle import ROOT as REPO_ROOT
 from scripts.harness.bundles import BUNDLES, family
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
 FSIZE_LIMIT = 64 * 1024  # a process file-size limit below every checkpoint and above every log of a tiny run
 
 

@@ -22,7 +22,8 @@ from typing import Any
 
 import torch
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
+from common.bundle import BUNDLES_DIR
+from common.bundle import ROOT as REPO_ROOT
 
 __all__ = [
     "BUNDLES_DIR",
@@ -50,7 +51,6 @@ __all__ = [
     "train_config",
 ]
 
-BUNDLES_DIR = REPO_ROOT / "bundles"
 GIB = 2**30
 
 # Dense (no sparsity) bf16 tensor-core peak in TFLOP/s from the vendors' data sheets, matched in order against the
