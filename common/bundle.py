@@ -17,6 +17,7 @@ from common.runs import RUN_ARGUMENTS, command_line, config_file_list
 
 __all__ = [
     "BUNDLES_DIR",
+    "METADATA",
     "ROOT",
     "bundle_names",
     "bundle_root",

@@ -34,143 +34,6 @@ from typing import Any
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
-# Brief-run settings per device: the CPU profile finishes in a few minutes on 2 cores; the GPU one uses the
-# bundle's full-size network and patches.
-PROFILES = {
-    "autoencoder_3d": {
-        "cpu": {
-            "patch_size": [32, 32, 32],
-            "channels": [16, 32, 32],
-            "norm_num_groups": 8,
-            "d_channels": 16,
-            "num_samples": 2,
-            "max_epochs": 200,
-            "val_interval": 25,
-            "adv_warmup_iterations": 100,
-            "lr": 5e-4,
-            "d_lr": 5e-4,
-            "lr_warmup_iterations": 20,
-            "log_interval": 50,
-        },
-        "gpu": {
-            "patch_size": [64, 64, 64],
-            "num_samples": 2,
-            "max_epochs": 200,
-            "val_interval": 25,
-            "adv_warmup_iterations": 100,
-            "lr": 2e-4,
-            "d_lr": 2e-4,
-            "lr_warmup_iterations": 20,
-            "log_interval": 50,
-        },
-    },
-    "vqgan_3d": {
-        "cpu": {
-            "patch_size": [32, 32, 32],
-            "n_hiddens": 16,
-            "n_codes": 1024,
-            "embedding_dim": 8,
-            "disc_channels": 16,
-            "disc_layers": 2,
-            "batch_size": 2,
-            "patches_per_volume": 4,
-            "micro_batch_size": 4,
-            "max_epochs": 150,
-            "val_interval": 25,
-            "discriminator_iter_start": 150,
-            "lr": 3e-4,
-            "d_lr": 3e-4,
-            "log_interval": 50,
-        },
-        "gpu": {
-            "patch_size": [64, 64, 64],
-            "batch_size": 2,
-            "patches_per_volume": 4,
-            "micro_batch_size": 4,
-            "n_codes": 2048,
-            "max_epochs": 200,
-            "val_interval": 25,
-            "discriminator_iter_start": 200,
-            "log_interval": 50,
-        },
-    },
-}
-
-# Demo presets: extra config files merged after train.json, with their own brief-run settings.
-PRESETS = {
-    ("fast_ddpm_3d", "brats"): {
-        "configs": ["brats.json"],
-        "cpu": {"max_epochs": 100, "val_interval": 25, "patch_size": [32, 32, 32], "spacing": None},
-        "gpu": {"max_epochs": 250, "val_interval": 50, "patch_size": [48, 48, 48], "spacing": None},
-    },
-}
-PROFILES["fast_ddpm_3d"] = {
-    "cpu": {
-        "patch_size": [32, 32, 32],
-        "unet_channels": [16, 32, 64],
-        "attention_levels": [False, False, True],
-        "norm_num_groups": 8,
-        "num_head_channels": 16,
-        "patches_per_volume": 4,
-        "max_epochs": 600,
-        "val_interval": 150,
-        "lr": 2e-4,
-        "log_interval": 50,
-    },
-    "gpu": {
-        "patch_size": [64, 64, 64],
-        "patches_per_volume": 4,
-        "max_epochs": 2000,
-        "val_interval": 500,
-        "log_interval": 100,
-    },
-}
-
-PROFILES["mace_survival"] = {
-    "cpu": {"max_epochs": 25, "val_interval": 5, "log_interval": 12},
-    "gpu": {"max_epochs": 60, "val_interval": 5, "log_interval": 12},
-}
-
-PROFILES["xray2ct_cascade"] = {
-    "cpu": {
-        "stage_sizes": [[24, 24, 24], [48, 48, 48]],
-        "demo_shape": [48, 48, 48],
-        "view_size": [48, 48],
-        "vit_patch_size": 8,
-        "unet_channels": [16, 32, 64],
-        "attention_levels": [False, False, True],
-        "norm_num_groups": 8,
-        "num_head_channels": 16,
-        "vit_hidden_size": 64,
-        "vit_mlp_dim": 128,
-        "vit_layers": 2,
-        "vit_heads": 4,
-        "stage_batch_size": [4, 2],
-        "stage_lr": [5e-4, 3e-4],
-        "stage_iterations": [300, 150],
-        "val_interval": 1,
-        "log_interval": 25,
-    },
-    "gpu": {
-        "stage_sizes": [[64, 64, 64], [128, 128, 128]],
-        "demo_shape": [128, 128, 128],
-        "view_size": [128, 128],
-        "stage_batch_size": [8, 2],
-        "stage_iterations": [2000, 1000],
-        "val_interval": 1,
-        "log_interval": 100,
-    },
-}
-
-# Bundles trained stage by stage into ``<output_dir>/stage<k>``: each stage runs ``stage_iterations[k - 1]``
-# iterations (one validated epoch), the evaluation runs the whole cascade.
-STAGED = ("xray2ct_cascade",)
-
-# The metrics a demo prints per bundle (default: whole-volume image quality).
-REPORTED = {"mace_survival": ("uno_c", "harrell_c", "auc_mean", "ibs", "logrank_p")}
-IMAGE_METRICS = ("val_psnr", "val_ssim", "val_ms_ssim")
-REPORTED["xray2ct_cascade"] = (*IMAGE_METRICS, "val_proj_error")
-
 
 def _args(overrides: dict) -> list[str]:
     """``--key value`` pairs that the bundle's command line (fire) reads back to exactly ``overrides`` (booleans
@@ -180,9 +43,9 @@ def _args(overrides: dict) -> list[str]:
     return format_overrides(overrides)
 
 
-def _run(cmd: list[str], env: dict[str, str]) -> None:
+def _run(cmd: list[str]) -> None:
     print("\n$ " + " ".join(shlex.quote(c) for c in cmd), flush=True)
-    result = subprocess.run(cmd, cwd=REPO_ROOT, env=env)
+    result = subprocess.run(cmd, cwd=REPO_ROOT)
     if result.returncode != 0:
         sys.exit(f"demo stage failed with exit code {result.returncode}: {' '.join(cmd[:6])} ...")
 
@@ -230,36 +93,34 @@ def main(
     """
     import torch
 
-    if bundle not in PROFILES:
-        raise SystemExit(f"no demo profile for bundle {bundle!r}; available: {sorted(PROFILES)}")
-    if preset is not None and (bundle, preset) not in PRESETS:
-        raise SystemExit(f"no demo preset {preset!r} for {bundle!r}; available: {sorted(PRESETS)}")
-    use_gpu = torch.cuda.is_available() if device == "auto" else device.startswith("cuda")
-    profile = "gpu" if use_gpu else "cpu"
-    overrides = dict(PROFILES[bundle][profile])
-    extra_configs: list[str] = []
-    if preset is not None:
-        extra_configs = list(PRESETS[(bundle, preset)]["configs"])
-        overrides.update(PRESETS[(bundle, preset)][profile])
+    from common.bundle_tools.registry import describe
+    from common.errors import UserError
+
+    try:
+        described = describe(bundle)
+        use_gpu = torch.cuda.is_available() if device == "auto" else device.startswith("cuda")
+        profile = "gpu" if use_gpu else "cpu"
+        extra_configs, overrides = described.demo_run(profile, preset)
+    except UserError as e:
+        raise SystemExit(f"error: {e}") from None
+    bundle = described.name
     if max_epochs is not None:
         overrides["max_epochs"] = int(max_epochs)
     overrides.update(extra)
     name = "demo" if preset is None else f"demo_{preset}"
-    out = Path(output_dir or REPO_ROOT / "bundles" / bundle / "outputs" / name).resolve()
+    out = Path(output_dir or described.folder / "outputs" / name).resolve()
     if output_dir is None and out.exists():
         # the demo's own folder: start afresh (an explicit --output_dir resumes instead, like the bundle does)
         print(f"removing the previous demo run in {out}")
         shutil.rmtree(out)
-    staged = bundle in STAGED
+    staged = described.staged
     overrides["output_dir"] = str(out)
     if device != "auto":
         overrides["device"] = device
     if num_threads or not use_gpu:
         overrides["num_threads"] = int(num_threads or os.cpu_count() or 1)
 
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
-    configs = REPO_ROOT / "bundles" / bundle / "configs"
+    configs = described.folder / "configs"
     base = [sys.executable, "-m", "monai.bundle", "run"]
     start = time.time()
     train_files = [str(configs / "train.json"), *(str(configs / c) for c in extra_configs)]
@@ -268,23 +129,22 @@ def main(
     evaluation = {k: overrides[k] for k in ("output_dir", "device", "num_threads") if k in overrides}
     run_dir, eval_dir = out, out / "eval"
     if staged:
-        iterations = overrides.pop("stage_iterations")
+        iterations = described.stage_iterations[profile]
         for stage, n in enumerate(iterations, start=1):
             stage_args = {**overrides, "stage": stage, "max_epochs": 1, "epoch_length": int(n)}
-            _run(base + ["training", "--config_file", config_arg, *_args(stage_args)], env)
+            _run(base + ["training", "--config_file", config_arg, *_args(stage_args)])
         evaluation["stage"] = len(iterations)
         run_dir = out / f"stage{len(iterations)}"
         eval_dir = run_dir / f"eval_{overrides.get('mode', 'diffusion')}"
     else:
-        _run(base + ["training", "--config_file", config_arg, *_args(overrides)], env)
+        _run(base + ["training", "--config_file", config_arg, *_args(overrides)])
     trained = time.time() - start
     _run(
-        base + ["run", "--config_file", json.dumps([*train_files, str(configs / "evaluate.json")]), *_args(evaluation)],
-        env,
+        base + ["run", "--config_file", json.dumps([*train_files, str(configs / "evaluate.json")]), *_args(evaluation)]
     )
     metrics = json.loads((eval_dir / "metrics.json").read_text())["latest"]
     training = json.loads((run_dir / "metrics.json").read_text())
-    keys = list(REPORTED.get(bundle, IMAGE_METRICS))
+    keys = list(described.reported_metrics)
     if "val_codebook_usage" in metrics:
         keys.append("val_codebook_usage")
     print(f"\n{bundle}: trained in {trained / 60:.1f} min on {'GPU' if use_gpu else 'CPU'}")
@@ -292,8 +152,8 @@ def main(
     for h in training["history"]:
         print(f"    {h['step']:>6}: " + " / ".join(f"{h[k]:.4g}" for k in keys if k in h))
     print("  best checkpoint, evaluation: " + ", ".join(f"{k} {metrics[k]:.4g}" for k in keys if k in metrics))
-    if bundle == "mace_survival":
-        oracle = _survival_oracle(REPO_ROOT / "bundles" / bundle / "demo_data" / "cohort.csv")
+    if described.family == "survival":
+        oracle = _survival_oracle(described.folder / "demo_data" / "cohort.csv")
         metrics.update({f"oracle_{k}": v for k, v in oracle.items()})
         print(
             f"  oracle (the true hazard of the synthetic cohort, same validation cases): Harrell's C "
@@ -302,13 +162,13 @@ def main(
         print(f"  report:         {out / 'eval' / 'report.json'} (plots: km_by_risk_group.png, calibration.png)")
     print(f"  outputs:        {out}")
     print(f"  best model:     {run_dir / 'models' / 'model.pt'}  (resumable state: {run_dir / 'models' / 'last.pt'})")
-    per_case = "predictions.csv" if bundle == "mace_survival" else "metrics_per_volume.csv"
+    per_case = "predictions.csv" if described.family == "survival" else "metrics_per_volume.csv"
     print(f"  metrics:        {run_dir / 'metrics.json'}, {run_dir / 'metrics.csv'}, {eval_dir / per_case}")
     if staged:
         print(f"  predictions:    {eval_dir / 'predictions'} (input vs predicted X-rays as PNG per case)")
     print(f"  TensorBoard:    tensorboard --logdir {run_dir / 'tensorboard'}")
     print(f"  training log:   {run_dir / 'train.log'}")
-    infer = [*base, "--config_file", str(configs.relative_to(REPO_ROOT) / "inference.json"), "--output_dir", str(out)]
+    infer = [*base, "--config_file", os.path.relpath(configs / "inference.json", REPO_ROOT), "--output_dir", str(out)]
     print("  inference (the run's settings come from its configs/run.json; add --dataset_dir <folder of volumes>):")
     print("    " + " ".join(shlex.quote(c if c != sys.executable else "python") for c in infer))
     return metrics

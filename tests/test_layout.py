@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from common.bundle import demo_generator
+from common.bundle_tools.registry import descriptions
 from common.errors import MissingInputError
 
 REPO = Path(__file__).resolve().parents[1]
@@ -41,7 +42,8 @@ LAYERS = {
 }
 # a family builds on these families only (nothing else at layer 4 or 5)
 FAMILY_BASES = {"common.vqgan": {"common.autoencoder"}, "common.xray2ct": {"common.diffusion"}}
-FAMILIES = {"common.autoencoder", "common.diffusion", "common.survival", "common.vqgan", "common.xray2ct"}
+# the families: the packages the bundles' descriptions name (the ``collection`` section of their metadata)
+FAMILIES = {description.package for description in descriptions()}
 
 
 def _package(module: str) -> str:

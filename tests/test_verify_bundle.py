@@ -85,6 +85,26 @@ BROKEN: dict[str, tuple[Callable[[Path], None], Callable[[Path], list[str]]]] = 
         lambda b: _edit_json(b / "configs" / "metadata.json", lambda m: m.pop("authors")),
         lambda b: ["configs/metadata.json: schema violation at $: 'authors' is a required property"],
     ),
+    "no_description": (
+        lambda b: _edit_json(b / "configs" / "metadata.json", lambda m: m.pop("collection")),
+        lambda b: [
+            "configs/metadata.json: no 'collection' section (the bundle's family and demo; see "
+            "common.bundle_tools.registry)"
+        ],
+    ),
+    "broken_description": (
+        lambda b: _edit_json(
+            b / "configs" / "metadata.json",
+            lambda m: m["collection"].update(
+                family="segmentation", demo={**m["collection"]["demo"], "gpu": {"max_epoch": 5}, "reported_metrics": []}
+            ),
+        ),
+        lambda b: [
+            "configs/metadata.json: 'collection.family' must name a package of common/, got 'segmentation'",
+            "configs/metadata.json: 'collection.demo.gpu' overrides ['max_epoch'], which are not ids of its configs",
+            "configs/metadata.json: 'collection.demo.reported_metrics' must be a non-empty list of metric names",
+        ],
+    ),
     "no_trainer": (
         lambda b: _edit_json(b / "configs" / "train.json", _rename_trainer),
         lambda b: ["configs/train.json: missing required id 'train#trainer'"],

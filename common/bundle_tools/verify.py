@@ -24,6 +24,7 @@ from monai.bundle.scripts import _get_fake_spatial_shape
 from monai.utils import get_equivalent_dtype
 
 from common.bundle import BUNDLES_DIR, bundle_names, resolve_bundle
+from common.bundle_tools.registry import check_description
 from common.errors import BundleNotFoundError
 
 __all__ = [
@@ -469,8 +470,9 @@ def verify_bundle(
 ) -> list[str]:
     """All problems of one bundle folder, one line each, prefixed with :func:`display_name` of the folder.
 
-    Checks required files, JSON/YAML syntax, metadata (schema, version in changelog, ``image``/``pred`` names)
-    and required config ids; unless ``quick``, also instantiates the networks with ``configs/tiny.json`` merged
+    Checks required files, JSON/YAML syntax, metadata (schema, version in changelog, ``image``/``pred`` names,
+    the collection's description of the bundle: :func:`common.bundle_tools.registry.check_description`) and required
+    config ids; unless ``quick``, also instantiates the networks with ``configs/tiny.json`` merged
     and runs the inference network once on a tiny input checked against the metadata, and, for a bundle that ships
     weights (a package), checks them with its own configs (:func:`check_package`).
 
@@ -494,6 +496,7 @@ def verify_bundle(
     if meta is not None:
         problems += check_metadata(meta, schema_file)
     problems += check_config_ids(bundle_dir, configs)
+    problems += [p.replace(f"{bundle_dir / 'configs'}/", "configs/") for p in check_description(bundle_dir)]
     if not quick:
         network, found = check_instantiation(bundle_dir, configs, device=device)
         problems += found

@@ -41,7 +41,16 @@ from scripts.harness.tools import (
     timed_loop,
 )
 
-__all__ = ["BENCHMARKS", "fault_case", "inference", "memory", "memory_probe", "plain_loader", "throughput"]
+__all__ = [
+    "BENCHMARKS",
+    "THROUGHPUT",
+    "fault_case",
+    "inference",
+    "memory",
+    "memory_probe",
+    "plain_loader",
+    "throughput",
+]
 
 BUNDLE = "autoencoder_3d"
 
@@ -444,3 +453,13 @@ def inference(
 
 
 BENCHMARKS = {"throughput": throughput, "memory": memory, "inference": inference}
+
+# the campaign's throughput rows (scripts/harness/campaign.py): (row name, benchmark, GPU settings, tiny settings)
+THROUGHPUT = (
+    (
+        BUNDLE,
+        "throughput",
+        {"patch_size": [128, 128, 128], "channels": [32, 64, 64], "batch_size": 1, "num_samples": 2},
+        {"patch_size": [32, 32, 32], "channels": [16, 32, 32], "batch_size": 1, "num_samples": 1},
+    ),
+)

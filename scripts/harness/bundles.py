@@ -1,8 +1,10 @@
 # Copyright (c) the 3D MONAI bundle collection contributors.
 # Licensed under the Apache License, Version 2.0.
-"""The one table of the harness: the module of ``scripts/harness`` that holds each bundle's benchmarks
-(``BENCHMARKS``, commands of ``scripts/benchmark.py``) and its small fault-test job (``fault_case``, used by
-``scripts/reliability.py``). A new bundle adds one row here and one module beside the others."""
+"""Each bundle's module of ``scripts/harness``: ``scripts.harness.<family>``, the family named by the bundle's
+description (the ``collection`` section of its metadata, :mod:`common.bundle_tools.registry`). The module holds the
+bundle's benchmarks (``BENCHMARKS``, commands of ``scripts/benchmark.py``), its rows of the campaign's throughput
+table (``THROUGHPUT``) and its small fault-test job (``fault_case``, used by ``scripts/reliability.py``). A new
+bundle adds one module beside the others."""
 
 from __future__ import annotations
 
@@ -10,27 +12,22 @@ import importlib
 from collections.abc import Callable
 from types import ModuleType
 
+from common.bundle import bundle_names
+from common.bundle_tools.registry import describe
+
 __all__ = ["BUNDLES", "FAMILY_MODULES", "benchmarks", "family"]
 
-FAMILY_MODULES = {
-    "autoencoder_3d": "scripts.harness.autoencoder",
-    "vqgan_3d": "scripts.harness.vqgan",
-    "fast_ddpm_3d": "scripts.harness.diffusion",
-    "mace_survival": "scripts.harness.survival",
-    "xray2ct_cascade": "scripts.harness.xray2ct",
-}
-BUNDLES = tuple(FAMILY_MODULES)
+BUNDLES = tuple(bundle_names())
+FAMILY_MODULES = {bundle: describe(bundle).harness for bundle in BUNDLES}
 
 
 def family(bundle: str) -> ModuleType:
     """The harness module of ``bundle`` (imported on first use).
 
     Raises:
-        ValueError: for a bundle that is not in :data:`FAMILY_MODULES`.
+        BundleNotFoundError: for a bundle that is not in the repository (the message lists those that are).
     """
-    if bundle not in FAMILY_MODULES:
-        raise ValueError(f"unknown bundle {bundle!r}; expected one of {BUNDLES}.")
-    return importlib.import_module(FAMILY_MODULES[bundle])
+    return importlib.import_module(describe(bundle).harness)
 
 
 def benchmarks() -> dict[str, Callable]:

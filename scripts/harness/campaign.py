@@ -98,33 +98,23 @@ def _args(command: str, **kwargs: Any) -> tuple[str, ...]:
     return (command, *format_overrides(kwargs))
 
 
-_AE_GPU = {"patch_size": [128, 128, 128], "channels": [32, 64, 64], "batch_size": 1, "num_samples": 2}
-_AE_TINY = {"patch_size": [32, 32, 32], "channels": [16, 32, 32], "batch_size": 1, "num_samples": 1}
-_VQ_GPU = {"patch_size": [128, 128, 128], "n_hiddens": 16, "n_codes": 16384, "disc_channels": 64, "disc_layers": 3}
-_VQ_GPU.update({"batch_size": 1, "patches_per_volume": 2, "micro_batch_size": 2})
-_VQ_TINY = {"patch_size": [32, 32, 32], "n_hiddens": 8, "n_codes": 64, "disc_channels": 8, "disc_layers": 2}
-_VQ_TINY.update({"batch_size": 1, "patches_per_volume": 1, "micro_batch_size": 1})
-_DDPM_GPU = {"patch_size": [96, 96, 96], "unet_channels": [32, 64, 128, 256]}
-_DDPM_GPU.update({"attention_levels": [False, False, False, True], "norm_num_groups": 16, "num_head_channels": 32})
-_DDPM_GPU.update({"batch_size": 1, "patches_per_volume": 2})
-_DDPM_TINY = {"patch_size": [16, 16, 16], "batch_size": 1, "patches_per_volume": 1}
-_MACE_TINY = {"image_size": [24, 24, 16], "backbone": "resnet10", "batch_size": 4, "n_cases": 24}
-_XRAY_TINY = {"stage_sizes": [[16, 16, 16], [32, 32, 32]], "view_size": [32, 32], "n_cases": 3, "batch_size": 1}
-_XRAY_TINY.update({"vit_patch_size": 8, "vit_hidden_size": 32, "vit_mlp_dim": 64, "vit_layers": 1, "vit_heads": 2})
-_XRAY_TINY.update({"unet_channels": [8, 16, 32], "attention_levels": [False, False, True], "norm_num_groups": 8})
-_XRAY_TINY.update({"num_head_channels": 8})
 _GPU_RUN = {"device": "cuda", "iterations": 20, "warmup": 5, "repeats": 1}
 _TINY_RUN = {"device": "cpu", "iterations": 2, "warmup": 1, "repeats": 1, "num_threads": 1}
 
-# (name, bundle, benchmark command, GPU settings, tiny settings)
-_THROUGHPUT = (
-    ("autoencoder_3d", "throughput", _AE_GPU, _AE_TINY),
-    ("vqgan_3d", "vqgan_throughput", _VQ_GPU, _VQ_TINY),
-    ("fast_ddpm_3d", "ddpm_throughput", _DDPM_GPU, _DDPM_TINY),
-    ("mace_survival", "mace_throughput", {}, _MACE_TINY),
-    ("xray2ct_stage1", "xray_throughput", {"stage": 1, "n_cases": 4}, {"stage": 1, **_XRAY_TINY}),
-    ("xray2ct_stage2", "xray_throughput", {"stage": 2, "n_cases": 4}, {"stage": 2, **_XRAY_TINY}),
-)
+
+def _throughput_rows() -> tuple:
+    """The throughput rows of every bundle: ``THROUGHPUT`` of its harness module (:mod:`scripts.harness.bundles`)."""
+    from scripts.harness.bundles import BUNDLES, family
+
+    return tuple(row for bundle in BUNDLES for row in family(bundle).THROUGHPUT)
+
+
+def _xray_tiny() -> dict:
+    from scripts.harness.xray2ct import CAMPAIGN_TINY
+
+    return CAMPAIGN_TINY
+
+
 _PRECISIONS = (("bf16", {"amp": "bf16"}, 1.0), ("fp32", {"amp": "none"}, 1.2), ("compile", {"amp": "bf16"}, 2.5))
 
 
@@ -135,7 +125,7 @@ def _throughput_items() -> list[Item]:
         # the kernel profile of one step: of the compiled bf16 step on a GPU, of the bf16 row's step in tiny mode
         gpu_profile = {"profile": True} if label == "compile" else {}
         tiny_profile = {"profile": True} if label == "bf16" else {}
-        for name, command, gpu, tiny in _THROUGHPUT:
+        for name, command, gpu, tiny in _throughput_rows():
             tiny_amp = {} if label == "bf16" else precision  # bf16 autocast on a CPU is slow and not the point
             items.append(
                 Item(
@@ -228,7 +218,7 @@ ITEMS: tuple[Item, ...] = (
         ),
         _args(
             "xray_throughput",
-            **{**_XRAY_TINY, "stage_sizes": [[16, 16, 16], [16, 16, 16], [32, 32, 32]]},
+            **{**_xray_tiny(), "stage_sizes": [[16, 16, 16], [16, 16, 16], [32, 32, 32]]},
             stage=3,
             device="cpu",
             gradient_checkpointing=True,

@@ -43,7 +43,7 @@ from scripts.harness.tools import (
     train_config,
 )
 
-__all__ = ["BENCHMARKS", "ddpm_quality", "ddpm_sampling", "ddpm_throughput", "fault_case"]
+__all__ = ["BENCHMARKS", "THROUGHPUT", "ddpm_quality", "ddpm_sampling", "ddpm_throughput", "fault_case"]
 
 BUNDLE = "fast_ddpm_3d"
 
@@ -495,3 +495,18 @@ def fault_case(root: Path, seed: int) -> BundleCase:
 
 
 BENCHMARKS = {"ddpm_quality": ddpm_quality, "ddpm_sampling": ddpm_sampling, "ddpm_throughput": ddpm_throughput}
+
+# the campaign's throughput rows (scripts/harness/campaign.py): (row name, benchmark, GPU settings, tiny settings)
+THROUGHPUT = (
+    (
+        BUNDLE,
+        "ddpm_throughput",
+        {
+            "patch_size": [96, 96, 96],
+            "unet_channels": [32, 64, 128, 256],
+            "attention_levels": [False, False, False, True],
+        }
+        | {"norm_num_groups": 16, "num_head_channels": 32, "batch_size": 1, "patches_per_volume": 2},
+        {"patch_size": [16, 16, 16], "batch_size": 1, "patches_per_volume": 1},
+    ),
+)

@@ -48,6 +48,7 @@ from scripts.harness.tools import (
 
 __all__ = [
     "BENCHMARKS",
+    "THROUGHPUT",
     "MACE_HORIZONS",
     "MACE_INTERVALS",
     "cohort_intervals",
@@ -539,3 +540,13 @@ def fault_case(root: Path, seed: int) -> BundleCase:
 
 
 BENCHMARKS = {"mace_smartcache": mace_smartcache, "mace_throughput": mace_throughput}
+
+# the campaign's throughput rows (scripts/harness/campaign.py): (row name, benchmark, GPU settings, tiny settings)
+THROUGHPUT = (
+    (
+        BUNDLE,
+        "mace_throughput",
+        {},
+        {"image_size": [24, 24, 16], "backbone": "resnet10", "batch_size": 4, "n_cases": 24},
+    ),
+)

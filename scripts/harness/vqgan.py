@@ -50,6 +50,7 @@ from scripts.harness.tools import (
 
 __all__ = [
     "BENCHMARKS",
+    "THROUGHPUT",
     "fault_case",
     "reconstruction_probe",
     "vqgan_memory",
@@ -948,3 +949,15 @@ BENCHMARKS = {
     "vqgan_reconstruction": vqgan_reconstruction,
     "vqgan_throughput": vqgan_throughput,
 }
+
+# the campaign's throughput rows (scripts/harness/campaign.py): (row name, benchmark, GPU settings, tiny settings)
+THROUGHPUT = (
+    (
+        BUNDLE,
+        "vqgan_throughput",
+        {"patch_size": [128, 128, 128], "n_hiddens": 16, "n_codes": 16384, "disc_channels": 64, "disc_layers": 3}
+        | {"batch_size": 1, "patches_per_volume": 2, "micro_batch_size": 2},
+        {"patch_size": [32, 32, 32], "n_hiddens": 8, "n_codes": 64, "disc_channels": 8, "disc_layers": 2}
+        | {"batch_size": 1, "patches_per_volume": 1, "micro_batch_size": 1},
+    ),
+)

@@ -40,7 +40,7 @@ from pathlib import Path
 
 import torch
 
-from scripts.demo import PROFILES as DEMO_PROFILES
+from common.bundle_tools.registry import describe
 from scripts.harness.faults import RUN_SETTINGS, BundleCase
 from scripts.harness.tools import (
     REPO_ROOT,
@@ -55,7 +55,7 @@ from scripts.harness.tools import (
     train_config,
 )
 
-__all__ = ["BENCHMARKS", "fault_case", "xray_memory", "xray_quality", "xray_throughput"]
+__all__ = ["BENCHMARKS", "CAMPAIGN_TINY", "THROUGHPUT", "fault_case", "xray_memory", "xray_quality", "xray_throughput"]
 
 BUNDLE = "xray2ct_cascade"
 
@@ -74,7 +74,7 @@ NETWORK_KEYS = (
     "vit_heads",
 )
 #: the small network of CPU runs: the CPU demo's (``scripts/demo.py``; ``train.json``'s is used on GPUs)
-CPU_NETWORK = {k: v for k, v in DEMO_PROFILES[BUNDLE]["cpu"].items() if k in NETWORK_KEYS}
+CPU_NETWORK = {k: v for k, v in describe(BUNDLE).demo["cpu"].items() if k in NETWORK_KEYS}
 CPU_STAGE_SIZES = [[32, 32, 32], [64, 64, 64]]
 CPU_VIEW_SIZE = [64, 64]
 #: (iterations, warmup, repeats) of ``xray_throughput`` on CPUs per stage (about 2-3 minutes on 2 cores), and on GPUs
@@ -603,7 +603,7 @@ def _quality_budgets(
         raise ValueError(f"xray_quality --budgets sets {reserved} itself for every run; leave them out.")
     dev = resolve_device(device)
     defaults = _defaults(dev)
-    profile = DEMO_PROFILES[BUNDLE]["cpu" if dev.type != "cuda" else "gpu"]
+    profile = describe(BUNDLE).demo["cpu" if dev.type != "cuda" else "gpu"]
     settings = {**defaults, "stage_batch_size": profile["stage_batch_size"], "seed": int(seed)}
     if dev.type != "cuda":
         settings.update({"stage_lr": profile["stage_lr"], **CPU_BUDGET_SETTINGS, "num_threads": 1})
@@ -749,3 +749,14 @@ def fault_case(root: Path, seed: int) -> BundleCase:
 
 
 BENCHMARKS = {"xray_memory": xray_memory, "xray_quality": xray_quality, "xray_throughput": xray_throughput}
+
+# the tiny networks and data of the campaign's CPU rehearsal (its throughput rows and the stage-3 step)
+CAMPAIGN_TINY = {"stage_sizes": [[16, 16, 16], [32, 32, 32]], "view_size": [32, 32], "n_cases": 3, "batch_size": 1}
+CAMPAIGN_TINY |= {"vit_patch_size": 8, "vit_hidden_size": 32, "vit_mlp_dim": 64, "vit_layers": 1, "vit_heads": 2}
+CAMPAIGN_TINY |= {"unet_channels": [8, 16, 32], "attention_levels": [False, False, True], "norm_num_groups": 8}
+CAMPAIGN_TINY |= {"num_head_channels": 8}
+# the campaign's throughput rows (scripts/harness/campaign.py): (row name, benchmark, GPU settings, tiny settings)
+THROUGHPUT = tuple(
+    (f"xray2ct_stage{stage}", "xray_throughput", {"stage": stage, "n_cases": 4}, {"stage": stage, **CAMPAIGN_TINY})
+    for stage in (1, 2)
+)
