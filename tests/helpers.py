@@ -432,7 +432,7 @@ def check_json_training_dataset(
     ``cache_rate`` < 1. Entries are compared by ``key``; returns the dataset and ``make_dataset``'s."""
     from monai.data import CacheDataset, SmartCacheDataset
 
-    from common.data.pipeline import make_dataset
+    from tests.oracles import make_dataset
 
     train = parser.get_parsed_content("train#dataset")
     transform = parser.get_parsed_content("train#preprocessing")

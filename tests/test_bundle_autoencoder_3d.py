@@ -273,7 +273,7 @@ def test_json_pipelines_match_volume_transforms(tmp_path, settings):
     ``volume_transforms`` (training crops under one seed, validation and inference volumes)."""
     from monai.transforms import Compose
 
-    from common.data.pipeline import volume_transforms
+    from tests.oracles import volume_transforms
 
     rng = np.random.default_rng(shifted_seed(3))
     affine = np.array([[-1.2, 0.0, 0.1, 5.0], [0.0, 0.9, 0.0, -3.0], [0.0, 0.0, 1.7, 2.0], [0.0, 0.0, 0.0, 1.0]])

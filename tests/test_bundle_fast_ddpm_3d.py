@@ -522,7 +522,7 @@ def test_json_pipelines_match_diffusion_transforms(autoencoder_ckpt, tmp_path, s
     dropped, as ``diffusion_transforms`` drops them."""
     from monai.transforms import Compose
 
-    from common.diffusion.transforms import diffusion_transforms
+    from tests.oracles import diffusion_transforms
 
     rng = np.random.default_rng(shifted_seed(3))
     affine = np.array([[-1.2, 0.0, 0.1, 5.0], [0.0, 0.9, 0.0, -3.0], [0.0, 0.0, 1.7, 2.0], [0.0, 0.0, 0.0, 1.0]])

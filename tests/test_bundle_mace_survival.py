@@ -513,7 +513,7 @@ def test_json_pipelines_match_survival_transforms(tmp_path, settings):
     import nibabel as nib
     from monai.transforms import Compose
 
-    from common.survival.transforms import survival_transforms
+    from tests.oracles import survival_transforms
 
     rng = np.random.default_rng(shifted_seed(3))
     affine = np.array([[-1.2, 0.0, 0.1, 5.0], [0.0, 0.9, 0.0, -3.0], [0.0, 0.0, 1.7, 2.0], [0.0, 0.0, 0.0, 1.0]])

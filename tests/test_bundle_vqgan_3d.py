@@ -148,9 +148,9 @@ def _reconstruction_in_hu(model_path: Path, series: Path, source: np.ndarray) ->
     from monai.inferers import SlidingWindowInferer
 
     from common.checkpoint_io import load_network_weights
-    from common.data.pipeline import volume_transforms
     from common.networks.wrappers import ReconstructionNetwork
     from common.vqgan.networks import VQGAN
+    from tests.oracles import volume_transforms
 
     config = json.loads((BUNDLES / BUNDLE / "configs" / "inference.json").read_text())
     defaults = json.loads((BUNDLES / BUNDLE / "configs" / "train.json").read_text())  # inference reads them back
@@ -289,7 +289,7 @@ def test_json_pipelines_match_volume_transforms(tmp_path, settings):
     validation volumes, inference in the three modes, decode reading a latent map without normalisation)."""
     from monai.transforms import Compose
 
-    from common.data.pipeline import volume_transforms
+    from tests.oracles import volume_transforms
 
     rng = np.random.default_rng(shifted_seed(3))
     affine = np.array([[-1.2, 0.0, 0.1, 5.0], [0.0, 0.9, 0.0, -3.0], [0.0, 0.0, 1.7, 2.0], [0.0, 0.0, 0.0, 1.0]])

@@ -394,7 +394,8 @@ def _train_parser(*extra: str, **settings):
 
 def _write_views(phantoms: Path, entry: dict, folder: Path, projector) -> dict:
     """``entry`` with X-ray files (NIfTI) of its CT made by ``projector`` under ``xray_<view>``."""
-    from common.xray2ct.data import save_view_nifti, view_keys, xray2ct_transforms
+    from common.xray2ct.data import save_view_nifti, view_keys
+    from tests.oracles import xray2ct_transforms
 
     volume = projector.view_size[0]
     xray = xray2ct_transforms(projector, [volume] * 3)({"image": str(phantoms / entry["image"])})["xray"]
@@ -417,7 +418,8 @@ def test_json_pipelines_match_xray2ct_transforms(phantoms, tmp_path, settings):
     and from X-ray files) give the values, metadata and applied operations of ``xray2ct_transforms``."""
     from monai.transforms import Compose
 
-    from common.xray2ct.data import view_keys, xray2ct_transforms
+    from common.xray2ct.data import view_keys
+    from tests.oracles import xray2ct_transforms
 
     parser = _train_parser(dataset_dir=str(phantoms), **settings)
     projector, volume = parser.get_parsed_content("projector"), parser.get_parsed_content("volume_size")

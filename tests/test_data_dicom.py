@@ -17,10 +17,10 @@ from monai.transforms import Compose, LoadImage
 
 from common.data.datalist import find_volumes, inference_entries, load_datalist
 from common.data.dicom import DicomSeriesReader, LoadVolumed, dicom_series, series_files
-from common.data.pipeline import spatial_steps
 from common.data.preflight import PreflightError, check_volume, preflight
 from common.demo.images import make_ct_phantom, write_dicom_series
 from tests.helpers import REPO_ROOT
+from tests.oracles import spatial_steps
 
 SHAPES = {"ct": (16, 12, 8), "scout": (16, 12, 5)}
 

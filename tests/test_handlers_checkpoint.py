@@ -32,11 +32,12 @@ from torch import nn
 import common.handlers.checkpoint as ckpt
 from common.autoencoder.engines import AutoencoderGANTrainer
 from common.checkpoint_io import CheckpointError, load_checkpoint, load_network_weights, save_checkpoint
-from common.data.pipeline import make_dataset, make_loader
+from common.data.pipeline import make_loader
 from common.demo.images import write_phantom_dataset
 from common.engines.lr_schedule import warmup_cosine
 from common.handlers.checkpoint import BestCheckpointSaver, CheckpointManager
 from tests.helpers import tiny_autoencoder, tiny_discriminator
+from tests.oracles import make_dataset
 
 SIDE = 16
 

@@ -177,3 +177,22 @@ def test_demo_generator() -> None:
         demo_generator("common.missing_demo.images.make_demo_dataset")
     with pytest.raises(AttributeError, match="no_such_generator"):
         demo_generator("common.demo.images.no_such_generator")
+
+
+def test_the_json_is_the_only_pipeline() -> None:
+    """The configs own the pipelines: a library function that builds a transform chain (returns a ``Compose``) is
+    one a config names (postprocessing built from settings), never a Python twin of a config's list. The tests'
+    step-by-step oracles of the JSON chains live in ``tests/oracles.py``."""
+    configs = "\n".join(p.read_text() for p in REPO.glob("bundles/*/configs/*.json"))
+    builders = []
+    for path in sorted(COMMON.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if (
+                isinstance(node, ast.FunctionDef)
+                and node.returns is not None
+                and "Compose" in ast.unparse(node.returns)
+            ):
+                builders.append((_module_name(path), node.name))
+    assert builders, "no chain builders found: the test no longer looks at the right thing"
+    unnamed = [f"{module}.{name}" for module, name in builders if f"{module}.{name}" not in configs]
+    assert not unnamed, f"{unnamed} build transform chains no config names (move an oracle to tests/oracles.py)"

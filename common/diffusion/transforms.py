@@ -10,23 +10,18 @@ from typing import Any
 
 import torch
 from monai.data import MetaTensor
-from monai.transforms import Compose, EnsureTyped, Invertd, MapTransform, RandSpatialCropSamplesd, ScaleIntensityRanged
+from monai.transforms import Compose, Invertd, MapTransform
 from monai.utils import CommonKeys as Keys
 
 from common.data.pipeline import (
-    CaseMetad,
     case_name_formatter,
     hu_window_steps,
-    intensity_transform,
     nifti_saver,
-    pad_steps,
-    spatial_steps,
 )
 
 __all__ = [
     "CopyChannelsd",
     "EncodeLatentd",
-    "diffusion_transforms",
     "generation_items",
     "inference_inputs",
     "keeps_values",
@@ -89,78 +84,6 @@ def keeps_values(intensity: Mapping[str, Any] | None) -> bool:
     """Whether the ``intensity`` setting keeps the input values (mode ``none``: they should already be in
     ``[-1, 1]``), so that the mapping of ``[0, 1]`` to ``[-1, 1]`` is skipped; ``None`` means MRI percentiles."""
     return str((intensity or {}).get("mode", "mri")).lower() == "none"
-
-
-def diffusion_transforms(
-    keys: Sequence[str],
-    intensity: Mapping[str, Any] | None = None,
-    spacing: Sequence[float] | None = None,
-    orientation: str | None = "RAS",
-    patch_size: Sequence[int] | None = None,
-    num_samples: int = 1,
-    cache_device: torch.device | str | None = None,
-    train: bool = True,
-    divisible_by: Sequence[int] | int | None = None,
-    label_channels: Sequence[int] | None = None,
-    latent_codec: torch.nn.Module | None = None,
-) -> Compose:
-    """Transforms of a diffusion bundle: every volume of ``keys`` (e.g. the four BraTS modalities, or a source and
-    a target image) stacked in that order as the channels of ``image``, in ``[-1, 1]``.
-
-    Load -> channel first -> stack ``keys`` as ``image`` -> orientation -> spacing -> intensity per channel
-    (``[0, 1]``, see :func:`intensity_transform`) -> zero-pad to ``patch_size`` and ``divisible_by`` -> map to
-    ``[-1, 1]`` (padding becomes -1, the background) -> [``label``: the ``label_channels`` of ``image``] ->
-    [latents of ``latent_codec``] -> ``cache_device`` -> [training: random crops of ``patch_size`` (divided by
-    the codec's downsampling in latent mode)]. The entry's ``case_id`` is kept in the metadata of ``image``.
-
-    Args:
-        keys: datalist keys of the volumes, stacked as channels in this order (inference: the sources only).
-        intensity: see :func:`intensity_transform`; with mode ``none`` the values are kept (they should already
-            be in ``[-1, 1]``).
-        spacing: target voxel size in mm (``None`` keeps the native grid).
-        orientation: axis codes (``None`` keeps the native orientation).
-        patch_size: training patch in image voxels; smaller volumes are padded.
-        num_samples: random patches per volume per visit (training only).
-        cache_device: device of the cached volumes (``None``: CPU).
-        train: add the random crop.
-        divisible_by: pad every spatial size to a multiple of this, e.g. the U-Net's (times the autoencoder's)
-            downsampling, so whole volumes can be sampled.
-        label_channels: channels of ``image`` copied to ``label`` (validation: the clean target, kept in image
-            space in latent mode); ``None``: no label.
-        latent_codec: a :class:`common.diffusion.latent.LatentCodec`: ``image`` becomes its raw latents.
-
-    Raises:
-        ValueError: without ``keys``, or without ``patch_size`` for training.
-    """
-    keys = list(keys)
-    if not keys:
-        raise ValueError("diffusion_transforms needs at least one image key.")
-    if train and patch_size is None:
-        raise ValueError("patch_size is required for training transforms.")
-    image = Keys.IMAGE
-    transforms = [*spatial_steps(keys, orientation, spacing, stack_as=image), CaseMetad(image)]
-    intensity = intensity or {"mode": "mri"}
-    # the sources' percentiles say nothing about a synthesised target: nothing to record for inverting it
-    norm = intensity_transform([image], intensity, channel_wise=True, invertible=False)
-    if norm is not None:
-        transforms.append(norm)
-    transforms += pad_steps([image], patch_size, divisible_by)
-    if norm is not None:
-        transforms.append(ScaleIntensityRanged(image, a_min=0.0, a_max=1.0, b_min=-1.0, b_max=1.0))
-    out_keys = [image]
-    if label_channels is not None:
-        transforms.append(CopyChannelsd(image, label_channels, name=Keys.LABEL))
-        out_keys.append(Keys.LABEL)
-    if latent_codec is not None:
-        transforms.append(EncodeLatentd(image, latent_codec))
-    transforms.append(EnsureTyped(out_keys, dtype=torch.float32, device=cache_device, track_meta=not train))
-    if train:
-        factors = list(latent_codec.downsample) if latent_codec is not None else [1] * len(patch_size)
-        crop = tuple(int(p) // int(f) for p, f in zip(patch_size, factors))
-        transforms.append(
-            RandSpatialCropSamplesd(image, roi_size=crop, num_samples=int(num_samples), random_size=False)
-        )
-    return Compose(transforms)
 
 
 def sample_postprocessing(

@@ -26,15 +26,9 @@ import numpy as np
 import torch
 from monai.data import MetaTensor
 from monai.transforms import (
-    Compose,
-    EnsureTyped,
     MapTransform,
-    Resized,
-    ResizeWithPadOrCropd,
-    ScaleIntensityRanged,
 )
 
-from common.data.pipeline import CaseMetad, spatial_steps
 from common.data.preflight import PreflightError
 from common.xray2ct.drr import DRRProjector
 
@@ -49,7 +43,6 @@ __all__ = [
     "save_view_png",
     "screen_inputs",
     "view_keys",
-    "xray2ct_transforms",
     "xray_inference_items",
 ]
 
@@ -258,64 +251,6 @@ def grid_spacing(projector: DRRProjector, size: Sequence[int]) -> list[float]:
         size: voxels per axis.
     """
     return [float(f) / int(s) for f, s in zip(projector.fov_mm, size)]
-
-
-def xray2ct_transforms(
-    projector: DRRProjector,
-    volume_size: Sequence[int],
-    source_size: Sequence[int] | None = None,
-    with_image: bool = True,
-    view_files: bool = False,
-    orientation: str | None = "RAS",
-    cache_device: torch.device | str | None = None,
-) -> Compose:
-    """Deterministic transforms of one stage (cache them): the CT as ``image`` and the X-rays as ``xray``.
-
-    CT: load (NIfTI or a DICOM series folder) -> channel first -> ``orientation`` -> resample to the isotropic grid
-    of ``source_size`` voxels over the projector's ``fov_mm`` -> HU window of the projector to ``[0, 1]`` -> centred
-    pad (air) or crop to ``source_size`` -> ``[-1, 1]`` -> [``xray`` made by the projector at this resolution] ->
-    area-average to the stage's ``volume_size``. X-rays from files (``view_files``) are read with
-    :class:`LoadViewsd` instead. Making the X-rays at ``source_size`` for every stage gives each stage the same
-    inputs (set it to the last stage's size); the projection loss compares at the stage's own resolution.
-
-    Args:
-        projector: the DRR projector (views, view size, FOV, HU window).
-        volume_size: the stage's volume size.
-        source_size: the grid the CT is loaded at and the X-rays are made from (default ``volume_size``).
-        with_image: load the CT (``False`` for inference from X-ray files alone).
-        view_files: read the X-rays from the ``xray_<view>`` files of each entry.
-        orientation: axis codes of the CT (``RAS`` for the projector's view axes).
-        cache_device: device of the cached tensors.
-
-    Raises:
-        ValueError: without the CT and without X-ray files.
-    """
-    if not with_image and not view_files:
-        raise ValueError("xray2ct_transforms needs the CT (with_image) or X-ray files (view_files), got neither.")
-    volume = [int(s) for s in volume_size]
-    source = [int(s) for s in (source_size or volume)]
-    image, keys = "image", []
-    steps: list = []
-    if with_image:
-        spacing = grid_spacing(projector, source)
-        steps += [*spatial_steps([image], orientation, spacing), CaseMetad(image)]
-        steps += [
-            ScaleIntensityRanged(
-                image, a_min=projector.hu_min, a_max=projector.hu_max, b_min=0.0, b_max=1.0, clip=True
-            ),
-            ResizeWithPadOrCropd(image, spatial_size=source),  # zero padding: the bottom of the window (air)
-            ScaleIntensityRanged(image, a_min=0.0, a_max=1.0, b_min=-1.0, b_max=1.0),
-        ]
-        if not view_files:
-            steps.append(DRRd(image, projector))
-        if volume != source:
-            steps.append(Resized(image, spatial_size=volume, mode="area"))
-        keys.append(image)
-    if view_files:
-        steps.append(LoadViewsd(view_keys(projector), projector.view_size))
-    keys.append("xray")
-    steps.append(EnsureTyped(keys, dtype=torch.float32, device=cache_device, track_meta=True))
-    return Compose(steps)
 
 
 def xray_inference_items(

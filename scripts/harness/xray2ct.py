@@ -43,6 +43,7 @@ import torch
 from common.bundle_tools.registry import describe
 from scripts.harness.faults import RUN_SETTINGS, BundleCase
 from scripts.harness.tools import (
+    BUNDLES_DIR,
     REPO_ROOT,
     alternate,
     bundle_command,
@@ -136,18 +137,24 @@ def _plain(x: torch.Tensor) -> torch.Tensor:
 
 
 def _xray_plain_loop(s: dict, data: list[dict], iterations: int, warmup: int, workers: int) -> float:
-    """The plain loop: CPU ``CacheDataset`` of the stage's transforms + ``DataLoader``, fp32, v-prediction MSE plus
-    the alpha-bar weighted projection loss, AdamW with gradient clipping; no EMA, no handlers."""
+    """The plain loop: CPU ``CacheDataset`` of the stage's transforms (the bundle's ``train#deterministic`` list)
+    + ``DataLoader``, fp32, v-prediction MSE plus the alpha-bar weighted projection loss, AdamW with gradient
+    clipping; no EMA, no handlers."""
+    from monai.bundle import ConfigParser
     from monai.data import CacheDataset, DataLoader
+    from monai.transforms import Compose, EnsureTyped
 
     from common.diffusion.schedule import DiffusionSchedule, fast_ddpm_grid
-    from common.xray2ct.data import xray2ct_transforms
     from common.xray2ct.losses import ProjectionLoss
     from common.xray2ct.networks import XrayCTDenoiser, degrade_to_previous
 
     config = train_config(BUNDLE)
     projector = _projector(s["view_size"])
-    transforms = xray2ct_transforms(projector, s["volume_size"], s["source_size"], orientation=config["orientation"])
+    parser = ConfigParser()
+    parser.read_config(str(BUNDLES_DIR / BUNDLE / "configs" / "train.json"))
+    parser.update({"stage": s["stage"], "stage_sizes": s["stage_sizes"], "view_size": s["view_size"]})
+    steps = parser.get_parsed_content("train#deterministic")
+    transforms = Compose([*steps, EnsureTyped(["image", "xray"], dtype=torch.float32, track_meta=True)])
     dataset = CacheDataset(data, transform=transforms, cache_rate=1.0, progress=False)
     loader = DataLoader(
         dataset, batch_size=s["batch_size"], shuffle=True, num_workers=workers, persistent_workers=workers > 0
@@ -312,6 +319,8 @@ def xray_throughput(
         "num_samples": 1,
         "volume_size": sizes[stage - 1],
         "source_size": sizes[-1],  # train.json's: the X-rays of every stage are made from the CT at the last size
+        "stage": stage,
+        "stage_sizes": sizes,
         "previous_size": sizes[stage - 2] if stage > 1 else None,
         "view_size": view,
         "network": network_settings,
