@@ -30,6 +30,7 @@ from common.bundle_tools.package import (
     LargeFileError,
     PackageError,
     UnsafeArchiveError,
+    bundle_modules,
     check_archive,
     download_bundle,
     extract_bundle,
@@ -123,6 +124,25 @@ def packages(tmp_path_factory) -> dict[str, tuple[Path, Path]]:
         ckpt = _tiny_checkpoint(name, root / f"{name}_tiny.pt")
         made[name] = (package_bundle(name, ckpt, root / "dist", weights_inside=True), ckpt)
     return made
+
+
+def _module_path(module: str) -> str:
+    """The path in a package of the module ``common.<...>``."""
+    path = module.replace(".", "/")
+    return f"{path}.py" if (REPO_ROOT / f"{path}.py").is_file() else f"{path}/__init__.py"
+
+
+def _families_imported_by(family: str) -> set[str]:
+    """The packages of ``common`` that the modules of ``common/<family>`` import directly."""
+    import ast
+
+    found = set()
+    for path in (REPO_ROOT / "common" / family).glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [node.module] if isinstance(node, ast.ImportFrom) and node.module else []
+            names += [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            found |= {n.split(".")[1] for n in names if n.startswith("common.") and n.count(".") >= 1}
+    return found
 
 
 def _metadata(name: str) -> dict:
@@ -241,13 +261,19 @@ def test_package_layout(name, packages):
         assert json.loads(zf.read(f"{name}/configs/train.json")) == {**train, **shipped}
         assert json.loads(zf.read(f"{name}/configs/run.json")) == record
         assert zf.read(f"{name}/{MODEL_FILE}") == ckpt.read_bytes()
-        common = {
-            f"common/{p.relative_to(REPO_ROOT / 'common').as_posix()}"
-            for p in (REPO_ROOT / "common").rglob("*.py")
-            if "__pycache__" not in p.parts and p.relative_to(REPO_ROOT / "common").parts[0] != "demo"
-        }
+        # the modules its configs import, transitively (bundle_modules): its own family's, not other bundles'
+        common = {_module_path(m) for m in bundle_modules(bundle)}
         assert {r for r in rel if r.startswith("common/")} == common
-        assert "common/bundle.py" in common and not any(r.startswith("common/demo/") for r in rel)
+        description = _metadata(name)["collection"]
+        family = description["family"]
+        assert {"common/__init__.py", "common/bundle.py", f"common/{family}/__init__.py"} <= common
+        used = {family, *_families_imported_by(family), *(m.split(".")[1] for m in description.get("also_imports", []))}
+        families = {
+            json.loads((BUNDLES / b / "configs" / "metadata.json").read_text())["collection"]["family"]
+            for b in BUNDLE_NAMES
+        }
+        assert not {f for f in families - used if any(r.startswith(f"common/{f}/") for r in common)}
+        assert not any(r.startswith(("common/demo/", "common/bundle_tools/")) for r in rel)
         assert not any("__pycache__" in r or r.endswith(".pyc") for r in rel)
         assert not any(r.startswith(("outputs/", "demo_data/")) for r in rel)
 
@@ -762,3 +788,44 @@ def test_hugging_face_layout_downloads_with_monai_and_runs(hub, tmp_path, monkey
     out = tmp_path / "predictions_out"
     _run_standalone(bundle, name, _input_volume(name, tmp_path / "data"), "--output_dir", str(out))
     assert _predictions(name, out / "predictions") == 1
+
+
+def _demo_data(package: Path, folder: Path) -> list[str]:
+    """Write the demo data of a package's training settings (the generator named by its ``train.json``, run here,
+    since a package carries none) under ``folder``; the command-line arguments that point the package at it."""
+    from monai.bundle import ConfigParser
+
+    parser = ConfigParser()
+    parser.read_config(str(package / "configs" / "train.json"))
+    parser.update({"bundle_root": str(folder), "demo_data": True})
+    parser.get_parsed_content("demo_dataset")
+    if "csv_path" in parser:  # a cohort CSV names the volumes
+        return ["--csv_path", parser.get_parsed_content("csv_path")]
+    return ["--dataset_dir", parser.get_parsed_content("dataset_dir")]
+
+
+@pytest.mark.parametrize("name", BUNDLE_NAMES)
+def test_package_trains_evaluates_and_infers_with_what_it_carries(name, packages, tmp_path):
+    """A package holds the modules its configs import and nothing else, and that is enough: unzipped outside the
+    repository and run with nothing of it importable (``python -S``), it trains one epoch on data in another folder,
+    evaluates the run and runs inference with the run's weights."""
+    zip_path, _ = packages[name]
+    with zipfile.ZipFile(zip_path) as zf:
+        zf.extractall(tmp_path / "anywhere")
+    package = tmp_path / "anywhere" / name
+    data = _demo_data(package, tmp_path / "data")
+    out = tmp_path / "run"
+
+    def run(run_id: str, configs: list[str], *args: str) -> None:
+        cmd = [*STANDALONE_PYTHON, "-m", "monai.bundle", "run", run_id, "--config_file", json.dumps(configs)]
+        cmd += ["--output_dir", str(out), *args]
+        result = subprocess.run(cmd, cwd=package, env=standalone_env(), capture_output=True, text=True, timeout=600)
+        assert result.returncode == 0, f"{name} {run_id} {configs}: {result.stdout[-2000:]}\n{result.stderr[-4000:]}"
+
+    run("training", ["configs/train.json"], *data, "--max_epochs", "1", "--val_interval", "1")
+    run_dir = next(p.parent.parent for p in sorted(out.rglob("models/model.pt")))
+    assert (run_dir / "configs" / "run.json").is_file()
+    run("run", ["configs/train.json", "configs/evaluate.json"])
+    assert list(out.rglob("eval*/metrics.json")), sorted(str(p.relative_to(out)) for p in out.rglob("*"))
+    run("run", ["configs/inference.json"], *data)
+    assert list(out.rglob(".done/*.json")), sorted(str(p.relative_to(out)) for p in out.rglob("*"))

@@ -4,9 +4,10 @@
 bundle zip with extraction that refuses unsafe archives before anything is written.
 
 A packaged bundle ``<name>_v<version>.zip`` holds one folder ``<name>/`` with ``configs/``, ``docs/``, ``LICENSE``,
-``large_files.yml``, ``models/model.pt`` and a copy of the collection's ``common/`` package (Python files only,
-without the demo-data generators of ``common/demo``), so ``python -m monai.bundle run --config_file
-configs/inference.json ...`` run from that folder needs only the requirements installed: ``python -m`` puts the working directory, which holds ``common/``, on ``sys.path``.
+``large_files.yml``, ``models/model.pt`` and the modules of the collection's ``common/`` package that its configs
+import, transitively (:func:`bundle_modules`; not the demo-data generators of ``common/demo``), so ``python -m
+monai.bundle run --config_file configs/inference.json ...`` run from that folder needs only the requirements
+installed: ``python -m`` puts the working directory, which holds ``common/``, on ``sys.path``.
 
 ``large_files.yml`` of a package lists ``models/model.pt`` with its sha256. With a ``url`` (a Hugging Face
 repository's address with ``hf_repo``) the entry says where the weights can be downloaded again, which a model-zoo
@@ -21,6 +22,7 @@ fit its own configs is refused before it is written (:func:`check_package_weight
 
 from __future__ import annotations
 
+import ast
 import hashlib
 import io
 import json
@@ -36,6 +38,7 @@ from pathlib import Path, PurePosixPath
 from typing import Any
 
 from common.bundle import resolve_bundle
+from common.bundle_tools.registry import describe
 from common.errors import UserError
 from common.runs import LOCATION_IDS, check_record_bundle
 
@@ -48,6 +51,7 @@ __all__ = [
     "LargeFileError",
     "PackageError",
     "UnsafeArchiveError",
+    "bundle_modules",
     "bundle_version",
     "check_archive",
     "check_checkpoint",
@@ -353,6 +357,70 @@ def hf_layout(zip_path: str | os.PathLike) -> Path:
 
 
 # ------------------------------------------------------------------------------------------------- packaging
+_COMMON_NAME = re.compile(r"\bcommon(?:\.[A-Za-z_]\w*)+")
+
+
+def _module_file(module: str) -> Path | None:
+    """The file of the module ``common.<...>`` (``<...>.py`` or a package's ``__init__.py``), or ``None``."""
+    path = COMMON_DIR.parent.joinpath(*module.split("."))
+    for candidate in (path.with_suffix(".py"), path / "__init__.py"):
+        if candidate.is_file():
+            return candidate
+    return None
+
+
+def _as_module(dotted: str) -> str | None:
+    """The longest prefix of ``dotted`` (``common.x.y.name``) that is a module of ``common``."""
+    parts = dotted.split(".")
+    for end in range(len(parts), 1, -1):
+        if _module_file(".".join(parts[:end])) is not None:
+            return ".".join(parts[:end])
+    return None
+
+
+def _imports_of(module: str) -> set[str]:
+    """The modules of ``common`` that ``module`` imports (at the top or inside functions)."""
+    found = set()
+    for node in ast.walk(ast.parse(_module_file(module).read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Import):
+            found |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            found.add(node.module)
+            found |= {f"{node.module}.{alias.name}" for alias in node.names}  # a submodule imported by name
+    return {m for name in found if name.split(".")[0] == "common" and (m := _as_module(name)) is not None}
+
+
+def bundle_modules(bundle_dir: str | os.PathLike) -> list[str]:
+    """The modules of ``common`` a bundle needs: those its configs name (``$import``, ``_target_``, expressions)
+    and those its description's ``also_imports`` lists (every module of a package), the modules they import,
+    transitively, and their packages; not the demo-data generators (``common.demo``, which a packaged bundle
+    replaces by ``--dataset_dir``), sorted.
+
+    Args:
+        bundle_dir: the bundle folder; every ``configs/*.json`` but ``metadata.json`` is read.
+    """
+    skipped = tuple(f"common.{name}" for name in UNPACKAGED_COMMON)
+    text = "\n".join(
+        p.read_text(encoding="utf-8")
+        for p in sorted(Path(bundle_dir).glob("configs/*.json"))
+        if p.name != "metadata.json"
+    )
+    todo = {m for match in _COMMON_NAME.findall(text) if (m := _as_module(match)) is not None}
+    for name in describe(bundle_dir).also_imports:
+        path = COMMON_DIR.parent.joinpath(*name.split("."))
+        todo |= {name} | {f"{name}.{p.stem}" for p in path.glob("*.py") if p.stem != "__init__"}
+    needed: set[str] = set()
+    while todo:
+        module = todo.pop()
+        if module in needed or module in skipped or module.startswith(tuple(f"{s}." for s in skipped)):
+            continue
+        needed.add(module)
+        parts = module.split(".")
+        todo |= {".".join(parts[:end]) for end in range(1, len(parts))}  # its packages' __init__
+        todo |= _imports_of(module)
+    return sorted(needed)
+
+
 def _tree_files(
     root: Path, rel_root: str, python_only: bool = False, skip: Sequence[str] = ()
 ) -> Iterator[tuple[str, Path]]:
@@ -408,7 +476,9 @@ def _package_members(bundle_dir: Path, ckpt: Path, large_files: bytes) -> dict[s
     for required in REQUIRED_FILES:
         if required not in members:
             raise FileNotFoundError(f"bundle {bundle_dir.name!r} lacks {required!r} (looked in {str(bundle_dir)!r}).")
-    members.update(_tree_files(COMMON_DIR, "common", python_only=True, skip=UNPACKAGED_COMMON))
+    for module in bundle_modules(bundle_dir):
+        path = _module_file(module)
+        members[path.relative_to(COMMON_DIR.parent).as_posix()] = path
     members[LARGE_FILES] = large_files
     members[MODEL_FILE] = ckpt
     members.update(run_configs(bundle_dir, ckpt))

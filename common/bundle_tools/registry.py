@@ -10,6 +10,7 @@ bundles::
 
     "collection": {
         "family": "autoencoder",
+        "also_imports": [],
         "demo": {
             "cpu": {"patch_size": [32, 32, 32], "max_epochs": 200},
             "gpu": {"patch_size": [64, 64, 64], "max_epochs": 200},
@@ -20,7 +21,9 @@ bundles::
     }
 
 ``family`` names the package ``common.<family>`` that holds the bundle's model code and the harness module
-``scripts.harness.<family>``. The demo profiles are overrides of ``train.json`` ids (of the preset's configs too);
+``scripts.harness.<family>``. ``also_imports`` lists modules or packages of ``common`` that the bundle imports
+without its configs naming them (``fast_ddpm_3d`` builds the autoencoder of another bundle's config for latent
+diffusion); packaging ships them with what the configs import (:func:`common.bundle_tools.package.bundle_modules`). The demo profiles are overrides of ``train.json`` ids (of the preset's configs too);
 A bundle with ``stage_iterations`` trains stage by stage, stage ``k`` for ``stage_iterations[device][k - 1]``
 iterations (one validated epoch), into ``<output_dir>/stage<k>``.
 """
@@ -52,6 +55,7 @@ class BundleDescription:
         name: the bundle folder's name.
         folder: the bundle folder.
         family: the model family: ``common.<family>`` and ``scripts.harness.<family>``.
+        also_imports: modules or packages of ``common`` the bundle imports that its configs do not name.
         demo: the demo's overrides of ``train.json`` per device (``cpu``, ``gpu``).
         presets: demo presets by name: extra ``configs`` merged after ``train.json`` and their overrides per device.
         reported_metrics: the metrics the demo prints.
@@ -64,6 +68,7 @@ class BundleDescription:
     family: str
     demo: Mapping[str, Mapping[str, Any]]
     presets: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
+    also_imports: tuple[str, ...] = ()
     reported_metrics: tuple[str, ...] = ()
     stage_iterations: Mapping[str, tuple[int, ...]] = field(default_factory=dict)
 
@@ -122,6 +127,7 @@ def describe(target: str | os.PathLike) -> BundleDescription:
         family=section["family"],
         demo={device: dict(demo[device]) for device in DEVICES},
         presets={name: dict(preset) for name, preset in demo.get("presets", {}).items()},
+        also_imports=tuple(section.get("also_imports", [])),
         reported_metrics=tuple(demo["reported_metrics"]),
         stage_iterations={device: tuple(n) for device, n in demo.get("stage_iterations", {}).items()},
     )
@@ -149,6 +155,11 @@ def _check_overrides(folder: Path, key: str, overrides: Any, ids: set[str] | Non
     return [f"{_where(folder, key)} overrides {unknown}, which are not ids of its configs"] if unknown else []
 
 
+def _is_module(name: str) -> bool:
+    path = ROOT.joinpath(*name.split("."))
+    return name.split(".")[0] == "common" and (path.with_suffix(".py").is_file() or (path / "__init__.py").is_file())
+
+
 def check_description(bundle_dir: str | os.PathLike) -> list[str]:
     """Problems of the ``collection`` section of a bundle's metadata, one line each (empty: none): its family is a
     package of ``common``, the demo profiles override ids the configs have, the reported metrics are names.
@@ -167,6 +178,9 @@ def check_description(bundle_dir: str | os.PathLike) -> list[str]:
     family = section.get("family")
     if not isinstance(family, str) or not (ROOT / "common" / family / "__init__.py").is_file():
         problems.append(f"{_where(folder, 'family')} must name a package of common/, got {family!r}")
+    also = section.get("also_imports", [])
+    if not isinstance(also, list) or not all(isinstance(m, str) and _is_module(m) for m in also):
+        problems.append(f"{_where(folder, 'also_imports')} must list modules or packages of common, got {also!r}")
     demo = section.get("demo")
     if not isinstance(demo, Mapping):
         return [*problems, f"{_where(folder, 'demo')} must be a dict with {sorted(_DEMO_KEYS)}"]
