@@ -436,7 +436,7 @@ def check_json_training_dataset(
 
     train = parser.get_parsed_content("train#dataset")
     transform = parser.get_parsed_content("train#preprocessing")
-    rate = {"cache_rate": 1.0, "replace_rate": 0.0, **rates}
+    rate = {"cache_rate": 1.0, "replace_rate": parser.get_parsed_content("replace_rate"), **rates}
     expected = make_dataset(training, transform, **rate, partition=False, seed=parser["seed"])
     assert isinstance(train, SmartCacheDataset) and type(expected) is (SmartCacheDataset if rates else CacheDataset)
     assert [d[key] for d in train.data] == [d[key] for d in expected.data]

@@ -19,7 +19,12 @@ from common.errors import MissingInputError
 REPO = Path(__file__).resolve().parents[1]
 COMMON = REPO / "common"
 
-# lower numbers are lower layers; a module may import from its own package or from a lower layer only
+# a family builds on these families only (nothing else between the generic layers and the demo data)
+FAMILY_BASES = {"common.vqgan": {"common.autoencoder"}, "common.xray2ct": {"common.diffusion"}}
+# the families: the packages the bundles' descriptions name (the ``collection`` section of their metadata)
+FAMILIES = {description.package for description in descriptions()}
+# lower numbers are lower layers; a module may import from its own package or from a lower layer only. A family
+# sits on the generic layers (4), one that builds on another family above it (5): a new family needs no entry here.
 LAYERS = {
     "common.errors": -1,
     "common.utils": 0,
@@ -30,20 +35,12 @@ LAYERS = {
     "common.checkpoint_io": 2,
     "common.engines": 2,
     "common.handlers": 3,
-    "common.autoencoder": 4,
-    "common.diffusion": 4,
-    "common.survival": 4,
-    "common.vqgan": 5,
-    "common.xray2ct": 5,
+    **{family: 5 if family in FAMILY_BASES else 4 for family in FAMILIES},
     "common.demo": 6,
     "common.bundle": 7,
     "common.notebooks": 8,
     "common.bundle_tools": 8,
 }
-# a family builds on these families only (nothing else at layer 4 or 5)
-FAMILY_BASES = {"common.vqgan": {"common.autoencoder"}, "common.xray2ct": {"common.diffusion"}}
-# the families: the packages the bundles' descriptions name (the ``collection`` section of their metadata)
-FAMILIES = {description.package for description in descriptions()}
 
 
 def _package(module: str) -> str:

@@ -132,6 +132,14 @@ def _module_path(module: str) -> str:
     return f"{path}.py" if (REPO_ROOT / f"{path}.py").is_file() else f"{path}/__init__.py"
 
 
+def _families_named_by(bundle: Path) -> set[str]:
+    """The packages of ``common`` that a bundle's configs (not its metadata) name."""
+    import re
+
+    configs = [p for p in (bundle / "configs").glob("*.json") if p.name != "metadata.json"]
+    return {m for p in configs for m in re.findall(r"\bcommon\.([a-z_0-9]+)\.", p.read_text())}
+
+
 def _families_imported_by(family: str) -> set[str]:
     """The packages of ``common`` that the modules of ``common/<family>`` import directly."""
     import ast
@@ -267,7 +275,8 @@ def test_package_layout(name, packages):
         description = _metadata(name)["collection"]
         family = description["family"]
         assert {"common/__init__.py", "common/bundle.py", f"common/{family}/__init__.py"} <= common
-        used = {family, *_families_imported_by(family), *(m.split(".")[1] for m in description.get("also_imports", []))}
+        named = _families_named_by(bundle) | {m.split(".")[1] for m in description.get("also_imports", [])}
+        used = named | {base for f in named for base in _families_imported_by(f)}
         families = {
             json.loads((BUNDLES / b / "configs" / "metadata.json").read_text())["collection"]["family"]
             for b in BUNDLE_NAMES
