@@ -19,7 +19,6 @@ import torch
 from tests.helpers import (
     BUNDLES,
     REPO_ROOT,
-    SCHEMA,
     STANDALONE_PYTHON,
     bundle_env,
     bundle_parser,
@@ -309,15 +308,6 @@ def test_json_pipelines_match_volume_transforms(tmp_path, settings):
         restored, expected_restored = inference_pre.inverse(item), expected.inverse(expected_item)
         same_tensor(restored["image"], expected_restored["image"])
         inference.get_parsed_content("postprocessing")  # checks that output_units fits the preprocessing
-
-
-def test_metadata_valid_against_schema():
-    jsonschema = pytest.importorskip("jsonschema")
-    meta = json.loads((BUNDLES / BUNDLE / "configs" / "metadata.json").read_text())
-    jsonschema.validate(meta, json.loads(SCHEMA.read_text()))
-    assert meta["version"] in meta["changelog"]
-    assert set(meta["network_data_format"]["inputs"]) == {"image"}
-    assert set(meta["network_data_format"]["outputs"]) == {"pred"}
 
 
 def test_model_zoo_train_properties(phantoms, tmp_path):

@@ -23,7 +23,6 @@ import torch
 from tests.helpers import (
     BUNDLES,
     REPO_ROOT,
-    SCHEMA,
     bundle_env,
     bundle_parser,
     check_json_training_dataset,
@@ -284,15 +283,6 @@ def test_bad_data_is_reported_per_case_before_training(brats_tree, tmp_path):
     assert f"training[2] (case {case[2]})" in text and "spatial shapes differ" in text
     assert f"training[3] (case {case[3]})" in text and "'t1n'" in text
     assert not out.exists()
-
-
-def test_metadata_valid_against_schema():
-    jsonschema = pytest.importorskip("jsonschema")
-    meta = json.loads((BUNDLES / BUNDLE / "configs" / "metadata.json").read_text())
-    jsonschema.validate(meta, json.loads(SCHEMA.read_text()))
-    assert meta["version"] in meta["changelog"]
-    assert set(meta["network_data_format"]["inputs"]) == {"image"}
-    assert set(meta["network_data_format"]["outputs"]) == {"pred"}
 
 
 def test_baseline_mode_trains_and_samples_every_step(brats_tree, tmp_path):

@@ -19,7 +19,6 @@ import torch
 from tests.helpers import (
     BUNDLES,
     REPO_ROOT,
-    SCHEMA,
     bundle_env,
     bundle_parser,
     check_json_training_dataset,
@@ -436,15 +435,6 @@ def test_bad_data_is_reported_per_case_before_training(ct_series, tmp_path):
     assert "training[1]" in result.stderr and "DICOM series folder is required" in result.stderr
     assert "training[2]" in result.stderr and "does not exist" in result.stderr
     assert not out.exists()
-
-
-def test_metadata_valid_against_schema():
-    jsonschema = pytest.importorskip("jsonschema")
-    meta = json.loads((BUNDLES / BUNDLE / "configs" / "metadata.json").read_text())
-    jsonschema.validate(meta, json.loads(SCHEMA.read_text()))
-    assert meta["version"] in meta["changelog"]
-    assert set(meta["network_data_format"]["inputs"]) == {"image"}
-    assert set(meta["network_data_format"]["outputs"]) == {"pred"}
 
 
 def test_torchrun_two_processes_keep_identical_codebooks(ct_series, tmp_path):

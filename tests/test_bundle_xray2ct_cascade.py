@@ -24,7 +24,6 @@ import torch
 from tests.helpers import (
     BUNDLES,
     REPO_ROOT,
-    SCHEMA,
     bundle_env,
     bundle_parser,
     check_json_training_dataset,
@@ -332,15 +331,6 @@ def test_bad_data_is_reported_per_case_before_training(phantoms, tmp_path):
     assert "training[1] (case case1): xray_ap" in text and "transpose" in text
     assert "training[2] (case case2): xray_lateral" in text and "expected view_size (64, 32)" in text
     assert not (out / "stage1").exists()
-
-
-def test_metadata_valid_against_schema():
-    jsonschema = pytest.importorskip("jsonschema")
-    meta = json.loads((BUNDLES / BUNDLE / "configs" / "metadata.json").read_text())
-    jsonschema.validate(meta, json.loads(SCHEMA.read_text()))
-    assert meta["version"] in meta["changelog"]
-    assert set(meta["network_data_format"]["inputs"]) == {"image"}
-    assert set(meta["network_data_format"]["outputs"]) == {"pred"}
 
 
 def test_torchrun_two_processes_keep_identical_replicas(phantoms, tmp_path):

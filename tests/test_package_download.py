@@ -25,6 +25,7 @@ import numpy as np
 import pytest
 import torch
 
+from common.bundle import bundle_names
 from common.bundle_tools.package import (
     MODEL_FILE,
     LargeFileError,
@@ -51,7 +52,7 @@ from tests.helpers import (
     standalone_env,
 )
 
-BUNDLE_NAMES = sorted(p.parent.parent.name for p in BUNDLES.glob("*/configs/metadata.json"))
+BUNDLE_NAMES = bundle_names()
 ZIP_DATE = (1980, 1, 1, 0, 0, 0)
 
 
@@ -463,43 +464,12 @@ def test_verify_large_files_refusals(tmp_path, entry, message):
 
 
 # ------------------------------------------------------------------------------------- standalone inference
-@pytest.mark.parametrize("name", BUNDLE_NAMES)
-def test_standalone_inference(name, packages, tmp_path):
-    """Unzipped anywhere, run from its folder with no repository on the path, the bundle predicts with the
-    weights in ``models/model.pt`` (found by default) and writes to ``<bundle>/outputs``."""
-    zip_path, _ = packages[name]
-    with zipfile.ZipFile(zip_path) as zf:
-        zf.extractall(tmp_path / "anywhere")
-    bundle = tmp_path / "anywhere" / name
-    dataset = _input_volume(name, tmp_path / "data")
-    probe = subprocess.run(
-        [
-            *STANDALONE_PYTHON,
-            "-c",
-            f"import sys, common, common.bundle; print(common.__file__); print(common.bundle.bundle_root({name!r})); "
-            "print(sys.path)",
-        ],
-        cwd=bundle,
-        env=standalone_env(),
-        capture_output=True,
-        text=True,
-    )
-    assert probe.returncode == 0, probe.stderr
-    common_file, root, path = probe.stdout.splitlines()
-    assert Path(common_file).resolve() == (bundle / "common" / "__init__.py").resolve()
-    assert Path(root).resolve() == bundle.resolve()
-    assert str(REPO_ROOT) not in path
-
-    _run_standalone(bundle, name, dataset)
-    assert _predictions(name, bundle / "outputs" / "predictions") == 1, _listing(bundle / "outputs")
-
-
 # ------------------------------------------------------------------------------------------------ download
 @pytest.mark.parametrize("name", BUNDLE_NAMES)
 def test_download_and_run(name, packages, server, tmp_path):
     """``monai.bundle download`` and ``scripts/download_bundle.py`` fetch the zip from a loopback server into the
     same tree, byte for byte; the wrapper checks the zip's hash; a downloaded bundle runs standalone (one bundle: the
-    others' zips run standalone in ``test_standalone_inference``)."""
+    others' zips run standalone in ``test_package_trains_evaluates_and_infers_with_what_it_carries``)."""
     from monai.apps.utils import HashCheckError
 
     zip_path, _ = packages[name]
@@ -815,26 +785,44 @@ def _demo_data(package: Path, folder: Path) -> list[str]:
 
 @pytest.mark.parametrize("name", BUNDLE_NAMES)
 def test_package_trains_evaluates_and_infers_with_what_it_carries(name, packages, tmp_path):
-    """A package holds the modules its configs import and nothing else, and that is enough: unzipped outside the
-    repository and run with nothing of it importable (``python -S``), it trains one epoch on data in another folder,
-    evaluates the run and runs inference with the run's weights."""
+    """A package holds the modules its configs import and nothing else, and that is enough: unzipped anywhere and
+    run from its folder with nothing of this repository importable (``python -S``), it imports its own ``common``,
+    trains one epoch on data in another folder, evaluates the run, and predicts with the weights it ships
+    (``models/model.pt``, found by default) into ``<bundle>/outputs``."""
     zip_path, _ = packages[name]
     with zipfile.ZipFile(zip_path) as zf:
         zf.extractall(tmp_path / "anywhere")
     package = tmp_path / "anywhere" / name
+    probe = subprocess.run(
+        [
+            *STANDALONE_PYTHON,
+            "-c",
+            f"import common, common.bundle; print(common.__file__); print(common.bundle.bundle_root({name!r}))",
+        ],
+        cwd=package,
+        env=standalone_env(),
+        capture_output=True,
+        text=True,
+    )
+    assert probe.returncode == 0, probe.stderr
+    common_file, root = probe.stdout.splitlines()
+    assert Path(common_file).resolve() == (package / "common" / "__init__.py").resolve()
+    assert Path(root).resolve() == package.resolve()
     data = _demo_data(package, tmp_path / "data")
     out = tmp_path / "run"
 
     def run(run_id: str, configs: list[str], *args: str) -> None:
-        cmd = [*STANDALONE_PYTHON, "-m", "monai.bundle", "run", run_id, "--config_file", json.dumps(configs)]
-        cmd += ["--output_dir", str(out), *args]
+        cmd = [*STANDALONE_PYTHON, "-m", "monai.bundle", "run", run_id, "--config_file", json.dumps(configs), *args]
+        cmd += seed_args(name, [Path(c).name for c in configs], args)
         result = subprocess.run(cmd, cwd=package, env=standalone_env(), capture_output=True, text=True, timeout=600)
         assert result.returncode == 0, f"{name} {run_id} {configs}: {result.stdout[-2000:]}\n{result.stderr[-4000:]}"
 
-    run("training", ["configs/train.json"], *data, "--max_epochs", "1", "--val_interval", "1")
+    run("training", ["configs/train.json"], *data, "--output_dir", str(out), "--max_epochs", "1", "--val_interval", "1")
     run_dir = next(p.parent.parent for p in sorted(out.rglob("models/model.pt")))
     assert (run_dir / "configs" / "run.json").is_file()
-    run("run", ["configs/train.json", "configs/evaluate.json"])
+    run("run", ["configs/train.json", "configs/evaluate.json"], "--output_dir", str(out))
     assert list(out.rglob("eval*/metrics.json")), sorted(str(p.relative_to(out)) for p in out.rglob("*"))
-    run("run", ["configs/inference.json"], *data)
-    assert list(out.rglob(".done/*.json")), sorted(str(p.relative_to(out)) for p in out.rglob("*"))
+    run("run", ["configs/inference.json"], *data)  # the shipped weights, outputs in the package's own folder
+    predictions = package / "outputs" / "predictions"
+    assert list(predictions.glob(".done/*.json")), _listing(package / "outputs")
+    assert _predictions(name, predictions) >= 1, _listing(package / "outputs")
