@@ -23,7 +23,7 @@ from monai.bundle import ConfigParser
 from monai.bundle.scripts import _get_fake_spatial_shape
 from monai.utils import get_equivalent_dtype
 
-from common.bundle import BUNDLES_DIR, bundle_names, resolve_bundle
+from common.bundle import BUNDLES_DIR, ROOT, bundle_names, resolve_bundle
 from common.bundle_tools.registry import check_description
 from common.errors import BundleNotFoundError
 
@@ -90,7 +90,7 @@ INFERENCE_IDS = (
     "output_dir",
 )
 LARGE_FILE_KEYS = ("path", "url", "hash_val", "hash_type")
-DEFAULT_SCHEMA = Path(__file__).resolve().parents[2] / "tests" / "data" / "meta_schema_20240725.json"
+DEFAULT_SCHEMA = ROOT / "tests" / "data" / "meta_schema_20240725.json"
 _MAX_MESSAGE = 300
 
 
