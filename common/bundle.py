@@ -150,7 +150,7 @@ def check_settings(check: Callable[..., Any], **settings: Any) -> Any:
 
     Args:
         check: a function raising ``ValueError`` for invalid settings, e.g.
-            ``common.vqgan.networks.check_vqgan_settings``.
+            ``common.vqgan.settings.check_vqgan_settings``.
         settings: the config values, passed to ``check`` by name.
 
     Returns:

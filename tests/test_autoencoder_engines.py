@@ -694,7 +694,7 @@ GOOD_AUTOENCODER = dict(
 def test_autoencoder_settings_accept_the_bundle_defaults():
     import json
 
-    from common.autoencoder.engines import check_autoencoder_settings
+    from common.autoencoder.settings import check_autoencoder_settings
 
     check_autoencoder_settings(**GOOD_AUTOENCODER)
     train = json.loads((REPO_ROOT / "bundles" / "autoencoder_3d" / "configs" / "train.json").read_text())
@@ -723,7 +723,7 @@ def test_autoencoder_settings_accept_the_bundle_defaults():
     ],
 )
 def test_autoencoder_settings_name_the_config_id(change, message):
-    from common.autoencoder.engines import check_autoencoder_settings
+    from common.autoencoder.settings import check_autoencoder_settings
 
     with pytest.raises(ValueError, match="invalid autoencoder configuration") as info:
         check_autoencoder_settings(**{**GOOD_AUTOENCODER, **change})

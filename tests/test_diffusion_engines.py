@@ -18,7 +18,6 @@ import common.diffusion.engines as workflow
 from common.diffusion.engines import (
     DiffusionEvaluator,
     DiffusionTrainer,
-    check_diffusion_settings,
     expand_channels,
     insert_target,
     latent_roi_size,
@@ -29,6 +28,7 @@ from common.diffusion.engines import (
 )
 from common.diffusion.networks import DiffusionSampler
 from common.diffusion.schedule import DiffusionSchedule, fast_ddpm_grid
+from common.diffusion.settings import check_diffusion_settings
 
 SIDE = 8
 GRID = fast_ddpm_grid("uniform", 10)  # 11 points: 0, 99, ..., 999

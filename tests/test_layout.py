@@ -193,3 +193,20 @@ def test_the_json_is_the_only_pipeline() -> None:
     assert builders, "no chain builders found: the test no longer looks at the right thing"
     unnamed = [f"{module}.{name}" for module, name in builders if f"{module}.{name}" not in configs]
     assert not unnamed, f"{unnamed} build transform chains no config names (move an oracle to tests/oracles.py)"
+
+
+def test_settings_checks_live_in_the_family_settings_modules() -> None:
+    """A family's settings checks are in ``common/<family>/settings.py`` (its engines modules hold engines), and every
+    check a config runs through ``common.bundle.check_settings`` is one of them."""
+    misplaced = [
+        f"{_module_name(path)}.{node.name}"
+        for family in FAMILIES
+        for path in sorted((REPO / family.replace(".", "/")).glob("*.py"))
+        if path.name != "settings.py"
+        for node in ast.parse(path.read_text()).body
+        if isinstance(node, ast.FunctionDef) and node.name.startswith("check_") and node.name.endswith("_settings")
+    ]
+    assert not misplaced, misplaced
+    for config in sorted(REPO.glob("bundles/*/configs/train.json")):
+        check = json.loads(config.read_text())["check_settings"]["check"]["_target_"]
+        assert check.rsplit(".", 2)[1] == "settings" and f"{check.rsplit('.', 2)[0]}" in FAMILIES, (config, check)

@@ -16,14 +16,8 @@ import common.vqgan.networks as vqgan_module
 from common.bundle import check_settings
 from common.checkpoint_io import CheckpointError
 from common.errors import SettingsError
-from common.vqgan.networks import (
-    VQGAN,
-    EMAVectorQuantizer,
-    VQGANDecoder,
-    VQGANEncoder,
-    check_vqgan_settings,
-    downsample_levels,
-)
+from common.vqgan.networks import VQGAN, EMAVectorQuantizer, VQGANDecoder, VQGANEncoder, downsample_levels
+from common.vqgan.settings import check_vqgan_settings
 from tests.helpers import REPO_ROOT, bundle_env, torchrun_cmd
 
 torch.set_num_threads(1)

@@ -16,15 +16,10 @@ from monai.data import MetaTensor
 from torch import nn
 
 from common.diffusion.schedule import DiffusionSchedule, fast_ddpm_grid
-from common.xray2ct.engines import (
-    XrayCTEvaluator,
-    XrayCTTrainer,
-    check_xray2ct_settings,
-    stage_value,
-    xray2ct_metric_handlers,
-)
+from common.xray2ct.engines import XrayCTEvaluator, XrayCTTrainer, stage_value, xray2ct_metric_handlers
 from common.xray2ct.losses import ProjectionLoss
 from common.xray2ct.networks import XrayCTCascade, XrayCTSampler, degrade_to_previous
+from common.xray2ct.settings import check_xray2ct_settings
 from tests.helpers import tiny_xray_denoiser, xray_projector
 
 GRID = fast_ddpm_grid("uniform", 10)

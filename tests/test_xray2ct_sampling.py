@@ -21,15 +21,10 @@ from common.checkpoint_io import CheckpointError, save_checkpoint
 from common.diffusion.engines import volume_seed
 from common.diffusion.schedule import DiffusionSchedule, fast_ddpm_grid, grid_ddim_sample
 from common.handlers.images import XrayCTWriter
-from common.xray2ct.engines import (
-    XrayCTEvaluator,
-    XrayCTTrainer,
-    check_xray2ct_settings,
-    snr_loss_weight,
-    xray2ct_metric_handlers,
-)
+from common.xray2ct.engines import XrayCTEvaluator, XrayCTTrainer, snr_loss_weight, xray2ct_metric_handlers
 from common.xray2ct.losses import ProjectionLoss
 from common.xray2ct.networks import XrayCTDenoiser, XrayCTSampler, build_cascade, load_regressor
+from common.xray2ct.settings import check_xray2ct_settings
 from tests.helpers import TINY_XRAY_NETWORK, randomise_zero_parameters, tiny_xray_denoiser, xray_projector
 from tests.test_xray2ct_engines import VALID as ENGINE_SETTINGS
 

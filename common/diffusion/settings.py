@@ -1,0 +1,147 @@
+# Copyright (c) the 3D MONAI bundle collection contributors.
+# Licensed under the Apache License, Version 2.0.
+"""The checks of the diffusion family's settings, run first in a bundle's ``initialize`` (through
+:func:`common.bundle.check_settings`) before anything is built or written."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from common.data.pipeline import cache_problems
+from common.diffusion.engines import (
+    DIFFUSION_MODES,
+    TASKS,
+)
+from common.diffusion.schedule import (
+    GRIDS,
+    PREDICTIONS,
+    fast_ddpm_grid,
+)
+from common.utils import flag_problems
+
+__all__ = ["check_diffusion_settings"]
+
+
+def check_diffusion_settings(
+    task: str,
+    image_keys: Sequence[str],
+    target_key: str,
+    diffusion_mode: str,
+    grid: str,
+    num_grid_steps: int,
+    num_train_timesteps: int,
+    prediction_type: str,
+    patch_size: Sequence[int],
+    unet_channels: Sequence[int],
+    norm_num_groups: int,
+    eta: float = 0.0,
+    ema_decay: float = 0.9999,
+    batch_size: int = 1,
+    accumulation_steps: int = 1,
+    val_num_samples: int = 1,
+    latent_downsample: Sequence[int] | None = None,
+    attention_levels: Sequence[bool] | None = None,
+    num_head_channels: int | None = None,
+    flags: Mapping[str, Any] | None = None,
+    cache_rate: float = 1.0,
+    replace_rate: float = 0.1,
+) -> None:
+    """Check a diffusion bundle's settings before anything is built or written.
+
+    Beyond the values themselves, ``attention_levels`` must hold one boolean per entry of ``unet_channels``
+    (the command line reads ``true`` as a string: a string there would silently switch attention on at full
+    resolution and exhaust the memory), and ``num_head_channels`` must divide the channels of those levels.
+    ``flags`` maps the ids of on/off switches (``latent``, ``clip_sample``, ...) to their values, which must be
+    booleans for the same reason (a string ``"false"`` is true). ``latent_downsample`` of 1 on every axis (or
+    ``None``) means no autoencoder. ``cache_rate`` and ``replace_rate`` are checked as
+    :func:`common.data.pipeline.cache_problems` does.
+
+    Raises:
+        ValueError: listing every problem, each naming its config id and value.
+    """
+    problems = []
+    keys = list(image_keys) if isinstance(image_keys, (list, tuple)) else None
+    if task not in TASKS:
+        problems.append(f"'task' must be one of {TASKS}, got {task!r}.")
+    if not keys or not all(isinstance(k, str) and k for k in keys) or len(set(keys)) != len(keys):
+        problems.append(f"'image_keys' must be a list of distinct datalist keys, got {image_keys!r}.")
+    elif target_key not in keys:
+        problems.append(f"'target_key' {target_key!r} must be one of 'image_keys' {keys}.")
+    elif task == "unconditional" and len(keys) != 1:
+        problems.append(
+            f"task 'unconditional' generates 'target_key' alone: 'image_keys' must be [{target_key!r}], got {keys}."
+        )
+    elif task in ("synthesis", "translation") and len(keys) < 2:
+        problems.append(f"task {task!r} needs at least one source besides the target in 'image_keys', got {keys}.")
+    if diffusion_mode not in DIFFUSION_MODES:
+        problems.append(f"'diffusion_mode' must be one of {DIFFUSION_MODES}, got {diffusion_mode!r}.")
+    if grid not in GRIDS:
+        problems.append(f"'grid' must be one of {GRIDS}, got {grid!r}.")
+    total = int(num_train_timesteps) if not isinstance(num_train_timesteps, bool) else 0
+    if total < 1:
+        problems.append(f"'num_train_timesteps' must be >= 1, got {num_train_timesteps!r}.")
+    elif isinstance(num_grid_steps, bool) or not 1 <= int(num_grid_steps) <= total:
+        problems.append(f"'num_grid_steps' must be in [1, num_train_timesteps={total}], got {num_grid_steps!r}.")
+    elif grid in GRIDS:
+        try:
+            fast_ddpm_grid(grid, num_grid_steps, total)
+        except ValueError as exc:
+            problems.append(f"'num_grid_steps': {exc}")
+    if prediction_type not in PREDICTIONS:
+        problems.append(f"'prediction_type' must be one of {PREDICTIONS}, got {prediction_type!r}.")
+    if not 0.0 <= float(eta) <= 1.0:
+        problems.append(f"'eta' must be in [0, 1], got {eta!r}.")
+    if not 0.0 < float(ema_decay) < 1.0:
+        problems.append(f"'ema_decay' must be in (0, 1), got {ema_decay!r}.")
+    for name, value in (
+        ("batch_size", batch_size),
+        ("accumulation_steps", accumulation_steps),
+        ("val_num_samples", val_num_samples),
+    ):
+        if isinstance(value, bool) or int(value) < 1:
+            problems.append(f"{name!r} must be >= 1, got {value!r}.")
+    if task == "unconditional" and int(val_num_samples) < 2:
+        problems.append(
+            f"'val_num_samples' must be >= 2 for task 'unconditional' (diversity between samples), got {val_num_samples!r}."
+        )
+    problems += flag_problems(flags)
+    problems += cache_problems(cache_rate, replace_rate)
+    channels = [int(c) for c in unet_channels]
+    if attention_levels is not None:
+        levels = list(attention_levels) if isinstance(attention_levels, (list, tuple)) else None
+        if levels is None or len(levels) != len(channels) or not all(isinstance(a, bool) for a in levels):
+            problems.append(
+                f"'attention_levels' must be a list of {len(channels)} booleans (one per 'unet_channels' entry; "
+                f"write True/False on the command line), got {attention_levels!r}."
+            )
+        elif num_head_channels is not None and not isinstance(num_head_channels, bool) and int(num_head_channels) > 0:
+            # the middle block always has attention, at the last level's channels
+            bad_heads = [
+                c
+                for i, (c, a) in enumerate(zip(channels, levels))
+                if (a or i == len(channels) - 1) and c % int(num_head_channels)
+            ]
+            if bad_heads:
+                problems.append(
+                    f"'num_head_channels' {num_head_channels} must divide the channels {bad_heads} of the levels with "
+                    "attention (the last level always has it, in the middle block)."
+                )
+    if any(c % int(norm_num_groups) for c in channels):
+        problems.append(
+            f"every entry of 'unet_channels' {channels} must be divisible by 'norm_num_groups' {norm_num_groups}."
+        )
+    factor = 2 ** (len(channels) - 1)
+    if latent_downsample is not None and all(int(d) == 1 for d in latent_downsample):
+        latent_downsample = None
+    latent = [int(d) for d in latent_downsample] if latent_downsample is not None else [1] * len(patch_size)
+    bad = [int(p) for p, d in zip(patch_size, latent) if int(p) % (factor * d)]
+    if len(patch_size) != 3 or any(int(p) < 1 for p in patch_size):
+        problems.append(f"'patch_size' must be 3 positive integers, got {patch_size!r}.")
+    elif bad:
+        how = f"{factor} (the U-Net halves it {len(channels) - 1} times)"
+        if latent_downsample is not None:
+            how += f" times the autoencoder's downsampling {latent}"
+        problems.append(f"'patch_size' {list(patch_size)} must be divisible by {how} on every axis.")
+    if problems:
+        raise ValueError("invalid diffusion configuration:\n  " + "\n  ".join(problems))
