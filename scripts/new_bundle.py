@@ -11,14 +11,12 @@ bad or taken name or an unknown family; nothing is written then. Adding a new fa
 
 from __future__ import annotations
 
-import json
 import os
 import shlex
 import sys
 from pathlib import Path
 
-from common.bundle import BUNDLES_DIR
-from common.bundle_tools.scaffold import new_bundle
+from common.bundle_tools.scaffold import new_bundle, train_command
 from common.errors import UserError
 
 __all__ = ["main"]
@@ -39,10 +37,7 @@ def main(name: str, family: str, bundles_dir: str | None = None, template: str |
         print(f"error: {e}", file=sys.stderr)
         sys.exit(1)
     rel = Path(os.path.relpath(folder, Path.cwd()))
-    configs = json.dumps([str(rel / "configs" / c) for c in ("train.json", "tiny.json")])
-    # a bundle outside bundles/ is not found by name: its configs are told where they are
-    root = [] if folder.parent.resolve() == BUNDLES_DIR.resolve() else ["--bundle_root", str(rel)]
-    train = ["python", "-m", "monai.bundle", "run", "training", "--config_file", configs, *root]
+    train = train_command(folder, "train.json", "tiny.json")
     verify = ["python", os.path.relpath(Path(__file__).with_name("verify_bundle.py"), Path.cwd()), str(rel)]
     print(f"made {rel}")
     print(f"verify it: {shlex.join(verify)}")

@@ -12,23 +12,25 @@ from pathlib import Path
 
 import pytest
 
-from scripts.harness.bundles import BUNDLES, FAMILY_MODULES, benchmarks, family
+from common.bundle_tools.registry import describe
+from scripts.harness.bundles import BUNDLES, FAMILY_MODULES, benchmarks, family, modules
 from scripts.harness.faults import BundleCase
 
 REPO = Path(__file__).resolve().parents[1]
 
 
-def test_every_bundle_has_its_own_module() -> None:
-    """The modules come from the bundles' descriptions: one bundle folder, one module, no two bundles sharing one."""
+def test_every_bundle_has_its_family_module() -> None:
+    """The modules come from the bundles' descriptions: every bundle folder has one, ``scripts.harness.<family>``."""
     on_disk = sorted(p.parent.parent.name for p in (REPO / "bundles").glob("*/configs/metadata.json"))
     assert list(BUNDLES) == on_disk
-    assert len(set(FAMILY_MODULES.values())) == len(FAMILY_MODULES)
+    assert all(FAMILY_MODULES[b] == f"scripts.harness.{describe(b).family}" for b in BUNDLES)
 
 
 @pytest.mark.parametrize("bundle", BUNDLES)
 def test_family_module_holds_its_bundle(bundle: str) -> None:
+    """The module's ``BUNDLE`` (what its benchmarks and fault-test job run) is a bundle of the same family."""
     module = family(bundle)
-    assert module.__name__ == FAMILY_MODULES[bundle] and module.BUNDLE == bundle
+    assert module.__name__ == FAMILY_MODULES[bundle] and describe(module.BUNDLE).family == describe(bundle).family
     assert callable(module.fault_case) and module.BENCHMARKS
     assert all(callable(f) and f.__module__ == module.__name__ for f in module.BENCHMARKS.values())
     assert {"BENCHMARKS", "THROUGHPUT", "fault_case"} <= set(module.__all__)
@@ -40,7 +42,8 @@ def test_family_module_holds_its_bundle(bundle: str) -> None:
 def test_benchmarks_are_the_union_of_the_modules() -> None:
     found = benchmarks()
     expected = {"campaign"} | {name for b in BUNDLES for name in family(b).BENCHMARKS}
-    assert set(found) == expected and len(found) == 1 + sum(len(family(b).BENCHMARKS) for b in BUNDLES)
+    assert set(found) == expected and len(found) == 1 + sum(len(m.BENCHMARKS) for m in modules())
+    assert [m.__name__ for m in modules()] == list(dict.fromkeys(FAMILY_MODULES.values()))
     assert {"throughput", "vqgan_reconstruction", "ddpm_sampling", "mace_throughput", "xray_quality"} <= set(found)
 
 

@@ -104,8 +104,8 @@ class BundleDescription:
         return list(chosen.get("configs", [])), {**overrides, **chosen.get(device, {})}
 
 
-def _where(folder: Path, key: str = "") -> str:
-    return f"{folder / METADATA}: '{SECTION}{'.' + key if key else ''}'"
+def _where(key: str = "") -> str:
+    return f"{METADATA.as_posix()}: '{SECTION}{'.' + key if key else ''}'"
 
 
 def describe(target: str | os.PathLike) -> BundleDescription:
@@ -118,7 +118,7 @@ def describe(target: str | os.PathLike) -> BundleDescription:
     folder = resolve_bundle(target)
     problems = check_description(folder)
     if problems:
-        raise UserError("; ".join(problems))
+        raise UserError(f"{folder}: " + "; ".join(problems))
     section = json.loads((folder / METADATA).read_text())[SECTION]
     demo = section["demo"]
     return BundleDescription(
@@ -148,11 +148,11 @@ def _config_ids(folder: Path, names: list[str]) -> set[str] | None:
     return ids
 
 
-def _check_overrides(folder: Path, key: str, overrides: Any, ids: set[str] | None) -> list[str]:
+def _check_overrides(key: str, overrides: Any, ids: set[str] | None) -> list[str]:
     if not isinstance(overrides, Mapping):
-        return [f"{_where(folder, key)} must be a dict of train.json ids, got {type(overrides).__name__}"]
+        return [f"{_where(key)} must be a dict of train.json ids, got {type(overrides).__name__}"]
     unknown = sorted(k for k in overrides if ids is not None and k not in ids)
-    return [f"{_where(folder, key)} overrides {unknown}, which are not ids of its configs"] if unknown else []
+    return [f"{_where(key)} overrides {unknown}, which are not ids of its configs"] if unknown else []
 
 
 def _is_module(name: str) -> bool:
@@ -161,8 +161,9 @@ def _is_module(name: str) -> bool:
 
 
 def check_description(bundle_dir: str | os.PathLike) -> list[str]:
-    """Problems of the ``collection`` section of a bundle's metadata, one line each (empty: none): its family is a
-    package of ``common``, the demo profiles override ids the configs have, the reported metrics are names.
+    """Problems of the ``collection`` section of a bundle's metadata, one line each naming the file relative to the
+    bundle folder (empty: none): its family is a package of ``common``, the demo profiles override ids the configs
+    have, the reported metrics are names.
 
     Args:
         bundle_dir: the bundle folder.
@@ -173,38 +174,38 @@ def check_description(bundle_dir: str | os.PathLike) -> list[str]:
     except (OSError, ValueError, AttributeError):
         return []  # a missing or broken metadata.json is reported by the metadata checks
     if not isinstance(section, Mapping):
-        return [f"{folder / METADATA}: no '{SECTION}' section (the bundle's family and demo; see {__name__})"]
+        return [f"{METADATA.as_posix()}: no '{SECTION}' section (the bundle's family and demo; see {__name__})"]
     problems = []
     family = section.get("family")
     if not isinstance(family, str) or not (ROOT / "common" / family / "__init__.py").is_file():
-        problems.append(f"{_where(folder, 'family')} must name a package of common/, got {family!r}")
+        problems.append(f"{_where('family')} must name a package of common/, got {family!r}")
     also = section.get("also_imports", [])
     if not isinstance(also, list) or not all(isinstance(m, str) and _is_module(m) for m in also):
-        problems.append(f"{_where(folder, 'also_imports')} must list modules or packages of common, got {also!r}")
+        problems.append(f"{_where('also_imports')} must list modules or packages of common, got {also!r}")
     demo = section.get("demo")
     if not isinstance(demo, Mapping):
-        return [*problems, f"{_where(folder, 'demo')} must be a dict with {sorted(_DEMO_KEYS)}"]
+        return [*problems, f"{_where('demo')} must be a dict with {sorted(_DEMO_KEYS)}"]
     problems += [
-        f"{_where(folder, 'demo.' + k)} is not a known key ({sorted(_DEMO_KEYS)})" for k in demo if k not in _DEMO_KEYS
+        f"{_where('demo.' + k)} is not a known key ({sorted(_DEMO_KEYS)})" for k in demo if k not in _DEMO_KEYS
     ]
     ids = _config_ids(folder, [])
-    problems += [p for device in DEVICES for p in _check_overrides(folder, f"demo.{device}", demo.get(device), ids)]
+    problems += [p for device in DEVICES for p in _check_overrides(f"demo.{device}", demo.get(device), ids)]
     presets = demo.get("presets", {})
     for name, preset in presets.items() if isinstance(presets, Mapping) else ():
         configs = preset.get("configs", []) if isinstance(preset, Mapping) else None
         if not isinstance(configs, list) or not all((folder / "configs" / str(c)).is_file() for c in configs):
-            problems.append(f"{_where(folder, f'demo.presets.{name}.configs')} must list files of configs/")
+            problems.append(f"{_where(f'demo.presets.{name}.configs')} must list files of configs/")
             continue
         preset_ids = _config_ids(folder, configs)
         for device in DEVICES:
             key = f"demo.presets.{name}.{device}"
-            problems += _check_overrides(folder, key, preset.get(device, {}), preset_ids)
+            problems += _check_overrides(key, preset.get(device, {}), preset_ids)
     metrics = demo.get("reported_metrics")
     if not isinstance(metrics, list) or not metrics or not all(isinstance(m, str) and m for m in metrics):
-        problems.append(f"{_where(folder, 'demo.reported_metrics')} must be a non-empty list of metric names")
+        problems.append(f"{_where('demo.reported_metrics')} must be a non-empty list of metric names")
     stages = demo.get("stage_iterations", {})
     if not isinstance(stages, Mapping) or (stages and set(stages) != set(DEVICES)):
-        problems.append(f"{_where(folder, 'demo.stage_iterations')} must give the iterations per stage for {DEVICES}")
+        problems.append(f"{_where('demo.stage_iterations')} must give the iterations per stage for {DEVICES}")
     elif not all(isinstance(n, list) and n and all(isinstance(i, int) and i > 0 for i in n) for n in stages.values()):
-        problems.append(f"{_where(folder, 'demo.stage_iterations')} must be lists of positive integers")
+        problems.append(f"{_where('demo.stage_iterations')} must be lists of positive integers")
     return problems

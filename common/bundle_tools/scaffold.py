@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shlex
 import shutil
 from pathlib import Path
 
@@ -17,7 +18,7 @@ from common.bundle import BUNDLES_DIR, METADATA, bundle_names
 from common.bundle_tools.registry import descriptions
 from common.errors import UserError
 
-__all__ = ["NAME_PATTERN", "family_templates", "new_bundle"]
+__all__ = ["NAME_PATTERN", "family_templates", "new_bundle", "train_command"]
 
 NAME_PATTERN = re.compile(r"^[a-z][a-z0-9_]*$")
 _COPIED = ("configs", "LICENSE", "large_files.yml", "docs/data_license.txt")
@@ -30,7 +31,7 @@ A bundle of the `{family}` family, made from [`{template}`](../../{template}/doc
 ## Train
 
 ```bash
-python -m monai.bundle run training --config_file {configs}/train.json --dataset_dir <your data>
+{train} --dataset_dir <your data>
 ```
 
 `configs/tiny.json` merged after `train.json` gives the tiny profile the tests train.
@@ -40,6 +41,17 @@ python -m monai.bundle run training --config_file {configs}/train.json --dataset
 Fill in what `{template}`'s model card says for its model: intended use, data, training, the figures you measured
 (with the commands), limitations.
 """
+
+
+def train_command(folder: str | os.PathLike, *configs: str) -> list[str]:
+    """``python -m monai.bundle run training`` of the bundle ``folder`` with ``configs`` (default ``train.json``),
+    paths relative to the working directory; a bundle outside the repository's ``bundles/`` is not found by name,
+    so its configs are told where it is (``--bundle_root``)."""
+    rel = Path(os.path.relpath(folder, Path.cwd()))
+    files = [str(rel / "configs" / c) for c in (configs or ("train.json",))]
+    config_file = files[0] if len(files) == 1 else json.dumps(files)
+    root = [] if Path(folder).resolve().parent == BUNDLES_DIR.resolve() else ["--bundle_root", str(rel)]
+    return ["python", "-m", "monai.bundle", "run", "training", "--config_file", config_file, *root]
 
 
 def family_templates() -> dict[str, str]:
@@ -103,8 +115,7 @@ def new_bundle(
             changelog={"0.1.0": f"made from {template} {metadata['version']} by scripts/new_bundle.py"},
         )
         (staging / METADATA).write_text(json.dumps(metadata, indent=4) + "\n", encoding="utf-8")
-        configs = os.path.relpath(target / "configs", Path.cwd())
-        card = _CARD.format(name=name, family=family, template=template, configs=configs)
+        card = _CARD.format(name=name, family=family, template=template, train=shlex.join(train_command(target)))
         (staging / "docs").mkdir(exist_ok=True)
         (staging / "docs" / "README.md").write_text(card, encoding="utf-8")
         staging.rename(target)

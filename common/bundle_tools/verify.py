@@ -496,7 +496,7 @@ def verify_bundle(
     if meta is not None:
         problems += check_metadata(meta, schema_file)
     problems += check_config_ids(bundle_dir, configs)
-    problems += [p.replace(f"{bundle_dir / 'configs'}/", "configs/") for p in check_description(bundle_dir)]
+    problems += check_description(bundle_dir)
     if not quick:
         network, found = check_instantiation(bundle_dir, configs, device=device)
         problems += found

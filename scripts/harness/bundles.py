@@ -4,7 +4,8 @@
 description (the ``collection`` section of its metadata, :mod:`common.bundle_tools.registry`). The module holds the
 bundle's benchmarks (``BENCHMARKS``, commands of ``scripts/benchmark.py``), its rows of the campaign's throughput
 table (``THROUGHPUT``) and its small fault-test job (``fault_case``, used by ``scripts/reliability.py``). A new
-bundle adds one module beside the others."""
+family adds one module beside the others; a second bundle of a family shares its module (the module's ``BUNDLE`` is
+the bundle its benchmarks and fault-test job run)."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from types import ModuleType
 from common.bundle import bundle_names
 from common.bundle_tools.registry import describe
 
-__all__ = ["BUNDLES", "FAMILY_MODULES", "benchmarks", "family"]
+__all__ = ["BUNDLES", "FAMILY_MODULES", "benchmarks", "family", "modules"]
 
 BUNDLES = tuple(bundle_names())
 FAMILY_MODULES = {bundle: describe(bundle).harness for bundle in BUNDLES}
@@ -30,6 +31,11 @@ def family(bundle: str) -> ModuleType:
     return importlib.import_module(describe(bundle).harness)
 
 
+def modules() -> list[ModuleType]:
+    """The harness modules, once each (several bundles of one family share theirs), in bundle-name order."""
+    return [importlib.import_module(name) for name in dict.fromkeys(FAMILY_MODULES.values())]
+
+
 def benchmarks() -> dict[str, Callable]:
     """Every benchmark command by name: the ``BENCHMARKS`` of each bundle's module, and ``campaign``.
 
@@ -39,9 +45,9 @@ def benchmarks() -> dict[str, Callable]:
     from scripts.harness.campaign import campaign
 
     found: dict[str, Callable] = {"campaign": campaign}
-    for bundle in BUNDLES:
-        for name, function in family(bundle).BENCHMARKS.items():
+    for module in modules():
+        for name, function in module.BENCHMARKS.items():
             if name in found:
-                raise RuntimeError(f"benchmark {name!r} of {bundle} is also defined elsewhere.")
+                raise RuntimeError(f"benchmark {name!r} of {module.__name__} is also defined elsewhere.")
             found[name] = function
     return found

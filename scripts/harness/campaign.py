@@ -103,10 +103,10 @@ _TINY_RUN = {"device": "cpu", "iterations": 2, "warmup": 1, "repeats": 1, "num_t
 
 
 def _throughput_rows() -> tuple:
-    """The throughput rows of every bundle: ``THROUGHPUT`` of its harness module (:mod:`scripts.harness.bundles`)."""
-    from scripts.harness.bundles import BUNDLES, family
+    """The throughput rows of every family: ``THROUGHPUT`` of each harness module (:mod:`scripts.harness.bundles`)."""
+    from scripts.harness.bundles import modules
 
-    return tuple(row for bundle in BUNDLES for row in family(bundle).THROUGHPUT)
+    return tuple(row for module in modules() for row in module.THROUGHPUT)
 
 
 def _xray_tiny() -> dict:
