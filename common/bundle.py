@@ -139,18 +139,20 @@ def find_checkpoint(output_dir: str, bundle_root: str, name: str = "model.pt") -
 
 
 def check_settings(check: Callable[..., Any], **settings: Any) -> Any:
-    """Run a bundle's hyperparameter check first thing in ``initialize``, before anything is built or written: a
+    """Run a check or a builder of a config whose failure is a configuration error, before anything is written: a
     ``ValueError``/``TypeError`` it raises (whose message names the config ids) becomes a :class:`SettingsError`
     with the same message; a :class:`UserError` (e.g. ``CheckpointError``) passes as it is.
 
-    It also guards builders whose failure is a configuration error (e.g. loading a frozen autoencoder for latent
-    diffusion, or weights that do not fit the configured network): their result is returned. On the command line
+    Configs use it for the run's own checks (:func:`check_run`), checks of computed values (the training split's
+    size) and builders (loading a frozen autoencoder for latent diffusion, or weights that must fit the configured
+    network): their result is returned. A family's settings are checked by
+    :func:`common.config_checks.check_config`, which reads the ids itself. On the command line
     the error ends the command with ``error: <message>`` and exit status 1 (:func:`check_run` installs the hook);
     in a notebook or ``ConfigWorkflow`` it can be caught (MONAI raises it as the cause of a ``RuntimeError``).
 
     Args:
         check: a function raising ``ValueError`` for invalid settings, e.g.
-            ``common.vqgan.settings.check_vqgan_settings``.
+            ``common.survival.settings.check_training_size``.
         settings: the config values, passed to ``check`` by name.
 
     Returns:

@@ -13,7 +13,7 @@ import os
 import random
 import sys
 import tempfile
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -24,7 +24,6 @@ import torch.distributed as dist
 from common.errors import UserError
 
 __all__ = [
-    "flag_problems",
     "AMP_MODES",
     "OutputWriteError",
     "PeerFailureError",
@@ -476,13 +475,3 @@ def write_text_atomic(path: str | os.PathLike, text: str) -> Path:
 def is_positive_int(value: Any) -> bool:
     """Whether ``value`` is an integer >= 1 (``True``/``False`` are not counted as integers)."""
     return isinstance(value, int) and not isinstance(value, bool) and value >= 1
-
-
-def flag_problems(flags: Mapping[str, Any] | None) -> list[str]:
-    """A problem line for every on/off config id in ``flags`` (id -> value) whose value is not a boolean: the
-    command line reads ``true``/``false`` as strings, and the string ``"false"`` is true."""
-    return [
-        f"{name!r} must be True or False (write True/False on the command line), got {value!r}."
-        for name, value in (flags or {}).items()
-        if not isinstance(value, bool)
-    ]

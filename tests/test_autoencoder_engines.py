@@ -19,7 +19,8 @@ from common.autoencoder.adversarial import HingeAdversarialLoss
 from common.autoencoder.engines import AutoencoderGANTrainer, prepare_image_batch
 from common.autoencoder.losses import kl_divergence
 from common.demo.images import make_phantom
-from tests.helpers import REPO_ROOT, tiny_autoencoder, tiny_discriminator
+from common.errors import SettingsError
+from tests.helpers import bundle_parser, tiny_autoencoder, tiny_discriminator
 
 SIDE = 16
 
@@ -674,34 +675,12 @@ def test_unknown_nonfinite_policy_is_refused():
         make_trainer(ConvNet(), random_batches(1), nonfinite="ignore")
 
 
-GOOD_AUTOENCODER = dict(
-    patch_size=[32, 32, 32],
-    channels=[16, 32, 32],
-    norm_num_groups=8,
-    attention_levels=[False, False, True],
-    latent_channels=3,
-    batch_size=2,
-    num_samples=1,
-    kl_weight=1e-7,
-    adv_weight=0.05,
-    perceptual_weight=0.0,
-    adv_warmup_iterations=0,
-    intensity={"mode": "mri"},
-    flags={"compile": False},
-)
+@pytest.mark.parametrize("configs", [["train.json"], ["train.json", "tiny.json"]])
+def test_autoencoder_settings_accept_the_bundle_defaults(configs):
+    from common.autoencoder.settings import TRAINING
+    from common.config_checks import check_config
 
-
-def test_autoencoder_settings_accept_the_bundle_defaults():
-    import json
-
-    from common.autoencoder.settings import check_autoencoder_settings
-
-    check_autoencoder_settings(**GOOD_AUTOENCODER)
-    train = json.loads((REPO_ROOT / "bundles" / "autoencoder_3d" / "configs" / "train.json").read_text())
-    tiny = json.loads((REPO_ROOT / "bundles" / "autoencoder_3d" / "configs" / "tiny.json").read_text())
-    for config in (train, {**train, **tiny}):
-        names = [k for k in GOOD_AUTOENCODER if k not in ("flags",)]
-        check_autoencoder_settings(**{k: config[k] for k in names})
+    check_config(TRAINING, config=bundle_parser("autoencoder_3d", configs))
 
 
 @pytest.mark.parametrize(
@@ -710,23 +689,24 @@ def test_autoencoder_settings_accept_the_bundle_defaults():
         ({"patch_size": [24, 32, 30]}, "'patch_size' [24, 32, 30] must be divisible by 4 on every axis"),
         ({"patch_size": [32, 32]}, "'patch_size' must be 3 positive integers"),
         ({"channels": [16, 0]}, "'channels' must be a list of positive integers"),
-        ({"norm_num_groups": 6}, "'norm_num_groups' 6 must divide every entry of 'channels' [16, 32, 32]"),
+        ({"norm_num_groups": 6}, "'norm_num_groups' 6 must divide every entry of 'channels' [32, 64, 64]"),
         ({"attention_levels": [False, True]}, "'attention_levels' must have one entry per level of 'channels' (3)"),
         ({"latent_channels": 0}, "'latent_channels' must be an integer >= 1"),
         ({"num_samples": True}, "'num_samples' must be an integer >= 1"),
         ({"adv_weight": -0.1}, "'adv_weight' must be a number >= 0"),
         ({"adv_warmup_iterations": -1}, "'adv_warmup_iterations' must be an integer >= 0"),
         ({"intensity": {"mode": "ct", "a_min": 100, "a_max": 100}}, "HU window is inverted or empty"),
-        ({"flags": {"compile": "false"}}, "'compile' must be True or False"),
+        ({"compile": "false"}, "'compile' must be True or False"),
         ({"cache_rate": 1.5}, "'cache_rate' must be a number in [0, 1]"),
         ({"replace_rate": 0.0}, "'replace_rate' must be a number in (0, 1]"),
     ],
 )
 def test_autoencoder_settings_name_the_config_id(change, message):
-    from common.autoencoder.settings import check_autoencoder_settings
+    from common.autoencoder.settings import TRAINING
+    from common.config_checks import check_config
 
-    with pytest.raises(ValueError, match="invalid autoencoder configuration") as info:
-        check_autoencoder_settings(**{**GOOD_AUTOENCODER, **change})
+    with pytest.raises(SettingsError, match="invalid autoencoder configuration") as info:
+        check_config(TRAINING, config=bundle_parser("autoencoder_3d", ["train.json"]), **change)
     assert message in str(info.value)
 
 

@@ -28,7 +28,7 @@ from common.diffusion.engines import (
 )
 from common.diffusion.networks import DiffusionSampler
 from common.diffusion.schedule import DiffusionSchedule, fast_ddpm_grid
-from common.diffusion.settings import check_diffusion_settings
+from common.diffusion.settings import TRAINING
 
 SIDE = 8
 GRID = fast_ddpm_grid("uniform", 10)  # 11 points: 0, 99, ..., 999
@@ -532,24 +532,33 @@ VALID = dict(
     batch_size=2,
     accumulation_steps=1,
     val_num_samples=1,
-    latent_downsample=None,
+    space_downsample=None,
     attention_levels=[False, False, True],
     num_head_channels=32,
+    cache_rate=1.0,
+    replace_rate=0.1,
+    latent=False,
+    clip_sample=True,
+    val_denoise_loss=True,
+    ema_warmup=True,
+    compile=False,
+    preflight=True,
+    oom_backoff=True,
 )
 
 
 def problems_of(**changes) -> list[str]:
     with pytest.raises(ValueError, match="invalid diffusion configuration") as info:
-        check_diffusion_settings(**{**VALID, **changes})
+        TRAINING(**{**VALID, **changes})
     return str(info.value).splitlines()[1:]
 
 
 def test_check_diffusion_settings_accepts_valid_settings():
-    check_diffusion_settings(**VALID)
-    check_diffusion_settings(**{**VALID, "task": "unconditional", "image_keys": ["t2"], "val_num_samples": 2})
-    check_diffusion_settings(**{**VALID, "patch_size": [64, 64, 32], "latent_downsample": [4, 4, 4]})
-    check_diffusion_settings(**{**VALID, "diffusion_mode": "baseline", "grid": "non_uniform"})
-    check_diffusion_settings(**{**VALID, "attention_levels": None, "num_head_channels": 24})
+    TRAINING(**VALID)
+    TRAINING(**{**VALID, "task": "unconditional", "image_keys": ["t2"], "val_num_samples": 2})
+    TRAINING(**{**VALID, "patch_size": [64, 64, 32], "space_downsample": [4, 4, 4]})
+    TRAINING(**{**VALID, "diffusion_mode": "baseline", "grid": "non_uniform"})
+    TRAINING(**{**VALID, "attention_levels": None, "num_head_channels": 24})
 
 
 @pytest.mark.parametrize(
@@ -581,7 +590,7 @@ def test_check_diffusion_settings_accepts_valid_settings():
         ({"norm_num_groups": 24}, r"'unet_channels' \[32, 64, 64\] must be divisible by 'norm_num_groups' 24"),
         ({"patch_size": [32, 30, 32]}, r"'patch_size' \[32, 30, 32\] must be divisible by 4"),
         (
-            {"patch_size": [32, 32, 24], "latent_downsample": [4, 4, 4]},
+            {"patch_size": [32, 32, 24], "space_downsample": [4, 4, 4]},
             r"'patch_size' \[32, 32, 24\] must be divisible by 4 .* downsampling \[4, 4, 4\]",
         ),
         ({"patch_size": [32, 32]}, r"'patch_size' must be 3 positive integers"),
@@ -607,10 +616,10 @@ def test_string_attention_levels_are_rejected_even_when_the_length_matches():
 
 
 def test_latent_downsample_is_part_of_the_patch_check():
-    check_diffusion_settings(**{**VALID, "patch_size": [32, 32, 24]})  # 24 is divisible by the U-Net's 4 ...
-    assert problems_of(patch_size=[32, 32, 24], latent_downsample=[1, 1, 4])  # ... but not by 4 x 4
+    TRAINING(**{**VALID, "patch_size": [32, 32, 24]})  # 24 is divisible by the U-Net's 4 ...
+    assert problems_of(patch_size=[32, 32, 24], space_downsample=[1, 1, 4])  # ... but not by 4 x 4
     # a downsampling of 1 on every axis (train.json's space_downsample without latents) names no autoencoder
-    (problem,) = problems_of(patch_size=[32, 30, 32], latent_downsample=[1, 1, 1])
+    (problem,) = problems_of(patch_size=[32, 30, 32], space_downsample=[1, 1, 1])
     assert "autoencoder" not in problem and "must be divisible by 4" in problem
 
 
@@ -641,8 +650,8 @@ def test_check_diffusion_settings_rejects_a_degenerate_non_uniform_grid():
 
 
 def test_switches_must_be_booleans():
-    problems = problems_of(flags={"latent": "false", "clip_sample": True, "ema_warmup": 1})
+    problems = problems_of(latent="false", clip_sample=True, ema_warmup=1)
     assert len(problems) == 2
     assert "'latent' must be True or False" in problems[0] and "got 'false'" in problems[0]
     assert "'ema_warmup' must be True or False" in problems[1]
-    check_diffusion_settings(**{**VALID, "flags": {"latent": False, "clip_sample": True}})
+    TRAINING(**{**VALID, "latent": False, "clip_sample": True})

@@ -6,6 +6,7 @@ no private name crosses modules, and every bundle config imports exactly the ``c
 from __future__ import annotations
 
 import ast
+import importlib
 import json
 import re
 from pathlib import Path
@@ -35,6 +36,7 @@ LAYERS = {
     "common.checkpoint_io": 2,
     "common.engines": 2,
     "common.handlers": 3,
+    "common.config_checks": 3,
     **{family: 5 if family in FAMILY_BASES else 4 for family in FAMILIES},
     "common.demo": 6,
     "common.bundle": 7,
@@ -196,17 +198,36 @@ def test_the_json_is_the_only_pipeline() -> None:
 
 
 def test_settings_checks_live_in_the_family_settings_modules() -> None:
-    """A family's settings checks are in ``common/<family>/settings.py`` (its engines modules hold engines), and every
-    check a config runs through ``common.bundle.check_settings`` is one of them."""
+    """A family's settings checks are in ``common/<family>/settings.py`` (its engines modules hold engines), every
+    bundle config's ``check_settings`` runs one of its family's :class:`common.config_checks.SettingsChecks`, and
+    every id those checks read is an id of the config (a check of a missing id is an error in the check)."""
+    from monai.bundle import ConfigParser
+
+    from common.config_checks import SettingsChecks
+
     misplaced = [
-        f"{_module_name(path)}.{node.name}"
+        f"{_module_name(path)}:{node.lineno}"
         for family in FAMILIES
         for path in sorted((REPO / family.replace(".", "/")).glob("*.py"))
         if path.name != "settings.py"
-        for node in ast.parse(path.read_text()).body
-        if isinstance(node, ast.FunctionDef) and node.name.startswith("check_") and node.name.endswith("_settings")
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.Call) and getattr(node.func, "id", getattr(node.func, "attr", "")) == "SettingsChecks"
     ]
     assert not misplaced, misplaced
-    for config in sorted(REPO.glob("bundles/*/configs/train.json")):
-        check = json.loads(config.read_text())["check_settings"]["check"]["_target_"]
-        assert check.rsplit(".", 2)[1] == "settings" and f"{check.rsplit('.', 2)[0]}" in FAMILIES, (config, check)
+    checked = []
+    for description in descriptions():
+        configs = REPO / "bundles" / description.name / "configs"
+        for names in (["train.json"], ["train.json", "evaluate.json"], ["train.json", "multi_gpu_train.json"]):
+            parser = ConfigParser()
+            parser.read_config([str(configs / name) for name in names])
+            found = re.fullmatch(
+                r"\$common\.config_checks\.check_config\((common\.\w+)\.settings\.(\w+)\)", parser["check_settings"]
+            )
+            assert found and found.group(1) == description.package, (description.name, names, parser["check_settings"])
+            assert "@check_settings" in parser["initialize"], (description.name, names)
+            checks = getattr(importlib.import_module(f"{found.group(1)}.settings"), found.group(2))
+            assert isinstance(checks, SettingsChecks), (description.name, names)
+            missing = [name for name in checks.ids if name not in parser]
+            assert not missing, f"{checks!r} reads ids that {description.name}'s {names} lack: {missing}"
+            checked.append(len(checks.ids))
+    assert len(checked) == 3 * len(descriptions()) and min(checked) > 5

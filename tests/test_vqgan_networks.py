@@ -17,7 +17,7 @@ from common.bundle import check_settings
 from common.checkpoint_io import CheckpointError
 from common.errors import SettingsError
 from common.vqgan.networks import VQGAN, EMAVectorQuantizer, VQGANDecoder, VQGANEncoder, downsample_levels
-from common.vqgan.settings import check_vqgan_settings
+from common.vqgan.settings import TRAINING
 from tests.helpers import REPO_ROOT, bundle_env, torchrun_cmd
 
 torch.set_num_threads(1)
@@ -529,14 +529,16 @@ VALID = {
     "intensity": {"mode": "ct", "a_min": -1000, "a_max": 1000},
     "patches_per_volume": 2,
     "micro_batch_size": 1,
+    "cache_rate": 1.0,
+    "replace_rate": 0.1,
 }
 
 
 def test_valid_settings_pass():
-    assert check_vqgan_settings(**VALID) is None
-    assert check_vqgan_settings(**{**VALID, "micro_batch_size": None, "intensity": None, "downsample": 4}) is None
+    assert TRAINING(**VALID) is None
+    assert TRAINING(**{**VALID, "micro_batch_size": None, "intensity": None, "downsample": 4}) is None
     # an MRI config's window keys are irrelevant
-    assert check_vqgan_settings(**{**VALID, "intensity": {"mode": "mri", "a_min": 5, "a_max": 1}}) is None
+    assert TRAINING(**{**VALID, "intensity": {"mode": "mri", "a_min": 5, "a_max": 1}}) is None
 
 
 @pytest.mark.parametrize(
@@ -563,7 +565,7 @@ def test_valid_settings_pass():
 )
 def test_each_bad_setting_names_its_config_id(override, config_id, detail):
     with pytest.raises(ValueError) as info:
-        check_vqgan_settings(**{**VALID, **override})
+        TRAINING(**{**VALID, **override})
     message = str(info.value)
     assert message.startswith("invalid VQ-GAN configuration:")
     assert config_id in message and detail in message
@@ -572,7 +574,7 @@ def test_each_bad_setting_names_its_config_id(override, config_id, detail):
 
 def test_every_problem_is_listed_in_one_message():
     with pytest.raises(ValueError) as info:
-        check_vqgan_settings(
+        TRAINING(
             patch_size=[64, 64, 30],
             downsample=[4, 4, 4],
             n_codes=0,
@@ -580,6 +582,8 @@ def test_every_problem_is_listed_in_one_message():
             intensity={"mode": "ct", "a_min": 1, "a_max": 0},
             patches_per_volume=0,
             micro_batch_size=0,
+            cache_rate=1.0,
+            replace_rate=0.1,
         )
     lines = str(info.value).splitlines()
     assert len(lines) == 7
@@ -590,7 +594,7 @@ def test_every_problem_is_listed_in_one_message():
 
 def test_check_settings_raises_a_settings_error_with_the_checks_message(capsys):
     with pytest.raises(SettingsError) as info:
-        check_settings(check_vqgan_settings, **{**VALID, "n_codes": 1, "patches_per_volume": 0})
+        check_settings(TRAINING, **{**VALID, "n_codes": 1, "patches_per_volume": 0})
     message = str(info.value)
     assert message.startswith("invalid VQ-GAN configuration:")
     assert "'n_codes' must be >= 2, got 1" in message and "'patches_per_volume' must be >= 1, got 0" in message
@@ -600,9 +604,9 @@ def test_check_settings_raises_a_settings_error_with_the_checks_message(capsys):
 
 
 def test_check_settings_passes_valid_settings_and_reports_type_errors(capsys):
-    assert check_settings(check_vqgan_settings, **VALID) is None
+    assert check_settings(TRAINING, **VALID) is None
     with pytest.raises(SettingsError, match="missing") as info:
-        check_settings(check_vqgan_settings, patch_size=[64, 64, 32])  # required settings missing
+        check_settings(TRAINING, patch_size=[64, 64, 32])  # required settings missing
     assert "'n_codes'" in str(info.value) and isinstance(info.value.__cause__, TypeError)
 
     def broken(**_):

@@ -19,7 +19,7 @@ from common.diffusion.schedule import DiffusionSchedule, fast_ddpm_grid
 from common.xray2ct.engines import XrayCTEvaluator, XrayCTTrainer, stage_value, xray2ct_metric_handlers
 from common.xray2ct.losses import ProjectionLoss
 from common.xray2ct.networks import XrayCTCascade, XrayCTSampler, degrade_to_previous
-from common.xray2ct.settings import check_xray2ct_settings
+from common.xray2ct.settings import EVALUATION, SWITCHES, TRAINING
 from tests.helpers import tiny_xray_denoiser, xray_projector
 
 GRID = fast_ddpm_grid("uniform", 10)
@@ -315,24 +315,34 @@ VALID = {
     "batch_size": 2,
     "accumulation_steps": 1,
     "ema_decay": 0.999,
-    "flags": {"view_files": False},
+    "cache_rate": 1.0,
+    "replace_rate": 0.1,
+    "residual_scale": 0.1,
+    "regressor_dir": None,
+    "loss_weighting": "none",
+    "min_snr_gamma": 5.0,
+    "num_samples": 1,
+    "sample_chunk": None,
+    "guidance_scale": 0.0,
+    **dict.fromkeys(SWITCHES, False),
+    "save_volumes": False,
 }
 
 
 def settings_error(**changes) -> str:
     with pytest.raises(ValueError) as info:
-        check_xray2ct_settings(**{**VALID, **changes})
+        TRAINING(**{**VALID, **changes})
     return str(info.value)
 
 
 def test_valid_settings_pass():
-    check_xray2ct_settings(**VALID)
-    check_xray2ct_settings(**{**VALID, "stage": 1, "mode": "direct"})
-    check_xray2ct_settings(**{**VALID, "mode": "backprojection"}, training=False)
+    TRAINING(**VALID)
+    TRAINING(**{**VALID, "stage": 1, "mode": "direct"})
+    EVALUATION(**{**VALID, "mode": "backprojection"})
 
 
 def test_dataset_rates_are_checked():
-    check_xray2ct_settings(**VALID, cache_rate=0.5, replace_rate=0.5)
+    TRAINING(**{**VALID, "cache_rate": 0.5, "replace_rate": 0.5})
     text = settings_error(cache_rate=1.5, replace_rate=0)
     assert "'cache_rate' must be a number in [0, 1]" in text and "'replace_rate' must be a number in (0, 1]" in text
 
@@ -378,7 +388,7 @@ def test_every_bad_setting_is_listed_in_one_error():
         ({"view_size": [16]}, "'view_size'"),
         ({"batch_size": 0}, "'batch_size'"),
         ({"ema_decay": 1.0}, "'ema_decay'"),
-        ({"flags": {"view_files": "true"}}, "'view_files' must be True or False"),
+        ({"view_files": "true"}, "'view_files' must be True or False"),
     ],
 )
 def test_single_bad_setting_is_named(changes, text):

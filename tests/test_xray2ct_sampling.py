@@ -24,7 +24,7 @@ from common.handlers.images import XrayCTWriter
 from common.xray2ct.engines import XrayCTEvaluator, XrayCTTrainer, snr_loss_weight, xray2ct_metric_handlers
 from common.xray2ct.losses import ProjectionLoss
 from common.xray2ct.networks import XrayCTDenoiser, XrayCTSampler, build_cascade, load_regressor
-from common.xray2ct.settings import check_xray2ct_settings
+from common.xray2ct.settings import EVALUATION, TRAINING
 from tests.helpers import TINY_XRAY_NETWORK, randomise_zero_parameters, tiny_xray_denoiser, xray_projector
 from tests.test_xray2ct_engines import VALID as ENGINE_SETTINGS
 
@@ -386,15 +386,19 @@ VALID = {**ENGINE_SETTINGS, "stage": 1, "mode": "residual"}
 
 def test_residual_and_sampling_settings_are_checked(tmp_path):
     save_checkpoint({}, tmp_path / "stage1" / "models" / "model.pt")
-    check_xray2ct_settings(**VALID, regressor_dir=str(tmp_path), num_samples=8, sample_chunk=2, guidance_scale=0.5)
-    check_xray2ct_settings(**VALID, training=False)  # evaluation does not need the regressor run
+    TRAINING(**{**VALID, "regressor_dir": str(tmp_path), "num_samples": 8, "sample_chunk": 2, "guidance_scale": 0.5})
+    EVALUATION(**VALID)  # evaluation does not need the regressor run
     with pytest.raises(ValueError) as info:
-        check_xray2ct_settings(
-            **VALID, num_samples=0, sample_chunk=0, guidance_scale=-1, residual_scale=0, loss_weighting="p2"
+        TRAINING(
+            **{
+                **VALID,
+                **{"num_samples": 0, "sample_chunk": 0, "guidance_scale": -1, "residual_scale": 0},
+                "loss_weighting": "p2",
+            }
         )
     text = str(info.value)
     for name in ("'num_samples'", "'sample_chunk'", "'guidance_scale'", "'residual_scale'", "'loss_weighting'"):
         assert name in text, text
     assert "pass --regressor_dir" in text
     with pytest.raises(ValueError, match="has no trained stage 2 regressor"):
-        check_xray2ct_settings(**{**VALID, "stage": 2}, regressor_dir=str(tmp_path))
+        TRAINING(**{**VALID, "stage": 2, "regressor_dir": str(tmp_path)})

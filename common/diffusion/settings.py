@@ -1,67 +1,33 @@
 # Copyright (c) the 3D MONAI bundle collection contributors.
 # Licensed under the Apache License, Version 2.0.
-"""The checks of the diffusion family's settings, run first in a bundle's ``initialize`` (through
-:func:`common.bundle.check_settings`) before anything is built or written."""
+"""The checks of the diffusion family's settings (:mod:`common.config_checks`), run first in a bundle's
+``initialize`` before anything is built or written: each reads the config ids it names and returns a problem line per
+invalid value."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from typing import Any
+from collections.abc import Sequence
 
+from common.config_checks import SettingsChecks, switches
 from common.data.pipeline import cache_problems
-from common.diffusion.engines import (
-    DIFFUSION_MODES,
-    TASKS,
-)
-from common.diffusion.schedule import (
-    GRIDS,
-    PREDICTIONS,
-    fast_ddpm_grid,
-)
-from common.utils import flag_problems
+from common.diffusion.engines import DIFFUSION_MODES, TASKS
+from common.diffusion.schedule import GRIDS, PREDICTIONS, fast_ddpm_grid
 
-__all__ = ["check_diffusion_settings"]
+__all__ = [
+    "TRAINING",
+    "patch_problems",
+    "schedule_problems",
+    "task_problems",
+    "training_problems",
+    "unet_problems",
+]
 
 
-def check_diffusion_settings(
-    task: str,
-    image_keys: Sequence[str],
-    target_key: str,
-    diffusion_mode: str,
-    grid: str,
-    num_grid_steps: int,
-    num_train_timesteps: int,
-    prediction_type: str,
-    patch_size: Sequence[int],
-    unet_channels: Sequence[int],
-    norm_num_groups: int,
-    eta: float = 0.0,
-    ema_decay: float = 0.9999,
-    batch_size: int = 1,
-    accumulation_steps: int = 1,
-    val_num_samples: int = 1,
-    latent_downsample: Sequence[int] | None = None,
-    attention_levels: Sequence[bool] | None = None,
-    num_head_channels: int | None = None,
-    flags: Mapping[str, Any] | None = None,
-    cache_rate: float = 1.0,
-    replace_rate: float = 0.1,
-) -> None:
-    """Check a diffusion bundle's settings before anything is built or written.
-
-    Beyond the values themselves, ``attention_levels`` must hold one boolean per entry of ``unet_channels``
-    (the command line reads ``true`` as a string: a string there would silently switch attention on at full
-    resolution and exhaust the memory), and ``num_head_channels`` must divide the channels of those levels.
-    ``flags`` maps the ids of on/off switches (``latent``, ``clip_sample``, ...) to their values, which must be
-    booleans for the same reason (a string ``"false"`` is true). ``latent_downsample`` of 1 on every axis (or
-    ``None``) means no autoencoder. ``cache_rate`` and ``replace_rate`` are checked as
-    :func:`common.data.pipeline.cache_problems` does.
-
-    Raises:
-        ValueError: listing every problem, each naming its config id and value.
-    """
-    problems = []
+def task_problems(task: str, image_keys: Sequence[str], target_key: str) -> list[str]:
+    """A known ``task`` whose ``image_keys`` are distinct datalist keys holding ``target_key``: the target alone for
+    an unconditional model, with at least one source for synthesis and translation."""
     keys = list(image_keys) if isinstance(image_keys, (list, tuple)) else None
+    problems = []
     if task not in TASKS:
         problems.append(f"'task' must be one of {TASKS}, got {task!r}.")
     if not keys or not all(isinstance(k, str) and k for k in keys) or len(set(keys)) != len(keys):
@@ -74,6 +40,15 @@ def check_diffusion_settings(
         )
     elif task in ("synthesis", "translation") and len(keys) < 2:
         problems.append(f"task {task!r} needs at least one source besides the target in 'image_keys', got {keys}.")
+    return problems
+
+
+def schedule_problems(
+    diffusion_mode: str, grid: str, num_grid_steps: int, num_train_timesteps: int, prediction_type: str, eta: float
+) -> list[str]:
+    """The noise schedule: known modes, a grid of ``num_grid_steps`` in [1, ``num_train_timesteps``] that
+    :func:`common.diffusion.schedule.fast_ddpm_grid` can build, and the DDIM ``eta`` in [0, 1]."""
+    problems = []
     if diffusion_mode not in DIFFUSION_MODES:
         problems.append(f"'diffusion_mode' must be one of {DIFFUSION_MODES}, got {diffusion_mode!r}.")
     if grid not in GRIDS:
@@ -92,21 +67,41 @@ def check_diffusion_settings(
         problems.append(f"'prediction_type' must be one of {PREDICTIONS}, got {prediction_type!r}.")
     if not 0.0 <= float(eta) <= 1.0:
         problems.append(f"'eta' must be in [0, 1], got {eta!r}.")
+    return problems
+
+
+def training_problems(
+    ema_decay: float, batch_size: int, accumulation_steps: int, val_num_samples: int, task: str
+) -> list[str]:
+    """An EMA decay in (0, 1); counts >= 1; at least 2 validation samples of an unconditional model (their
+    diversity is measured)."""
+    problems = []
     if not 0.0 < float(ema_decay) < 1.0:
         problems.append(f"'ema_decay' must be in (0, 1), got {ema_decay!r}.")
-    for name, value in (
-        ("batch_size", batch_size),
-        ("accumulation_steps", accumulation_steps),
-        ("val_num_samples", val_num_samples),
-    ):
-        if isinstance(value, bool) or int(value) < 1:
-            problems.append(f"{name!r} must be >= 1, got {value!r}.")
+    counts = {"batch_size": batch_size, "accumulation_steps": accumulation_steps, "val_num_samples": val_num_samples}
+    problems += [
+        f"{name!r} must be >= 1, got {value!r}."
+        for name, value in counts.items()
+        if isinstance(value, bool) or int(value) < 1
+    ]
     if task == "unconditional" and int(val_num_samples) < 2:
         problems.append(
             f"'val_num_samples' must be >= 2 for task 'unconditional' (diversity between samples), got {val_num_samples!r}."
         )
-    problems += flag_problems(flags)
-    problems += cache_problems(cache_rate, replace_rate)
+    return problems
+
+
+def unet_problems(
+    unet_channels: Sequence[int],
+    norm_num_groups: int,
+    attention_levels: Sequence[bool] | None,
+    num_head_channels: int | None,
+) -> list[str]:
+    """``attention_levels`` must hold one boolean per entry of ``unet_channels`` (the command line reads ``true`` as
+    a string: a string there would silently switch attention on at full resolution and exhaust the memory), and
+    ``num_head_channels`` must divide the channels of those levels; ``norm_num_groups`` must divide every level's
+    channels."""
+    problems = []
     channels = [int(c) for c in unet_channels]
     if attention_levels is not None:
         levels = list(attention_levels) if isinstance(attention_levels, (list, tuple)) else None
@@ -131,17 +126,38 @@ def check_diffusion_settings(
         problems.append(
             f"every entry of 'unet_channels' {channels} must be divisible by 'norm_num_groups' {norm_num_groups}."
         )
-    factor = 2 ** (len(channels) - 1)
-    if latent_downsample is not None and all(int(d) == 1 for d in latent_downsample):
-        latent_downsample = None
-    latent = [int(d) for d in latent_downsample] if latent_downsample is not None else [1] * len(patch_size)
-    bad = [int(p) for p, d in zip(patch_size, latent) if int(p) % (factor * d)]
+    return problems
+
+
+def patch_problems(
+    patch_size: Sequence[int], unet_channels: Sequence[int], space_downsample: Sequence[int] | None
+) -> list[str]:
+    """The U-Net halves the patch ``len(unet_channels) - 1`` times, in the autoencoder's latent space when
+    ``space_downsample`` (the autoencoder's downsampling; 1 on every axis, or ``None``: no autoencoder) says so."""
+    factor = 2 ** (len(list(unet_channels)) - 1)
+    if space_downsample is not None and all(int(d) == 1 for d in space_downsample):
+        space_downsample = None
+    latent = [int(d) for d in space_downsample] if space_downsample is not None else [1] * len(patch_size)
     if len(patch_size) != 3 or any(int(p) < 1 for p in patch_size):
-        problems.append(f"'patch_size' must be 3 positive integers, got {patch_size!r}.")
-    elif bad:
-        how = f"{factor} (the U-Net halves it {len(channels) - 1} times)"
-        if latent_downsample is not None:
+        return [f"'patch_size' must be 3 positive integers, got {patch_size!r}."]
+    if any(int(p) % (factor * d) for p, d in zip(patch_size, latent)):
+        how = f"{factor} (the U-Net halves it {len(list(unet_channels)) - 1} times)"
+        if space_downsample is not None:
             how += f" times the autoencoder's downsampling {latent}"
-        problems.append(f"'patch_size' {list(patch_size)} must be divisible by {how} on every axis.")
-    if problems:
-        raise ValueError("invalid diffusion configuration:\n  " + "\n  ".join(problems))
+        return [f"'patch_size' {list(patch_size)} must be divisible by {how} on every axis."]
+    return []
+
+
+TRAINING = SettingsChecks(
+    "diffusion",
+    task_problems,
+    schedule_problems,
+    training_problems,
+    switches("latent", "clip_sample", "val_denoise_loss", "ema_warmup", "compile", "preflight", "oom_backoff"),
+    cache_problems,
+    unet_problems,
+    patch_problems,
+)
+"""The checks of a diffusion training run (``train.json``, and evaluation on top of it): besides the checks above,
+on/off settings that are not booleans (a string ``"false"`` is true) and the ``cache_rate``/``replace_rate`` of
+:func:`common.data.pipeline.cache_problems`."""

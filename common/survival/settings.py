@@ -1,19 +1,33 @@
 # Copyright (c) the 3D MONAI bundle collection contributors.
 # Licensed under the Apache License, Version 2.0.
-"""The checks of the survival family's settings, run first in a bundle's ``initialize`` (through
-:func:`common.bundle.check_settings`) before anything is built or written."""
+"""The checks of the survival family's settings (:mod:`common.config_checks`), run first in a bundle's
+``initialize`` before anything is built or written: each reads the config ids it names and returns a problem line per
+invalid value."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any
 
+from common.config_checks import SettingsChecks, switches
 from common.data.pipeline import cache_problems, intensity_problems
 from common.survival.cohort import TIME_UNITS
 from common.survival.networks import BACKBONES, HEADS, widen_factor_problem
-from common.utils import flag_problems
 
-__all__ = ["check_survival_settings", "check_training_size"]
+__all__ = [
+    "TRAINING",
+    "cache_rate_problems",
+    "check_training_size",
+    "covariate_problems",
+    "key_metric_problems",
+    "network_problems",
+    "size_problems",
+    "time_axis_problems",
+]
+
+
+def _positive_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
 
 
 def check_training_size(num_cases: int, batch_size: int) -> None:
@@ -30,38 +44,8 @@ def check_training_size(num_cases: int, batch_size: int) -> None:
         )
 
 
-def check_survival_settings(
-    survival_head: str,
-    backbone: str,
-    conv1_t_stride: int,
-    num_intervals: int | None,
-    horizons: Sequence[float],
-    batch_size: int,
-    image_size: Sequence[int],
-    val_fraction: float,
-    time_unit: str,
-    covariates: Sequence[str] = (),
-    cut_points: Sequence[float] | None = None,
-    accumulation_steps: int = 1,
-    key_metric: str = "uno_c",
-    flags: Mapping[str, Any] | None = None,
-    intensity: Mapping[str, Any] | None = None,
-    cache_rate: float = 1.0,
-    replace_rate: float = 0.1,
-    calibration_cache_rate: float = 1.0,
-    widen_factor: float = 1.0,
-) -> None:
-    """Check a survival bundle's settings before anything is built or written.
-
-    ``flags`` maps the ids of on/off switches (``amp`` excluded) to their values, which must be booleans (the command
-    line reads ``true`` as a string, and a string ``"false"`` is true).
-
-    Raises:
-        ValueError: listing every problem, each naming its config id and value, among them an invalid ``intensity``
-            (:func:`common.data.pipeline.intensity_problems`), a ``cache_rate`` or ``calibration_cache_rate`` outside
-            [0, 1] and a ``replace_rate`` outside (0, 1] (MONAI's ``SmartCacheDataset`` refuses 0: with
-            ``cache_rate`` 1 nothing is replaced anyway), see :func:`common.data.pipeline.cache_problems`.
-    """
+def network_problems(survival_head: str, backbone: str, widen_factor: float, conv1_t_stride: int) -> list[str]:
+    """A known head and backbone, a valid width and a positive stem stride."""
     problems = []
     if survival_head not in HEADS:
         problems.append(f"'survival_head' must be one of {HEADS}, got {survival_head!r}.")
@@ -70,14 +54,26 @@ def check_survival_settings(
     width_problem = widen_factor_problem(widen_factor)
     if width_problem:
         problems.append(width_problem)
-    if isinstance(conv1_t_stride, bool) or not isinstance(conv1_t_stride, int) or conv1_t_stride < 1:
+    if not _positive_int(conv1_t_stride):
         problems.append(
             f"'conv1_t_stride' must be a positive integer (2 is the usual ResNet stem; 1 costs ~8x the FLOPs), "
             f"got {conv1_t_stride!r}."
         )
-    if survival_head == "logistic_hazard" and cut_points is None:
-        if isinstance(num_intervals, bool) or not isinstance(num_intervals, int) or num_intervals < 1:
-            problems.append(f"'num_intervals' must be a positive integer, got {num_intervals!r}.")
+    return problems
+
+
+def time_axis_problems(
+    survival_head: str,
+    num_intervals: int | None,
+    cut_points: Sequence[float] | None,
+    horizons: Sequence[float],
+    time_unit: str,
+) -> list[str]:
+    """The discrete-time head's intervals (``num_intervals``, or ``cut_points`` from 0, increasing), the evaluation
+    ``horizons`` (positive, increasing years) and a known ``time_unit``."""
+    problems = []
+    if survival_head == "logistic_hazard" and cut_points is None and not _positive_int(num_intervals):
+        problems.append(f"'num_intervals' must be a positive integer, got {num_intervals!r}.")
     if cut_points is not None:
         points = list(cut_points) if isinstance(cut_points, (list, tuple)) else None
         if not points or len(points) < 2 or any(isinstance(c, bool) or not isinstance(c, (int, float)) for c in points):
@@ -89,27 +85,62 @@ def check_survival_settings(
         problems.append(f"'horizons' must be a non-empty list of positive numbers of years, got {horizons!r}.")
     elif any(b <= a for a, b in zip(values, values[1:])):
         problems.append(f"'horizons' must increase strictly, got {values}.")
-    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+    if time_unit not in TIME_UNITS:
+        problems.append(f"'time_unit' must be one of {tuple(TIME_UNITS)}, got {time_unit!r}.")
+    return problems
+
+
+def size_problems(
+    batch_size: int, accumulation_steps: int, image_size: Sequence[int], val_fraction: float
+) -> list[str]:
+    """Positive batch and accumulation counts, a 3D ``image_size`` and a validation share in [0, 1)."""
+    problems = []
+    if not _positive_int(batch_size):
         problems.append(
             f"'batch_size' (the total batch across all GPUs) must be a positive integer, got {batch_size!r}."
         )
-    if isinstance(accumulation_steps, bool) or not isinstance(accumulation_steps, int) or accumulation_steps < 1:
+    if not _positive_int(accumulation_steps):
         problems.append(f"'accumulation_steps' must be a positive integer, got {accumulation_steps!r}.")
     size = list(image_size) if isinstance(image_size, (list, tuple)) else None
-    if not size or len(size) != 3 or any(isinstance(s, bool) or not isinstance(s, int) or s < 1 for s in size):
+    if not size or len(size) != 3 or not all(_positive_int(s) for s in size):
         problems.append(f"'image_size' must be 3 positive integers, got {image_size!r}.")
     if isinstance(val_fraction, bool) or not isinstance(val_fraction, (int, float)) or not 0 <= val_fraction < 1:
         problems.append(f"'val_fraction' must be in [0, 1), got {val_fraction!r}.")
-    if time_unit not in TIME_UNITS:
-        problems.append(f"'time_unit' must be one of {tuple(TIME_UNITS)}, got {time_unit!r}.")
+    return problems
+
+
+def covariate_problems(covariates: Sequence[str]) -> list[str]:
+    """``covariates``: distinct CSV column names."""
     names = list(covariates) if isinstance(covariates, (list, tuple)) else None
     if names is None or not all(isinstance(c, str) and c for c in names) or len(set(names)) != len(names):
-        problems.append(f"'covariates' must be a list of distinct CSV column names, got {covariates!r}.")
+        return [f"'covariates' must be a list of distinct CSV column names, got {covariates!r}."]
+    return []
+
+
+def key_metric_problems(key_metric: str) -> list[str]:
+    """A metric the survival evaluator reports."""
     known = ("uno_c", "harrell_c", "auc_mean", "ibs")
     if key_metric not in known and not str(key_metric).startswith(("auc_", "brier_")):
-        problems.append(f"'key_metric' must be one of {known} or auc_<h>/brier_<h>, got {key_metric!r}.")
-    problems += flag_problems(flags)
-    problems += intensity_problems(intensity)
-    problems += cache_problems(cache_rate, replace_rate, calibration_cache_rate=calibration_cache_rate)
-    if problems:
-        raise ValueError("invalid survival configuration:\n  " + "\n  ".join(problems))
+        return [f"'key_metric' must be one of {known} or auc_<h>/brier_<h>, got {key_metric!r}."]
+    return []
+
+
+def cache_rate_problems(cache_rate: float, replace_rate: float, calibration_cache_rate: float) -> list[str]:
+    """:func:`common.data.pipeline.cache_problems`, with the calibration set's cache rate."""
+    return cache_problems(cache_rate, replace_rate, calibration_cache_rate=calibration_cache_rate)
+
+
+TRAINING = SettingsChecks(
+    "survival",
+    network_problems,
+    time_axis_problems,
+    size_problems,
+    covariate_problems,
+    key_metric_problems,
+    switches("compile", "sync_batchnorm", "augment", "crop_foreground", "preflight", "oom_backoff"),
+    intensity_problems,
+    cache_rate_problems,
+)
+"""The checks of a survival training run (``train.json``, and evaluation on top of it): besides the checks above,
+on/off settings that are not booleans (a string ``"false"`` is true) and an invalid ``intensity``
+(:func:`common.data.pipeline.intensity_problems`)."""

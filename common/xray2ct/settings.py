@@ -1,158 +1,168 @@
 # Copyright (c) the 3D MONAI bundle collection contributors.
 # Licensed under the Apache License, Version 2.0.
-"""The checks of the xray2ct family's settings, run first in a bundle's ``initialize`` (through
-:func:`common.bundle.check_settings`) before anything is built or written."""
+"""The checks of the xray2ct family's settings (:mod:`common.config_checks`), run first in a bundle's ``initialize``
+before anything is built or written: each reads the config ids it names and returns a problem line per invalid
+value."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from common.config_checks import SettingsChecks, switches
 from common.data.pipeline import cache_problems
 from common.diffusion.schedule import GRIDS, PREDICTIONS, fast_ddpm_grid
-from common.utils import flag_problems, is_positive_int
+from common.utils import is_positive_int
 from common.xray2ct.drr import VIEW_AXES, view_plane
-from common.xray2ct.engines import (
-    DIRECT_LOSSES,
-    LOSS_WEIGHTINGS,
-)
+from common.xray2ct.engines import DIRECT_LOSSES, LOSS_WEIGHTINGS
 from common.xray2ct.losses import PHYSICS_WEIGHTINGS
 from common.xray2ct.networks import MODES, SAMPLER_MODES, stage_checkpoint
 
-__all__ = ["check_xray2ct_settings"]
+__all__ = [
+    "EVALUATION",
+    "TRAINING",
+    "evaluation_mode_problems",
+    "loss_problems",
+    "optimisation_problems",
+    "regressor_problems",
+    "residual_scale_problems",
+    "sampling_problems",
+    "schedule_problems",
+    "stage_problems",
+    "training_mode_problems",
+    "unet_problems",
+    "view_problems",
+    "vit_problems",
+]
 
 
 def _positive(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0
 
 
-def _view_geometry_problems(
+def _sizes(value: Any, dims: int = 3) -> list[int] | None:
+    """``value`` as ``dims`` positive integers, or ``None`` when it is not."""
+    ok = isinstance(value, (list, tuple)) and len(value) == dims
+    if not ok or not all(is_positive_int(v) for v in value):
+        return None
+    return [int(v) for v in value]
+
+
+def _size_problem(name: str, value: Any, dims: int = 3) -> list[str]:
+    return [] if _sizes(value, dims) else [f"{name!r} must be {dims} positive integers, got {value!r}."]
+
+
+def _stage_count(stage_sizes: Any) -> int:
+    return len(stage_sizes) if isinstance(stage_sizes, (list, tuple)) else 0
+
+
+def _stage_ok(stage: Any, stage_sizes: Any) -> bool:
+    count = _stage_count(stage_sizes)
+    return is_positive_int(stage) and not (count and stage > count)
+
+
+def stage_problems(
+    stage: int, stage_sizes: Sequence[Sequence[int]], source_size: Sequence[int], unet_channels: Sequence[int]
+) -> list[str]:
+    """``stage`` in [1, number of stages]; each stage's size divisible by the U-Net's downsampling, not smaller than
+    the previous stage's, and, up to this stage, not larger than ``source_size`` (the resolution the CT is loaded
+    at)."""
+    problems = []
+    count = _stage_count(stage_sizes)
+    if not count:
+        problems.append(f"'stage_sizes' must be a non-empty list of volume sizes, one per stage, got {stage_sizes!r}.")
+    stage_ok = _stage_ok(stage, stage_sizes)
+    if not stage_ok:  # the stage sizes are still checked below, all but against source_size (which stages run?)
+        problems.append(f"'stage' must be an integer in [1, {count or '?'}], got {stage!r}.")
+    problems += _size_problem("source_size", source_size)
+    source = _sizes(source_size)
+    if not count:
+        return problems
+    checked = [_sizes(s) for s in stage_sizes]
+    levels = len(list(unet_channels)) - 1
+    for i, size in enumerate(checked):
+        if size is None:
+            problems += _size_problem(f"stage_sizes[{i}]", stage_sizes[i])
+            continue
+        if any(s % 2**levels for s in size):
+            problems.append(
+                f"'stage_sizes[{i}]' {size} must be divisible by {2**levels} on every axis (the U-Net halves it "
+                f"{levels} times)."
+            )
+        if i and checked[i - 1] and any(a < b for a, b in zip(size, checked[i - 1])):
+            problems.append(f"'stage_sizes' must not shrink from stage {i} to {i + 1}, got {stage_sizes!r}.")
+        if source and stage_ok and i < stage and any(s > m for s, m in zip(size, source)):
+            problems.append(
+                f"stage {i + 1}'s size {size} is larger than 'source_size' {source}, the resolution the CT is "
+                "loaded at: raise source_size."
+            )
+    return problems
+
+
+def view_problems(
     views: Sequence[str],
     view_size: Sequence[int],
-    source: Sequence[int] | None,
-    stage_size: Sequence[int] | None,
+    source_size: Sequence[int],
+    stage: int,
+    stage_sizes: Sequence[Sequence[int]],
     view_files: bool,
 ) -> list[str]:
-    """The X-rays must not be interpolated up anywhere, or the ground truth would not satisfy the projection loss:
-    made by the projector, they come from the CT at ``source_size`` (each view's plane at least ``view_size``); the
-    loss compares them at the stage's plane (at most ``view_size``)."""
-    problems = []
-    view = tuple(int(v) for v in view_size)
-    for name in views:
-        if source is not None and not view_files and any(p < v for p, v in zip(view_plane(source, name), view)):
+    """Distinct known ``views`` of ``view_size`` pixels. The X-rays must not be interpolated up anywhere, or the ground
+    truth would not satisfy the projection loss: made by the projector (not read from ``view_files``), they come from
+    the CT at ``source_size`` (each view's plane at least ``view_size``); the loss compares them at the stage's plane
+    (at most ``view_size``)."""
+    problems = _size_problem("view_size", view_size, dims=2)
+    view = _sizes(view_size, dims=2)
+    listed = list(views) if isinstance(views, (list, tuple)) else None
+    if not listed or any(v not in VIEW_AXES for v in listed) or len(set(listed)) != len(listed):
+        return problems + [f"'views' must be distinct names out of {sorted(VIEW_AXES)}, got {views!r}."]
+    if not view:
+        return problems
+    source = _sizes(source_size)
+    current = _sizes(stage_sizes[stage - 1]) if _stage_ok(stage, stage_sizes) and _stage_count(stage_sizes) else None
+    for name in listed:
+        if source is not None and view_files is not True and any(p < v for p, v in zip(view_plane(source, name), view)):
             problems.append(
-                f"'view_size' {list(view)} is finer than the {name} projection {list(view_plane(source, name))} of the CT "
-                f"the X-rays are made from ('source_size' {list(source)}): they would be interpolated and the ground "
+                f"'view_size' {view} is finer than the {name} projection {list(view_plane(source, name))} of the CT "
+                f"the X-rays are made from ('source_size' {source}): they would be interpolated and the ground "
                 "truth would not satisfy the projection loss; raise source_size or lower view_size."
             )
-        if stage_size is not None and any(p > v for p, v in zip(view_plane(stage_size, name), view)):
+        if current is not None and any(p > v for p, v in zip(view_plane(current, name), view)):
             problems.append(
-                f"the stage's {name} projection {list(view_plane(stage_size, name))} is finer than 'view_size' {list(view)}: "
+                f"the stage's {name} projection {list(view_plane(current, name))} is finer than 'view_size' {view}: "
                 "the projection loss would compare with interpolated X-rays; raise view_size."
             )
     return problems
 
 
-def check_xray2ct_settings(
-    stage: int,
-    stage_sizes: Sequence[Sequence[int]],
-    source_size: Sequence[int],
-    view_size: Sequence[int],
-    views: Sequence[str],
-    mode: str,
-    prediction_type: str,
-    grid: str,
-    num_grid_steps: int,
-    num_train_timesteps: int,
-    unet_channels: Sequence[int],
-    attention_levels: Sequence[bool],
-    norm_num_groups: int,
-    num_head_channels: int,
-    vit_patch_size: int,
-    vit_hidden_size: int,
-    vit_heads: int,
-    physics_weight: float,
-    physics_weighting: str,
-    direct_loss: str,
-    batch_size: int,
-    accumulation_steps: int,
-    ema_decay: float,
-    flags: Mapping[str, Any] | None = None,
-    training: bool = True,
-    cache_rate: float = 1.0,
-    replace_rate: float = 0.1,
-    residual_scale: float = 0.1,
-    regressor_dir: str | None = None,
-    loss_weighting: str = "none",
-    min_snr_gamma: float = 5.0,
-    num_samples: int = 1,
-    sample_chunk: int | None = None,
-    guidance_scale: float = 0.0,
-) -> None:
-    """Check an X-ray -> CT bundle's settings before anything is built or written (``training``: for a training
-    run, where ``mode`` must be trainable; evaluation also accepts the ``backprojection`` baseline). ``cache_rate``
-    and ``replace_rate`` are those of the datasets (:func:`common.data.pipeline.cache_problems`).
-
-    Raises:
-        ValueError: listing every problem, each naming its config id and value.
-    """
-    problems: list[str] = []
-
-    def triple(name: str, value: Any, dims: int = 3) -> list[int] | None:
-        ok = isinstance(value, (list, tuple)) and len(value) == dims
-        ok = ok and all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in value)
-        if not ok:
-            problems.append(f"{name!r} must be {dims} positive integers, got {value!r}.")
-            return None
-        return [int(v) for v in value]
-
-    sizes = stage_sizes if isinstance(stage_sizes, (list, tuple)) and stage_sizes else None
-    if sizes is None:
-        problems.append(f"'stage_sizes' must be a non-empty list of volume sizes, one per stage, got {stage_sizes!r}.")
-    stage_ok = not (
-        isinstance(stage, bool) or not isinstance(stage, int) or stage < 1 or (sizes and stage > len(sizes))
-    )
-    if not stage_ok:  # the stage sizes are still checked below, all but against source_size (which stages run?)
-        problems.append(f"'stage' must be an integer in [1, {len(sizes) if sizes else '?'}], got {stage!r}.")
-    source = triple("source_size", source_size)
-    current = None
-    if sizes:
-        checked = [triple(f"stage_sizes[{i}]", s) for i, s in enumerate(sizes)]
-        factor = 2 ** (len(list(unet_channels)) - 1)
-        for i, size in enumerate(checked):
-            if size is None:
-                continue
-            if any(s % factor for s in size):
-                problems.append(
-                    f"'stage_sizes[{i}]' {size} must be divisible by {factor} on every axis (the U-Net halves it "
-                    f"{len(list(unet_channels)) - 1} times)."
-                )
-            if stage_ok and i == stage - 1:
-                current = size
-            if i and checked[i - 1] and any(a < b for a, b in zip(size, checked[i - 1])):
-                problems.append(f"'stage_sizes' must not shrink from stage {i} to {i + 1}, got {sizes!r}.")
-            if source and stage_ok and i < stage and any(s > m for s, m in zip(size, source)):
-                problems.append(
-                    f"stage {i + 1}'s size {size} is larger than 'source_size' {source}, the resolution the CT is "
-                    "loaded at: raise source_size."
-                )
-    view = triple("view_size", view_size, dims=2)
-    listed = list(views) if isinstance(views, (list, tuple)) else None
-    if not listed or any(v not in VIEW_AXES for v in listed) or len(set(listed)) != len(listed):
-        problems.append(f"'views' must be distinct names out of {sorted(VIEW_AXES)}, got {views!r}.")
-    elif view:
-        problems += _view_geometry_problems(listed, view, source, current, bool((flags or {}).get("view_files")))
-    if view and isinstance(vit_patch_size, int) and vit_patch_size > 0 and any(v % vit_patch_size for v in view):
+def vit_problems(view_size: Sequence[int], vit_patch_size: int, vit_hidden_size: int, vit_heads: int) -> list[str]:
+    """The X-ray encoder's patches tile the views; its width splits into its heads."""
+    problems = []
+    view = _sizes(view_size, dims=2)
+    if view and is_positive_int(vit_patch_size) and any(v % vit_patch_size for v in view):
         problems.append(f"'vit_patch_size' {vit_patch_size} must divide 'view_size' {view}.")
-    if isinstance(vit_heads, int) and vit_heads > 0 and int(vit_hidden_size) % vit_heads:
+    if is_positive_int(vit_heads) and int(vit_hidden_size) % vit_heads:
         problems.append(f"'vit_hidden_size' {vit_hidden_size} must be divisible by 'vit_heads' {vit_heads}.")
-    modes = MODES if training else SAMPLER_MODES
-    if mode not in modes:
-        extra = (
-            " ('backprojection' has nothing to train: evaluate it with evaluate.json)" if mode in SAMPLER_MODES else ""
-        )
-        problems.append(f"'mode' must be one of {modes}, got {mode!r}{extra}.")
+    return problems
+
+
+def training_mode_problems(mode: str) -> list[str]:
+    """A trainable ``mode``."""
+    if mode in MODES:
+        return []
+    extra = " ('backprojection' has nothing to train: evaluate it with evaluate.json)" if mode in SAMPLER_MODES else ""
+    return [f"'mode' must be one of {MODES}, got {mode!r}{extra}."]
+
+
+def evaluation_mode_problems(mode: str) -> list[str]:
+    """A ``mode`` evaluation can run: a trained one, or the ``backprojection`` baseline."""
+    return [] if mode in SAMPLER_MODES else [f"'mode' must be one of {SAMPLER_MODES}, got {mode!r}."]
+
+
+def schedule_problems(prediction_type: str, grid: str, num_grid_steps: int, num_train_timesteps: int) -> list[str]:
+    """A known prediction and a grid :func:`common.diffusion.schedule.fast_ddpm_grid` can build."""
+    problems = []
     if prediction_type not in PREDICTIONS:
         problems.append(f"'prediction_type' must be one of {PREDICTIONS}, got {prediction_type!r}.")
     if grid not in GRIDS:
@@ -162,12 +172,22 @@ def check_xray2ct_settings(
             fast_ddpm_grid(grid, int(num_grid_steps), int(num_train_timesteps))
         except (TypeError, ValueError) as exc:
             problems.append(f"'num_grid_steps'/'num_train_timesteps': {exc}")
+    return problems
+
+
+def unet_problems(
+    unet_channels: Sequence[int], attention_levels: Sequence[bool], norm_num_groups: int, num_head_channels: int
+) -> list[str]:
+    """One boolean of ``attention_levels`` per level; ``num_head_channels`` divides the channels of the levels with
+    attention, ``norm_num_groups`` those of every level."""
+    problems = [
+        f"{name!r} must be an integer >= 1, got {value!r}."
+        for name, value in (("num_head_channels", num_head_channels), ("norm_num_groups", norm_num_groups))
+        if not is_positive_int(value)
+    ]
     channels = [int(c) for c in unet_channels]
-    for name, value in (("num_head_channels", num_head_channels), ("norm_num_groups", norm_num_groups)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            problems.append(f"{name!r} must be an integer >= 1, got {value!r}.")
-    heads = num_head_channels if isinstance(num_head_channels, int) and num_head_channels > 0 else 1
-    groups = norm_num_groups if isinstance(norm_num_groups, int) and norm_num_groups > 0 else 1
+    heads = num_head_channels if is_positive_int(num_head_channels) else 1
+    groups = norm_num_groups if is_positive_int(norm_num_groups) else 1
     levels = list(attention_levels) if isinstance(attention_levels, (list, tuple)) else None
     if levels is None or len(levels) != len(channels) or not all(isinstance(a, bool) for a in levels):
         problems.append(
@@ -184,54 +204,112 @@ def check_xray2ct_settings(
         problems.append(
             f"every entry of 'unet_channels' {channels} must be divisible by 'norm_num_groups' {norm_num_groups}."
         )
+    return problems
+
+
+def loss_problems(
+    physics_weight: float, physics_weighting: str, direct_loss: str, loss_weighting: str, min_snr_gamma: float
+) -> list[str]:
+    """Known losses and weightings, a projection-loss weight >= 0 and a positive min-SNR gamma."""
+    problems = []
     if not float(physics_weight) >= 0:
         problems.append(f"'physics_weight' must be >= 0, got {physics_weight!r}.")
     if physics_weighting not in PHYSICS_WEIGHTINGS:
         problems.append(f"'physics_weighting' must be one of {PHYSICS_WEIGHTINGS}, got {physics_weighting!r}.")
     if direct_loss not in DIRECT_LOSSES:
         problems.append(f"'direct_loss' must be one of {DIRECT_LOSSES}, got {direct_loss!r}.")
-    for name, value in (("batch_size", batch_size), ("accumulation_steps", accumulation_steps)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            problems.append(f"{name!r} must be an integer >= 1, got {value!r}.")
-    if not 0.0 < float(ema_decay) < 1.0:
-        problems.append(f"'ema_decay' must be in (0, 1), got {ema_decay!r}.")
-    problems += _sampling_problems(mode, residual_scale, regressor_dir, training, stage if stage_ok else None)
     if loss_weighting not in LOSS_WEIGHTINGS:
         problems.append(f"'loss_weighting' must be one of {LOSS_WEIGHTINGS}, got {loss_weighting!r}.")
     if not _positive(min_snr_gamma):
         problems.append(f"'min_snr_gamma' must be a positive number, got {min_snr_gamma!r}.")
-    for name, value in (("num_samples", num_samples), ("sample_chunk", sample_chunk)):
-        if (value is not None or name == "num_samples") and not is_positive_int(value):
-            null = " or null" if name == "sample_chunk" else ""
-            problems.append(f"{name!r} must be an integer >= 1{null}, got {value!r}.")
-    if isinstance(guidance_scale, bool) or not isinstance(guidance_scale, (int, float)) or not guidance_scale >= 0:
-        problems.append(f"'guidance_scale' must be a number >= 0 (0: no projection guidance), got {guidance_scale!r}.")
-    problems += cache_problems(cache_rate, replace_rate)
-    problems += flag_problems(flags)
-    if problems:
-        raise ValueError("invalid X-ray -> CT configuration:\n  " + "\n  ".join(problems))
+    return problems
 
 
-def _sampling_problems(
-    mode: str, residual_scale: Any, regressor_dir: Any, training: bool, stage: int | None
-) -> list[str]:
-    """The residual mode's settings: a positive ``residual_scale`` and, for training, the ``regressor_dir`` of a
-    trained ``direct`` run with this stage's weights."""
-    problems = []
-    if not _positive(residual_scale):
-        problems.append(f"'residual_scale' must be a positive number, got {residual_scale!r}.")
-    if mode != "residual" or not training:
-        return problems
+def optimisation_problems(batch_size: int, accumulation_steps: int, ema_decay: float) -> list[str]:
+    """Counts >= 1 and an EMA decay in (0, 1)."""
+    problems = [
+        f"{name!r} must be an integer >= 1, got {value!r}."
+        for name, value in (("batch_size", batch_size), ("accumulation_steps", accumulation_steps))
+        if not is_positive_int(value)
+    ]
+    if not 0.0 < float(ema_decay) < 1.0:
+        problems.append(f"'ema_decay' must be in (0, 1), got {ema_decay!r}.")
+    return problems
+
+
+def residual_scale_problems(residual_scale: float) -> list[str]:
+    """The residual mode's scale of the refinement: a positive number."""
+    return [] if _positive(residual_scale) else [f"'residual_scale' must be a positive number, got {residual_scale!r}."]
+
+
+def regressor_problems(mode: str, regressor_dir: str | None, stage: int) -> list[str]:
+    """Training the residual mode refines a trained ``direct`` regressor: ``regressor_dir`` is the run holding this
+    stage's weights."""
+    if mode != "residual":
+        return []
     if not regressor_dir:
-        problems.append(
+        return [
             "'mode' residual refines a trained direct regressor: pass --regressor_dir, the output_dir of a "
             "'--mode direct' run of the same stages and network."
-        )
-    elif stage is not None:
-        path = Path(stage_checkpoint(regressor_dir, stage))
-        if not path.is_file():
-            problems.append(
-                f"'regressor_dir' {regressor_dir!r} has no trained stage {stage} regressor: {str(path)!r} does not "
-                f"exist (train it first with --mode direct --output_dir {regressor_dir} --stage {stage})."
-            )
+        ]
+    if not is_positive_int(stage):
+        return []  # stage_problems names it
+    path = Path(stage_checkpoint(regressor_dir, stage))
+    if path.is_file():
+        return []
+    return [
+        f"'regressor_dir' {regressor_dir!r} has no trained stage {stage} regressor: {str(path)!r} does not "
+        f"exist (train it first with --mode direct --output_dir {regressor_dir} --stage {stage})."
+    ]
+
+
+def sampling_problems(num_samples: int, sample_chunk: int | None, guidance_scale: float) -> list[str]:
+    """At least one sample per case, drawn in chunks of at least one (or all at once: ``null``), with a projection
+    guidance scale >= 0."""
+    problems = []
+    if not is_positive_int(num_samples):
+        problems.append(f"'num_samples' must be an integer >= 1, got {num_samples!r}.")
+    if sample_chunk is not None and not is_positive_int(sample_chunk):
+        problems.append(f"'sample_chunk' must be an integer >= 1 or null, got {sample_chunk!r}.")
+    if isinstance(guidance_scale, bool) or not isinstance(guidance_scale, (int, float)) or not guidance_scale >= 0:
+        problems.append(f"'guidance_scale' must be a number >= 0 (0: no projection guidance), got {guidance_scale!r}.")
     return problems
+
+
+SWITCHES = (
+    "view_files",
+    "init_from_previous",
+    "gradient_checkpointing",
+    "compile",
+    "preflight",
+    "ema_warmup",
+    "oom_backoff",
+)
+_TRAINING_SWITCHES = switches(*SWITCHES)
+
+TRAINING = SettingsChecks(
+    "X-ray -> CT",
+    stage_problems,
+    view_problems,
+    vit_problems,
+    training_mode_problems,
+    schedule_problems,
+    unet_problems,
+    loss_problems,
+    optimisation_problems,
+    residual_scale_problems,
+    regressor_problems,
+    sampling_problems,
+    cache_problems,
+    _TRAINING_SWITCHES,
+)
+"""The checks of a training run (``train.json``): besides the checks above, the ``cache_rate``/``replace_rate`` of
+:func:`common.data.pipeline.cache_problems` and on/off settings that are not booleans."""
+
+EVALUATION = TRAINING.with_checks(
+    evaluation_mode_problems,
+    switches(*SWITCHES, "save_volumes"),
+    without=(training_mode_problems, regressor_problems, _TRAINING_SWITCHES),
+)
+"""The checks of an evaluation (``evaluate.json`` on ``train.json``): ``mode`` may also be the ``backprojection``
+baseline, no regressor run is needed, and ``save_volumes`` is a switch too."""
