@@ -1,8 +1,12 @@
 # Copyright (c) the 3D MONAI bundle collection contributors.
 # Licensed under the Apache License, Version 2.0.
-"""Workflow tests of ``bundles/autoencoder_3d``, run as users run it: train -> evaluate -> inference, export, metadata,
-MLflow tracking, preflight refusal and a 2-process torchrun job. Resume after crashes:
-``tests/test_reliability.py``."""
+"""Workflow tests of ``bundles/autoencoder_3d``, run as users run it: train -> evaluate -> inference, TorchScript
+export, the run's record, preflight refusal, the JSON pipelines against their oracles and a 2-process torchrun job.
+What every bundle does (settings refused, an edited pipeline, tracking, host reads, the model zoo's checks):
+``tests/test_bundle_contract.py``; resume after crashes: ``tests/test_reliability.py``."""Workflow tests of ``bundles/autoencoder_3d``, run as users run it: train -> evaluate -> inference, TorchScript export, the run's record,
+preflight refusal, the JSON pipelines against their oracles and a 2-process torchrun job. What every bundle does
+(settings refused, an edited pipeline, tracking, host reads, the model zoo's checks): ``tests/test_bundle_contract.py``;
+resume after crashes: ``tests/test_reliability.py``."""
 
 from __future__ import annotations
 
@@ -16,6 +20,7 @@ import numpy as np
 import pytest
 import torch
 
+from tests.bundle_cases import write_phantoms
 from tests.helpers import (
     BUNDLES,
     REPO_ROOT,
@@ -23,10 +28,7 @@ from tests.helpers import (
     bundle_env,
     bundle_parser,
     check_json_training_dataset,
-    check_tracked_training_loss,
     config_arg,
-    edited_pipeline_configs,
-    model_zoo_train_properties,
     overrides,
     run_bundle,
     same_tensor,
@@ -34,7 +36,6 @@ from tests.helpers import (
     shifted_seed,
     standalone_env,
     torchrun_cmd,
-    undocumented_host_syncs,
 )
 
 BUNDLE = "autoencoder_3d"
@@ -51,11 +52,8 @@ TINY = dict(
 
 @pytest.fixture(scope="module")
 def phantoms(tmp_path_factory) -> Path:
-    from common.demo.images import write_phantom_dataset
-
-    root = tmp_path_factory.mktemp("phantoms")
-    write_phantom_dataset(root, n_train=4, n_val=2, shape=(24, 24, 24), seed=shifted_seed(0))
-    return root
+    """The bundle's test case data (:func:`tests.bundle_cases.write_phantoms`)."""
+    return Path(write_phantoms(tmp_path_factory.mktemp("phantoms"))["dataset_dir"])
 
 
 @pytest.fixture(scope="module")
@@ -310,26 +308,6 @@ def test_json_pipelines_match_volume_transforms(tmp_path, settings):
         inference.get_parsed_content("postprocessing")  # checks that output_units fits the preprocessing
 
 
-def test_model_zoo_train_properties(phantoms, tmp_path):
-    """MONAI's ``verify_metadata`` and the train workflow's ``check_properties()``, as the model zoo's CI runs them."""
-    args = {"dataset_dir": str(phantoms)}
-    lines = model_zoo_train_properties(BUNDLE, ["tiny.json"], args, tmp_path)
-    assert lines == ["metadata verified", "train properties verified"]
-
-
-def test_training_step_reads_back_only_the_documented_values(phantoms, tmp_path):
-    """On a GPU a training step waits at each value read back from the device: only the documented ones
-    (tests.helpers.DOCUMENTED_HOST_READS) are read, counted on the CPU where they are called."""
-    assert (
-        undocumented_host_syncs(BUNDLE, ["tiny.json"], tmp_path, dataset_dir=str(phantoms), adv_warmup_iterations=0)
-        == {}
-    )
-
-
-def test_tracking_logs_a_number_per_training_iteration(phantoms, tmp_path):
-    check_tracked_training_loss(BUNDLE, ["tiny.json"], tmp_path, dataset_dir=str(phantoms))
-
-
 def test_verify_net_in_out():
     cmd = [
         sys.executable,
@@ -452,22 +430,6 @@ def test_preflight_refuses_bad_data_and_writes_nothing(phantoms, tmp_path):
     assert not out.exists()
 
 
-def test_bad_settings_are_refused_before_anything_is_written(phantoms, tmp_path):
-    out = tmp_path / "out"
-    # (an on/off id given as a string is refused earlier, by the command-line check: test_utils)
-    settings = {**TINY, "patch_size": [18, 16, 16], "norm_num_groups": 3, "kl_weight": -1.0}
-    settings["intensity"] = {"mode": "ct", "a_min": 400, "a_max": -1000}
-    result = run_bundle(
-        BUNDLE, ["train.json"], check=False, args=overrides(dataset_dir=str(phantoms), output_dir=str(out), **settings)
-    )
-    assert result.returncode == 1
-    text = result.stderr
-    assert "\nerror: invalid autoencoder configuration" in "\n" + text and "Traceback" not in text
-    for key in ("'patch_size' [18, 16, 16]", "'norm_num_groups' 3", "'kl_weight'", "'intensity' HU window is inverted"):
-        assert key in text, key
-    assert not out.exists()
-
-
 def test_torchrun_two_processes(phantoms, tmp_path):
     """2-process gloo DDP: ranks train on different partitions and end with identical weights."""
     out = tmp_path / "ddp"
@@ -548,22 +510,6 @@ def test_smartcache_training(phantoms, tmp_path):
     assert probe_out["type"] == "SmartCacheDataset" and probe_out["cache_num"] == 2
     assert probe_out["iteration"] == 4  # an epoch is the 2 cached volumes = 1 step of batch 2
     assert len(probe_out["items"]) == 4
-
-
-def test_pipeline_edited_in_json(phantoms, tmp_path):
-    """A user's config file merged after train.json appends an augmentation to ``train#augmentation`` (MONAI's
-    ``+`` merge of lists) and replaces the SmartCacheDataset with a CacheDataset: training uses both."""
-    out = tmp_path / "edited"
-    edit, probe = edited_pipeline_configs(tmp_path)
-    args = overrides(dataset_dir=str(phantoms), output_dir=str(out), max_epochs=1, val_interval=1, **TINY)
-    run_bundle(BUNDLE, ["train.json", str(edit), str(probe)], args=args)
-    result = torch.load(out / "probe.pt", weights_only=True)
-    assert result["type"] == "CacheDataset" and result["iteration"] == 2  # 4 volumes, batch 2
-    assert result["transforms"][-2:] == ["RandSpatialCropSamplesd", "RandGaussianNoised"]
-    sample = np.asarray(result["sample"])
-    assert sample.shape == (1, *TINY["patch_size"])
-    # the normalisation clips to [0, 1] and padding adds zeros: only the noise leaves that range
-    assert sample.min() < 0 or sample.max() > 1
 
 
 def test_compile_saves_clean_keys(phantoms, tmp_path):

@@ -3,8 +3,8 @@
 """Workflow tests of ``bundles/fast_ddpm_3d``, run as users run it, on brain tumour phantoms in the BraTS 2023 layout:
 datalist builder -> train (4 -> 1 missing-modality synthesis) -> evaluate -> inference on cases without the target
 modality, the baseline (full DDPM) mode, configuration and data checks, latent diffusion on a frozen autoencoder_3d
-checkpoint, unconditional generation and a 2-process torchrun job. Resume after crashes:
-``tests/test_reliability.py``."""
+checkpoint, unconditional generation and a 2-process torchrun job. What every bundle does:
+``tests/test_bundle_contract.py``; resume after crashes: ``tests/test_reliability.py``."""
 
 from __future__ import annotations
 
@@ -26,10 +26,7 @@ from tests.helpers import (
     bundle_env,
     bundle_parser,
     check_json_training_dataset,
-    check_tracked_training_loss,
     config_arg,
-    edited_pipeline_configs,
-    model_zoo_train_properties,
     overrides,
     run_bundle,
     same_tensor,
@@ -37,7 +34,6 @@ from tests.helpers import (
     shifted_seed,
     suite_threads,
     torchrun_cmd,
-    undocumented_host_syncs,
 )
 
 BUNDLE = "fast_ddpm_3d"
@@ -119,22 +115,6 @@ def trained(brats_tree, tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("ddpm_run")
     run_bundle(BUNDLE, TASK, args=overrides(dataset_dir=str(brats_tree), output_dir=str(out)))
     return out
-
-
-def test_model_zoo_train_properties(brats_tree, tmp_path):
-    """MONAI's ``verify_metadata`` and the train workflow's ``check_properties()``, as the model zoo's CI runs them."""
-    lines = model_zoo_train_properties(BUNDLE, ["brats.json", "tiny.json"], {"dataset_dir": str(brats_tree)}, tmp_path)
-    assert lines == ["metadata verified", "train properties verified"]
-
-
-def test_training_step_reads_back_only_the_documented_values(brats_tree, tmp_path):
-    """On a GPU a training step waits at each value read back from the device: only the documented ones
-    (tests.helpers.DOCUMENTED_HOST_READS) are read, counted on the CPU where they are called."""
-    assert undocumented_host_syncs(BUNDLE, ["brats.json", "tiny.json"], tmp_path, dataset_dir=str(brats_tree)) == {}
-
-
-def test_tracking_logs_a_number_per_training_iteration(brats_tree, tmp_path):
-    check_tracked_training_loss(BUNDLE, ["brats.json", "tiny.json"], tmp_path, dataset_dir=str(brats_tree))
 
 
 def test_training_outputs(trained):
@@ -233,30 +213,6 @@ def test_inference_synthesises_the_missing_modality(trained, brats_tree, tmp_pat
     here = nib.load(tmp_path / "here" / f"{case}_t2f.nii.gz")
     np.testing.assert_allclose(here.affine, out.affine, atol=1e-5)
     np.testing.assert_allclose(values, here.get_fdata(), rtol=0, atol=SAMPLE_ATOL)
-
-
-def test_bad_settings_are_refused_before_anything_is_written(brats_tree, tmp_path):
-    out = tmp_path / "out"
-    result = run_bundle(
-        BUNDLE,
-        TASK,
-        check=False,
-        args=[
-            *overrides(dataset_dir=str(brats_tree), output_dir=str(out), num_grid_steps=0, target_key="seg"),
-            "--attention_levels",
-            "[false,true]",
-        ],
-    )
-    assert result.returncode == 1
-    text = result.stderr
-    assert "\nerror: " in "\n" + text and "Traceback" not in text
-    for key in (
-        "'num_grid_steps' must be in [1, num_train_timesteps=1000]",
-        "'target_key' 'seg'",
-        "'attention_levels'",
-    ):
-        assert key in text, key
-    assert not out.exists()
 
 
 def test_bad_data_is_reported_per_case_before_training(brats_tree, tmp_path):
@@ -598,20 +554,3 @@ def test_json_datasets_hold_the_volumes_of_make_dataset(brats_tree, rates):
     validate = parser.get_parsed_content("validate#dataset")
     assert type(validate) is CacheDataset and len(validate) == len(datalists["validation"]) == 2
     assert validate[0]["label"].shape[0] == 1 and validate[0]["image"].shape[0] == 4
-
-
-def test_pipeline_edited_in_json(brats_tree, tmp_path):
-    """A user's config file merged after train.json appends an augmentation to ``train#augmentation`` (MONAI's
-    ``+`` merge of lists) and replaces the SmartCacheDataset with a CacheDataset: training uses both."""
-    out = tmp_path / "edited"
-    edit, probe = edited_pipeline_configs(tmp_path, keys=["image"], sample="[0][0]['image']")
-    args = overrides(dataset_dir=str(brats_tree), output_dir=str(out), max_epochs=1, val_interval=1)
-    run_bundle(BUNDLE, [*TASK, str(edit), str(probe)], args=args)
-    result = torch.load(out / "probe.pt", weights_only=True)
-    assert result["type"] == "CacheDataset" and result["iteration"] == 4  # 4 cases, batch 1
-    assert result["transforms"][-2:] == ["RandSpatialCropSamplesd", "RandGaussianNoised"]
-    sample = np.asarray(result["sample"])
-    assert sample.shape == (4, 16, 16, 16)  # the four modalities stacked, a tiny.json patch
-    # percentiles clipped to [0, 1], mapped to [-1, 1], padding at -1: only the noise leaves that range
-    assert sample.min() < -1 or sample.max() > 1
-    assert np.isfinite(json.loads((out / "metrics.json").read_text())["latest"]["val_psnr"])

@@ -1,10 +1,10 @@
 # Copyright (c) the 3D MONAI bundle collection contributors.
 # Licensed under the Apache License, Version 2.0.
 """Workflow tests of ``bundles/mace_survival``, run as users run it, on a small synthetic MACE cohort: train ->
-evaluate -> inference (with and without outcomes), bad CSVs and settings refused before anything is written, the Cox
-head with covariates, a 2-process torchrun job and the quick-start launcher's total batch check; the transform lists
-and datasets declared in the JSON against ``survival_transforms`` and ``make_dataset``, and a pipeline edited by a
-merged config file. Resume after crashes: ``tests/test_reliability.py``."""
+evaluate -> inference (with and without outcomes), bad CSVs refused before anything is written, the Cox head with
+covariates, a 2-process torchrun job and the quick-start launcher's total batch check; the transform lists and
+datasets declared in the JSON against ``survival_transforms`` and ``make_dataset``. What every bundle does:
+``tests/test_bundle_contract.py``; resume after crashes: ``tests/test_reliability.py``."""
 
 from __future__ import annotations
 
@@ -19,30 +19,24 @@ import numpy as np
 import pytest
 import torch
 
+from tests.bundle_cases import HORIZONS, csv_rows, write_cohort
 from tests.helpers import (
     BUNDLES,
     REPO_ROOT,
     bundle_env,
     bundle_parser,
     check_json_training_dataset,
-    check_tracked_training_loss,
     config_arg,
-    edited_pipeline_configs,
-    model_zoo_train_properties,
     overrides,
     run_bundle,
     same_tensor,
     seed_args,
     shifted_seed,
     torchrun_cmd,
-    undocumented_host_syncs,
 )
 
 BUNDLE = "mace_survival"
 TINY = ["train.json", "tiny.json"]
-# inside the follow-up of every split by the design of :func:`_followup_design` (0.25 to 5.75 years, first case an
-# event at 0.25 years); exact in float32, as the predictor holds them
-HORIZONS = [1.0, 2.0]
 LABELS = ["low", "intermediate", "high"]  # lowest risk first
 BATCH = 4  # tiny.json: batch_size
 EPOCHS = 2  # tiny.json: max_epochs (validation after every epoch: val_interval 1)
@@ -50,55 +44,18 @@ EPOCHS = 2  # tiny.json: max_epochs (validation after every epoch: val_interval 
 FLOAT32_RTOL = 1e-5
 
 
-def _followup_design(csv_path: Path) -> Path:
-    """The generated cohort with a fixed follow-up design, written next to it as ``design.csv``.
-
-    Images, covariates and the split column are the generator's. Within each split, the ``k``-th of its ``m``
-    cases (file order) is followed for ``0.25 + 5.5 k / (m - 1)`` years (in whole days), with an event unless
-    ``k % 3 == 2``: every split then covers 0.25 to 5.75 years and starts with an event, so both ``HORIZONS`` are
-    usable in every split and the validation split has an event before the first horizon, whatever the seed.
-    """
-    rows = _rows(csv_path)
-    positions: dict[str, list[int]] = {}
-    for i, row in enumerate(rows):
-        positions.setdefault(row["split"], []).append(i)
-    for members in positions.values():
-        assert len(members) >= 2, positions  # make_mace_cohort gives every split cases
-        for k, i in enumerate(members):
-            years = 0.25 + 5.5 * k / (len(members) - 1)
-            rows[i]["time"] = str(round(years * 365.25))
-            rows[i]["event"] = "0" if k % 3 == 2 else "1"
-    design = csv_path.parent / "design.csv"
-    with open(design, "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-        writer.writeheader()
-        writer.writerows(rows)
-    return design
-
-
 @pytest.fixture(scope="module")
 def cohort(tmp_path_factory) -> Path:
-    """32 chest phantoms of 24x24x20 voxels, split by the generator (stratified by its events: 24/8 or 23/9
-    training/validation cases, depending on the seed), with the follow-up of :func:`_followup_design`."""
-    from common.demo.survival import make_mace_cohort
-
-    generated = make_mace_cohort(
-        tmp_path_factory.mktemp("cohort"), n_cases=32, shape=(24, 24, 20), spacing=(14, 14, 16), seed=shifted_seed(0)
-    )
-    return _followup_design(generated)
+    """The bundle's test case cohort (:func:`tests.bundle_cases.write_cohort`)."""
+    return Path(write_cohort(tmp_path_factory.mktemp("cohort"))["csv_path"])
 
 
 def _args(csv_path: Path, output_dir: Path, **extra) -> list[str]:
     return overrides(csv_path=str(csv_path), output_dir=str(output_dir), horizons=HORIZONS, **extra)
 
 
-def _rows(path: Path) -> list[dict]:
-    with open(path, newline="") as f:
-        return list(csv.DictReader(f))
-
-
 def _split(cohort: Path, name: str) -> list[dict]:
-    return [r for r in _rows(cohort) if r["split"] == name]
+    return [r for r in csv_rows(cohort) if r["split"] == name]
 
 
 def _keys(prefix: str) -> list[str]:
@@ -110,22 +67,6 @@ def trained(cohort, tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("mace_run")
     run_bundle(BUNDLE, TINY, args=_args(cohort, out))
     return out
-
-
-def test_model_zoo_train_properties(cohort, tmp_path):
-    """MONAI's ``verify_metadata`` and the train workflow's ``check_properties()``, as the model zoo's CI runs them."""
-    lines = model_zoo_train_properties(BUNDLE, ["tiny.json"], {"csv_path": str(cohort), "horizons": HORIZONS}, tmp_path)
-    assert lines == ["metadata verified", "train properties verified"]
-
-
-def test_training_step_reads_back_only_the_documented_values(cohort, tmp_path):
-    """On a GPU a training step waits at each value read back from the device: only the documented ones
-    (tests.helpers.DOCUMENTED_HOST_READS) are read, counted on the CPU where they are called."""
-    assert undocumented_host_syncs(BUNDLE, ["tiny.json"], tmp_path, csv_path=str(cohort), horizons=HORIZONS) == {}
-
-
-def test_tracking_logs_a_number_per_training_iteration(cohort, tmp_path):
-    check_tracked_training_loss(BUNDLE, ["tiny.json"], tmp_path, csv_path=str(cohort), horizons=HORIZONS)
 
 
 def test_training_outputs(trained, cohort):
@@ -181,7 +122,7 @@ def _group_of(risk: str, thresholds: np.ndarray) -> str:
 
 def _check_group_table(path: Path, rows: list[dict], thresholds: np.ndarray, outcomes: bool) -> None:
     """``risk_groups.csv``: the three groups in order, their risk ranges and the cases (and events) of ``rows``."""
-    table = _rows(path)
+    table = csv_rows(path)
     columns = ["risk_group", "risk_score_from", "risk_score_to", "cases", *(["events"] if outcomes else []), "note"]
     assert list(table[0]) == columns and [t["risk_group"] for t in table] == LABELS
     bounds = [-math.inf, *thresholds.tolist(), math.inf]
@@ -203,7 +144,7 @@ def test_evaluate_matches_best_validation_and_writes_the_report(evaluated, cohor
     for key in ("uno_c", "harrell_c", "auc_mean", "ibs", _keys("brier")[-1]):
         assert evaluation[key] == pytest.approx(best[key], rel=1e-6, nan_ok=True), key
     validation = _split(cohort, "validation")
-    rows = _rows(trained / "eval" / "predictions.csv")
+    rows = csv_rows(trained / "eval" / "predictions.csv")
     assert list(rows[0]) == [
         "case_id",
         "risk_score",
@@ -272,7 +213,7 @@ def test_inference_without_outcomes_writes_one_row_per_case(evaluated, cohort, t
         run_id="run",
         args=overrides(csv_path=str(new_csv), output_dir=str(evaluated), prediction_dir=str(pred), horizons=HORIZONS),
     )
-    written = _rows(pred / "predictions.csv")
+    written = csv_rows(pred / "predictions.csv")
     assert list(written[0]) == ["case_id", "risk_score", "risk_percentile", *_keys("p_mace"), "risk_group"]
     assert sorted(r["case_id"] for r in written) == sorted(r["case_id"] for r in rows)
     model = torch.load(evaluated / "models" / "model.pt", weights_only=True)
@@ -286,7 +227,7 @@ def test_inference_without_outcomes_writes_one_row_per_case(evaluated, cohort, t
     _check_group_table(pred / "risk_groups.csv", written, thresholds, outcomes=False)
     # the same model on the same cases gives what the evaluation wrote (the calibration travels with model.pt), up
     # to float32 rounding (the two runs may use different thread counts) and the rounding of the CSV formats
-    reference = {r["case_id"]: r for r in _rows(evaluated / "eval" / "predictions.csv")}
+    reference = {r["case_id"]: r for r in csv_rows(evaluated / "eval" / "predictions.csv")}
     for r in written:
         ref = reference[r["case_id"]]
         risk = float(ref["risk_score"])
@@ -335,10 +276,10 @@ def test_inference_fails_bad_cases_only_restarts_and_shares_cases_over_two_proce
     first = infer(pred)
     assert first.returncode == 2, first.stdout[-3000:] + first.stderr[-3000:]
     assert first.stdout.strip().splitlines()[-1] == f"{len(rows)} written, 2 failed: see {pred / 'failures.csv'}"
-    failed = {r["case_id"]: r for r in _rows(pred / "failures.csv")}
+    failed = {r["case_id"]: r for r in csv_rows(pred / "failures.csv")}
     assert failed["zz_missing"]["stage"] == "check" and failed["zz_missing"]["reason"] == "does not exist"
     assert failed["zz_truncated"]["stage"] == "read" and "EOFError" in failed["zz_truncated"]["reason"]
-    assert sorted(r["case_id"] for r in _rows(pred / "predictions.csv")) == sorted(r["case_id"] for r in rows)
+    assert sorted(r["case_id"] for r in csv_rows(pred / "predictions.csv")) == sorted(r["case_id"] for r in rows)
     tables = {name: (pred / name).read_bytes() for name in ("predictions.csv", "risk_groups.csv", "failures.csv")}
     again = infer(pred)
     assert f"0 written ({len(rows)} already written, skipped), 2 failed" in again.stdout
@@ -349,7 +290,7 @@ def test_inference_fails_bad_cases_only_restarts_and_shares_cases_over_two_proce
 
 
 def test_bad_csv_is_reported_per_row_before_anything_is_written(cohort, tmp_path):
-    rows = _rows(cohort)
+    rows = csv_rows(cohort)
     bad = tmp_path / "bad.csv"
     with open(bad, "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=list(rows[0]))
@@ -372,30 +313,6 @@ def test_bad_csv_is_reported_per_row_before_anything_is_written(cohort, tmp_path
     assert "row 3" in result.stderr and "'2'" in result.stderr
     assert "duplicate case id" in result.stderr and rows[4]["case_id"] in result.stderr
     assert "missing.nii.gz" in result.stderr
-    assert not out.exists()
-
-
-def test_bad_settings_are_refused_before_anything_is_written(cohort, tmp_path):
-    """Invalid settings, each named by its config id (horizons beyond follow-up: tests/test_survival_cohort.py)."""
-    out = tmp_path / "out"
-    result = run_bundle(
-        BUNDLE,
-        TINY,
-        check=False,
-        args=overrides(
-            csv_path=str(cohort),
-            output_dir=str(out),
-            survival_head="weibull",
-            conv1_t_stride=0,
-            horizons=[3, 1],
-            replace_rate=0.0,
-            calibration_cache_rate=1.5,
-        ),
-    )
-    assert result.returncode == 1 and "Traceback" not in result.stderr
-    expected_lines = ("'survival_head'", "'conv1_t_stride'", "'horizons' must increase", "'replace_rate'")
-    for expected in (*expected_lines, "'calibration_cache_rate' must be a number in [0, 1]"):
-        assert expected in result.stderr, expected
     assert not out.exists()
 
 
@@ -572,22 +489,3 @@ def test_json_datasets_hold_the_cases_of_make_dataset(cohort, rates):
     assert [d["case_id"] for d in validate.data] == [d["case_id"] for d in cohort_split["validation"]]
     assert calibrate.cache_num == n_train
     assert validate.cache_num == int(len(cohort_split["validation"]) * parser["cache_rate"])
-
-
-def test_pipeline_edited_in_json(cohort, tmp_path):
-    """A user's config file merged after train.json appends Gaussian noise to ``train#augmentation`` (MONAI's ``+``
-    merge of lists) and replaces the SmartCacheDataset with a CacheDataset: training uses both. With ``augment``
-    off the bundle's own random transforms are disabled, so the noise can only come from the edit."""
-    out = tmp_path / "edited"
-    edit, probe = edited_pipeline_configs(tmp_path, sample="[0]['image']")
-    args = _args(cohort, out, max_epochs=1, augment=False)
-    run_bundle(BUNDLE, [*TINY, str(edit), str(probe)], args=args)
-    result = torch.load(out / "probe.pt", weights_only=True)
-    n_train = len(_split(cohort, "training"))
-    assert result["type"] == "CacheDataset" and result["iteration"] == n_train // BATCH
-    assert result["transforms"][-3:] == ["EnsureTyped", "ToDeviced", "RandGaussianNoised"]
-    assert "RandAffined" not in result["transforms"]
-    sample = np.asarray(result["sample"])
-    assert sample.shape == (1, 16, 16, 16)  # tiny.json: image_size
-    # the CT window clips to [0, 1] and the padding adds zeros: only the noise leaves that range
-    assert sample.min() < 0 or sample.max() > 1

@@ -1,8 +1,9 @@
 # Copyright (c) the 3D MONAI bundle collection contributors.
 # Licensed under the Apache License, Version 2.0.
 """Workflow tests of ``bundles/vqgan_3d``, run as users run it, on synthetic chest CT written as DICOM series: datalist
-builder -> train -> evaluate -> inference (reconstruct, encode, decode), configuration and data checks, max_cases
-and a 2-process torchrun job with identical codebooks. Resume after crashes: ``tests/test_reliability.py``."""
+builder -> train -> evaluate -> inference (reconstruct, encode, decode), data checks, max_cases and a
+2-process torchrun job with identical codebooks. What every bundle does: ``tests/test_bundle_contract.py``; resume
+after crashes: ``tests/test_reliability.py``."""
 
 from __future__ import annotations
 
@@ -22,10 +23,7 @@ from tests.helpers import (
     bundle_env,
     bundle_parser,
     check_json_training_dataset,
-    check_tracked_training_loss,
     config_arg,
-    edited_pipeline_configs,
-    model_zoo_train_properties,
     overrides,
     run_bundle,
     same_tensor,
@@ -33,7 +31,6 @@ from tests.helpers import (
     shifted_seed,
     suite_threads,
     torchrun_cmd,
-    undocumented_host_syncs,
 )
 
 BUNDLE = "vqgan_3d"
@@ -67,25 +64,6 @@ def trained(ct_series, tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("vq_run")
     run_bundle(BUNDLE, ["train.json", TINY_JSON], args=overrides(dataset_dir=str(ct_series), output_dir=str(out)))
     return out
-
-
-def test_model_zoo_train_properties(ct_series, tmp_path):
-    """MONAI's ``verify_metadata`` and the train workflow's ``check_properties()``, as the model zoo's CI runs them."""
-    lines = model_zoo_train_properties(BUNDLE, ["tiny.json"], {"dataset_dir": str(ct_series)}, tmp_path)
-    assert lines == ["metadata verified", "train properties verified"]
-
-
-def test_training_step_reads_back_only_the_documented_values(ct_series, tmp_path):
-    """On a GPU a training step waits at each value read back from the device: only the documented ones
-    (tests.helpers.DOCUMENTED_HOST_READS) are read, counted on the CPU where they are called."""
-    assert (
-        undocumented_host_syncs(BUNDLE, ["tiny.json"], tmp_path, dataset_dir=str(ct_series), discriminator_iter_start=0)
-        == {}
-    )
-
-
-def test_tracking_logs_a_number_per_training_iteration(ct_series, tmp_path):
-    check_tracked_training_loss(BUNDLE, ["tiny.json"], tmp_path, dataset_dir=str(ct_series))
 
 
 def test_training_outputs(trained):
@@ -378,45 +356,6 @@ def test_intensity_follows_demo_data(tmp_path):
         assert parser.get_parsed_content("intensity") == parser.get_parsed_content(name)
         step = [t for t in parser.get_parsed_content("train#deterministic") if hasattr(t, "transform")][0]
         assert type(step).__name__ == "ScaleIntensityModed" and type(step.transform).__name__.endswith(kind)
-
-
-def test_pipeline_edited_in_json(ct_series, tmp_path):
-    """A user's config file merged after train.json appends an augmentation to ``train#augmentation`` (MONAI's
-    ``+`` merge of lists) and replaces the SmartCacheDataset with a CacheDataset: training uses both."""
-    out = tmp_path / "edited"
-    edit, probe = edited_pipeline_configs(tmp_path)
-    args = overrides(dataset_dir=str(ct_series), output_dir=str(out), max_epochs=1, val_interval=1)
-    run_bundle(BUNDLE, ["train.json", TINY_JSON, str(edit), str(probe)], args=args)
-    result = torch.load(out / "probe.pt", weights_only=True)
-    assert result["type"] == "CacheDataset" and result["iteration"] == 4  # 4 volumes, batch 1
-    assert result["transforms"][-2:] == ["RandSpatialCropSamplesd", "RandGaussianNoised"]
-    sample = np.asarray(result["sample"])
-    assert sample.shape == (1, *ARCH["patch_size"])
-    # the CT window clips to [0, 1] and padding adds zeros: only the noise leaves that range
-    assert sample.min() < 0 or sample.max() > 1
-
-
-def test_bad_settings_are_refused_before_anything_is_written(ct_series, tmp_path):
-    out = tmp_path / "out"
-    result = run_bundle(
-        BUNDLE,
-        ["train.json", TINY_JSON],
-        check=False,
-        args=overrides(
-            dataset_dir=str(ct_series),
-            output_dir=str(out),
-            patch_size=[18, 16, 16],
-            n_codes=1,
-            discriminator_iter_start=-5,
-            ct_window={"mode": "ct", "a_min": 400, "a_max": -1000},
-        ),
-    )
-    assert result.returncode == 1
-    text = result.stderr
-    assert "\nerror: " in "\n" + text and "Traceback" not in text
-    for key in ("'patch_size'", "'n_codes'", "'discriminator_iter_start'", "'intensity' HU window is inverted"):
-        assert key in text, key
-    assert not out.exists()
 
 
 def test_bad_data_is_reported_per_case_before_training(ct_series, tmp_path):

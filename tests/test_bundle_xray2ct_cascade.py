@@ -2,9 +2,10 @@
 # Licensed under the Apache License, Version 2.0.
 """Workflow tests of ``bundles/xray2ct_cascade``, run as users run it, on chest CT phantoms: stage 1 -> stage 2
 (initialised from and validated on stage 1) -> evaluate -> the back-projection baseline (its metrics recomputed) ->
-pack the cascade -> inference from NIfTI and PNG radiographs; checks of settings, data and the stage order before
-anything is written; a 2-process torchrun job; the transform lists and datasets of the JSON against
-``xray2ct_transforms`` and ``make_dataset``, and a pipeline edited in JSON. Resume after crashes: ``tests/test_reliability.py``."""
+pack the cascade -> inference from NIfTI and PNG radiographs; checks of data and the stage order before anything is
+written; a 2-process torchrun job; the transform lists and datasets of the JSON against ``xray2ct_transforms`` and
+``make_dataset``. What every bundle does: ``tests/test_bundle_contract.py``; resume after crashes:
+``tests/test_reliability.py``."""
 
 from __future__ import annotations
 
@@ -21,39 +22,31 @@ import numpy as np
 import pytest
 import torch
 
+from tests.bundle_cases import CHEST_FOV_MM as FOV
+from tests.bundle_cases import write_chest_phantoms
 from tests.helpers import (
     BUNDLES,
     REPO_ROOT,
     bundle_env,
     bundle_parser,
     check_json_training_dataset,
-    check_tracked_training_loss,
     config_arg,
-    edited_pipeline_configs,
-    model_zoo_train_properties,
     overrides,
     run_bundle,
     same_tensor,
     seed_args,
-    shifted_seed,
     torchrun_cmd,
-    undocumented_host_syncs,
 )
 
 BUNDLE = "xray2ct_cascade"
 TASK = ["train.json", "tiny.json"]
-FOV = 350.0
 RESUMABLE = {"deterministic": True, "ckpt_interval": 1}  # a checkpoint every iteration, deterministic kernels
 
 
 @pytest.fixture(scope="module")
 def phantoms(tmp_path_factory) -> Path:
-    """Four training and two validation chest CT phantoms at 24^3 (resampled to the tiny 16^3 source grid)."""
-    from common.demo.images import make_xray2ct_demo
-
-    root = tmp_path_factory.mktemp("chest")
-    make_xray2ct_demo(root, n_train=4, n_val=2, shape=(24, 24, 24), fov_mm=FOV, seed=shifted_seed(0))
-    return root
+    """The bundle's test case data (:func:`tests.bundle_cases.write_chest_phantoms`)."""
+    return Path(write_chest_phantoms(tmp_path_factory.mktemp("chest"))["dataset_dir"])
 
 
 @pytest.fixture(scope="module")
@@ -64,22 +57,6 @@ def cascade(phantoms, tmp_path_factory) -> Path:
         args = overrides(dataset_dir=str(phantoms), output_dir=str(out), stage=stage, **RESUMABLE)
         run_bundle(BUNDLE, TASK, args=args)
     return out
-
-
-def test_model_zoo_train_properties(phantoms, tmp_path):
-    """MONAI's ``verify_metadata`` and the train workflow's ``check_properties()``, as the model zoo's CI runs them."""
-    lines = model_zoo_train_properties(BUNDLE, ["tiny.json"], {"dataset_dir": str(phantoms)}, tmp_path)
-    assert lines == ["metadata verified", "train properties verified"]
-
-
-def test_training_step_reads_back_only_the_documented_values(phantoms, tmp_path):
-    """On a GPU a training step waits at each value read back from the device: only the documented ones
-    (tests.helpers.DOCUMENTED_HOST_READS) are read, counted on the CPU where they are called."""
-    assert undocumented_host_syncs(BUNDLE, ["tiny.json"], tmp_path, dataset_dir=str(phantoms)) == {}
-
-
-def test_tracking_logs_a_number_per_training_iteration(phantoms, tmp_path):
-    check_tracked_training_loss(BUNDLE, ["tiny.json"], tmp_path, dataset_dir=str(phantoms))
 
 
 def test_stages_train_in_order(cascade):
@@ -268,32 +245,6 @@ def test_stage_2_without_stage_1_is_refused(phantoms, tmp_path):
     assert not (tmp_path / "stage2").exists()
 
 
-def test_bad_settings_are_refused_before_anything_is_written(phantoms, tmp_path):
-    result = run_bundle(
-        BUNDLE,
-        TASK,
-        check=False,
-        args=[
-            *overrides(dataset_dir=str(phantoms), output_dir=str(tmp_path), mode="gan", vit_patch_size=5),
-            "--stage_sizes",
-            "[[8,8,8],[12,12,12],[8,8,8]]",
-            "--source_size",
-            "[4,4,4]",
-        ],
-    )
-    assert result.returncode == 1
-    text = result.stderr
-    assert "\nerror: " in "\n" + text and "Traceback" not in text
-    for key in (
-        "'mode' must be one of",
-        "'vit_patch_size' 5 must divide",
-        "'stage_sizes' must not shrink",
-        "larger than 'source_size'",
-    ):
-        assert key in text, key
-    assert not any(tmp_path.iterdir())
-
-
 def test_bad_data_is_reported_per_case_before_training(phantoms, tmp_path):
     """X-ray files per case (``view_files``): a missing view, a transposed and a wrongly sized one, and a CT smaller
     than the stage's volume size are all reported at once, before anything is written."""
@@ -475,20 +426,3 @@ def test_json_datasets_hold_the_volumes_of_make_dataset(phantoms, rates):
         expected_item = preprocessing(dict(entry))
         for key in ("image", "xray"):
             same_tensor(validate[i][key], expected_item[key])
-
-
-def test_pipeline_edited_in_json(phantoms, tmp_path):
-    """A user's config file merged after train.json appends ``RandGaussianNoised`` of the CT to
-    ``train#augmentation`` and replaces the SmartCacheDataset with a CacheDataset: stage 1 trains from both."""
-    out = tmp_path / "edited"
-    edit, probe = edited_pipeline_configs(tmp_path, keys=["image"], sample="[0]['image']")
-    args = overrides(dataset_dir=str(phantoms), output_dir=str(out), max_epochs=1, val_interval=1)
-    run_bundle(BUNDLE, [*TASK, str(edit), str(probe)], args=args)
-    result = torch.load(out / "probe.pt", weights_only=True)
-    assert result["type"] == "CacheDataset" and result["iteration"] == 2  # 4 cases, batch 2
-    assert result["transforms"][-3:] == ["EnsureTyped", "ToDeviced", "RandGaussianNoised"]
-    sample = np.asarray(result["sample"])
-    assert sample.shape == (1, 8, 8, 8)
-    # the CT is scaled to [-1, 1] and area-averaged: only the noise leaves that range
-    assert sample.min() < -1 or sample.max() > 1
-    assert (out / "stage1" / "models" / "model.pt").is_file()
