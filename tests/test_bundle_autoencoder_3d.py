@@ -3,10 +3,7 @@
 """Workflow tests of ``bundles/autoencoder_3d``, run as users run it: train -> evaluate -> inference, TorchScript
 export, the run's record, preflight refusal, the JSON pipelines against their oracles and a 2-process torchrun job.
 What every bundle does (settings refused, an edited pipeline, tracking, host reads, the model zoo's checks):
-``tests/test_bundle_contract.py``; resume after crashes: ``tests/test_reliability.py``."""Workflow tests of ``bundles/autoencoder_3d``, run as users run it: train -> evaluate -> inference, TorchScript export, the run's record,
-preflight refusal, the JSON pipelines against their oracles and a 2-process torchrun job. What every bundle does
-(settings refused, an edited pipeline, tracking, host reads, the model zoo's checks): ``tests/test_bundle_contract.py``;
-resume after crashes: ``tests/test_reliability.py``."""
+``tests/test_bundle_contract.py``; resume after crashes: ``tests/test_reliability.py``."""
 
 from __future__ import annotations
 
