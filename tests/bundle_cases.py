@@ -134,6 +134,8 @@ class BundleCase:
         refused: what the error must name.
         pipeline_edit: what an edited pipeline gives.
         host_read_settings: settings of the host-read count (so that every branch of a step is taken).
+        splits: the config id of the parsed training and validation lists.
+        case_key: the key that names a case in those lists.
     """
 
     bundle: str
@@ -143,6 +145,8 @@ class BundleCase:
     refused: tuple[str, ...]
     pipeline_edit: PipelineEdit
     host_read_settings: dict[str, Any] = field(default_factory=dict)
+    splits: str = "datalists"
+    case_key: str = "image"
 
     def __str__(self) -> str:
         return self.bundle
@@ -210,6 +214,7 @@ CASES = {
                 (-1.0, 1.0),
                 sample="[0][0]['image']",
             ),
+            case_key="case_id",
         ),
         BundleCase(
             "mace_survival",
@@ -238,6 +243,8 @@ CASES = {
                 settings={"augment": False},
                 absent=("RandAffined",),
             ),
+            splits="cohort",
+            case_key="case_id",
         ),
         BundleCase(
             "xray2ct_cascade",

@@ -24,7 +24,6 @@ from tests.helpers import (
     STANDALONE_PYTHON,
     bundle_env,
     bundle_parser,
-    check_json_training_dataset,
     config_arg,
     overrides,
     run_bundle,
@@ -578,18 +577,3 @@ def test_packaged_run_carries_its_settings(trained, phantoms, tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     recon = nib.load(bundle / "outputs" / "predictions" / "phantom_val_000_recon.nii.gz")
     assert recon.shape == nib.load(phantoms / "images" / "phantom_val_000.nii.gz").shape
-
-
-@pytest.mark.parametrize("rates", [{}, {"cache_rate": 0.5, "replace_rate": 0.5}], ids=["default", "smart-cache"])
-def test_json_datasets_hold_the_volumes_of_make_dataset(phantoms, rates):
-    """``train#dataset`` caches the volumes ``make_dataset`` cached, in its order (the loader's epoch order and seeded
-    augmentation follow the dataset's positions): all of them in datalist order by default, a seeded random subset
-    that the SmartCacheHandler swaps with ``cache_rate`` < 1; ``validate#dataset`` every validation volume."""
-    from monai.data import CacheDataset
-
-    parser = _train_parser(BUNDLE, "tiny.json", dataset_dir=str(phantoms), **rates)
-    datalists = parser.get_parsed_content("datalists")
-    train, _ = check_json_training_dataset(parser, datalists["training"], rates)
-    assert len(train) == (2 if rates else 4)
-    validate = parser.get_parsed_content("validate#dataset")
-    assert type(validate) is CacheDataset and len(validate) == len(datalists["validation"]) == 2

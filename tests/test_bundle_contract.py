@@ -22,6 +22,8 @@ from common.bundle_tools.registry import check_description, describe
 from tests.bundle_cases import CASES, BundleCase
 from tests.helpers import (
     SCHEMA,
+    bundle_parser,
+    check_json_training_dataset,
     check_tracked_training_loss,
     edited_pipeline_configs,
     model_zoo_train_properties,
@@ -108,3 +110,21 @@ def test_training_step_reads_back_only_the_documented_values(case, tmp_path: Pat
 def test_tracking_logs_a_number_per_training_iteration(case, tmp_path: Path) -> None:
     bundle_case, data = case
     check_tracked_training_loss(bundle_case.bundle, list(bundle_case.configs), tmp_path, **data)
+
+
+@pytest.mark.parametrize("rates", [{}, {"cache_rate": 0.5, "replace_rate": 0.5}], ids=["default", "smart-cache"])
+def test_json_datasets_hold_the_cases_of_make_dataset(case, rates) -> None:
+    """``train#dataset`` caches the cases the oracle ``make_dataset`` caches, in its order (the loader's epoch order
+    and seeded augmentation follow the dataset's positions): all of them in the split's order by default, a seeded
+    random subset that the SmartCacheHandler swaps with ``cache_rate`` < 1; ``validate#dataset`` every validation
+    case, in order."""
+    from monai.data import CacheDataset
+
+    bundle_case, data = case
+    parser = bundle_parser(bundle_case.bundle, ["train.json", *bundle_case.configs], **data, **rates)
+    splits = parser.get_parsed_content(bundle_case.splits)
+    check_json_training_dataset(parser, splits["training"], rates, key=bundle_case.case_key)
+    validate = parser.get_parsed_content("validate#dataset")
+    assert type(validate) is CacheDataset
+    key = bundle_case.case_key
+    assert [d[key] for d in validate.data] == [d[key] for d in splits["validation"]] and len(validate.data) >= 2

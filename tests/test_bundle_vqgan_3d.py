@@ -22,7 +22,6 @@ from tests.helpers import (
     REPO_ROOT,
     bundle_env,
     bundle_parser,
-    check_json_training_dataset,
     config_arg,
     overrides,
     run_bundle,
@@ -332,21 +331,6 @@ def test_json_pipelines_match_volume_transforms(tmp_path, settings):
         restored, expected_restored = inference_pre.inverse(item), expected.inverse(expected_item)
         same_tensor(restored["image"], expected_restored["image"])
         inference.get_parsed_content("postprocessing")  # checks that output_units fits the preprocessing
-
-
-@pytest.mark.parametrize("rates", [{}, {"cache_rate": 0.5, "replace_rate": 0.5}], ids=["default", "smart-cache"])
-def test_json_datasets_hold_the_volumes_of_make_dataset(ct_series, rates):
-    """``train#dataset`` caches the volumes ``make_dataset`` cached, in its order (the loader's epoch order and seeded
-    augmentation follow the dataset's positions): all of them in datalist order by default, a seeded random subset
-    that the SmartCacheHandler swaps with ``cache_rate`` < 1; ``validate#dataset`` every validation volume."""
-    from monai.data import CacheDataset
-
-    parser = _parser("train.json", TINY_JSON, dataset_dir=str(ct_series), **rates)
-    datalists = parser.get_parsed_content("datalists")
-    train, _ = check_json_training_dataset(parser, datalists["training"], rates)
-    assert len(train) == (2 if rates else 4)
-    validate = parser.get_parsed_content("validate#dataset")
-    assert type(validate) is CacheDataset and len(validate) == len(datalists["validation"]) == 2
 
 
 def test_intensity_follows_demo_data(tmp_path):

@@ -3,8 +3,8 @@
 """Workflow tests of ``bundles/xray2ct_cascade``, run as users run it, on chest CT phantoms: stage 1 -> stage 2
 (initialised from and validated on stage 1) -> evaluate -> the back-projection baseline (its metrics recomputed) ->
 pack the cascade -> inference from NIfTI and PNG radiographs; checks of data and the stage order before anything is
-written; a 2-process torchrun job; the transform lists and datasets of the JSON against ``xray2ct_transforms`` and
-``make_dataset``. What every bundle does: ``tests/test_bundle_contract.py``; resume after crashes:
+written; a 2-process torchrun job; the transform lists of the JSON against ``xray2ct_transforms`` and the validation
+dataset against ``preprocessing``. What every bundle does: ``tests/test_bundle_contract.py``; resume after crashes:
 ``tests/test_reliability.py``."""
 
 from __future__ import annotations
@@ -29,7 +29,6 @@ from tests.helpers import (
     REPO_ROOT,
     bundle_env,
     bundle_parser,
-    check_json_training_dataset,
     config_arg,
     overrides,
     run_bundle,
@@ -407,21 +406,13 @@ def test_json_pipelines_match_xray2ct_transforms(phantoms, tmp_path, settings):
         same_tensor(item[key], expected_item[key])
 
 
-@pytest.mark.parametrize("rates", [{}, {"cache_rate": 0.5, "replace_rate": 0.5}], ids=["default", "smart-cache"])
-def test_json_datasets_hold_the_volumes_of_make_dataset(phantoms, rates):
-    """``train#dataset`` caches the volumes ``make_dataset`` cached, in its order: all of them in datalist order by
-    default, a seeded random subset (that the SmartCacheHandler swaps) with ``cache_rate`` < 1; ``validate#dataset``
-    every validation volume, in order, with the CT and X-rays ``preprocessing`` makes."""
-    from monai.data import CacheDataset
-
-    parser = _train_parser(dataset_dir=str(phantoms), **rates)
+def test_validation_dataset_holds_what_preprocessing_makes(phantoms):
+    """``validate#dataset`` holds, for every validation case in order, the CT and X-rays ``preprocessing`` makes."""
+    parser = _train_parser(dataset_dir=str(phantoms))
     datalists = parser.get_parsed_content("datalists")
-    train, _ = check_json_training_dataset(parser, datalists["training"], rates)
-    assert len(train) == (2 if rates else 4)
     validate = parser.get_parsed_content("validate#dataset")
-    assert type(validate) is CacheDataset and len(validate) == len(datalists["validation"]) == 2
-    assert [d["image"] for d in validate.data] == [d["image"] for d in datalists["validation"]]
     preprocessing = parser.get_parsed_content("preprocessing")
+    assert len(validate) == len(datalists["validation"]) == 2
     for i, entry in enumerate(datalists["validation"]):
         expected_item = preprocessing(dict(entry))
         for key in ("image", "xray"):
