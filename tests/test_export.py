@@ -23,8 +23,6 @@ from common.bundle_tools.export import (
     default_input_shape,
     export_module_onnx,
     export_module_torchscript,
-    export_onnx,
-    export_torchscript,
     random_input,
     run_export,
 )
@@ -203,18 +201,18 @@ def test_corrupted_or_mismatched_checkpoint_names_the_file(exported, tmp_path):
     corrupted = tmp_path / "corrupted.pt"
     corrupted.write_bytes(b"definitely not a checkpoint" * 10)
     with pytest.raises(CheckpointError, match=re.escape(str(corrupted))):
-        export_torchscript(bundle, corrupted, tmp_path / "a.ts", overrides=tiny)
+        run_export("torchscript", bundle, corrupted, tmp_path / "a.ts", overrides=tiny)
 
     state = torch.load(exported["ckpt"], weights_only=True)
     state.pop(sorted(state)[-1])  # a checkpoint of a different network: one tensor missing
     mismatched = tmp_path / "mismatched.pt"
     torch.save(state, mismatched)
     with pytest.raises(CheckpointError, match=re.escape(str(mismatched)) + ".*does not fit"):
-        export_onnx(bundle, mismatched, tmp_path / "b.onnx", overrides=tiny)
+        run_export("onnx", bundle, mismatched, tmp_path / "b.onnx", overrides=tiny)
 
     missing = tmp_path / "missing.pt"
     with pytest.raises(CheckpointError, match=re.escape(str(missing))):
-        export_torchscript(bundle, missing, tmp_path / "c.ts", overrides=tiny)
+        run_export("torchscript", bundle, missing, tmp_path / "c.ts", overrides=tiny)
     assert not any(tmp_path.glob("*.ts")) and not any(tmp_path.glob("*.onnx"))
 
 

@@ -55,8 +55,6 @@ __all__ = [
     "export_all",
     "export_module_onnx",
     "export_module_torchscript",
-    "export_onnx",
-    "export_torchscript",
     "format_results",
     "random_input",
     "run_export",
@@ -941,98 +939,6 @@ def run_export(
         kwargs["check_shapes"] = [_next_allowed_shape(bundle, shape)]
     extra = {"export.json": export_info, **kwargs.pop("extra_metadata", {})}
     return export_module_onnx(network, output, shape, extra_metadata=extra, **kwargs)
-
-
-def export_torchscript(
-    bundle_dir: str | os.PathLike,
-    ckpt: str | os.PathLike,
-    output: str | os.PathLike,
-    net_id: str = "network",
-    input_shape: Sequence[int] | str | None = None,
-    overrides: Any = None,
-    method: str = "auto",
-    ckpt_key: str | None = None,
-) -> Path:
-    """Export a bundle's inference network to TorchScript (script, else trace), verified against PyTorch.
-
-    Args:
-        bundle_dir: the bundle folder, or a bundle name under ``bundles/``.
-        ckpt: checkpoint with the network's state dict (loaded with ``weights_only=True``).
-        output: destination ``.ts`` file.
-        net_id: id of the network in ``inference.json``.
-        input_shape: example input shape ``[batch, channels, *spatial]``; default :func:`default_input_shape`.
-        overrides: config overrides (dict, config file or a list of them).
-        method: ``auto`` (script, falling back to trace), ``script`` or ``trace``.
-        ckpt_key: key of the state dict inside a nested checkpoint.
-
-    Returns:
-        The written file. Its ``export.json`` extra file records the method (``script``/``trace``), input shape
-        and checkpoint; the parity figures and the reason for a fallback are logged (``run_export`` returns them).
-
-    Raises:
-        CheckpointError: naming the checkpoint when it is missing, unreadable or does not fit the network.
-        ExportError: when conversion fails or the TorchScript output differs from PyTorch
-            (``rtol=1e-4, atol=1e-5``).
-    """
-    return run_export(
-        "torchscript", bundle_dir, ckpt, output, net_id, input_shape, overrides, ckpt_key, method=method
-    ).path
-
-
-def export_onnx(
-    bundle_dir: str | os.PathLike,
-    ckpt: str | os.PathLike,
-    output: str | os.PathLike,
-    net_id: str = "network",
-    input_shape: Sequence[int] | str | None = None,
-    overrides: Any = None,
-    opset: int | None = None,
-    dynamic_batch: bool = True,
-    exporter: str = "auto",
-    ckpt_key: str | None = None,
-    dynamic_spatial: bool = False,
-    atol: float = 1e-4,
-) -> Path:
-    """Export a bundle's inference network to ONNX, checked with ``onnx.checker`` and onnxruntime.
-
-    Args:
-        bundle_dir: the bundle folder, or a bundle name under ``bundles/``.
-        ckpt: checkpoint with the network's state dict (loaded with ``weights_only=True``).
-        output: destination ``.onnx`` file.
-        net_id: id of the network in ``inference.json``.
-        input_shape: example input shape ``[batch, channels, *spatial]``; default :func:`default_input_shape`.
-        overrides: config overrides (dict, config file or a list of them).
-        opset: ONNX opset; ``None`` uses the exporter's default.
-        dynamic_batch: symbolic batch dimension.
-        exporter: ``auto`` (``dynamo``, falling back to ``legacy``), ``dynamo`` or ``legacy``.
-        ckpt_key: key of the state dict inside a nested checkpoint.
-        dynamic_spatial: symbolic spatial dimensions as well (default: static, those of ``input_shape``); the
-            model is then also verified on the next larger spatial size the metadata allows.
-        atol: parity tolerance relative to the output scale (``atol * max(1, max|output|)``).
-
-    Returns:
-        The written file (plus ``<output>.data`` beside it for weights above 1.5 GB).
-
-    Raises:
-        CheckpointError: naming the checkpoint when it is missing, unreadable or does not fit the network.
-        ExportError: when no exporter gives a valid model whose onnxruntime output matches PyTorch within
-            ``atol * max(1, output scale)``.
-    """
-    return run_export(
-        "onnx",
-        bundle_dir,
-        ckpt,
-        output,
-        net_id,
-        input_shape,
-        overrides,
-        ckpt_key,
-        opset=opset,
-        dynamic_batch=dynamic_batch,
-        exporter=exporter,
-        dynamic_spatial=dynamic_spatial,
-        atol=atol,
-    ).path
 
 
 def export_all(

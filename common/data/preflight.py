@@ -83,6 +83,28 @@ class _Inspection(NamedTuple):
     channels: int | None = None
 
 
+class _Reading(NamedTuple):
+    """How to read a volume and what it must satisfy.
+
+    Attributes:
+        patch: the smallest spatial size (``None``: any), unless ``allow_pad``.
+        allow_pad: smaller volumes are padded, so their size is no problem.
+        check_values: read every voxel and count the non-finite ones.
+        size_name: how problems name ``patch`` (e.g. ``volume_size`` for whole-volume models).
+        header_only: read the header only (no voxel data).
+    """
+
+    patch: tuple[int, ...] | None
+    allow_pad: bool
+    check_values: bool = True
+    size_name: str = "patch_size"
+    header_only: bool = False
+
+    def shape_reason(self, spatial: tuple[int, ...] | None, full: tuple[int, ...]) -> str | None:
+        """:func:`_shape_reason` against these requirements."""
+        return _shape_reason(spatial, full, self.patch, self.allow_pad, self.size_name)
+
+
 def _validate_channel_count(value: Any, name: str) -> int | None:
     """Return ``value`` as a positive int, or ``None`` for ``None``.
 
@@ -253,7 +275,7 @@ def _itk_header(path: str) -> tuple[list[int], int, int] | None:
         return shape, components, int(io.GetComponentSize()) * components
 
 
-def _series_header(files: list[str], patch: tuple[int, ...] | None, allow_pad: bool, size_name: str) -> _Inspection:
+def _series_header(files: list[str], reading: _Reading) -> _Inspection:
     """A DICOM series from its first file's header: its rows and columns, and one slice per file."""
     header = _itk_header(files[0])
     if header is None:
@@ -261,32 +283,18 @@ def _series_header(files: list[str], patch: tuple[int, ...] | None, allow_pad: b
     shape, components, itemsize = header
     if len(files) > 1 or len(shape) < 3:
         shape = [*shape[:2], len(files)]
-    return _header_inspection(shape, components, itemsize, patch, allow_pad, size_name)
+    return _header_inspection(shape, components, itemsize, reading)
 
 
-def _header_inspection(
-    shape: Sequence[int],
-    components: int,
-    itemsize: int,
-    patch: tuple[int, ...] | None,
-    allow_pad: bool,
-    size_name: str,
-) -> _Inspection:
+def _header_inspection(shape: Sequence[int], components: int, itemsize: int, reading: _Reading) -> _Inspection:
     """What an ITK header's dimensions, pixel components and bytes per voxel say (declared size, 3D, size)."""
     full = tuple(shape) + ((components,) if components > 1 else ())
-    reason = _declared_size_reason(full, itemsize) or _shape_reason(tuple(shape), full, patch, allow_pad, size_name)
+    reason = _declared_size_reason(full, itemsize) or reading.shape_reason(tuple(shape), full)
     return _Inspection(reason, tuple(shape), components)
 
 
-def _check_nifti(
-    path: str,
-    patch: tuple[int, ...] | None,
-    allow_pad: bool,
-    check_values: bool,
-    size_name: str = "patch_size",
-    header_only: bool = False,
-) -> _Inspection:
-    """Check a NIfTI file, reading the data slab by slab so memory stays bounded (with ``header_only``, not at
+def _check_nifti(path: str, reading: _Reading) -> _Inspection:
+    """Check a NIfTI file, reading the data slab by slab so memory stays bounded (with ``reading.header_only``, not at
     all)."""
     import nibabel as nib
 
@@ -298,17 +306,17 @@ def _check_nifti(
         reason = _declared_size_reason(full, itemsize) or _truncated_reason(path, img, full, itemsize)
     except Exception as exc:  # noqa: BLE001 - any reader failure is a reason, not a crash
         return _Inspection(_error_reason(exc))
-    reason = reason or _shape_reason(spatial, full, patch, allow_pad, size_name)
+    reason = reason or reading.shape_reason(spatial, full)
     if reason:
         return _Inspection(reason, spatial)
     channels = _channels_from_array_shape(full)
-    if header_only:
+    if reading.header_only:
         return _Inspection(None, spatial, channels)
     non_finite = 0
     try:
         for index in _slabs(full, itemsize):
             block = np.asarray(img.dataobj[index])
-            if check_values:
+            if reading.check_values:
                 non_finite += _count_non_finite(block)
     except Exception as exc:  # noqa: BLE001
         return _Inspection(_error_reason(exc), spatial, channels)
@@ -320,14 +328,7 @@ def _check_nifti(
     return _Inspection(_non_finite_reason(non_finite), spatial, channels)
 
 
-def _check_itk(
-    path: str | list[str],
-    patch: tuple[int, ...] | None,
-    allow_pad: bool,
-    check_values: bool,
-    size_name: str = "patch_size",
-    header_only: bool = False,
-) -> _Inspection:
+def _check_itk(path: str | list[str], reading: _Reading) -> _Inspection:
     """Check a DICOM series (a folder holding one series, or a list of the files of one series) as the bundles' loader
     (:class:`common.data.dicom.LoadVolumed`) reads it; its channels are ITK's pixel components. With ``header_only``,
     from its first file's header (:func:`_series_header`)."""
@@ -346,8 +347,8 @@ def _check_itk(
             return _Inspection(
                 str(exc).replace(f"{os.path.abspath(path)} holds", "holds", 1) if isinstance(path, str) else str(exc)
             )
-        if header_only:
-            return _series_header(files, patch, allow_pad, size_name)
+        if reading.header_only:
+            return _series_header(files, reading)
         reason = _itk_header_reason(files[0])
         if reason:
             return _Inspection(reason)
@@ -356,8 +357,8 @@ def _check_itk(
         spatial = tuple(int(s) for s in img.GetLargestPossibleRegion().GetSize())
         components = int(img.GetNumberOfComponentsPerPixel())
         full = spatial + ((components,) if components > 1 else ())
-        reason = _shape_reason(spatial, full, patch, allow_pad, size_name)
-        if reason or not check_values:
+        reason = reading.shape_reason(spatial, full)
+        if reason or not reading.check_values:
             return _Inspection(reason, spatial, components)
         array = itk.array_view_from_image(img)
         non_finite = sum(_count_non_finite(array[z : z + 1]) for z in range(array.shape[0]))
@@ -366,14 +367,7 @@ def _check_itk(
     return _Inspection(_non_finite_reason(non_finite), spatial, components)
 
 
-def _check_monai(
-    path: str,
-    patch: tuple[int, ...] | None,
-    allow_pad: bool,
-    check_values: bool,
-    size_name: str = "patch_size",
-    header_only: bool = False,
-) -> _Inspection:
+def _check_monai(path: str, reading: _Reading) -> _Inspection:
     """Check any other format with ``monai.transforms.LoadImage`` (its ``original_channel_dim`` metadata decides
     the layout and the channel count; without a channel axis the volume has 1 channel). With ``header_only``, from
     the header ITK reads (dimensions and pixel components)."""
@@ -382,11 +376,11 @@ def _check_monai(
     try:
         from monai.transforms import LoadImage
 
-        if header_only:
+        if reading.header_only:
             header = _itk_header(path)
             if header is None:
                 return _Inspection("cannot be read: not a volume format (no reader recognises it)")
-            return _header_inspection(*header, patch, allow_pad, size_name)
+            return _header_inspection(*header, reading)
 
         reason = _itk_header_reason(path)
         if reason:
@@ -400,8 +394,8 @@ def _check_monai(
             channels = full[int(channel_dim) % len(full)]
         else:
             spatial, channels = full, 1
-        reason = _shape_reason(spatial, full, patch, allow_pad, size_name)
-        if reason or not check_values:
+        reason = reading.shape_reason(spatial, full)
+        if reason or not reading.check_values:
             return _Inspection(reason, spatial, channels)
         array = img.numpy() if hasattr(img, "numpy") else np.asarray(img)
         non_finite = sum(_count_non_finite(array[i : i + 1]) for i in range(array.shape[0]))
@@ -410,14 +404,7 @@ def _check_monai(
     return _Inspection(_non_finite_reason(non_finite), spatial, channels)
 
 
-def _inspect(
-    path: str | os.PathLike | Sequence[str],
-    patch: tuple[int, ...] | None,
-    allow_pad: bool,
-    check_values: bool,
-    size_name: str = "patch_size",
-    header_only: bool = False,
-) -> _Inspection:
+def _inspect(path: str | os.PathLike | Sequence[str], reading: _Reading) -> _Inspection:
     """Read one volume (see :func:`check_volume`), or with ``header_only`` its header (see :func:`screen_entries`);
     never raises for problems with the file."""
     try:
@@ -426,17 +413,17 @@ def _inspect(
             missing = [f for f in files if not os.path.isfile(f)]
             if missing:
                 return _Inspection(f"{len(missing)} of {len(files)} series files do not exist (first: {missing[0]})")
-            return _check_itk(files, patch, allow_pad, check_values, size_name, header_only)
+            return _check_itk(files, reading)
         path = os.fspath(path)
         if not os.path.exists(path):
             return _Inspection("does not exist")
         if os.path.isdir(path):
-            return _check_itk(path, patch, allow_pad, check_values, size_name, header_only)
+            return _check_itk(path, reading)
         if not os.path.isfile(path):
             return _Inspection("is not a regular file or a folder")
         if path.lower().endswith(NIFTI_SUFFIXES):
-            return _check_nifti(path, patch, allow_pad, check_values, size_name, header_only)
-        return _check_monai(path, patch, allow_pad, check_values, size_name, header_only)
+            return _check_nifti(path, reading)
+        return _check_monai(path, reading)
     except Exception as exc:  # noqa: BLE001 - a bad file must never stop the whole check
         return _Inspection(_error_reason(exc, "cannot be checked"))
 
@@ -484,7 +471,7 @@ def check_volume(
             f"{dict(num_channels)!r}; per-key counts are given to preflight"
         )
     expected = _validate_channel_count(num_channels, "num_channels")
-    found = _inspect(path, patch, allow_pad, check_values)
+    found = _inspect(path, _Reading(patch, allow_pad, check_values))
     return found.reason or _channel_reason(found.channels, expected)
 
 
@@ -658,10 +645,9 @@ def screen_entries(
     keys = (keys,) if isinstance(keys, str) else tuple(keys)
     expected = _validate_num_channels(num_channels, keys)
     paths = list(dict.fromkeys(_path_key(entry[k]) for entry in entries for k in keys if k in entry))
+    reading = _Reading(patch, allow_pad, check_values=False, size_name=size_name, header_only=True)
     with ThreadPoolExecutor(max_workers=max(1, int(num_workers))) as pool:
-        found = dict(
-            zip(paths, pool.map(lambda p: _inspect(p, patch, allow_pad, False, size_name, header_only=True), paths))
-        )
+        found = dict(zip(paths, pool.map(lambda p: _inspect(p, reading), paths)))
     compare = bool(same_shape) and len(set(keys)) > 1
     result = []
     for entry in entries:
@@ -751,8 +737,9 @@ def preflight(
             raise PreflightError([str(exc)], source) from exc
     loaded, problems = _load_sections(datalist, base_dir, sections, required, keys, max_cases)
     ordered = _paths_to_read(loaded, keys, shard, by_entry=compare)
+    reading = _Reading(patch, allow_pad, check_values, size_name)
     with ThreadPoolExecutor(max_workers=int(num_workers)) as pool:
-        found = dict(zip(ordered, pool.map(lambda p: _inspect(p, patch, allow_pad, check_values, size_name), ordered)))
+        found = dict(zip(ordered, pool.map(lambda p: _inspect(p, reading), ordered)))
     for section, items in loaded.items():
         for index, entry in items:
             problems += _entry_problems(_where(section, index, entry), entry, keys, found, expected, compare)
