@@ -19,7 +19,7 @@ from typing import Any
 
 from common.errors import SettingsError
 
-__all__ = ["SettingsChecks", "check_config", "config_being_parsed", "switches"]
+__all__ = ["SettingsChecks", "check_config", "choice_problems", "config_being_parsed", "switches"]
 
 Check = Callable[..., list[str]]
 
@@ -53,6 +53,15 @@ def switches(*ids: str) -> Check:
     )
     check.__name__ = check.__qualname__ = "switches"
     return check
+
+
+def choice_problems(**choices: tuple[Any, Any]) -> list[str]:
+    """A problem line for every config id given as ``id=(value, options)`` whose value is not one of its options."""
+    return [
+        f"{name!r} must be one of {tuple(options)}, got {value!r}."
+        for name, (value, options) in choices.items()
+        if value not in options
+    ]
 
 
 class SettingsChecks:

@@ -1,8 +1,6 @@
 # Copyright (c) the 3D MONAI bundle collection contributors.
 # Licensed under the Apache License, Version 2.0.
-"""The checks of the autoencoder family's settings (:mod:`common.config_checks`), run first in a bundle's
-``initialize`` before anything is built or written: each reads the config ids it names and returns a problem line per
-invalid value."""
+"""The checks of the autoencoder family's settings, one per concern (see :mod:`common.config_checks`)."""
 
 from __future__ import annotations
 

@@ -1,14 +1,12 @@
 # Copyright (c) the 3D MONAI bundle collection contributors.
 # Licensed under the Apache License, Version 2.0.
-"""The checks of the diffusion family's settings (:mod:`common.config_checks`), run first in a bundle's
-``initialize`` before anything is built or written: each reads the config ids it names and returns a problem line per
-invalid value."""
+"""The checks of the diffusion family's settings, one per concern (see :mod:`common.config_checks`)."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
-from common.config_checks import SettingsChecks, switches
+from common.config_checks import SettingsChecks, choice_problems, switches
 from common.data.pipeline import cache_problems
 from common.diffusion.engines import DIFFUSION_MODES, TASKS
 from common.diffusion.schedule import GRIDS, PREDICTIONS, fast_ddpm_grid
@@ -27,9 +25,7 @@ def task_problems(task: str, image_keys: Sequence[str], target_key: str) -> list
     """A known ``task`` whose ``image_keys`` are distinct datalist keys holding ``target_key``: the target alone for
     an unconditional model, with at least one source for synthesis and translation."""
     keys = list(image_keys) if isinstance(image_keys, (list, tuple)) else None
-    problems = []
-    if task not in TASKS:
-        problems.append(f"'task' must be one of {TASKS}, got {task!r}.")
+    problems = choice_problems(task=(task, TASKS))
     if not keys or not all(isinstance(k, str) and k for k in keys) or len(set(keys)) != len(keys):
         problems.append(f"'image_keys' must be a list of distinct datalist keys, got {image_keys!r}.")
     elif target_key not in keys:
@@ -48,11 +44,7 @@ def schedule_problems(
 ) -> list[str]:
     """The noise schedule: known modes, a grid of ``num_grid_steps`` in [1, ``num_train_timesteps``] that
     :func:`common.diffusion.schedule.fast_ddpm_grid` can build, and the DDIM ``eta`` in [0, 1]."""
-    problems = []
-    if diffusion_mode not in DIFFUSION_MODES:
-        problems.append(f"'diffusion_mode' must be one of {DIFFUSION_MODES}, got {diffusion_mode!r}.")
-    if grid not in GRIDS:
-        problems.append(f"'grid' must be one of {GRIDS}, got {grid!r}.")
+    problems = choice_problems(diffusion_mode=(diffusion_mode, DIFFUSION_MODES), grid=(grid, GRIDS))
     total = int(num_train_timesteps) if not isinstance(num_train_timesteps, bool) else 0
     if total < 1:
         problems.append(f"'num_train_timesteps' must be >= 1, got {num_train_timesteps!r}.")
@@ -63,8 +55,7 @@ def schedule_problems(
             fast_ddpm_grid(grid, num_grid_steps, total)
         except ValueError as exc:
             problems.append(f"'num_grid_steps': {exc}")
-    if prediction_type not in PREDICTIONS:
-        problems.append(f"'prediction_type' must be one of {PREDICTIONS}, got {prediction_type!r}.")
+    problems += choice_problems(prediction_type=(prediction_type, PREDICTIONS))
     if not 0.0 <= float(eta) <= 1.0:
         problems.append(f"'eta' must be in [0, 1], got {eta!r}.")
     return problems

@@ -1,15 +1,13 @@
 # Copyright (c) the 3D MONAI bundle collection contributors.
 # Licensed under the Apache License, Version 2.0.
-"""The checks of the survival family's settings (:mod:`common.config_checks`), run first in a bundle's
-``initialize`` before anything is built or written: each reads the config ids it names and returns a problem line per
-invalid value."""
+"""The checks of the survival family's settings, one per concern (see :mod:`common.config_checks`)."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from typing import Any
 
-from common.config_checks import SettingsChecks, switches
+from common.config_checks import SettingsChecks, choice_problems, switches
 from common.data.pipeline import cache_problems, intensity_problems
 from common.survival.cohort import TIME_UNITS
 from common.survival.networks import BACKBONES, HEADS, widen_factor_problem
@@ -46,11 +44,7 @@ def check_training_size(num_cases: int, batch_size: int) -> None:
 
 def network_problems(survival_head: str, backbone: str, widen_factor: float, conv1_t_stride: int) -> list[str]:
     """A known head and backbone, a valid width and a positive stem stride."""
-    problems = []
-    if survival_head not in HEADS:
-        problems.append(f"'survival_head' must be one of {HEADS}, got {survival_head!r}.")
-    if backbone not in BACKBONES:
-        problems.append(f"'backbone' must be one of {BACKBONES}, got {backbone!r}.")
+    problems = choice_problems(survival_head=(survival_head, HEADS), backbone=(backbone, BACKBONES))
     width_problem = widen_factor_problem(widen_factor)
     if width_problem:
         problems.append(width_problem)
@@ -85,9 +79,7 @@ def time_axis_problems(
         problems.append(f"'horizons' must be a non-empty list of positive numbers of years, got {horizons!r}.")
     elif any(b <= a for a, b in zip(values, values[1:])):
         problems.append(f"'horizons' must increase strictly, got {values}.")
-    if time_unit not in TIME_UNITS:
-        problems.append(f"'time_unit' must be one of {tuple(TIME_UNITS)}, got {time_unit!r}.")
-    return problems
+    return problems + choice_problems(time_unit=(time_unit, TIME_UNITS))
 
 
 def size_problems(

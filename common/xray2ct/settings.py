@@ -1,8 +1,6 @@
 # Copyright (c) the 3D MONAI bundle collection contributors.
 # Licensed under the Apache License, Version 2.0.
-"""The checks of the xray2ct family's settings (:mod:`common.config_checks`), run first in a bundle's ``initialize``
-before anything is built or written: each reads the config ids it names and returns a problem line per invalid
-value."""
+"""The checks of the X-ray -> CT family's settings, one per concern (see :mod:`common.config_checks`)."""
 
 from __future__ import annotations
 
@@ -10,7 +8,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from common.config_checks import SettingsChecks, switches
+from common.config_checks import SettingsChecks, choice_problems, switches
 from common.data.pipeline import cache_problems
 from common.diffusion.schedule import GRIDS, PREDICTIONS, fast_ddpm_grid
 from common.utils import is_positive_int
@@ -157,17 +155,13 @@ def training_mode_problems(mode: str) -> list[str]:
 
 def evaluation_mode_problems(mode: str) -> list[str]:
     """A ``mode`` evaluation can run: a trained one, or the ``backprojection`` baseline."""
-    return [] if mode in SAMPLER_MODES else [f"'mode' must be one of {SAMPLER_MODES}, got {mode!r}."]
+    return choice_problems(mode=(mode, SAMPLER_MODES))
 
 
 def schedule_problems(prediction_type: str, grid: str, num_grid_steps: int, num_train_timesteps: int) -> list[str]:
     """A known prediction and a grid :func:`common.diffusion.schedule.fast_ddpm_grid` can build."""
-    problems = []
-    if prediction_type not in PREDICTIONS:
-        problems.append(f"'prediction_type' must be one of {PREDICTIONS}, got {prediction_type!r}.")
-    if grid not in GRIDS:
-        problems.append(f"'grid' must be one of {GRIDS}, got {grid!r}.")
-    else:
+    problems = choice_problems(prediction_type=(prediction_type, PREDICTIONS), grid=(grid, GRIDS))
+    if grid in GRIDS:
         try:
             fast_ddpm_grid(grid, int(num_grid_steps), int(num_train_timesteps))
         except (TypeError, ValueError) as exc:
@@ -211,15 +205,12 @@ def loss_problems(
     physics_weight: float, physics_weighting: str, direct_loss: str, loss_weighting: str, min_snr_gamma: float
 ) -> list[str]:
     """Known losses and weightings, a projection-loss weight >= 0 and a positive min-SNR gamma."""
-    problems = []
-    if not float(physics_weight) >= 0:
-        problems.append(f"'physics_weight' must be >= 0, got {physics_weight!r}.")
-    if physics_weighting not in PHYSICS_WEIGHTINGS:
-        problems.append(f"'physics_weighting' must be one of {PHYSICS_WEIGHTINGS}, got {physics_weighting!r}.")
-    if direct_loss not in DIRECT_LOSSES:
-        problems.append(f"'direct_loss' must be one of {DIRECT_LOSSES}, got {direct_loss!r}.")
-    if loss_weighting not in LOSS_WEIGHTINGS:
-        problems.append(f"'loss_weighting' must be one of {LOSS_WEIGHTINGS}, got {loss_weighting!r}.")
+    problems = [] if float(physics_weight) >= 0 else [f"'physics_weight' must be >= 0, got {physics_weight!r}."]
+    problems += choice_problems(
+        physics_weighting=(physics_weighting, PHYSICS_WEIGHTINGS),
+        direct_loss=(direct_loss, DIRECT_LOSSES),
+        loss_weighting=(loss_weighting, LOSS_WEIGHTINGS),
+    )
     if not _positive(min_snr_gamma):
         problems.append(f"'min_snr_gamma' must be a positive number, got {min_snr_gamma!r}.")
     return problems
