@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests.bundle_cases import write_phantoms
+from tests.bundle_cases import CASES
 from tests.helpers import (
     BUNDLES,
     REPO_ROOT,
@@ -48,8 +48,8 @@ TINY = dict(
 
 @pytest.fixture(scope="module")
 def phantoms(tmp_path_factory) -> Path:
-    """The bundle's test case data (:func:`tests.bundle_cases.write_phantoms`)."""
-    return Path(write_phantoms(tmp_path_factory.mktemp("phantoms"))["dataset_dir"])
+    """The bundle's small data (4 training and 2 validation phantoms at 24^3, :mod:`tests.bundle_cases`)."""
+    return Path(CASES[BUNDLE].write_data(tmp_path_factory.mktemp("phantoms"))["dataset_dir"])
 
 
 @pytest.fixture(scope="module")

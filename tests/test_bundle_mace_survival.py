@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests.bundle_cases import HORIZONS, csv_rows, write_cohort
+from tests.bundle_cases import csv_rows
 from tests.helpers import (
     BUNDLES,
     REPO_ROOT,
@@ -36,6 +36,9 @@ from tests.helpers import (
 
 BUNDLE = "mace_survival"
 TINY = ["train.json", "tiny.json"]
+# inside the follow-up of every split by the design of :func:`_followup_design` (0.25 to 5.75 years, first case an
+# event at 0.25 years); exact in float32, as the survival predictor holds them
+HORIZONS = [1.0, 2.0]
 LABELS = ["low", "intermediate", "high"]  # lowest risk first
 BATCH = 4  # tiny.json: batch_size
 EPOCHS = 2  # tiny.json: max_epochs (validation after every epoch: val_interval 1)
@@ -43,10 +46,42 @@ EPOCHS = 2  # tiny.json: max_epochs (validation after every epoch: val_interval 
 FLOAT32_RTOL = 1e-5
 
 
+def _followup_design(csv_path: Path) -> Path:
+    """The generated cohort with a fixed follow-up design, written next to it as ``design.csv``.
+
+    Images, covariates and the split column are the generator's. Within each split, the ``k``-th of its ``m``
+    cases (file order) is followed for ``0.25 + 5.5 k / (m - 1)`` years (in whole days), with an event unless
+    ``k % 3 == 2``: every split then covers 0.25 to 5.75 years and starts with an event, so both :data:`HORIZONS`
+    are usable in every split and the validation split has an event before the first horizon, whatever the seed.
+    """
+    rows = csv_rows(csv_path)
+    positions: dict[str, list[int]] = {}
+    for i, row in enumerate(rows):
+        positions.setdefault(row["split"], []).append(i)
+    for members in positions.values():
+        assert len(members) >= 2, positions  # make_mace_cohort gives every split cases
+        for k, i in enumerate(members):
+            years = 0.25 + 5.5 * k / (len(members) - 1)
+            rows[i]["time"] = str(round(years * 365.25))
+            rows[i]["event"] = "0" if k % 3 == 2 else "1"
+    design = csv_path.parent / "design.csv"
+    with open(design, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+    return design
+
+
 @pytest.fixture(scope="module")
 def cohort(tmp_path_factory) -> Path:
-    """The bundle's test case cohort (:func:`tests.bundle_cases.write_cohort`)."""
-    return Path(write_cohort(tmp_path_factory.mktemp("cohort"))["csv_path"])
+    """32 chest phantoms of 24x24x20 voxels, split by the generator (stratified by its events: 24/8 or 23/9
+    training/validation cases, depending on the seed), with the follow-up of :func:`_followup_design`."""
+    from common.demo.survival import make_mace_cohort
+
+    generated = make_mace_cohort(
+        tmp_path_factory.mktemp("cohort"), n_cases=32, shape=(24, 24, 20), spacing=(14, 14, 16), seed=shifted_seed(0)
+    )
+    return _followup_design(generated)
 
 
 def _args(csv_path: Path, output_dir: Path, **extra) -> list[str]:

@@ -22,8 +22,8 @@ import numpy as np
 import pytest
 import torch
 
-from tests.bundle_cases import CHEST_FOV_MM as FOV
-from tests.bundle_cases import write_chest_phantoms
+from scripts.harness.xray2ct import CHEST_FOV_MM as FOV
+from tests.bundle_cases import CASES
 from tests.helpers import (
     BUNDLES,
     REPO_ROOT,
@@ -44,8 +44,8 @@ RESUMABLE = {"deterministic": True, "ckpt_interval": 1}  # a checkpoint every it
 
 @pytest.fixture(scope="module")
 def phantoms(tmp_path_factory) -> Path:
-    """The bundle's test case data (:func:`tests.bundle_cases.write_chest_phantoms`)."""
-    return Path(write_chest_phantoms(tmp_path_factory.mktemp("chest"))["dataset_dir"])
+    """The bundle's small data (4 training and 2 validation chest CT phantoms at 24^3, :mod:`tests.bundle_cases`)."""
+    return Path(CASES[BUNDLE].write_data(tmp_path_factory.mktemp("chest"))["dataset_dir"])
 
 
 @pytest.fixture(scope="module")

@@ -167,6 +167,7 @@ class BundleCase:
     bundle: str
     configs: list[str]
     args: dict[str, Any]
+    data: tuple[str, ...] = ("dataset_dir",)  # the ids of ``args`` that point the configs at the generated data
     output_arg: str = "output_dir"
     ckpt: str = "models/last.pt"
     weights: tuple[str, ...] = ()
@@ -477,7 +478,7 @@ def peer_failure(
     """
     workdir = Path(workdir)
     args = {**case.args, "dist_timeout": timeout_s}
-    job = BundleCase(case.bundle, case.configs, args, case.output_arg, case.ckpt, case.weights)
+    job = dataclasses.replace(case, args=args, extra={})
     strike = workdir / f"peer_{mode}.strike"
     strike.unlink(missing_ok=True)
     fault = {"kill_at" if mode == "kill" else "stall_at": at, "strike_file": str(strike)}

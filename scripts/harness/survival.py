@@ -535,7 +535,11 @@ def fault_case(root: Path, seed: int) -> BundleCase:
     csv_path, seed = mace_cohort(root, seed)
     args = {"csv_path": str(csv_path), "horizons": list(MACE_HORIZONS), "max_epochs": 3, "val_interval": 3}
     return BundleCase(
-        BUNDLE, ["train.json", "tiny.json"], {**args, **RUN_SETTINGS, "seed": seed}, weights=("predictor",)
+        BUNDLE,
+        ["train.json", "tiny.json"],
+        {**args, **RUN_SETTINGS, "seed": seed},
+        data=("csv_path", "horizons"),
+        weights=("predictor",),
     )
 
 

@@ -76,6 +76,7 @@ NETWORK_KEYS = (
 )
 #: the small network of CPU runs: the CPU demo's (``scripts/demo.py``; ``train.json``'s is used on GPUs)
 CPU_NETWORK = {k: v for k, v in describe(BUNDLE).demo["cpu"].items() if k in NETWORK_KEYS}
+CHEST_FOV_MM = 350.0  # the field of view of the chest phantoms of the small jobs
 CPU_STAGE_SIZES = [[32, 32, 32], [64, 64, 64]]
 CPU_VIEW_SIZE = [64, 64]
 #: (iterations, warmup, repeats) of ``xray_throughput`` on CPUs per stage (about 2-3 minutes on 2 cores), and on GPUs
@@ -745,7 +746,7 @@ def fault_case(root: Path, seed: int) -> BundleCase:
     chest CT phantoms at 24^3, 2 epochs (4 for 2 processes)."""
     from common.demo.images import make_xray2ct_demo
 
-    make_xray2ct_demo(root, n_train=4, n_val=2, shape=(24, 24, 24), fov_mm=350.0, seed=seed)
+    make_xray2ct_demo(root, n_train=4, n_val=2, shape=(24, 24, 24), fov_mm=CHEST_FOV_MM, seed=seed)
     args = {"dataset_dir": str(root), "stage": 1, "stage_batch_size": [1, 1], "max_epochs": 2, "val_interval": 2}
     return BundleCase(
         BUNDLE,
