@@ -16,12 +16,14 @@ Example::
 from __future__ import annotations
 
 import csv
+import dataclasses
 import io
 import math
 import numbers
 import os
 import re
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -33,6 +35,7 @@ __all__ = [
     "EVENT_VALUES",
     "SPLIT_NAMES",
     "TIME_UNITS",
+    "CohortColumns",
     "CohortError",
     "check_cohort",
     "load_cohort",
@@ -244,15 +247,36 @@ def _duplicate_problems(ids: Mapping[str, list[int]], from_stems: bool) -> list[
     ]
 
 
+@dataclass(frozen=True)
+class CohortColumns:
+    """How a cohort CSV is laid out: the keyword arguments :func:`read_cohort_csv`, :func:`inference_cohort` and
+    :func:`load_cohort` take for it (the configs' ids of the same names).
+
+    Args:
+        image_col: column of image paths.
+        time_col: column of follow-up times (optional at inference).
+        event_col: column of event indicators (optional at inference).
+        id_col: column of case ids (optional column; file stems without it).
+        covariates: names of numeric covariate columns (each is required).
+        split_col: column assigning rows to splits (optional column).
+        time_unit: unit of the time column: ``"days"``, ``"months"`` or ``"years"``.
+    """
+
+    image_col: str = "image"
+    time_col: str = "time"
+    event_col: str = "event"
+    id_col: str | None = "case_id"
+    covariates: Sequence[str] = ()
+    split_col: str | None = "split"
+    time_unit: str = "days"
+
+
+_COLUMN_FIELDS = tuple(f.name for f in dataclasses.fields(CohortColumns))
+
+
 def _parse_cohort(
     csv_path: str | os.PathLike,
-    image_col: str = "image",
-    time_col: str = "time",
-    event_col: str = "event",
-    id_col: str | None = "case_id",
-    covariates: Sequence[str] = (),
-    split_col: str | None = "split",
-    time_unit: str = "days",
+    columns: CohortColumns,
     base_dir: str | os.PathLike | None = None,
     max_cases: int | None = None,
     require_outcomes: bool = True,
@@ -269,8 +293,10 @@ def _parse_cohort(
     """
     path = os.path.abspath(os.path.expanduser(os.fspath(csv_path)))
     source = f"cohort CSV {path!r}"
+    image_col, time_col, event_col, id_col = columns.image_col, columns.time_col, columns.event_col, columns.id_col
+    split_col, covariates = columns.split_col, columns.covariates
     covariates = [covariates] if isinstance(covariates, str) else list(covariates or ())
-    per_year, unit_problem = _parse_time_unit(time_unit)
+    per_year, unit_problem = _parse_time_unit(columns.time_unit)
     problems = [unit_problem] if unit_problem else []
     if max_cases is not None and not _positive_integer(max_cases):
         problems.append(f"max_cases must be a positive integer or null, got {max_cases!r}")
@@ -321,15 +347,9 @@ def _parse_cohort(
 
 def read_cohort_csv(
     csv_path: str | os.PathLike,
-    image_col: str = "image",
-    time_col: str = "time",
-    event_col: str = "event",
-    id_col: str | None = "case_id",
-    covariates: Sequence[str] = (),
-    split_col: str | None = "split",
-    time_unit: str = "days",
     base_dir: str | os.PathLike | None = None,
     max_cases: int | None = None,
+    **columns: Any,
 ) -> list[dict[str, Any]]:
     """Read a survival cohort CSV, checking every row and reporting all problems in one error.
 
@@ -351,15 +371,9 @@ def read_cohort_csv(
 
     Args:
         csv_path: the CSV file (comma-separated, UTF-8, with a header line).
-        image_col: column of image paths.
-        time_col: column of follow-up times.
-        event_col: column of event indicators.
-        id_col: column of case ids (optional column).
-        covariates: names of numeric covariate columns (each is required).
-        split_col: column assigning rows to splits (optional column).
-        time_unit: unit of the time column: ``"days"``, ``"months"`` or ``"years"``.
         base_dir: folder that relative image paths are resolved against; defaults to the CSV's folder.
         max_cases: keep only the first ``max_cases`` data rows (``None``: all); the rest are not checked.
+        columns: the layout of the CSV, the arguments of :class:`CohortColumns`.
 
     Returns:
         One entry per data row, in file order.
@@ -370,10 +384,9 @@ def read_cohort_csv(
             an empty, non-numeric, non-finite or negative time; an event other than 0/1; an empty image path; an
             empty or non-numeric covariate; duplicate case ids (naming every row sharing one); an unknown
             ``time_unit``.
+        TypeError: for an argument that is not one of :class:`CohortColumns`.
     """
-    entries, problems, _, source = _parse_cohort(
-        csv_path, image_col, time_col, event_col, id_col, covariates, split_col, time_unit, base_dir, max_cases
-    )
+    entries, problems, _, source = _parse_cohort(csv_path, CohortColumns(**columns), base_dir, max_cases)
     if problems:
         raise CohortError(problems, source)
     return entries
@@ -384,13 +397,7 @@ def inference_cohort(
     dataset_dir: str | os.PathLike | None = None,
     pattern: str | None = None,
     split: str | None = None,
-    image_col: str = "image",
-    time_col: str = "time",
-    event_col: str = "event",
-    id_col: str | None = "case_id",
-    covariates: Sequence[str] = (),
-    split_col: str | None = "split",
-    time_unit: str = "days",
+    **columns: Any,
 ) -> list[dict[str, Any]]:
     """The cases of an inference (or evaluation) run: from a cohort CSV, or every image file in a folder.
 
@@ -407,13 +414,8 @@ def inference_cohort(
         dataset_dir: folder for relative image paths (CSV) or the folder to search (no CSV).
         pattern: glob of the images to search for (no CSV); ``None`` lists every volume format.
         split: keep only this split of the CSV; ``None`` keeps every row.
-        image_col: column of image paths.
-        time_col: column of follow-up times (optional at inference).
-        event_col: column of event indicators (optional at inference).
-        id_col: column of case ids (optional column; file stems without it).
-        covariates: numeric covariate columns the model uses (required).
-        split_col: column assigning rows to splits.
-        time_unit: unit of the time column: ``"days"``, ``"months"`` or ``"years"``.
+        columns: the layout of the CSV, the arguments of :class:`CohortColumns` (``covariates``: those the model
+            uses, required).
 
     Returns:
         One entry per case: ``{"case_id", "image", "covariates", ...}``, plus ``"time"`` (years) and ``"event"``
@@ -427,7 +429,8 @@ def inference_cohort(
     """
     from common.data.datalist import inference_entries
 
-    covariates = [covariates] if isinstance(covariates, str) else list(covariates or ())
+    layout = CohortColumns(**columns)
+    covariates = [layout.covariates] if isinstance(layout.covariates, str) else list(layout.covariates or ())
     if not csv_path:
         if covariates:
             raise CohortError(
@@ -438,10 +441,7 @@ def inference_cohort(
             raise CohortError(["give a cohort CSV (csv_path) or a folder of images (dataset_dir)"], "inference cohort")
         entries = inference_entries(dataset_dir, keys=["image"], pattern=pattern)
         return [{"case_id": e["case_id"], "image": e["image"], "covariates": []} for e in entries]
-    entries, problems, _, source = _parse_cohort(
-        csv_path, image_col, time_col, event_col, id_col, covariates, split_col, time_unit, dataset_dir,
-        require_outcomes=False,
-    )  # fmt: skip
+    entries, problems, _, source = _parse_cohort(csv_path, layout, dataset_dir, require_outcomes=False)
     if problems:
         raise CohortError(problems, source)
     if split is None:
@@ -452,9 +452,9 @@ def inference_cohort(
     kept = [e for e in entries if SPLIT_NAMES.get(str(e["split"]).strip().lower()) == wanted]
     if not kept:
         if all(e["split"] is None for e in entries):
-            reason = f"the split column {split_col!r} is missing or empty"
+            reason = f"the split column {layout.split_col!r} is missing or empty"
         else:
-            reason = f"no row of the split column {split_col!r} names it"
+            reason = f"no row of the split column {layout.split_col!r} names it"
         raise CohortError([f"split {split!r} selects no case: {reason}"], source)
     return kept
 
@@ -798,7 +798,7 @@ def _preflight_images(
 
 def _cohort_problems(
     csv_path: str | os.PathLike,
-    read_kwargs: Mapping[str, Any],
+    read_args: tuple[CohortColumns, str | os.PathLike | None, int | None],
     val_fraction: float,
     seed: int,
     use_split_column: bool,
@@ -811,7 +811,7 @@ def _cohort_problems(
     Split and cohort checks run only when every row is valid (on a partial cohort their messages would
     mislead).
     """
-    entries, problems, images, source = _parse_cohort(csv_path, **read_kwargs)
+    entries, problems, images, source = _parse_cohort(csv_path, *read_args)
     result: dict[str, Any] = {}
     if problems:
         return result, problems, images, source
@@ -848,13 +848,6 @@ def _cohort_problems(
 
 def load_cohort(
     csv_path: str | os.PathLike,
-    image_col: str = "image",
-    time_col: str = "time",
-    event_col: str = "event",
-    id_col: str | None = "case_id",
-    covariates: Sequence[str] = (),
-    split_col: str | None = "split",
-    time_unit: str = "days",
     base_dir: str | os.PathLike | None = None,
     val_fraction: float = 0.2,
     seed: int = 0,
@@ -865,7 +858,7 @@ def load_cohort(
     preflight: bool = True,
     patch_size: Sequence[int] | None = None,
     max_cases: int | None = None,
-    **preflight_kwargs: Any,
+    **options: Any,
 ) -> dict[str, Any]:
     """Read, split and check a survival cohort and preflight its images; every problem is raised in one report.
 
@@ -881,14 +874,7 @@ def load_cohort(
     as :func:`common.data.preflight.run_preflight` does. Every rank returns the same (deterministic) result.
 
     Args:
-        csv_path: the cohort CSV; see :func:`read_cohort_csv` for the columns and ``time_unit``.
-        image_col: column of image paths.
-        time_col: column of follow-up times.
-        event_col: column of event indicators.
-        id_col: column of case ids (optional column; file stems without it).
-        covariates: names of numeric covariate columns.
-        split_col: column assigning rows to splits (optional column).
-        time_unit: ``"days"``, ``"months"`` or ``"years"``.
+        csv_path: the cohort CSV; see :func:`read_cohort_csv`.
         base_dir: folder for relative image paths; defaults to the CSV's folder.
         val_fraction: validation fraction of the random split (when the split column does not decide).
         seed: seed of the random split.
@@ -901,8 +887,9 @@ def load_cohort(
         preflight: whether to check the images.
         patch_size: training patch size for the image preflight (see :func:`common.data.preflight.check_volume`).
         max_cases: keep only the first ``max_cases`` data rows (smoke runs, tests).
-        preflight_kwargs: further options of :func:`common.data.preflight.preflight` (``allow_pad``,
-            ``check_values``, ``num_workers``, ``num_channels``).
+        options: the layout of the CSV (the arguments of :class:`CohortColumns`) and further options of
+            :func:`common.data.preflight.preflight` (``allow_pad``, ``check_values``, ``num_workers``,
+            ``num_channels``).
 
     Returns:
         ``{"training": [...], "validation": [...], ("testing": [...],) "cut_points": [...] or None,
@@ -915,24 +902,21 @@ def load_cohort(
     import torch.distributed as dist
 
     distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
-    read_kwargs = {
-        "image_col": image_col,
-        "time_col": time_col,
-        "event_col": event_col,
-        "id_col": id_col,
-        "covariates": covariates,
-        "split_col": split_col,
-        "time_unit": time_unit,
-        "base_dir": base_dir,
-        "max_cases": max_cases,
-    }
+    columns = CohortColumns(**{name: options.pop(name) for name in _COLUMN_FIELDS if name in options})
     result, problems, images, source = _cohort_problems(
-        csv_path, read_kwargs, val_fraction, seed, use_split_column, horizons, cut_points, num_intervals
+        csv_path,
+        (columns, base_dir, max_cases),
+        val_fraction,
+        seed,
+        use_split_column,
+        horizons,
+        cut_points,
+        num_intervals,
     )
     image_problems: list[tuple[int, str]] = []
     if preflight:
         shard = (dist.get_rank(), dist.get_world_size()) if distributed else None
-        image_problems = _preflight_images(images, shard, patch_size, preflight_kwargs)
+        image_problems = _preflight_images(images, shard, patch_size, options)
     if distributed:
         gathered: list = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, (problems, image_problems))

@@ -514,11 +514,7 @@ def brier_scores(
 
     Args:
         surv: (cases x horizons) predicted survival probabilities ``S(h | x)``, columns in the order of ``horizons``.
-        time: follow-up time per case.
-        event: 1 for an event, 0 for censored.
-        horizons: evaluation times (years), each in the follow-up window (see :func:`check_horizons`).
-        train_time: follow-up times of the training cohort (for ``G``), or ``None`` for this cohort.
-        train_event: events of the training cohort, or ``None``.
+        time, event, horizons, train_time, train_event: as for :func:`time_dependent_auc`.
 
     Returns:
         ``{horizon: brier}`` in the order of ``horizons``.
@@ -546,10 +542,7 @@ def integrated_brier_score(
     Args:
         surv_grid: (cases x len(grid)) predicted survival probabilities on ``grid``.
         grid: strictly increasing evaluation times (years), at least 2, inside the follow-up window.
-        time: follow-up time per case.
-        event: 1 for an event, 0 for censored.
-        train_time: follow-up times of the training cohort (for ``G``), or ``None`` for this cohort.
-        train_event: events of the training cohort, or ``None``.
+        time, event, train_time, train_event: as for :func:`time_dependent_auc`.
 
     Returns:
         The integrated Brier score.
