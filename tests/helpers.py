@@ -125,10 +125,12 @@ def run_bundle(
     timeout: float = 600,
     check: bool = True,
     env: dict[str, str] | None = None,
+    processes: int = 1,
 ) -> subprocess.CompletedProcess:
     """``python -m monai.bundle run <run_id> --config_file ... <args>`` from the repository root (with the shifted
-    seed of :func:`seed_args`)."""
-    cmd = [sys.executable, "-m", "monai.bundle", "run", run_id, "--config_file", config_arg(bundle, *configs), *args]
+    seed of :func:`seed_args`), under ``torchrun`` (:func:`torchrun_cmd`) with several ``processes``."""
+    module_args = ["-m", "monai.bundle", "run", run_id, "--config_file", config_arg(bundle, *configs), *args]
+    cmd = torchrun_cmd(processes, *module_args) if processes > 1 else [sys.executable, *module_args]
     cmd += seed_args(bundle, configs, args)
     result = subprocess.run(
         cmd, cwd=REPO_ROOT, env=env or bundle_env(), capture_output=True, text=True, timeout=timeout

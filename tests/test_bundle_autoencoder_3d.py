@@ -31,7 +31,6 @@ from tests.helpers import (
     seed_args,
     shifted_seed,
     standalone_env,
-    torchrun_cmd,
 )
 
 BUNDLE = "autoencoder_3d"
@@ -453,19 +452,7 @@ def test_torchrun_two_processes(phantoms, tmp_path):
         ckpt_interval=1,
         **TINY,
     )
-    cmd = torchrun_cmd(
-        2,
-        "-m",
-        "monai.bundle",
-        "run",
-        "training",
-        "--config_file",
-        config_arg(BUNDLE, *configs),
-        *args,
-        *seed_args(BUNDLE, configs, args),
-    )
-    result = subprocess.run(cmd, cwd=REPO_ROOT, env=bundle_env(), capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
+    run_bundle(BUNDLE, configs, args=args, processes=2)
     r0 = torch.load(out / "rank0.pt", weights_only=True)
     r1 = torch.load(out / "rank1.pt", weights_only=True)
     assert r0["iteration"] == r1["iteration"] == 2  # 4 volumes / 2 ranks / batch 2 = 1 step per epoch

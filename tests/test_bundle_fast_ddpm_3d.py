@@ -25,14 +25,11 @@ from tests.helpers import (
     REPO_ROOT,
     bundle_env,
     bundle_parser,
-    config_arg,
     overrides,
     run_bundle,
     same_tensor,
-    seed_args,
     shifted_seed,
     suite_threads,
-    torchrun_cmd,
 )
 
 BUNDLE = "fast_ddpm_3d"
@@ -398,10 +395,7 @@ def test_torchrun_two_processes_keep_identical_replicas(brats_tree, tmp_path):
     )
     configs = [*TASK, "multi_gpu_train.json", str(probe)]
     args = overrides(dataset_dir=str(brats_tree), output_dir=str(out), max_epochs=1, val_interval=1)
-    cmd = torchrun_cmd(2, "-m", "monai.bundle", "run", "training", "--config_file", config_arg(BUNDLE, *configs), *args)
-    cmd += seed_args(BUNDLE, configs, args)
-    result = subprocess.run(cmd, cwd=REPO_ROOT, env=bundle_env(), capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
+    run_bundle(BUNDLE, configs, args=args, processes=2)
     r0 = torch.load(out / "rank0.pt", weights_only=True)
     r1 = torch.load(out / "rank1.pt", weights_only=True)
     assert r0["iteration"] == r1["iteration"] == 2  # 4 cases / 2 ranks, batch 1

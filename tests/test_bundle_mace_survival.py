@@ -29,7 +29,6 @@ from tests.helpers import (
     overrides,
     run_bundle,
     same_tensor,
-    seed_args,
     shifted_seed,
     torchrun_cmd,
 )
@@ -376,19 +375,7 @@ def test_torchrun_two_processes_share_the_risk_set_and_keep_identical_replicas(c
     out = tmp_path / "ddp"
     configs = [*TINY, "multi_gpu_train.json"]
     args = _args(cohort, out, survival_head="cox", max_epochs=1, batch_size=BATCH)
-    cmd = torchrun_cmd(
-        2,
-        "-m",
-        "monai.bundle",
-        "run",
-        "training",
-        "--config_file",
-        config_arg(BUNDLE, *configs),
-        *args,
-        *seed_args(BUNDLE, configs, args),
-    )
-    result = subprocess.run(cmd, cwd=REPO_ROOT, env=bundle_env(), capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
+    run_bundle(BUNDLE, configs, args=args, processes=2)
     log = (out / "train.log").read_text()
     assert f"effective batch: {BATCH // 2} sample(s) per rank and iteration x 2 rank(s)" in log
     assert "identical on all 2 ranks" in log

@@ -34,7 +34,6 @@ from tests.helpers import (
     run_bundle,
     same_tensor,
     seed_args,
-    torchrun_cmd,
 )
 
 BUNDLE = "xray2ct_cascade"
@@ -303,19 +302,7 @@ def test_torchrun_two_processes_keep_identical_replicas(phantoms, tmp_path):
     args = overrides(
         dataset_dir=str(phantoms), output_dir=str(out), max_epochs=1, val_interval=1, stage_batch_size=[1, 1]
     )
-    cmd = torchrun_cmd(
-        2,
-        "-m",
-        "monai.bundle",
-        "run",
-        "training",
-        "--config_file",
-        config_arg(BUNDLE, *configs),
-        *args,
-        *seed_args(BUNDLE, configs, args),
-    )
-    result = subprocess.run(cmd, cwd=REPO_ROOT, env=bundle_env(), capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
+    run_bundle(BUNDLE, configs, args=args, processes=2)
     r0 = torch.load(out / "stage1" / "rank0.pt", weights_only=True)
     r1 = torch.load(out / "stage1" / "rank1.pt", weights_only=True)
     assert r0["iteration"] == r1["iteration"] == 2  # 4 cases / 2 ranks, batch 1 per rank
