@@ -470,6 +470,22 @@ def same_tensor(a: Any, b: Any) -> None:
         assert [op["class"] for op in a.applied_operations] == [op["class"] for op in b.applied_operations]
 
 
+def same_seeded_outputs(
+    transform: Any, expected: Any, item: Mapping, keys: Sequence[str] = ("image",), seeds: Sequence[int] = (0, 1)
+) -> None:
+    """A random ``transform`` chain and its oracle ``expected`` give the same items (or lists of crops) of ``item``
+    under each of ``seeds``: the same count, the same keys, the same tensors under ``keys`` (:func:`same_tensor`)."""
+    for seed in seeds:
+        transform.set_random_state(seed), expected.set_random_state(seed)
+        got, want = transform(dict(item)), expected(dict(item))
+        got, want = (got, want) if isinstance(got, list) else ([got], [want])
+        assert len(got) == len(want) and len(got) > 0, (seed, len(got), len(want))
+        for a, b in zip(got, want):
+            assert set(a) == set(b), (seed, sorted(a), sorted(b))
+            for key in keys:
+                same_tensor(a[key], b[key])
+
+
 # Calls that make the host wait for a GPU when their tensor lives there: reading a value back (item, bool, float,
 # tolist, ...), data-dependent shapes (nonzero, masked_select, boolean-mask indexing) and CPU tensors made inside a
 # step (``torch.tensor``, ``Tensor.type``) that a blocking copy then moves to the device. On the CPU they cost

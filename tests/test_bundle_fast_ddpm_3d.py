@@ -27,6 +27,7 @@ from tests.helpers import (
     bundle_parser,
     overrides,
     run_bundle,
+    same_seeded_outputs,
     same_tensor,
     shifted_seed,
     suite_threads,
@@ -494,14 +495,9 @@ def test_json_pipelines_match_diffusion_transforms(autoencoder_ckpt, tmp_path, s
     assert isinstance(train, Compose) and names[-3:] == ["EnsureTyped", "ToDeviced", "RandSpatialCropSamplesd"]
     assert ("EncodeLatentd" in names) is latent
     assert ("ScaleIntensityRanged" in names) is (keys["intensity"]["mode"] != "none")
-    for seed in (0, 1):
-        train.set_random_state(seed), expected.set_random_state(seed)
-        crops, expected_crops = train(dict(entry)), expected(dict(entry))
-        assert len(crops) == len(expected_crops) == 2
-        for crop, expected_crop in zip(crops, expected_crops):
-            assert set(crop) == set(expected_crop)
-            same_tensor(crop["image"], expected_crop["image"])
-        assert crops[0]["image"].shape[1:] == ((4, 4, 2) if latent else (16, 16, 8))
+    crops = train(dict(entry))
+    assert len(crops) == 2 and crops[0]["image"].shape[1:] == ((4, 4, 2) if latent else (16, 16, 8))
+    same_seeded_outputs(train, expected, entry)
 
     validate = parser.get_parsed_content("validate#preprocessing")
     item = validate(dict(entry))

@@ -24,6 +24,7 @@ from tests.helpers import (
     bundle_parser,
     overrides,
     run_bundle,
+    same_seeded_outputs,
     same_tensor,
     shifted_seed,
     suite_threads,
@@ -284,12 +285,8 @@ def test_json_pipelines_match_volume_transforms(tmp_path, settings):
         "ToDeviced",
         "RandSpatialCropSamplesd",
     ]
-    for seed in (0, 1):
-        train.set_random_state(seed), expected.set_random_state(seed)
-        crops, expected_crops = train({"image": str(path)}), expected({"image": str(path)})
-        assert len(crops) == len(expected_crops) == 2
-        for crop, expected_crop in zip(crops, expected_crops):
-            same_tensor(crop["image"], expected_crop["image"])
+    assert len(train({"image": str(path)})) == 2  # num_samples crops
+    same_seeded_outputs(train, expected, {"image": str(path)})
 
     validate = parser.get_parsed_content("validate#preprocessing")
     item = validate({"image": str(path)})["image"]
