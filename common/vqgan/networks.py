@@ -76,6 +76,27 @@ def _level_convolution(
     )
 
 
+def _level_blocks(
+    spatial_dims: int,
+    channels: int,
+    widths: Sequence[int],
+    levels: Sequence[int],
+    num_res_blocks: int,
+    norm_num_groups: int,
+    transposed: bool,
+) -> nn.Sequential:
+    """Level ``i``: a convolution from the previous width to ``widths[i]`` channels, stride 2 on the axes with more
+    than ``i`` stride-2 levels (``levels``, per axis; transposed: upsampling), then ``num_res_blocks`` residual
+    blocks."""
+    blocks: list[nn.Module] = []
+    for i, out in enumerate(widths):
+        strides = [2 if lv > i else 1 for lv in levels]
+        blocks.append(_level_convolution(spatial_dims, channels, out, strides, transposed=transposed))
+        blocks.extend(AEKLResBlock(spatial_dims, out, norm_num_groups, 1e-6, out) for _ in range(num_res_blocks))
+        channels = out
+    return nn.Sequential(*blocks)
+
+
 def _check_groups(channels: Sequence[int], norm_num_groups: int) -> None:
     bad = [c for c in channels if c % int(norm_num_groups)]
     if bad:
@@ -111,18 +132,13 @@ class VQGANEncoder(nn.Module):
         super().__init__()
         levels = downsample_levels(downsample, spatial_dims)
         n_levels = max(levels)
-        widths = [n_hiddens * 2 ** (i + 1) for i in range(n_levels)] or [n_hiddens]
-        _check_groups(widths, norm_num_groups)
+        level_widths = [n_hiddens * 2 ** (i + 1) for i in range(n_levels)]
+        _check_groups(level_widths or [n_hiddens], norm_num_groups)
         self.conv_first = Convolution(spatial_dims, in_channels, n_hiddens, kernel_size=3, conv_only=True)
-        blocks: list[nn.Module] = []
-        channels = n_hiddens
-        for i in range(n_levels):
-            out = n_hiddens * 2 ** (i + 1)
-            strides = [2 if lv > i else 1 for lv in levels]
-            blocks.append(_level_convolution(spatial_dims, channels, out, strides, transposed=False))
-            blocks.extend(AEKLResBlock(spatial_dims, out, norm_num_groups, 1e-6, out) for _ in range(num_res_blocks))
-            channels = out
-        self.blocks = nn.Sequential(*blocks)
+        self.blocks = _level_blocks(
+            spatial_dims, n_hiddens, level_widths, levels, num_res_blocks, norm_num_groups, transposed=False
+        )
+        channels = level_widths[-1] if level_widths else n_hiddens
         self.final = nn.Sequential(nn.GroupNorm(norm_num_groups, channels, eps=1e-6), nn.SiLU())
         self.pre_vq_conv = Convolution(spatial_dims, channels, embedding_dim, kernel_size=1, conv_only=True)
 
@@ -157,17 +173,14 @@ class VQGANDecoder(nn.Module):
         levels = downsample_levels(downsample, spatial_dims)
         n_levels = max(levels)
         channels = n_hiddens * 2**n_levels
-        _check_groups([n_hiddens * 2 ** (n_levels - i) for i in range(n_levels)] or [channels], norm_num_groups)
+        level_widths = [n_hiddens * 2 ** (n_levels - i) for i in range(n_levels)]
+        _check_groups(level_widths or [channels], norm_num_groups)
         self.post_vq_conv = Convolution(spatial_dims, embedding_dim, channels, kernel_size=1, conv_only=True)
         self.first = nn.Sequential(nn.GroupNorm(norm_num_groups, channels, eps=1e-6), nn.SiLU())
-        blocks: list[nn.Module] = []
-        for i in range(n_levels):
-            out = n_hiddens * 2 ** (n_levels - i)
-            strides = [2 if lv > i else 1 for lv in levels]
-            blocks.append(_level_convolution(spatial_dims, channels, out, strides, transposed=True))
-            blocks.extend(AEKLResBlock(spatial_dims, out, norm_num_groups, 1e-6, out) for _ in range(num_res_blocks))
-            channels = out
-        self.blocks = nn.Sequential(*blocks)
+        self.blocks = _level_blocks(
+            spatial_dims, channels, level_widths, levels, num_res_blocks, norm_num_groups, transposed=True
+        )
+        channels = level_widths[-1] if level_widths else channels
         self.conv_last = Convolution(spatial_dims, channels, out_channels, kernel_size=3, conv_only=True)
 
     def forward(self, z: torch.Tensor) -> torch.Tensor:
