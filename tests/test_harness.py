@@ -5,6 +5,7 @@ bundle's benchmarks and fault-test job, and the command lines are thin."""
 
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 import sys
@@ -69,13 +70,18 @@ def test_make_case_goes_through_the_table(tmp_path: Path) -> None:
 def test_no_code_edits_the_import_path() -> None:
     """One mechanism makes ``common`` and ``scripts`` importable: the editable install of ``scripts/setup_env.sh``
     (pytest reads ``pythonpath`` from pyproject.toml for ``tests.helpers``). No module edits ``sys.path`` and no
-    shell script exports ``PYTHONPATH``."""
+    shell script exports ``PYTHONPATH``; neither does a bundle notebook."""
     edit = re.compile(r"sys\.path\.(insert|append|extend)\(|sys\.path\s*\+?=")
     offenders = [
         str(p.relative_to(REPO))
         for folder in ("common", "scripts", "tests")
         for p in (REPO / folder).rglob("*.py")
         if edit.search(p.read_text())
+    ]
+    offenders += [
+        str(p.relative_to(REPO))
+        for p in sorted(REPO.glob("bundles/*/docs/*.ipynb"))
+        if any(edit.search("".join(cell["source"])) for cell in json.loads(p.read_text())["cells"])
     ]
     offenders += [str(p.relative_to(REPO)) for p in (REPO / "scripts").glob("*.sh") if "PYTHONPATH" in p.read_text()]
     assert not offenders
