@@ -138,7 +138,6 @@ CASES = {
                 ("RandSpatialCropSamplesd", "RandGaussianNoised"),
                 (4, 16, 16, 16),
                 (-1.0, 1.0),
-                sample="[0][0]['image']",
             ),
             case_key="case_id",
         ),

@@ -101,8 +101,16 @@ class _Reading(NamedTuple):
     header_only: bool = False
 
     def shape_reason(self, spatial: tuple[int, ...] | None, full: tuple[int, ...]) -> str | None:
-        """:func:`_shape_reason` against these requirements."""
-        return _shape_reason(spatial, full, self.patch, self.allow_pad, self.size_name)
+        """Why a volume of spatial shape ``spatial`` (``None``: its layout is unknown) and array shape ``full`` is
+        unusable, or ``None``."""
+        if spatial is None:
+            return f"has shape {full}; expected (X, Y, Z), (X, Y, Z, C) channels last, or (X, Y, Z, 1, C)"
+        non_singleton = sum(1 for s in spatial if s > 1)
+        if len(spatial) != 3 or non_singleton < 3:
+            return f"is {non_singleton}D (shape {full}); a 3D volume is required"
+        if self.patch is not None and not self.allow_pad and any(s < p for s, p in zip(spatial, self.patch)):
+            return f"shape {spatial} is smaller than {self.size_name} {self.patch} and padding is disabled"
+        return None
 
 
 def _validate_channel_count(value: Any, name: str) -> int | None:
@@ -163,24 +171,6 @@ def _spatial_from_array_shape(shape: tuple[int, ...]) -> tuple[int, ...] | None:
 def _channels_from_array_shape(shape: tuple[int, ...]) -> int:
     """Channel count of a NIfTI-style array whose layout :func:`_spatial_from_array_shape` accepts."""
     return int(shape[-1]) if len(shape) > 3 else 1
-
-
-def _shape_reason(
-    spatial: tuple[int, ...] | None,
-    full: tuple[int, ...],
-    patch: tuple[int, ...] | None,
-    allow_pad: bool,
-    size_name: str = "patch_size",
-) -> str | None:
-    """Reason why a spatial shape is unusable, or ``None``."""
-    if spatial is None:
-        return f"has shape {full}; expected (X, Y, Z), (X, Y, Z, C) channels last, or (X, Y, Z, 1, C)"
-    non_singleton = sum(1 for s in spatial if s > 1)
-    if len(spatial) != 3 or non_singleton < 3:
-        return f"is {non_singleton}D (shape {full}); a 3D volume is required"
-    if patch is not None and not allow_pad and any(s < p for s, p in zip(spatial, patch)):
-        return f"shape {spatial} is smaller than {size_name} {patch} and padding is disabled"
-    return None
 
 
 def _slabs(shape: tuple[int, ...], itemsize: int, max_bytes: int = SLAB_BYTES) -> Iterator[tuple[slice | int, ...]]:

@@ -270,6 +270,12 @@ class CohortColumns:
     split_col: str | None = "split"
     time_unit: str = "days"
 
+    def __post_init__(self) -> None:
+        covariates = self.covariates  # one name may be given as a string
+        object.__setattr__(
+            self, "covariates", (covariates,) if isinstance(covariates, str) else tuple(covariates or ())
+        )
+
 
 _COLUMN_FIELDS = tuple(f.name for f in dataclasses.fields(CohortColumns))
 
@@ -294,8 +300,7 @@ def _parse_cohort(
     path = os.path.abspath(os.path.expanduser(os.fspath(csv_path)))
     source = f"cohort CSV {path!r}"
     image_col, time_col, event_col, id_col = columns.image_col, columns.time_col, columns.event_col, columns.id_col
-    split_col, covariates = columns.split_col, columns.covariates
-    covariates = [covariates] if isinstance(covariates, str) else list(covariates or ())
+    split_col, covariates = columns.split_col, list(columns.covariates)
     per_year, unit_problem = _parse_time_unit(columns.time_unit)
     problems = [unit_problem] if unit_problem else []
     if max_cases is not None and not _positive_integer(max_cases):
@@ -430,7 +435,7 @@ def inference_cohort(
     from common.data.datalist import inference_entries
 
     layout = CohortColumns(**columns)
-    covariates = [layout.covariates] if isinstance(layout.covariates, str) else list(layout.covariates or ())
+    covariates = list(layout.covariates)
     if not csv_path:
         if covariates:
             raise CohortError(
