@@ -19,7 +19,7 @@ from typing import Any
 
 from common.errors import SettingsError
 
-__all__ = ["SettingsChecks", "check_config", "choice_problems", "config_being_parsed", "switches"]
+__all__ = ["SettingsChecks", "check_config", "choice_problems", "config_being_parsed", "run_problems", "switches"]
 
 Check = Callable[..., list[str]]
 
@@ -62,6 +62,32 @@ def choice_problems(**choices: tuple[Any, Any]) -> list[str]:
         for name, (value, options) in choices.items()
         if value not in options
     ]
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def run_problems(num_workers: int, num_threads: int | None, dist_timeout: float) -> list[str]:
+    """The settings of how a command runs, shared by every bundle's inference: data-loading processes
+    (``num_workers``, an integer >= 0; 0 loads in the main process), CPU threads (``num_threads``, ``null`` for torch's
+    default or an integer >= 1) and the distributed collective timeout (``dist_timeout``, seconds > 0)."""
+    problems = []
+    if not _is_int(num_workers) or num_workers < 0:
+        problems.append(
+            f"'num_workers' must be an integer >= 0 (data-loading processes; 0 loads in the main process), got "
+            f"{num_workers!r}."
+        )
+    if num_threads is not None and (not _is_int(num_threads) or num_threads < 1):
+        problems.append(
+            f"'num_threads' must be null (torch's default) or an integer >= 1 (CPU threads), got {num_threads!r}."
+        )
+    if isinstance(dist_timeout, bool) or not isinstance(dist_timeout, (int, float)) or not dist_timeout > 0:
+        problems.append(
+            f"'dist_timeout' must be a number of seconds > 0 (how long a rank waits for the others), got "
+            f"{dist_timeout!r}."
+        )
+    return problems
 
 
 class SettingsChecks:

@@ -9,6 +9,7 @@ import sys
 from typing import Any
 
 __all__ = [
+    "INTERRUPTED",
     "MissingInputError",
     "OutOfMemoryBackoffError",
     "SettingsError",
@@ -52,15 +53,24 @@ def user_error_in_chain(exc: BaseException | None) -> UserError | None:
     return None
 
 
+#: the line an interrupted command ends with (Ctrl-C: what a bundle wrote is complete, and its restart goes on)
+INTERRUPTED = "interrupted: what was written is complete; run the same command again to go on."
+
+
 def install_user_error_hook() -> None:
     """Make an uncaught :class:`UserError` (or an error caused by one) end the process with ``error: <message>``
-    on stderr as the last line (exit status 1) instead of a traceback; other exceptions - bugs - keep their
-    traceback. Installed once per process by the bundles' first ``initialize`` step."""
+    on stderr as the last line (exit status 1) instead of a traceback, and Ctrl-C (``KeyboardInterrupt``) with the
+    one line :data:`INTERRUPTED` (Python then ends the process by SIGINT: exit status 130 in a shell); other
+    exceptions - bugs - keep their traceback. Installed once per process by the bundles' first ``initialize``
+    step."""
     previous = sys.excepthook
     if getattr(previous, "user_errors", False):
         return
 
     def hook(kind: type[BaseException], value: BaseException, tb: Any) -> None:
+        if issubclass(kind, KeyboardInterrupt):
+            print(INTERRUPTED, file=sys.stderr, flush=True)
+            return
         error = user_error_in_chain(value)
         if error is None:
             previous(kind, value, tb)

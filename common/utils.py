@@ -34,6 +34,7 @@ __all__ = [
     "default_amp",
     "abort_distributed",
     "describe_peer_failure",
+    "describe_write_error",
     "destroy_distributed",
     "get_rank",
     "get_world_size",
@@ -406,6 +407,13 @@ _WRITE_CAUSES = {
 }
 
 
+def describe_write_error(error: OSError) -> str:
+    """What a refused write means, in words (``the disk is full``, ``the file system is read-only``, ...), followed
+    by the system's own message in parentheses."""
+    cause = _WRITE_CAUSES.get(error.errno, error.strerror or str(error))
+    return f"{cause} ({error.strerror or error})"
+
+
 def os_error_in_chain(exc: BaseException) -> OSError | None:
     """The ``OSError`` behind ``exc``: itself or a cause/context (``torch.save`` re-raises a failed write as a
     ``RuntimeError`` of its zip writer)."""
@@ -447,10 +455,9 @@ def write_atomic(path: str | os.PathLike, write: Callable[[BinaryIO], Any]) -> P
                 os.unlink(tmp)
         os_error = os_error_in_chain(exc)
         if os_error is not None and not isinstance(exc, OutputWriteError):
-            cause = _WRITE_CAUSES.get(os_error.errno, os_error.strerror or str(os_error))
             kept = "the previous file is unchanged" if path.exists() else "no file was written"
             raise OutputWriteError(
-                os_error.errno, f"could not write {str(path)!r}: {cause} ({os_error.strerror or os_error}); {kept}"
+                os_error.errno, f"could not write {str(path)!r}: {describe_write_error(os_error)}; {kept}"
             ) from exc
         raise
     with contextlib.suppress(OSError):  # make the rename itself durable

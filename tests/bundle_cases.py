@@ -54,6 +54,10 @@ class BundleCase:
         configs: its tiny profile, the config files merged after ``train.json``.
         bad_settings: invalid settings (config id -> value, given on the command line).
         refused: what the error must name.
+        bad_inference_settings: settings inference (``inference.json`` on a run of the tiny profile) must refuse
+            before it reads any case (config id -> value, given on the command line), a size the trained network
+            cannot take among them.
+        inference_refused: what inference's error must name.
         pipeline_edit: what an edited pipeline gives.
         host_read_settings: settings of the host-read count (so that every branch of a step is taken).
         splits: the config id of the parsed training and validation lists.
@@ -64,6 +68,8 @@ class BundleCase:
     configs: tuple[str, ...]
     bad_settings: dict[str, Any]
     refused: tuple[str, ...]
+    bad_inference_settings: dict[str, Any]
+    inference_refused: tuple[str, ...]
     pipeline_edit: PipelineEdit
     host_read_settings: dict[str, Any] = field(default_factory=dict)
     splits: str = "datalists"
@@ -104,6 +110,11 @@ CASES = {
                 "'kl_weight'",
                 "'intensity' HU window is inverted",
             ),
+            bad_inference_settings={"patch_size": [15, 15, 15], "overlap": 1.0},
+            inference_refused=(
+                "'patch_size' [15, 15, 15] must be divisible by 4 on every axis",
+                "'overlap' must be a number in [0, 1)",
+            ),
             pipeline_edit=PipelineEdit(  # 4 volumes, batch 2
                 lambda data: 2, ("RandSpatialCropSamplesd", "RandGaussianNoised"), (1, 16, 16, 16), (0.0, 1.0)
             ),
@@ -119,6 +130,11 @@ CASES = {
                 "ct_window": {"mode": "ct", "a_min": 400, "a_max": -1000},
             },
             refused=("'patch_size'", "'n_codes'", "'discriminator_iter_start'", "'intensity' HU window is inverted"),
+            bad_inference_settings={"patch_size": [15, 15, 15], "sw_batch_size": 0},
+            inference_refused=(
+                "'patch_size' [15, 15, 15] must be divisible by the total downsampling 'downsample' [4, 4, 4]",
+                "'sw_batch_size' must be an integer >= 1",
+            ),
             pipeline_edit=PipelineEdit(  # 4 volumes, batch 1
                 lambda data: 4, ("RandSpatialCropSamplesd", "RandGaussianNoised"), (1, 16, 16, 16), (0.0, 1.0)
             ),
@@ -132,6 +148,11 @@ CASES = {
                 "'num_grid_steps' must be in [1, num_train_timesteps=1000]",
                 "'target_key' 'seg'",
                 "'attention_levels'",
+            ),
+            bad_inference_settings={"patch_size": [15, 15, 15], "num_workers": -1},  # tiny: the U-Net halves once
+            inference_refused=(
+                "'patch_size' [15, 15, 15] must be divisible by 2 (the U-Net halves it 1 times)",
+                "'num_workers' must be an integer >= 0",
             ),
             pipeline_edit=PipelineEdit(  # 4 cases, batch 1; the four modalities stacked, percentiles in [-1, 1]
                 lambda data: 4,
@@ -157,6 +178,11 @@ CASES = {
                 "'horizons' must increase",
                 "'replace_rate'",
                 "'calibration_cache_rate' must be a number in [0, 1]",
+            ),
+            bad_inference_settings={"image_size": [16, 16], "batch_size": 0},
+            inference_refused=(
+                "'image_size' must be 3 positive integers, got [16, 16]",
+                "'batch_size' must be a positive integer",
             ),
             pipeline_edit=PipelineEdit(  # with augment off the noise can only come from the edit
                 _training_cases(batch_size=4),  # tiny.json: batch_size
@@ -184,6 +210,11 @@ CASES = {
                 "'vit_patch_size' 5 must divide",
                 "'stage_sizes' must not shrink",
                 "larger than 'source_size'",
+            ),
+            bad_inference_settings={"view_size": [32, 32], "num_threads": 0},  # tiny: trained on [64, 64] views
+            inference_refused=(
+                "'view_size' [32, 32] is not the view size the trained network was built for, [64, 64]",
+                "'num_threads' must be null (torch's default) or an integer >= 1",
             ),
             pipeline_edit=PipelineEdit(  # stage 1: 4 cases, batch 2; the CT in [-1, 1], area-averaged
                 lambda data: 2,

@@ -416,3 +416,18 @@ def test_inference_entries_use_find_volumes_and_name_what_was_looked_for(tmp_pat
     (tmp_path / "empty").mkdir()
     with pytest.raises(FileNotFoundError, match=r"NIfTI \(\.nii, \.nii\.gz\), NRRD \(\.nrrd, \.nhdr\), MetaImage"):
         inference_entries(tmp_path / "empty", ["image"])
+
+
+def test_find_volumes_lists_a_broken_link_with_a_volume_name(tmp_path: Path) -> None:
+    """A link whose target is gone is a case (the check reports it) instead of silently missing from the run; a
+    broken link without a volume name is not a volume, as a file of that name would not be."""
+    _touch(tmp_path / "a.nii.gz")
+    os.symlink(tmp_path / "moved" / "b.nii.gz", tmp_path / "b.nii.gz")
+    os.symlink(tmp_path / "moved" / "c.img", tmp_path / "c.img")
+    os.symlink(tmp_path / "moved" / "notes", tmp_path / "notes")
+    assert [(e["case_id"], e["image"]) for e in find_volumes(tmp_path)] == [
+        ("a", str(tmp_path / "a.nii.gz")),
+        ("b", str(tmp_path / "b.nii.gz")),
+    ]
+    assert [e["case_id"] for e in find_volumes(tmp_path, "*.img")] == ["c.img"]
+    assert [e["case_id"] for e in inference_entries(tmp_path, ["image"])] == ["a", "b"]

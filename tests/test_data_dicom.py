@@ -6,9 +6,11 @@ its files in any order. The reference is MONAI's own reader on a folder holding 
 from __future__ import annotations
 
 import json
+import os
 import random
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -16,8 +18,8 @@ import pytest
 from monai.transforms import Compose, LoadImage
 
 from common.data.datalist import find_volumes, inference_entries, load_datalist
-from common.data.dicom import DicomSeriesReader, LoadVolumed, dicom_series, series_files
-from common.data.preflight import PreflightError, check_volume, preflight
+from common.data.dicom import DicomSeriesReader, LoadVolumed, dicom_series, series_files, series_problems
+from common.data.preflight import PreflightError, check_volume, preflight, run_preflight, screen_entries
 from common.demo.images import make_ct_phantom, write_dicom_series
 from tests.helpers import REPO_ROOT
 from tests.oracles import spatial_steps
@@ -155,3 +157,178 @@ def test_make_datalist_dicom_lists_each_series_and_the_bundles_read_them(export)
     without_ids = {section: [{"image": e["image"]} for e in entries]}
     names = [e["case_id"] for e in inference_entries(export["root"], ["image"], without_ids, section)]
     assert "export" in names
+
+
+# ------------------------------------------------------------------------------------ the geometry of one series
+def _regular(folder: Path, slices: int = 16) -> Path:
+    """A regular series of ``slices`` 8 x 8 slices, 2.0 mm apart (positions 0, 2, ... mm along the normal)."""
+    return write_dicom_series(folder, make_ct_phantom((8, 8, slices), seed=1), spacing=(1.0, 1.0, 2.0))
+
+
+def _rewrite(source: Path, target: Path, tags: dict[str, str]) -> Path:
+    """Write ``source`` again as ``target`` with ``tags`` (DICOM ``"gggg|eeee"`` -> value) replaced."""
+    import itk
+
+    image = itk.imread(str(source), imageio=itk.GDCMImageIO.New())
+    meta = image.GetMetaDataDictionary()
+    for tag, value in tags.items():
+        meta[tag] = value
+    io = itk.GDCMImageIO.New()
+    io.KeepOriginalUIDOn()
+    itk.imwrite(image, str(target), imageio=io)
+    return target
+
+
+def _drop_tag(file: Path, tag: bytes, retired: bytes) -> None:
+    """Rename a tag of ``file`` to a retired one in the bytes (``(0020,0032)`` -> ``(0020,0030)``), so the file
+    has none."""
+    data = file.read_bytes()
+    assert data.count(tag) == 1
+    file.write_bytes(data.replace(tag, retired))
+
+
+def test_a_regular_series_has_no_geometry_problems(tmp_path):
+    folder = _regular(tmp_path / "ct")
+    files = series_files(folder)
+    assert len(files) == 16 and series_problems(files) == [] and series_problems(list(reversed(files))) == []
+    assert series_problems(files[:1]) == []  # one (e.g. multi-frame) file: no geometry to check
+    assert check_volume(str(folder)) is None
+
+
+def test_a_missing_slice_is_named_with_the_gap_and_accepted_only_when_allowed(tmp_path):
+    folder = _regular(tmp_path / "ct")
+    (folder / "slice0007.dcm").unlink()  # the slice at 14 mm
+    files = series_files(folder)
+    assert series_problems(files) == [
+        f"DICOM series {folder}: gap of 4.000 mm between the slices at 12.000 mm and 16.000 mm along the slice "
+        "normal, the regular spacing is 2.000 mm: a missing slice?"
+    ]
+    assert series_problems(files, allow_irregular=True) == []
+    for name in ("slice0009.dcm", "slice0010.dcm"):
+        (folder / name).unlink()
+    assert "gap of 6.000 mm between the slices at 16.000 mm and 22.000 mm" in series_problems(series_files(folder))[1]
+    assert series_problems(series_files(folder))[1].endswith("2 missing slices?")
+
+
+def test_a_duplicated_slice_is_named_even_when_irregular_series_are_allowed(tmp_path):
+    folder = _regular(tmp_path / "ct")
+    _rewrite(folder / "slice0005.dcm", folder / "copy.dcm", {"0008|0018": "1.2.826.0.1.3680043.8.498.77"})
+    files = series_files(folder)
+    assert len(files) == 17
+    expected = (
+        f"DICOM series {folder}: duplicate slices: 2 files at position 10.000 mm along the slice normal: copy.dcm, "
+        "slice0005.dcm"
+    )
+    assert series_problems(files) == [expected]
+    assert series_problems(files, allow_irregular=True) == [expected]
+
+
+def test_non_uniform_spacing_is_named_and_rounding_is_not(tmp_path):
+    folder = _regular(tmp_path / "ct")
+    for k in range(9, 16):  # 0, 2, ..., 16, then 18.2, 20.4, ...: 7 gaps of 2.2 mm among 8 of 2.0 mm
+        name = folder / f"slice{k:04d}.dcm"
+        _rewrite(name, name, {"0020|0032": f"0\\0\\{16 + (k - 8) * 2.2:.4f}"})
+    files = series_files(folder)
+    assert series_problems(files) == [
+        f"DICOM series {folder}: non-uniform slice spacing: 7 of 15 gaps differ from the regular spacing 2.000 mm by "
+        "more than 0.020 mm (gaps from 2.000 to 2.200 mm; first 2.200 mm between 16.000 mm and 18.200 mm)"
+    ]
+    assert series_problems(files, allow_irregular=True) == []
+    rounded = _regular(tmp_path / "rounded")
+    _rewrite(rounded / "slice0004.dcm", rounded / "slice0004.dcm", {"0020|0032": "0\\0\\8.006"})  # 2-3 decimals
+    assert series_problems(series_files(rounded)) == []
+
+
+def test_mixed_orientation_or_series_and_unplaced_slices_are_named(tmp_path):
+    folder = _regular(tmp_path / "turned")
+    _rewrite(folder / "slice0003.dcm", folder / "slice0003.dcm", {"0020|0037": "1\\0\\0\\0\\1\\0"})
+    problems = series_problems(series_files(folder), allow_irregular=True)
+    assert problems == [
+        f"DICOM series {folder}: mixed series: 1 of 16 files have another orientation (ImageOrientationPatient "
+        "1\\0\\0\\0\\1\\0 in slice0003.dcm, -1\\0\\0\\0\\-1\\0 in the others)"
+    ]
+    other = _regular(tmp_path / "two_uids")
+    _rewrite(other / "slice0004.dcm", other / "slice0004.dcm", {"0020|000e": "1.2.826.0.1.3680043.8.498.99"})
+    files = sorted(str(p) for p in other.glob("*.dcm"))
+    with pytest.raises(ValueError, match="belong to 2 DICOM series"):  # GDCM tells them apart: the loader refuses
+        series_files(files)
+    (line,) = series_problems(files, allow_irregular=True)
+    assert line.startswith(f"DICOM series {other}: mixed series: its files differ in SeriesInstanceUID: ")
+    assert line.endswith("in slice0000.dcm and 14 more, 1.2.826.0.1.3680043.8.498.99 in slice0004.dcm")
+    unplaced = _regular(tmp_path / "unplaced")
+    _drop_tag(unplaced / "slice0002.dcm", b"\x20\x00\x32\x00", b"\x20\x00\x30\x00")  # ImagePositionPatient
+    _drop_tag(unplaced / "slice0006.dcm", b"\x20\x00\x37\x00", b"\x20\x00\x35\x00")  # ImageOrientationPatient
+    problems = series_problems(sorted(str(p) for p in unplaced.glob("*.dcm")), allow_irregular=True)
+    assert problems == [
+        f"DICOM series {unplaced}: 1 of 16 files have no valid ImagePositionPatient (0020|0032), so their slice "
+        "cannot be placed: slice0002.dcm",
+        f"DICOM series {unplaced}: 1 of 16 files have no valid ImageOrientationPatient (0020|0037), so their slice "
+        "cannot be placed: slice0006.dcm",
+    ]
+
+
+def test_series_problems_reads_headers_only_and_fast(tmp_path):
+    """300 slices of 64 x 64: the headers are read, not the pixels (about 0.2 s here, after ITK is loaded)."""
+    folder = write_dicom_series(tmp_path / "ct", np.zeros((64, 64, 300)), spacing=(1.0, 1.0, 1.0))
+    files = series_files(folder)
+    series_problems(files[:2])  # ITK's GDCM module loads on first use (seconds)
+    start = time.perf_counter()
+    assert series_problems(files) == []
+    elapsed = time.perf_counter() - start
+    print(f"series_problems on 300 slices: {elapsed:.3f} s")
+    assert elapsed < 2.0
+
+
+def test_the_training_preflight_refuses_an_irregular_series_unless_allowed(tmp_path):
+    folder = _regular(tmp_path / "ct")
+    (folder / "slice0007.dcm").unlink()
+    _rewrite(folder / "slice0002.dcm", folder / "copy.dcm", {"0008|0018": "1.2.826.0.1.3680043.8.498.78"})
+    reason = check_volume(str(folder))
+    assert reason == (
+        f"DICOM series {folder}: duplicate slices: 2 files at position 4.000 mm along the slice normal: copy.dcm, "
+        f"slice0002.dcm; DICOM series {folder}: gap of 4.000 mm between the slices at 12.000 mm and 16.000 mm along "
+        "the slice normal, the regular spacing is 2.000 mm: a missing slice?"
+    )
+    assert check_volume(str(folder), allow_irregular_series=True).endswith("copy.dcm, slice0002.dcm")
+    listing = tmp_path / "listing.json"
+    listing.write_text(json.dumps({"training": [{"image": str(folder), "case_id": "c1"}]}))
+    with pytest.raises(PreflightError) as info:
+        preflight(listing)
+    where, series = f"training[0] (case c1) {folder}", f"DICOM series {folder}"
+    assert [p.split(": ", 2)[:2] for p in info.value.problems] == [[where, series]] * 2
+    assert "a missing slice?" in info.value.problems[1] and "duplicate slices" in info.value.problems[0]
+    (folder / "copy.dcm").unlink()
+    with pytest.raises(PreflightError, match="a missing slice"):
+        preflight(listing)
+    assert preflight(listing, allow_irregular_series=True)["training"][0]["image"] == str(folder)
+    assert run_preflight(listing, allow_irregular_series=True)["training"][0]["case_id"] == "c1"
+
+
+def test_the_inference_screen_reads_slice_headers_only_when_asked(tmp_path, monkeypatch):
+    import common.data.dicom as dicom
+
+    folder = _regular(tmp_path / "ct")
+    (folder / "slice0007.dcm").unlink()
+    files = [str(f) for f in series_files(folder)]
+    entries = [{"image": str(folder)}, {"image": files}]
+    read: list[int] = []
+    original = dicom.series_problems
+    monkeypatch.setattr(dicom, "series_problems", lambda f, *a, **k: read.append(len(f)) or original(f, *a, **k))
+    assert screen_entries(entries) == [[], []] and read == []  # one header per series, not one per slice
+    problems = screen_entries(entries, series_geometry=True)
+    assert read == [15, 15]
+    assert [len(p) for p in problems] == [1, 1] and all("a missing slice?" in p[0] for p in problems)
+    assert str(folder) in problems[0][0] and "gap of 4.000 mm" in problems[1][0]
+    assert screen_entries(entries, series_geometry=True, allow_irregular_series=True) == [[], []]
+
+
+def test_a_broken_link_in_a_series_folder_is_named(tmp_path):
+    folder = _regular(tmp_path / "ct")
+    target = tmp_path / "pacs" / "slice0016.dcm"
+    os.symlink(target, folder / "slice0016.dcm")
+    assert [e["image"] for e in find_volumes(tmp_path)] == [str(folder)]
+    reason = (
+        f"holds 1 broken symbolic link(s); slice0016.dcm is a broken symbolic link: its target {target} does not exist"
+    )
+    assert check_volume(str(folder)) == reason
+    assert screen_entries([{"image": str(folder)}]) == [[reason]]

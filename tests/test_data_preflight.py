@@ -15,7 +15,7 @@ import nibabel as nib
 import numpy as np
 import pytest
 
-from common.data.preflight import PreflightError, check_volume, preflight
+from common.data.preflight import PreflightError, check_volume, preflight, screen_entries
 
 
 def _nifti(path: Path, array: np.ndarray) -> Path:
@@ -640,3 +640,41 @@ def test_preflight_reads_every_format_inference_lists(tmp_path: Path) -> None:
         assert "shape (12, 10, 8) is smaller" in check_volume(entry["image"], patch_size=(13, 10, 8), allow_pad=False)
     sections = preflight({"testing": entries}, sections=["testing"], required=["testing"], num_channels=1)
     assert len(sections["testing"]) == 5
+
+
+def test_a_broken_symbolic_link_is_named_with_its_target(tmp_path: Path) -> None:
+    """A link whose target was moved or unmounted: the header screen of inference and the training preflight name
+    the target instead of a bare "does not exist"."""
+    good = _good(tmp_path / "good.nii.gz")
+    target = tmp_path / "moved" / "gone.nii.gz"
+    link = tmp_path / "gone.nii.gz"
+    os.symlink(target, link)
+    relative = tmp_path / "relative.nii.gz"
+    os.symlink("moved/other.nii.gz", relative)
+    chain = tmp_path / "chain.nii.gz"
+    os.symlink(link, chain)
+    reason = f"is a broken symbolic link: its target {target} does not exist"
+    assert screen_entries([{"image": str(good)}, {"image": str(link)}]) == [[], [reason]]
+    assert check_volume(str(link)) == reason
+    assert check_volume(str(relative)) == (
+        f"is a broken symbolic link: its target {tmp_path / 'moved' / 'other.nii.gz'} does not exist"
+    )
+    assert check_volume(str(chain)) == (
+        f"is a broken symbolic link: its target {link} (it leads to {target}) does not exist"
+    )
+    loop = tmp_path / "loop.nii.gz"
+    os.symlink(loop, loop)
+    assert check_volume(str(loop)) == f"is a symbolic link loop (through {loop})"
+    with pytest.raises(PreflightError) as info:
+        preflight(_datalist(tmp_path / "list.json", [good, link]))
+    assert info.value.problems == [f"training[1] {link}: {reason}"]
+    series = _write_dicom_series(tmp_path / "series")
+    files = sorted(str(p) for p in series.glob("*.dcm"))
+    os.symlink(tmp_path / "pacs" / "slice008.dcm", series / "slice008.dcm")
+    listed = [*files, str(series / "slice008.dcm")]
+    assert screen_entries([{"image": listed}]) == [
+        [
+            f"1 of 9 series files do not exist (first: {series / 'slice008.dcm'}, a broken symbolic link: its target "
+            f"{tmp_path / 'pacs' / 'slice008.dcm'} does not exist)"
+        ]
+    ]

@@ -156,7 +156,7 @@ def test_inference_takes_the_thread_count_and_leaves_the_rngs(bundle: str) -> No
 
     parser = ConfigParser()
     parser.read_config(str(REPO / "bundles" / bundle / "configs" / "inference.json"))
-    assert "@runtime" in parser["initialize"][:2]
+    assert "@runtime" in parser["initialize"][:3]  # after the run's and the settings' checks
     parser["num_threads"] = 1
     threads, state = torch.get_num_threads(), torch.get_rng_state()
     torch.set_num_threads(2)
@@ -231,3 +231,29 @@ def test_settings_checks_live_in_the_family_settings_modules() -> None:
             assert not missing, f"{checks!r} reads ids that {description.name}'s {names} lack: {missing}"
             checked.append(len(checks.ids))
     assert len(checked) == 3 * len(descriptions()) and min(checked) > 5
+
+
+@pytest.mark.parametrize("names", [["inference.json"], ["inference.json", "multi_gpu_inference.json"]])
+def test_inference_checks_its_settings_first(names: list[str]) -> None:
+    """Every bundle's inference (alone and on several GPUs) runs its own family's ``INFERENCE`` checks right after
+    the run's own checks (``check_run``, which installs the ``error:`` hook), before anything is loaded or written,
+    and every id they read is an id of that config."""
+    from monai.bundle import ConfigParser
+
+    from common.config_checks import SettingsChecks
+
+    for description in descriptions():
+        configs = REPO / "bundles" / description.name / "configs"
+        parser = ConfigParser()
+        parser.read_config([str(configs / name) for name in names])
+        where = (description.name, names)
+        expected = f"$common.config_checks.check_config({description.package}.settings.INFERENCE)"
+        assert parser["check_settings"] == expected, (*where, parser["check_settings"])
+        initialize = parser["initialize"]
+        assert "common.bundle.check_run" in initialize[0] and initialize[1] == "@check_settings", (*where, initialize)
+        checks = importlib.import_module(f"{description.package}.settings").INFERENCE
+        assert isinstance(checks, SettingsChecks), where
+        missing = [name for name in checks.ids if name not in parser]
+        assert not missing, f"{checks!r} reads ids that {description.name}'s {names} lack: {missing}"
+        shared = {"num_workers", "num_threads", "dist_timeout", "fail_fast", "overwrite", "progress", "distributed"}
+        assert shared <= set(checks.ids), (*where, sorted(shared - set(checks.ids)))

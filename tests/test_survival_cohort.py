@@ -247,8 +247,135 @@ def test_inference_cohort_from_a_csv_with_or_without_outcomes(tmp_path: Path) ->
     with pytest.raises(CohortError) as info:  # one outcome column: both are required, and checked
         inference_cohort(_csv(tmp_path / "t", "image,time", "x.nii.gz,abc"))
     assert "missing required column(s) 'event' (event_col)" in _problems(info)[0]
-    with pytest.raises(CohortError, match=r"row 1 \(case x\): covariate 'age' is empty"):
-        inference_cohort(_csv(tmp_path / "c", "image,age", "x.nii.gz,"), covariates=["age"])
+    (failing,) = inference_cohort(_csv(tmp_path / "c", "image,age", "x.nii.gz,"), covariates=["age"])
+    assert failing["case_problems"] == ["row 1 (case x): covariate 'age' is empty"]  # the row fails, not the file
+
+
+INFERENCE_ROWS = [
+    "case_id,image,time,event,age,split",
+    "a,a.nii.gz,365.25,1,60,test",
+    "b,b.nii.gz,730.5,0,61,train",
+    "c,c.nii.gz,100,1,abc,test",  # non-numeric covariate
+    "d,,200,0,63,test",  # empty image path
+    "e,e.nii.gz,300,1,64,test",
+]
+
+
+def test_inference_cohort_fails_only_the_rows_with_problems(tmp_path: Path) -> None:
+    """A bad cell fails its row (an entry with ``case_problems``, for the engine's input check); the others run."""
+    path = _csv(tmp_path, *INFERENCE_ROWS)
+    entries = inference_cohort(path, covariates=("age",))
+    assert [e["case_id"] for e in entries] == ["a", "b", "c", "d", "e"]
+    assert entries[2] == {
+        "case_id": "c",
+        "image": str(tmp_path / "c.nii.gz"),
+        "covariates": [],
+        "split": "test",
+        "row": 3,
+        "case_problems": ["row 3 (case c): covariate 'age' 'abc' is not a number"],
+    }
+    assert entries[3] == {"case_id": "d", "image": "", "covariates": [], "split": "test", "row": 4,
+                          "case_problems": ["row 4 (case d): image path ('image') is empty"]}  # fmt: skip
+    good = [entries[i] for i in (0, 1, 4)]
+    assert all("case_problems" not in e for e in good)
+    # the same CSV with blank lines for the bad rows (counted, so the row numbers stay)
+    clean = _csv(tmp_path / "clean", *["" if i in (3, 4) else line for i, line in enumerate(INFERENCE_ROWS)])
+    assert good == inference_cohort(clean, covariates=("age",), dataset_dir=tmp_path)  # unchanged values
+    assert good[0] == {"case_id": "a", "image": str(tmp_path / "a.nii.gz"), "time": 1.0, "event": 1.0,
+                       "covariates": [60.0], "split": "test", "row": 1}  # fmt: skip
+    # training still refuses the whole file, listing every problem
+    with pytest.raises(CohortError) as info:
+        read_cohort_csv(path, covariates=("age",))
+    assert _problems(info) == [
+        "row 3 (case c): covariate 'age' 'abc' is not a number",
+        "row 4 (case d): image path ('image') is empty",
+    ]
+    with pytest.raises(CohortError, match=r"2 problem\(s\):\n  row 3 \(case c\): covariate 'age' 'abc'"):
+        load_cohort(path, covariates=("age",), preflight=False)
+
+
+def test_inference_cohort_fails_bad_outcomes_field_counts_and_split_filters_them(tmp_path: Path, caplog) -> None:
+    lines = [*INFERENCE_ROWS[:3], "f,f.nii.gz,-3,2,65,test", "g,g.nii.gz,1,1", "h,h.nii.gz,1,1,66,TEST"]
+    path = _csv(tmp_path, *lines)
+    entries = inference_cohort(path, covariates=("age",))
+    assert [e.get("case_problems") for e in entries] == [
+        None,
+        None,
+        [
+            "row 3 (case f): time ('time') '-3' is negative",
+            "row 3 (case f): event ('event') '2' is not 0 or 1; it must be 0 (censored) or 1 (event)",
+        ],
+        ["row 4: has 4 fields but the header has 6 columns"],
+        None,
+    ]
+    assert [(e["case_id"], e["image"], e["split"]) for e in entries[2:4]] == [
+        ("f", str(tmp_path / "f.nii.gz"), "test"),
+        ("row 4", "", None),  # its cells cannot be matched to the columns
+    ]
+    assert "time" not in entries[2] and "event" not in entries[2]
+    with caplog.at_level("WARNING", logger="common.survival.cohort"):
+        testing = inference_cohort(path, covariates=("age",), split="testing")
+    assert [e["case_id"] for e in testing] == ["a", "f", "h"]  # a failing row is kept when its split cell names it
+    assert "row(s) 4 fail their check and name no split" in caplog.text
+    assert [e["case_id"] for e in inference_cohort(path, covariates=("age",), split="train")] == ["b"]
+
+
+def test_inference_cohort_fails_every_row_of_a_shared_case_id(tmp_path: Path) -> None:
+    path = _csv(tmp_path, "case_id,image", "a,1.nii", "b,2.nii", "a,3.nii", "c,4.nii", "a,5.nii")
+    entries = inference_cohort(path)
+    line = "rows 1, 3, 5: duplicate case id 'a'; case ids must be unique"
+    assert [(e["case_id"], e["image"], e.get("case_problems")) for e in entries] == [
+        ("row 1", str(tmp_path / "1.nii"), [line]),  # named by their row, so no two entries share an id
+        ("b", str(tmp_path / "2.nii"), None),
+        ("row 3", str(tmp_path / "3.nii"), [line]),
+        ("c", str(tmp_path / "4.nii"), None),
+        ("row 5", str(tmp_path / "5.nii"), [line]),
+    ]
+    stems = _csv(tmp_path / "stems", "image,age", "x/p1.nii.gz,1", "y/p1.nii.gz,oops", "p2.nii.gz,3")
+    entries = inference_cohort(stems, covariates=("age",))
+    assert [e["case_id"] for e in entries] == ["row 1", "row 2", "p2"]
+    assert entries[1]["case_problems"] == [
+        "row 2 (case p1): covariate 'age' 'oops' is not a number",
+        "rows 1, 2: duplicate case id 'p1' (taken from the image file names, as there is no case id column); case "
+        "ids must be unique",
+    ]
+
+
+def test_inference_cohort_names_a_row_without_a_case_id_by_its_number(tmp_path: Path) -> None:
+    path = _csv(tmp_path, "case_id,image,age", "a,a.nii,1", "", ",b.nii,2", " ,c.nii,x")
+    entries = inference_cohort(path, covariates=["age"])
+    assert [(e["case_id"], e["row"], e.get("case_problems")) for e in entries] == [
+        ("a", 1, None),
+        ("row 3", 3, ["row 3: case id ('case_id') is empty"]),  # the blank line is row 2, as in the messages
+        ("row 4", 4, ["row 4: case id ('case_id') is empty", "row 4: covariate 'age' 'x' is not a number"]),
+    ]
+    assert entries[1]["image"] == str(tmp_path / "b.nii")
+    stems = inference_cohort(_csv(tmp_path / "stems", "image,age", "a.nii,1", ",2"), covariates=["age"])
+    assert [(e["case_id"], e.get("case_problems")) for e in stems] == [
+        ("a", None),
+        ("row 2", ["row 2: image path ('image') is empty"]),
+    ]
+
+
+@pytest.mark.parametrize(
+    "lines, options, expected",
+    [
+        (["case_id,img,age", "a,a.nii,x"], {"covariates": ["age"]}, "missing required column(s) 'image' (image_col)"),
+        (["case_id,image", "a,a.nii,x"], {"covariates": ["age"]}, "missing required column(s) 'age' (covariate)"),
+        (["case_id,image,time", "a,a.nii,1"], {}, "missing required column(s) 'event' (event_col)"),
+        (["case_id,image"], {}, "the file has a header but no data rows"),
+        (["case_id,image", "a,a.nii"], {"time_unit": "weeks"}, "time_unit must be one of 'days', 'months', 'years'"),
+    ],
+)
+def test_inference_cohort_still_refuses_a_file_with_problems_of_its_own(
+    tmp_path: Path, lines: list[str], options: dict, expected: str
+) -> None:
+    path = _csv(tmp_path, *lines)
+    with pytest.raises(CohortError) as info:
+        inference_cohort(path, **options)
+    assert len(_problems(info)) == 1 and _problems(info)[0].startswith(expected)
+    with pytest.raises(CohortError, match=r"the file does not exist"):
+        inference_cohort(tmp_path / "absent.csv")
 
 
 def test_inference_cohort_from_a_folder(tmp_path: Path) -> None:

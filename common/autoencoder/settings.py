@@ -7,11 +7,27 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from common.config_checks import SettingsChecks, switches
-from common.data.pipeline import cache_problems, intensity_problems
+from common.config_checks import SettingsChecks, run_problems, switches
+from common.data.pipeline import (
+    cache_problems,
+    check_output_units,
+    intensity_problems,
+    orientation_problems,
+    spacing_problems,
+)
+from common.networks.wrappers import INFERENCE_VIEWS, window_problems
 from common.utils import is_positive_int
 
-__all__ = ["TRAINING", "channel_problems", "count_problems", "loss_weight_problems", "patch_problems"]
+__all__ = [
+    "INFERENCE",
+    "TRAINING",
+    "channel_problems",
+    "count_problems",
+    "latent_channel_problems",
+    "loss_weight_problems",
+    "output_problems",
+    "patch_problems",
+]
 
 
 def _channels(channels: Any) -> list[int]:
@@ -113,3 +129,54 @@ TRAINING = SettingsChecks(
 (:func:`common.data.pipeline.intensity_problems`), on/off settings that are not booleans, a ``cache_rate`` outside
 [0, 1] and a ``replace_rate`` outside (0, 1] (:func:`common.data.pipeline.cache_problems`: MONAI's
 ``SmartCacheDataset`` refuses 0) besides the checks above."""
+
+
+def latent_channel_problems(latent_channels: int) -> list[str]:
+    """The latent's channels: an integer >= 1."""
+    if is_positive_int(latent_channels):
+        return []
+    return [f"'latent_channels' must be an integer >= 1, got {latent_channels!r}."]
+
+
+def output_problems(mode: str, output_units: str) -> list[str]:
+    """What an autoencoder's inference writes: a known ``mode`` (the network's inference view) and ``output_units``
+    (:func:`common.data.pipeline.check_output_units`)."""
+    problems = []
+    if mode not in INFERENCE_VIEWS:
+        problems.append(
+            f"'mode' must be one of {INFERENCE_VIEWS} (what inference writes of each volume), got {mode!r}."
+        )
+    try:
+        check_output_units(output_units)
+    except ValueError as exc:
+        problems.append(str(exc))
+    return problems
+
+
+INFERENCE = SettingsChecks(
+    "autoencoder inference",
+    channel_problems,
+    patch_problems,
+    latent_channel_problems,
+    output_problems,
+    intensity_problems,
+    spacing_problems,
+    orientation_problems,
+    window_problems,
+    run_problems,
+    switches(
+        "fail_fast",
+        "overwrite",
+        "allow_irregular_series",
+        "progress",
+        "distributed",
+        "oom_backoff",
+        "with_nonlocal_attn",
+        "use_checkpoint",
+    ),
+)
+"""The checks of an autoencoder inference run (``inference.json``), before any case is read: the trained network's
+levels (``channels``) and the sliding window (``patch_size``, which must be a multiple of its downsampling, or the
+reconstruction comes out smaller than the input), what is written (``mode``, ``output_units``), the preprocessing
+(``intensity``, ``spacing``, ``orientation``), the windows (:func:`common.networks.wrappers.window_problems`), how the
+command runs (:func:`common.config_checks.run_problems`) and the on/off settings."""

@@ -365,7 +365,8 @@ def write_datalist(
 def find_brats_cases(
     data_dir: Path, modalities: tuple[str, ...] = BRATS_MODALITIES, label: str = "seg"
 ) -> list[dict[str, str]]:
-    """BraTS 2023 cases under ``data_dir``: folders ``<case>/`` holding ``<case>-<modality>.nii.gz`` files.
+    """BraTS 2023 cases under ``data_dir``: folders ``<case>/`` holding ``<case>-<modality>.nii.gz`` files (a broken
+    symbolic link counts as a file, so that the preflight of its case names it).
 
     Args:
         data_dir: the folder to search (recursively) for case folders.
@@ -379,10 +380,14 @@ def find_brats_cases(
         ValueError: naming every case with missing modalities (and which), all at once.
     """
     cases, problems = [], []
-    for folder in sorted({p.parent for p in data_dir.rglob("*.nii.gz") if p.is_file()}):
+
+    def listed(path: Path) -> bool:  # a broken symbolic link too: the preflight names it, it is not lost
+        return path.is_file() or path.is_symlink()
+
+    for folder in sorted({p.parent for p in data_dir.rglob("*.nii.gz") if listed(p)}):
         case = folder.name
         files = {m: folder / f"{case}-{m}.nii.gz" for m in (*modalities, label)}
-        present = [m for m in modalities if files[m].is_file()]
+        present = [m for m in modalities if listed(files[m])]
         if not present:
             continue  # not a case folder
         missing = [m for m in modalities if m not in present]
@@ -429,9 +434,15 @@ def is_dicom_file(path: str | os.PathLike) -> bool:
         return False
 
 
+def _file_or_broken_link(path: str) -> bool:
+    """Whether ``path`` is a file, or a symbolic link whose target does not exist (kept, so that the volume it should
+    lead to is reported as a broken link instead of being lost)."""
+    return os.path.isfile(path) or (os.path.islink(path) and not os.path.exists(path))
+
+
 def _walk(root: str) -> list[tuple[str, list[str]]]:
     """``(folder, file names)`` of ``root`` and every folder below it (symbolic links followed once, hidden entries
-    skipped), folders and names sorted."""
+    skipped, broken symbolic links kept as file names), folders and names sorted."""
     found, seen = [], set()
     for folder, subfolders, files in os.walk(root, followlinks=True):
         real = os.path.realpath(folder)
@@ -440,7 +451,7 @@ def _walk(root: str) -> list[tuple[str, list[str]]]:
             continue
         seen.add(real)
         subfolders[:] = sorted(d for d in subfolders if not d.startswith("."))
-        names = sorted(f for f in files if not f.startswith(".") and os.path.isfile(os.path.join(folder, f)))
+        names = sorted(f for f in files if not f.startswith(".") and _file_or_broken_link(os.path.join(folder, f)))
         found.append((folder, names))
     return found
 
@@ -491,7 +502,9 @@ def find_volumes(
     ``<folder>_series<SeriesNumber>``. The files of a series folder are never listed on their own. With ``pattern``
     (a glob such as ``"*.nii.gz"`` or ``"sub/*_t1.nrrd"``, matched against the end of the path as ``Path.match``
     does), the files and series folders whose path matches it are listed instead, whatever their format. Hidden files
-    and folders are skipped.
+    and folders are skipped. A broken symbolic link whose name has a volume suffix (or matches ``pattern``) is listed
+    as a case, so the check of the cases reports it instead of losing it (in a series folder it is neither a case nor
+    a slice: the check of a series given as its folder reports it).
 
     Args:
         dataset_dir: the folder to search; ``~`` is expanded.

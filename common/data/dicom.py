@@ -8,15 +8,19 @@ several) and a list of files as separate images stacked as channels, so a series
 loaded. :class:`DicomSeriesReader` reads a folder only when it holds exactly one series (else the error lists the
 series and how to choose one) and a list of DICOM files as one 3D series, in the slice order GDCM gives the files
 of their folder, whatever the order of the list. :class:`LoadVolumed` is MONAI's ``LoadImaged`` with that reader
-tried first for DICOM inputs; every other file goes to MONAI's readers as before.
+tried first for DICOM inputs; every other file goes to MONAI's readers as before. :func:`series_problems` reads the
+slice headers of a series and names what ITK would silently get wrong (a missing, duplicated or unevenly spaced
+slice, or slices of another series or orientation).
 """
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
+import numpy as np
 from monai.data import ITKReader
 from monai.transforms import LoadImaged
 from monai.utils import ensure_tuple
@@ -31,7 +35,29 @@ __all__ = [
     "dicom_series",
     "is_dicom_input",
     "series_files",
+    "series_problems",
 ]
+
+#: the header tags :func:`series_problems` reads from every slice (name -> DICOM tag)
+GEOMETRY_TAGS = {
+    "position": "0020|0032",  # ImagePositionPatient
+    "orientation": "0020|0037",  # ImageOrientationPatient
+    "series": "0020|000e",  # SeriesInstanceUID
+    "rows": "0028|0010",
+    "columns": "0028|0011",
+}
+#: direction cosines written by scanners carry 5-6 decimals; 1e-3 (0.06 degrees, 0.25 mm across a 250 mm field of
+#: view) tells a rounded copy of one orientation from another orientation
+ORIENTATION_TOLERANCE = 1e-3
+#: a gap this many times the regular (median) spacing is a missing slice: one missing slice doubles a gap (2x),
+#: so 1.5x separates that from any spacing a scanner writes with rounding
+MISSING_SLICE_RATIO = 1.5
+#: spacings may differ from the median by this fraction of it (1%: a 2 mm spacing may be 1.98-2.02 mm, a fiftieth
+#: of a slice) ...
+SPACING_RELATIVE_TOLERANCE = 0.01
+#: ... and at least this much in mm: positions are decimal strings, often of 2-3 decimals, so a gap computed from
+#: two of them is off by up to 0.01 mm from rounding alone
+SPACING_ABSOLUTE_TOLERANCE = 0.01
 
 
 class DicomSeries(NamedTuple):
@@ -141,6 +167,227 @@ def series_files(data: str | os.PathLike | Sequence[str | os.PathLike]) -> list[
         stray = sorted(wanted - {os.path.realpath(f) for f in ordered})
         raise ValueError(f"{len(stray)} listed files are not slices of a DICOM series (first: {stray[0]})")
     return ordered
+
+
+class _Slice(NamedTuple):
+    """What :func:`series_problems` reads from one file's header (``None``/empty where a tag is absent or invalid)."""
+
+    file: str
+    position: tuple[float, ...] | None
+    orientation: tuple[float, ...] | None
+    series: str
+    size: str
+
+
+def _numbers(value: str, count: int) -> tuple[float, ...] | None:
+    """``count`` finite numbers from a DICOM multi-value string (``"0\\0\\2.5"``), or ``None``."""
+    try:
+        numbers = tuple(float(v) for v in value.split("\\"))
+    except ValueError:
+        return None
+    return numbers if len(numbers) == count and all(math.isfinite(n) for n in numbers) else None
+
+
+def _read_slice(file: str) -> _Slice:
+    """The geometry tags of one file, reading its header only (not its pixel data).
+
+    Raises:
+        RuntimeError: what ITK raises for a file whose header it cannot read.
+    """
+    import itk
+
+    with ITK_LOCK:
+        io = itk.GDCMImageIO.New()
+        io.SetFileName(file)
+        io.ReadImageInformation()
+        values = {}
+        for name, tag in GEOMETRY_TAGS.items():
+            found, value = io.GetValueFromTag(tag, "")
+            values[name] = str(value).strip() if found else ""
+    return _Slice(
+        file,
+        _numbers(values["position"], 3),
+        _numbers(values["orientation"], 6),
+        values["series"],
+        f"{values['rows'] or '?'} rows x {values['columns'] or '?'} columns",
+    )
+
+
+def _series_label(files: Sequence[str], slices: Sequence[_Slice]) -> str:
+    """How problem lines name a series: ``DICOM series <folder>``, with its SeriesInstanceUID when the folder holds
+    other files too (a flat export of several series)."""
+    folder = os.path.dirname(os.path.abspath(files[0]))
+    try:
+        others = len([n for n in os.listdir(folder) if not n.startswith(".")]) > len(files)
+    except OSError:
+        others = False
+    uids = {s.series for s in slices if s.series}
+    return f"DICOM series {folder}" + (f" (SeriesInstanceUID {uids.pop()})" if others and len(uids) == 1 else "")
+
+
+def _first(files: Sequence[str]) -> str:
+    """``<name>`` or ``<name> and <n> more`` for problem lines."""
+    names = [os.path.basename(f) for f in files]
+    return names[0] if len(names) == 1 else f"{names[0]} and {len(names) - 1} more"
+
+
+def _mixed(slices: Sequence[_Slice]) -> list[str]:
+    """One line per header value (orientation, Rows x Columns, SeriesInstanceUID) that differs between slices."""
+    problems = []
+    reference = next((s.orientation for s in slices if s.orientation is not None), None)
+    if reference is not None:
+        turned = [
+            s.file
+            for s in slices
+            if s.orientation is not None
+            and max(abs(a - b) for a, b in zip(s.orientation, reference)) > ORIENTATION_TOLERANCE
+        ]
+        if turned:
+            oriented = next(s.orientation for s in slices if s.file == turned[0])
+            problems.append(
+                f"mixed series: {len(turned)} of {len(slices)} files have another orientation (ImageOrientationPatient "
+                f"{_format(oriented)} in {_first(turned)}, {_format(reference)} in the others)"
+            )
+    for name, what in (("size", "Rows x Columns"), ("series", "SeriesInstanceUID")):
+        groups: dict[str, list[str]] = {}
+        for s in slices:
+            groups.setdefault(getattr(s, name) or "(none)", []).append(s.file)
+        if len(groups) > 1:
+            largest_first = sorted(groups.items(), key=lambda item: -len(item[1]))
+            listing = ", ".join(f"{value} in {_first(group)}" for value, group in largest_first)
+            problems.append(f"mixed series: its files differ in {what}: {listing}")
+    return problems
+
+
+def _format(values: Sequence[float]) -> str:
+    return "\\".join(f"{v:g}" for v in values)
+
+
+def _unplaced(slices: Sequence[_Slice]) -> list[str]:
+    """One line per missing tag without which a slice cannot be placed in the volume."""
+    problems = []
+    for name, tag, attribute in (
+        ("ImagePositionPatient", GEOMETRY_TAGS["position"], "position"),
+        ("ImageOrientationPatient", GEOMETRY_TAGS["orientation"], "orientation"),
+    ):
+        lacking = [s.file for s in slices if getattr(s, attribute) is None]
+        if lacking:
+            problems.append(
+                f"{len(lacking)} of {len(slices)} files have no valid {name} ({tag}), so their slice cannot be "
+                f"placed: {_first(lacking)}"
+            )
+    return problems
+
+
+def _duplicate_tolerance(positions: Sequence[float]) -> float:
+    """How close two positions (ascending) along the normal are one position: a tenth of the median spacing between
+    distinct positions (slices that overlap by 90% are the same slice), at least ``SPACING_ABSOLUTE_TOLERANCE``."""
+    gaps = np.diff(np.asarray(positions, dtype=float))
+    distinct = gaps[gaps > SPACING_ABSOLUTE_TOLERANCE]
+    return max(SPACING_ABSOLUTE_TOLERANCE, 0.1 * float(np.median(distinct)) if distinct.size else 0.0)
+
+
+def _duplicates(order: Sequence[tuple[float, str]], tolerance: float) -> tuple[list[str], list[float]]:
+    """Problem lines for files at one position along the normal, and the distinct positions (ascending)."""
+    groups: list[list[tuple[float, str]]] = []
+    for item in order:
+        if groups and item[0] - groups[-1][-1][0] <= tolerance:
+            groups[-1].append(item)
+        else:
+            groups.append([item])
+    problems = [
+        f"duplicate slices: {len(g)} files at position {g[0][0]:.3f} mm along the slice normal: "
+        + ", ".join(os.path.basename(f) for _, f in g[:4])
+        + (", ..." if len(g) > 4 else "")
+        for g in groups
+        if len(g) > 1
+    ]
+    return problems, [g[0][0] for g in groups]
+
+
+def _spacing_problems(positions: Sequence[float]) -> list[str]:
+    """Problem lines for gaps between neighbouring slice positions (ascending, distinct): missing slices, then uneven
+    spacing among the other gaps."""
+    gaps = np.diff(np.asarray(positions, dtype=float))
+    if gaps.size < 2:
+        return []
+    regular = float(np.median(gaps))
+    problems = []
+    missing = gaps > MISSING_SLICE_RATIO * regular
+    for i in np.flatnonzero(missing):
+        count = max(1, int(round(gaps[i] / regular)) - 1)
+        problems.append(
+            f"gap of {gaps[i]:.3f} mm between the slices at {positions[i]:.3f} mm and {positions[i + 1]:.3f} mm "
+            f"along the slice normal, the regular spacing is {regular:.3f} mm: "
+            + ("a missing slice?" if count == 1 else f"{count} missing slices?")
+        )
+    tolerance = max(SPACING_RELATIVE_TOLERANCE * regular, SPACING_ABSOLUTE_TOLERANCE)
+    uneven = np.flatnonzero(~missing & (np.abs(gaps - regular) > tolerance))
+    if uneven.size:
+        i = int(uneven[0])
+        others = gaps[~missing]
+        problems.append(
+            f"non-uniform slice spacing: {uneven.size} of {gaps.size} gaps differ from the regular spacing "
+            f"{regular:.3f} mm by more than {tolerance:.3f} mm (gaps from {others.min():.3f} to {others.max():.3f} mm; "
+            f"first {gaps[i]:.3f} mm between {positions[i]:.3f} mm and {positions[i + 1]:.3f} mm)"
+        )
+    return problems
+
+
+def series_problems(files: Sequence[str | os.PathLike], allow_irregular: bool = False) -> list[str]:
+    """What is wrong with the geometry of one DICOM series, from the headers of its files (no pixel data is read).
+
+    ITK stacks the files of a series at a uniform spacing (first to last position over the number of files), with
+    only a warning on stderr when they are not uniform, so a missing slice gives a volume of wrong geometry. The
+    problems found here are: files that differ in orientation, Rows/Columns or SeriesInstanceUID (a mixed series);
+    files without a valid position or orientation (their slice cannot be placed); two or more files at one position
+    along the slice normal (duplicates); a gap between neighbouring slices larger than ``MISSING_SLICE_RATIO`` times
+    the regular (median) spacing (missing slices); other gaps that differ from the regular spacing by more than 1% of
+    it, and at least 0.01 mm (non-uniform spacing: the rounding of decimal positions stays below that). A single file
+    (e.g. multi-frame) has no geometry problems and is not read.
+
+    Args:
+        files: the files of one series (what :func:`series_files` gives), in any order.
+        allow_irregular: accept missing slices and non-uniform spacing (the user accepts ITK's uniform geometry);
+            duplicates, unplaced slices and mixed series remain problems.
+
+    Returns:
+        One line per problem, each starting with ``DICOM series <folder>: ``; empty for a regular volume.
+    """
+    files = [os.fspath(f) for f in files]
+    if len(files) < 2:
+        return []
+    slices, unreadable = [], []
+    for file in files:
+        try:
+            slices.append(_read_slice(file))
+        except Exception as exc:  # noqa: BLE001 - an unreadable header is a problem of the series, not a crash
+            unreadable.append(f"{os.path.basename(file)} ({' '.join(str(exc).split())[:200]})")
+    problems = [f"{len(unreadable)} files have no readable DICOM header: {unreadable[0]}"] if unreadable else []
+    problems += _mixed(slices) + _unplaced(slices)
+    if not problems:
+        problems += _placement_problems(slices, allow_irregular)
+    label = _series_label(files, slices)
+    return [f"{label}: {problem}" for problem in problems]
+
+
+def _placement_problems(slices: Sequence[_Slice], allow_irregular: bool) -> list[str]:
+    """Duplicate slices and, unless ``allow_irregular``, missing slices and uneven spacing, of slices that share one
+    orientation and all have a position."""
+    orientation = np.asarray(slices[0].orientation, dtype=float)
+    normal = np.cross(orientation[:3], orientation[3:])
+    length = float(np.linalg.norm(normal))
+    if length < 0.5:  # row and column cosines (near) parallel or not unit vectors
+        return [
+            f"ImageOrientationPatient {_format(slices[0].orientation)} has no slice normal (its row and column "
+            "directions are parallel or zero)"
+        ]
+    normal /= length
+    order = sorted((float(np.dot(s.position, normal)), s.file) for s in slices)
+    problems, positions = _duplicates(order, _duplicate_tolerance([d for d, _ in order]))
+    if not allow_irregular:
+        problems += _spacing_problems(positions)
+    return problems
 
 
 class DicomSeriesReader(ITKReader):

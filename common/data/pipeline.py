@@ -6,6 +6,7 @@ and intensity settings, this rank's partition, loaders, case names, inference po
 from __future__ import annotations
 
 import logging
+import re
 from collections.abc import Callable, Mapping, Sequence, Sized
 from typing import Any
 
@@ -43,10 +44,13 @@ __all__ = [
     "inference_postprocessing",
     "intensity_problems",
     "intensity_transform",
+    "orientation_problems",
+    "spacing_problems",
     "make_loader",
     "partition_for_rank",
     "hu_window_steps",
     "nifti_saver",
+    "output_stem",
 ]
 
 logger = logging.getLogger(__name__)
@@ -72,6 +76,37 @@ def intensity_problems(intensity: Mapping[str, Any] | None) -> list[str]:
     elif mode != "none":
         return [f"'intensity' mode must be 'ct', 'mri' or 'none', got {mode!r}."]
     return []
+
+
+def spacing_problems(spacing: Any) -> list[str]:
+    """Why the config ``spacing`` (the voxel size volumes are resampled to, in mm; ``null``: kept) is invalid."""
+    values = list(spacing) if isinstance(spacing, (list, tuple)) else None
+    if spacing is None or (
+        values is not None
+        and len(values) == 3
+        and all(not isinstance(v, bool) and isinstance(v, (int, float)) and v > 0 for v in values)
+    ):
+        return []
+    return [f"'spacing' must be null (keep each volume's voxel size) or 3 positive numbers (mm), got {spacing!r}."]
+
+
+#: the axis codes of ``Orientationd`` (the bundles' ``labels``): one letter of each pair, in any order
+_AXIS_PAIRS = ("LR", "PA", "IS")
+
+
+def orientation_problems(orientation: Any) -> list[str]:
+    """Why the config ``orientation`` (the axis codes volumes are reoriented to, e.g. ``"RAS"``; ``null`` or empty:
+    kept) is invalid: ``Orientationd`` would silently turn a repeated axis (``"RAR"``) into a wrong orientation."""
+    if not orientation:
+        return []
+    codes = str(orientation) if isinstance(orientation, str) else ""
+    pairs = sorted(next((i for i, pair in enumerate(_AXIS_PAIRS) if c in pair), -1) for c in codes)
+    if pairs == [0, 1, 2]:
+        return []
+    return [
+        f"'orientation' must be null or 3 axis codes, one of each of L/R, P/A and I/S in capitals (e.g. 'RAS'), got "
+        f"{orientation!r}."
+    ]
 
 
 def cache_problems(cache_rate: Any, replace_rate: Any, **other_cache_rates: Any) -> list[str]:
@@ -159,15 +194,30 @@ def batch_case_ids(batchdata: Mapping[str, Any], n: int) -> list[str]:
     return [str(c) for c in (ids if isinstance(ids, (list, tuple)) else [ids])]
 
 
+#: characters a case id may hold that cannot be part of a file name on some system (path separators, Windows'
+#: reserved characters, control characters) and ``%`` itself, which :func:`output_stem` writes as ``%XX``
+_UNSAFE_IN_NAMES = re.compile(r'[\x00-\x1f\x7f/\\:*?"<>|%]')
+
+
+def output_stem(case_id: Any) -> str:
+    """The start of the names of a case's output files: its case id, with every character that cannot be part of a
+    file name (``/``, ``\\``, ``:``, ``*``, ``?``, ``"``, ``<``, ``>``, ``|``, control characters), ``%`` itself and
+    a leading ``.`` written as ``%XX`` (its code in hexadecimal). Distinct case ids give distinct stems (``p1/ct``
+    -> ``p1%2Fct``, ``p2/ct`` -> ``p2%2Fct``), and a stem is always one file name in the prediction folder, never
+    a path out of it; ids made of letters, digits, ``_``, ``-``, ``.`` and spaces are unchanged."""
+    stem = _UNSAFE_IN_NAMES.sub(lambda found: f"%{ord(found.group()):02X}", str(case_id))
+    return "%2E" + stem[1:] if stem.startswith(".") else stem
+
+
 def case_name_formatter(metadict: Mapping[str, Any] | None, saver: Any) -> dict[str, Any]:
-    """``SaveImage`` name formatter: the ``case_id`` of the metadata (see :class:`CaseMetad`), else MONAI's
-    default (the input file name)."""
+    """``SaveImage`` name formatter: the :func:`output_stem` of the ``case_id`` of the metadata (see
+    :class:`CaseMetad`), else MONAI's default (the input file name)."""
     from monai.data.folder_layout import default_name_formatter
 
     names = default_name_formatter(metadict, saver)
     case = (metadict or {}).get("case_id")
     if case:
-        names["subject"] = str(case)
+        names["subject"] = output_stem(case)
     return names
 
 
@@ -371,9 +421,11 @@ def nifti_saver(
     key: str, output_dir: str, postfix: str, dtype: Any = np.float32, name_formatter: Callable | None = None
 ) -> SaveImaged:
     """``SaveImaged`` of ``key`` as ``<name>_<postfix>.nii.gz`` in ``output_dir`` (one flat folder, no resampling,
-    ``dtype`` on disk, names from ``name_formatter``, e.g. :func:`case_name_formatter`)."""
+    ``dtype`` on disk, names from ``name_formatter``, e.g. :func:`case_name_formatter`). Only nibabel writes: when it
+    fails (a full disk), MONAI's fallback to another writer could leave a partial file that looks written."""
     return SaveImaged(
         keys=key,
+        writer="NibabelWriter",
         output_dir=output_dir,
         output_postfix=postfix,
         separate_folder=False,

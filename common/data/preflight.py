@@ -92,6 +92,9 @@ class _Reading(NamedTuple):
         check_values: read every voxel and count the non-finite ones.
         size_name: how problems name ``patch`` (e.g. ``volume_size`` for whole-volume models).
         header_only: read the header only (no voxel data).
+        series_geometry: read the header of every slice of a DICOM series and report missing, duplicated or unevenly
+            spaced slices and mixed series (:func:`common.data.dicom.series_problems`).
+        allow_irregular: with ``series_geometry``, accept missing slices and uneven spacing.
     """
 
     patch: tuple[int, ...] | None
@@ -99,6 +102,8 @@ class _Reading(NamedTuple):
     check_values: bool = True
     size_name: str = "patch_size"
     header_only: bool = False
+    series_geometry: bool = True
+    allow_irregular: bool = False
 
     def shape_reason(self, spatial: tuple[int, ...] | None, full: tuple[int, ...]) -> str | None:
         """Why a volume of spatial shape ``spatial`` (``None``: its layout is unknown) and array shape ``full`` is
@@ -321,15 +326,18 @@ def _check_nifti(path: str, reading: _Reading) -> _Inspection:
 def _check_itk(path: str | list[str], reading: _Reading) -> _Inspection:
     """Check a DICOM series (a folder holding one series, or a list of the files of one series) as the bundles' loader
     (:class:`common.data.dicom.LoadVolumed`) reads it; its channels are ITK's pixel components. With ``header_only``,
-    from its first file's header (:func:`_series_header`)."""
-    if isinstance(path, str) and not any(os.path.isfile(os.path.join(path, name)) for name in os.listdir(path)):
-        return _Inspection("is a folder without files; a DICOM series folder is required")
+    from its first file's header (:func:`_series_header`). With ``series_geometry``, the headers of all its slices
+    are checked first (:func:`common.data.dicom.series_problems`: one reason line per problem)."""
+    if isinstance(path, str):
+        reason = _folder_reason(path)
+        if reason:
+            return _Inspection(reason)
     spatial: tuple[int, ...] | None = None
     components: int | None = None
     try:
         import itk
 
-        from common.data.dicom import series_files
+        from common.data.dicom import series_files, series_problems
 
         try:  # one listed file is read as it is (LoadVolumed leaves it to MONAI's readers)
             files = list(path) if not isinstance(path, str) and len(path) == 1 else series_files(path)
@@ -337,6 +345,9 @@ def _check_itk(path: str | list[str], reading: _Reading) -> _Inspection:
             return _Inspection(
                 str(exc).replace(f"{os.path.abspath(path)} holds", "holds", 1) if isinstance(path, str) else str(exc)
             )
+        geometry = series_problems(files, reading.allow_irregular) if reading.series_geometry else []
+        if geometry:
+            return _Inspection("\n".join(geometry))
         if reading.header_only:
             return _series_header(files, reading)
         reason = _itk_header_reason(files[0])
@@ -394,6 +405,36 @@ def _check_monai(path: str, reading: _Reading) -> _Inspection:
     return _Inspection(_non_finite_reason(non_finite), spatial, channels)
 
 
+def _broken_link(path: str) -> str | None:
+    """``"a broken symbolic link: its target <target> does not exist"`` (the target as an absolute path, and where a
+    chain of links ends when that differs), or a link loop, for a symbolic link that leads nowhere; else ``None``."""
+    if not os.path.islink(path) or os.path.exists(path):
+        return None
+    try:
+        target = os.path.normpath(os.path.join(os.path.dirname(os.path.abspath(path)), os.readlink(path)))
+    except OSError:
+        return "a broken symbolic link (its target cannot be read)"
+    end = os.path.realpath(path)
+    if os.path.islink(end):
+        return f"a symbolic link loop (through {target})"
+    via = f" (it leads to {end})" if end != target else ""
+    return f"a broken symbolic link: its target {target}{via} does not exist"
+
+
+def _folder_reason(folder: str) -> str | None:
+    """Why a folder cannot be a DICOM series folder: it holds broken symbolic links (a slice may be lost), or no
+    files; else ``None``."""
+    names = sorted(os.listdir(folder))
+    broken = [(name, _broken_link(os.path.join(folder, name))) for name in names if not name.startswith(".")]
+    broken = [(name, reason) for name, reason in broken if reason]
+    if broken:
+        more = f" (and {len(broken) - 1} more)" if len(broken) > 1 else ""
+        return f"holds {len(broken)} broken symbolic link(s); {broken[0][0]} is {broken[0][1]}{more}"
+    if not any(os.path.isfile(os.path.join(folder, name)) for name in names):
+        return "is a folder without files; a DICOM series folder is required"
+    return None
+
+
 def _inspect(path: str | os.PathLike | Sequence[str], reading: _Reading) -> _Inspection:
     """Read one volume (see :func:`check_volume`), or with ``header_only`` its header (see :func:`screen_entries`);
     never raises for problems with the file."""
@@ -402,9 +443,14 @@ def _inspect(path: str | os.PathLike | Sequence[str], reading: _Reading) -> _Ins
             files = [os.fspath(p) for p in path]
             missing = [f for f in files if not os.path.isfile(f)]
             if missing:
-                return _Inspection(f"{len(missing)} of {len(files)} series files do not exist (first: {missing[0]})")
+                broken = _broken_link(missing[0])
+                first = missing[0] + (f", {broken}" if broken else "")
+                return _Inspection(f"{len(missing)} of {len(files)} series files do not exist (first: {first})")
             return _check_itk(files, reading)
         path = os.fspath(path)
+        broken = _broken_link(path)
+        if broken:
+            return _Inspection(f"is {broken}")
         if not os.path.exists(path):
             return _Inspection("does not exist")
         if os.path.isdir(path):
@@ -424,6 +470,7 @@ def check_volume(
     allow_pad: bool = True,
     check_values: bool = True,
     num_channels: int | None = None,
+    allow_irregular_series: bool = False,
 ) -> str | None:
     """Check that one image can be used for 3D training.
 
@@ -436,8 +483,11 @@ def check_volume(
     (with padding allowed, smaller volumes are accepted as they will be padded); and, when ``num_channels`` is
     given, it has that many channels after channel-first handling (a 3D ``(X, Y, Z)`` file has 1, ``(X, Y, Z, C)``
     and ``(X, Y, Z, 1, C)`` NIfTI have ``C``, a DICOM series has ITK's number of pixel components, other formats
-    have what ``LoadImage``'s ``original_channel_dim`` says). A volume that fails an earlier check is reported
-    with that reason only.
+    have what ``LoadImage``'s ``original_channel_dim`` says). A DICOM series of several files is first checked
+    slice by slice from the headers (:func:`common.data.dicom.series_problems`): a missing, duplicated or unevenly
+    spaced slice, or files of another series or orientation, would be read by ITK as a volume of wrong geometry. A
+    symbolic link that leads nowhere is named with its target. A volume that fails an earlier check is reported with
+    that reason only.
 
     Args:
         path: an image file, a DICOM series folder, or a list of DICOM files.
@@ -446,9 +496,12 @@ def check_volume(
         check_values: whether to count NaN/Inf voxels (the data is read either way).
         num_channels: the number of channels the volume must have, or ``None`` to skip the channel check
             (per-key counts are a :func:`preflight` option).
+        allow_irregular_series: accept DICOM series with missing slices or uneven spacing (ITK stacks them at one
+            spacing); duplicated slices and mixed series are refused either way.
 
     Returns:
-        ``None`` when the volume is usable, else a one-line reason that does not repeat the path.
+        ``None`` when the volume is usable, else a one-line reason that does not repeat the path (several problems
+        of a series joined by ``"; "``).
 
     Raises:
         ValueError: only when ``patch_size`` or ``num_channels`` itself is invalid; problems with the file never
@@ -461,8 +514,9 @@ def check_volume(
             f"{dict(num_channels)!r}; per-key counts are given to preflight"
         )
     expected = _validate_channel_count(num_channels, "num_channels")
-    found = _inspect(path, _Reading(patch, allow_pad, check_values))
-    return found.reason or _channel_reason(found.channels, expected)
+    found = _inspect(path, _Reading(patch, allow_pad, check_values, allow_irregular=bool(allow_irregular_series)))
+    reason = found.reason or _channel_reason(found.channels, expected)
+    return None if reason is None else "; ".join(reason.splitlines())
 
 
 def _path_key(value: str | list[str]) -> str | tuple[str, ...]:
@@ -585,7 +639,7 @@ def _entry_reasons(
             continue
         reason = inspection.reason or _channel_reason(inspection.channels, expected.get(k), k)
         if reason:
-            problems.append((k, reason))
+            problems += [(k, line) for line in reason.splitlines()]  # a DICOM series can have several
         elif inspection.spatial is not None:
             shapes[k] = inspection.spatial
     if compare and not problems and len(shapes) == len(set(keys)) and len(set(shapes.values())) > 1:
@@ -620,12 +674,29 @@ def screen_entries(
     same_shape: bool = True,
     num_workers: int = 4,
     size_name: str = "patch_size",
+    series_geometry: bool = False,
+    allow_irregular_series: bool = False,
 ) -> list[list[str]]:
     """Check the headers of the volumes of ``entries`` (absolute paths under ``keys``) without reading their voxels:
     the checks of :func:`check_volume` that a header answers (the file exists and its header can be read, it is 3D,
-    its size, its channels, an uncompressed NIfTI holds the data its header declares, the declared size is sane) and,
-    with several keys and ``same_shape``, one grid per entry. Inference screens its cases with it: a problem here
-    costs one header read, a compressed file truncated in its voxel data is only found when it is loaded.
+    its size, its channels, an uncompressed NIfTI holds the data its header declares, the declared size is sane, a
+    symbolic link leads to a file) and, with several keys and ``same_shape``, one grid per entry. Inference screens
+    its cases with it: a problem here costs one header read, a compressed file truncated in its voxel data is only
+    found when it is loaded. A DICOM series is judged from its first file's header unless ``series_geometry``.
+
+    Args:
+        entries: the cases, each a mapping with absolute paths under ``keys``.
+        keys: the entry keys holding image paths.
+        patch_size: see :func:`check_volume`.
+        allow_pad: see :func:`check_volume`.
+        num_channels: channels every volume must have, or a mapping from key to count; see :func:`preflight`.
+        same_shape: with several ``keys``, whether the volumes of one entry must share one spatial shape.
+        num_workers: threads reading headers.
+        size_name: how problems name ``patch_size``.
+        series_geometry: also read the header of every slice of each DICOM series and report missing, duplicated
+            or unevenly spaced slices and mixed series (:func:`common.data.dicom.series_problems`); off by default,
+            as it costs one header read per slice of every series before the first case is processed.
+        allow_irregular_series: with ``series_geometry``, accept missing slices and uneven spacing.
 
     Returns:
         One list per entry, in order, of its problems (``"<reason>"`` for one key, ``"<key> <path>: <reason>"`` with
@@ -635,7 +706,15 @@ def screen_entries(
     keys = (keys,) if isinstance(keys, str) else tuple(keys)
     expected = _validate_num_channels(num_channels, keys)
     paths = list(dict.fromkeys(_path_key(entry[k]) for entry in entries for k in keys if k in entry))
-    reading = _Reading(patch, allow_pad, check_values=False, size_name=size_name, header_only=True)
+    reading = _Reading(
+        patch,
+        allow_pad,
+        check_values=False,
+        size_name=size_name,
+        header_only=True,
+        series_geometry=bool(series_geometry),
+        allow_irregular=bool(allow_irregular_series),
+    )
     with ThreadPoolExecutor(max_workers=max(1, int(num_workers))) as pool:
         found = dict(zip(paths, pool.map(lambda p: _inspect(p, reading), paths)))
     compare = bool(same_shape) and len(set(keys)) > 1
@@ -670,6 +749,7 @@ def preflight(
     num_channels: int | Mapping[str, int] | None = None,
     same_shape: bool = True,
     size_name: str = "patch_size",
+    allow_irregular_series: bool = False,
 ) -> dict[str, list[dict]]:
     """Check a whole datalist and every volume it names, reporting all problems in one error.
 
@@ -701,6 +781,8 @@ def preflight(
             mapped to ``None``, are not checked); ``None`` skips the channel check.
         same_shape: with several ``keys``, whether the volumes of one entry must have the same spatial shape
             (they are concatenated as channels); ignored with a single key.
+        allow_irregular_series: accept DICOM series with missing slices or uneven spacing; see
+            :func:`check_volume` (each problem of a series is one line of the report).
 
     Returns:
         Section name -> the loaded entries (absolute paths), for every section that is present.
@@ -727,7 +809,7 @@ def preflight(
             raise PreflightError([str(exc)], source) from exc
     loaded, problems = _load_sections(datalist, base_dir, sections, required, keys, max_cases)
     ordered = _paths_to_read(loaded, keys, shard, by_entry=compare)
-    reading = _Reading(patch, allow_pad, check_values, size_name)
+    reading = _Reading(patch, allow_pad, check_values, size_name, allow_irregular=bool(allow_irregular_series))
     with ThreadPoolExecutor(max_workers=int(num_workers)) as pool:
         found = dict(zip(ordered, pool.map(lambda p: _inspect(p, reading), ordered)))
     for section, items in loaded.items():
@@ -810,7 +892,8 @@ def run_preflight(
         extra_check: a bundle's own check of the loaded sections (e.g. files under other keys), run even when the
             volumes have problems; it raises :class:`PreflightError` with its problems, which are reported together
             with the volumes', or returns the sections to use (e.g. with further paths resolved).
-        kwargs: further arguments of :func:`preflight`.
+        kwargs: further arguments of :func:`preflight` (e.g. ``allow_irregular_series=True`` to accept DICOM series
+            with missing slices or uneven spacing).
 
     Raises:
         PreflightError: listing the problems of every rank.
@@ -856,6 +939,7 @@ def main(
     keys: Sequence[str] = ("image",),
     num_channels: int | Mapping[str, int] | None = None,
     same_shape: bool = True,
+    allow_irregular_series: bool = False,
 ) -> None:
     """Command-line entry: check a datalist and print a one-line summary; problems are raised in one
     :class:`PreflightError` (the command ends with ``error: <report>`` and exit status 1).
@@ -876,6 +960,7 @@ def main(
         keys: entry keys holding image paths.
         num_channels: channels every volume must have, or a mapping from key to count; see :func:`preflight`.
         same_shape: whether the volumes of an entry must share one spatial shape (with several keys).
+        allow_irregular_series: accept DICOM series with missing slices or uneven spacing.
     """
     sections = (sections,) if isinstance(sections, str) else tuple(sections)
     loaded = preflight(
@@ -889,6 +974,7 @@ def main(
         num_workers=num_workers,
         num_channels=num_channels,
         same_shape=same_shape,
+        allow_irregular_series=allow_irregular_series,
     )
     counts = ", ".join(f"{len(loaded.get(section, []))} {section}" for section in sections)
     print(f"preflight OK: {counts} volumes")

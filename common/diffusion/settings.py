@@ -5,14 +5,20 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
-from common.config_checks import SettingsChecks, choice_problems, switches
-from common.data.pipeline import cache_problems
-from common.diffusion.engines import DIFFUSION_MODES, TASKS
+from common.config_checks import SettingsChecks, choice_problems, run_problems, switches
+from common.data.pipeline import cache_problems, intensity_problems, orientation_problems, spacing_problems
+from common.diffusion.engines import DIFFUSION_MODES, TASKS, volume_multiple
 from common.diffusion.schedule import GRIDS, PREDICTIONS, fast_ddpm_grid
+from common.networks.wrappers import window_problems
+from common.utils import is_positive_int
 
 __all__ = [
+    "INFERENCE",
     "TRAINING",
+    "generation_problems",
+    "latent_problems",
     "patch_problems",
     "schedule_problems",
     "task_problems",
@@ -152,3 +158,83 @@ TRAINING = SettingsChecks(
 """The checks of a diffusion training run (``train.json``, and evaluation on top of it): besides the checks above,
 on/off settings that are not booleans (a string ``"false"`` is true) and the ``cache_rate``/``replace_rate`` of
 :func:`common.data.pipeline.cache_problems`."""
+
+
+def _sizes(value: Any) -> list[int] | None:
+    """``value`` as 3 positive integers, or ``None`` when it is not."""
+    ok = isinstance(value, (list, tuple)) and len(value) == 3 and all(is_positive_int(v) for v in value)
+    return [int(v) for v in value] if ok else None
+
+
+def generation_problems(
+    task: str,
+    num_samples: int,
+    sample_shape: Sequence[int],
+    unet_channels: Sequence[int],
+    space_downsample: Sequence[int],
+    seed: int,
+) -> list[str]:
+    """The sampling of an inference run: an integer ``seed`` >= 0 of its noise, and at least one generated volume
+    (``num_samples``) of a ``sample_shape`` the U-Net can take whole: a multiple of
+    :func:`common.diffusion.engines.volume_multiple` on every axis for an unconditional model (its volumes are not
+    padded)."""
+    problems = []
+    if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+        problems.append(f"'seed' must be an integer >= 0 (it seeds each case's sampling noise), got {seed!r}.")
+    if not is_positive_int(num_samples):
+        problems.append(f"'num_samples' must be an integer >= 1 (volumes generated), got {num_samples!r}.")
+    shape = _sizes(sample_shape)
+    if shape is None:
+        problems.append(f"'sample_shape' must be 3 positive integers, got {sample_shape!r}.")
+    elif task == "unconditional":
+        multiple = volume_multiple(unet_channels, space_downsample)
+        if any(s % m for s, m in zip(shape, multiple)):
+            problems.append(
+                f"'sample_shape' {shape} must be divisible by {multiple} on every axis (the U-Net halves it "
+                f"{len(list(unet_channels)) - 1} times, times the autoencoder's downsampling {list(space_downsample)})."
+            )
+    return problems
+
+
+def latent_problems(latent: bool, latent_downsample: Sequence[int], latent_sw_batch_size: int) -> list[str]:
+    """In latent mode, the autoencoder's downsampling (3 positive integers) and its windows per forward pass."""
+    if latent is not True:
+        return []
+    problems = []
+    if _sizes(latent_downsample) is None:
+        problems.append(f"'latent_downsample' must be 3 positive integers, got {latent_downsample!r}.")
+    if not is_positive_int(latent_sw_batch_size):
+        problems.append(f"'latent_sw_batch_size' must be an integer >= 1, got {latent_sw_batch_size!r}.")
+    return problems
+
+
+INFERENCE = SettingsChecks(
+    "diffusion inference",
+    task_problems,
+    schedule_problems,
+    unet_problems,
+    patch_problems,
+    generation_problems,
+    latent_problems,
+    intensity_problems,
+    spacing_problems,
+    orientation_problems,
+    window_problems,
+    run_problems,
+    switches(
+        "fail_fast",
+        "overwrite",
+        "allow_irregular_series",
+        "progress",
+        "distributed",
+        "oom_backoff",
+        "latent",
+        "clip_sample",
+    ),
+)
+"""The checks of a diffusion inference run (``inference.json``), before any case is read: the task and schedule of
+the trained model, its U-Net, the sampling window (``patch_size``, a multiple of the U-Net's downsampling times the
+autoencoder's in latent mode: :func:`patch_problems`), what is generated (:func:`generation_problems`), the latent
+codec, the preprocessing (``intensity``, ``spacing``, ``orientation``), the windows
+(:func:`common.networks.wrappers.window_problems`), how the command runs (:func:`common.config_checks.run_problems`)
+and the on/off settings."""

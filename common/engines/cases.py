@@ -7,16 +7,22 @@ A bundle's inference config builds one :class:`CaseRun` (id ``cases``) and route
 
     datalist -> cases.select() -> CaseDataset -> CaseLoader -> evaluator (cases attached) -> cases.finish()
 
-- :meth:`CaseRun.select` gives each case its id, leaves out the cases already written (unless ``overwrite``),
-  deals the rest to the ranks in turn and checks the headers of this rank's share, listing every problem at once.
-- :class:`CaseDataset` reads and preprocesses a case; an error makes the item a failure record (stage ``read`` for
-  a loader, ``transform`` for the other steps) instead of an exception, and :class:`CaseLoader` (a
-  ``ThreadDataLoader``: reading overlaps the model) hands the failures to the run and never yields an empty batch.
+- :meth:`CaseRun.select` gives each case its id, checks that the prediction folder takes files, leaves out the cases
+  already written (unless ``overwrite``), deals the rest to the ranks in turn and checks the headers of this rank's
+  share, listing every problem at once.
+- :class:`CaseDataset` screens, reads and preprocesses a case; an error makes the item a failure record (stage
+  ``check`` for a DICOM series that is not a regular volume or a volume with NaN/Inf voxels, ``read`` for a loader,
+  ``transform`` for the other steps) instead of an exception, and :class:`CaseLoader` (a ``ThreadDataLoader``:
+  reading overlaps the model) hands the failures to the run and never yields an empty batch. It also takes the
+  fingerprint of the case's inputs (:func:`input_fingerprint`).
 - :meth:`CaseRun.attach` guards the evaluator's iteration: an error in the model or the writers fails the case
   (stage ``model`` or ``write``; a batch of several cases is redone case by case so that only the culprit fails),
-  the others go on. Writers write into :func:`staging_dir` of ``output_dir``; after a case's iteration its files
-  are moved (``os.replace``, atomic) into ``output_dir`` and a record ``.done/<case>.json`` (its files, its values,
-  the identity of the weights and settings) says it is complete.
+  the others go on; a full disk or a folder that refuses files stops the run (the next cases would fail the same
+  way). Writers write into :func:`staging_dir` of ``output_dir``, each case's files named after its
+  :func:`common.data.pipeline.output_stem`; after a case's iteration its files are moved (``os.replace``, atomic)
+  into ``output_dir`` and a record ``.done/<case>.json`` says it is complete: its files, its values, the identity of
+  the weights and settings, and the fingerprint of its inputs. A case is only ever counted as written, or skipped
+  as already written, when that record, its files, the weights, the settings and the inputs all agree.
 - :meth:`CaseRun.finish` gathers the ranks' failures into ``failures.csv`` and, with ``merge``, the records of
   every case into the bundle's cohort tables (rank 0, after every rank is done), prints
   ``N written, M failed: see <output_dir>/failures.csv`` and sets the exit status the bundle's ``run`` ends with
@@ -29,13 +35,18 @@ from __future__ import annotations
 
 import collections
 import csv
+import errno
 import hashlib
 import io
 import json
 import logging
 import os
+import re
 import shutil
+import signal
 import sys
+import tempfile
+import threading
 import time
 import urllib.parse
 from collections.abc import Callable, Mapping, Sequence
@@ -51,8 +62,17 @@ from monai.data import ThreadDataLoader, decollate_batch, list_data_collate
 from monai.transforms import Compose, LoadImage, LoadImaged, apply_transform
 
 from common.data.datalist import file_stem
+from common.data.pipeline import output_stem
 from common.errors import UserError
-from common.utils import destroy_distributed, get_rank, get_world_size, os_error_in_chain, write_text_atomic
+from common.utils import (
+    OutputWriteError,
+    describe_write_error,
+    destroy_distributed,
+    get_rank,
+    get_world_size,
+    os_error_in_chain,
+    write_text_atomic,
+)
 
 __all__ = [
     "DONE_DIR",
@@ -60,6 +80,8 @@ __all__ = [
     "EXIT_NONE_WRITTEN",
     "EXIT_SOME_FAILED",
     "FAILURES_CSV",
+    "INPUTS_KEY",
+    "PROBLEMS_KEY",
     "STAGES",
     "CaseDataset",
     "CaseFailedError",
@@ -68,6 +90,7 @@ __all__ = [
     "CaseRun",
     "case_collate",
     "case_id_of",
+    "input_fingerprint",
     "staging_dir",
 ]
 
@@ -77,8 +100,20 @@ FAILURES_CSV = "failures.csv"
 DONE_DIR = ".done"
 STAGING_DIR = ".staging"
 EXIT_ALL_WRITTEN, EXIT_NONE_WRITTEN, EXIT_SOME_FAILED = 0, 1, 2
-#: where a case can fail: its header check, its reading, the other preprocessing, the model, writing its outputs
+#: where a case can fail: its input check, its reading, the other preprocessing, the model, writing its outputs
 STAGES = ("check", "read", "transform", "model", "write")
+#: the entry key of a case's own problems (a list of lines, e.g. a cohort CSV row with a bad cell): the case fails its
+#: check and the others run
+PROBLEMS_KEY = "case_problems"
+#: the item key where :class:`CaseDataset` puts the fingerprint of the case's inputs (JSON text)
+INPUTS_KEY = "case_inputs"
+#: entry keys that are bookkeeping, not inputs: the case id and a table's row number
+_NOT_INPUTS = ("case_id", "row", PROBLEMS_KEY, INPUTS_KEY)
+#: the longest output name stem: a file name is at most 255 bytes on common file systems, with room for a postfix
+MAX_STEM_BYTES = 200
+#: errors of the file system that the next writes would meet too: the run stops instead of failing every case
+_DISK_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EFBIG, errno.EACCES, errno.EPERM})
+_ERRNO_TEXT = re.compile(r"\[Errno (\d+)\] ([^\n'\"]*)")
 _FAILURE_KEY = "__case_failure__"
 _READERS = (LoadImage, LoadImaged)
 
@@ -139,44 +174,242 @@ def _reason(exc: BaseException) -> str:
     return message if isinstance(exc, UserError) else f"{type(exc).__name__}: {message}"
 
 
-def _stage_of_write(exc: BaseException, default: str) -> str:
-    """``write`` when the file system refused something, else ``default``."""
-    return "write" if os_error_in_chain(exc) is not None else default
+def _written_error(exc: BaseException) -> OSError | None:
+    """The ``OSError`` of a refused write behind ``exc``: in its chain, or - MONAI's ``SaveImage`` raises a
+    ``RuntimeError`` holding its writers' tracebacks as text - named in its message."""
+    found = os_error_in_chain(exc)
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while found is None and current is not None and id(current) not in seen:
+        seen.add(id(current))
+        match = _ERRNO_TEXT.search(str(current))
+        found = OSError(int(match.group(1)), match.group(2).strip()) if match else None
+        current = current.__cause__ or current.__context__
+    return found
+
+
+def _write_reason(error: OSError) -> str:
+    """The reason of a ``write`` failure: what the refused write means (``the disk is full (No space left on
+    device)``), whatever the writer wrapped it in."""
+    return f"OSError: [Errno {error.errno}] {describe_write_error(error)}"
+
+
+def _is_disk_error(error: OSError | None) -> bool:
+    return error is not None and error.errno in _DISK_ERRNOS
+
+
+# -- the fingerprint of a case's inputs --------------------------------------------------------------------------------
+
+
+def _data_files(path: str) -> list[str]:
+    """The data files a header file names (MetaImage ``ElementDataFile``, NRRD ``data file``, an Analyze ``.img``),
+    which a reader of ``path`` reads too."""
+    lower = path.lower()
+    folder = os.path.dirname(path)
+    if lower.endswith(".hdr"):
+        return [p for p in (path[:-4] + ".img", path[:-4] + ".img.gz") if os.path.isfile(p)]
+    if not lower.endswith((".mhd", ".nhdr")):
+        return []
+    try:
+        with open(path, encoding="latin-1") as handle:
+            header = handle.read(1 << 16)
+    except OSError:
+        return []
+    found = re.search(r"^(?:ElementDataFile\s*=|data file\s*:)\s*(.+?)\s*$", header, re.MULTILINE | re.IGNORECASE)
+    if not found or found.group(1).upper() in ("LOCAL", "LIST"):
+        return []
+    data = os.path.join(folder, found.group(1))
+    return [data] if os.path.isfile(data) else []
+
+
+def _files_of(value: Any) -> list[str] | None:
+    """The files an input value makes a reader read (a folder - a DICOM series -: its files; a header: its data
+    files too), or ``None`` when ``value`` names no file."""
+    if isinstance(value, (list, tuple)) and value and all(isinstance(v, (str, os.PathLike)) for v in value):
+        return [os.fspath(v) for v in value]
+    if not isinstance(value, (str, os.PathLike)):
+        return None
+    path = os.path.expanduser(os.fspath(value))
+    if os.path.isdir(path):
+        names = sorted(n for n in os.listdir(path) if not n.startswith("."))
+        return [os.path.join(path, n) for n in names if os.path.isfile(os.path.join(path, n))]
+    return [path, *_data_files(path)]
+
+
+def _sha256(path: str) -> str:
+    sha = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for block in iter(lambda: handle.read(1 << 22), b""):
+            sha.update(block)
+    return sha.hexdigest()
+
+
+def _file_print(path: str) -> dict[str, Any]:
+    try:
+        stat = os.stat(path)
+    except OSError:
+        return {"path": path, "missing": True}
+    return {"path": path, "size": stat.st_size, "mtime_ns": stat.st_mtime_ns, "sha256": _sha256(path)}
+
+
+def _row_values(entry: Mapping[str, Any], keys: Sequence[str]) -> dict[str, Any]:
+    return {str(k): v for k, v in entry.items() if k not in keys and k not in _NOT_INPUTS}
+
+
+def input_fingerprint(entry: Mapping[str, Any], keys: Sequence[str]) -> dict[str, Any]:
+    """What a case's output is made from besides the weights and settings: for every file it reads (the files under
+    ``keys``: a file, a header's data file, every file of a DICOM series) its path, size, modification time
+    (nanoseconds) and sha256; and the hash of the entry's other values (a cohort CSV row's covariates, time and
+    event), the case id and row number left out.
+
+    Args:
+        entry: the case's entry.
+        keys: the entry keys holding its input files.
+    """
+    files = {key: [_file_print(p) for p in listed] for key in keys if (listed := _files_of(entry.get(key)))}
+    return {"files": files, "values": _digest(_row_values(entry, keys), files=False)}
+
+
+def _same_file(path: str, recorded: Mapping[str, Any]) -> bool:
+    """Whether ``path`` holds the bytes ``recorded`` (:func:`input_fingerprint`) describes: the same path, size and
+    modification time (the fast path), else the same sha256."""
+    try:
+        stat = os.stat(path)
+    except OSError:
+        return False
+    if recorded.get("missing") or stat.st_size != recorded.get("size"):
+        return False
+    if path == recorded.get("path") and stat.st_mtime_ns == recorded.get("mtime_ns"):
+        return True
+    return _sha256(path) == recorded.get("sha256")
+
+
+def _same_inputs(recorded: Any, entry: Mapping[str, Any], keys: Sequence[str]) -> bool:
+    """Whether the inputs of ``entry`` are those its record's fingerprint describes."""
+    if not isinstance(recorded, Mapping) or recorded.get("values") != _digest(_row_values(entry, keys), files=False):
+        return False
+    current = {key: listed for key in keys if (listed := _files_of(entry.get(key)))}
+    files = recorded.get("files") or {}
+    if set(current) != set(files):
+        return False
+    return all(
+        len(current[key]) == len(files[key]) and all(_same_file(p, r) for p, r in zip(current[key], files[key]))
+        for key in current
+    )
+
+
+def _changed_while_read(fingerprint: Mapping[str, Any]) -> str | None:
+    """The first input file whose size or modification time differs from ``fingerprint`` now, or ``None``."""
+    for prints in fingerprint["files"].values():
+        for recorded in prints:
+            try:
+                stat = os.stat(recorded["path"])
+            except OSError:
+                return recorded["path"]
+            if (stat.st_size, stat.st_mtime_ns) != (recorded.get("size"), recorded.get("mtime_ns")):
+                return recorded["path"]
+    return None
+
+
+def _non_finite_problem(item: Mapping[str, Any], keys: Sequence[str]) -> str | None:
+    """A problem line when a volume read under ``keys`` holds NaN or infinite voxels (training's preflight refuses
+    them too: no output made from them would mean anything)."""
+    for key in keys:
+        value = item.get(key)
+        if not isinstance(value, torch.Tensor) or not value.is_floating_point():
+            continue
+        nan = int(torch.isnan(value).sum())
+        inf = int(torch.isinf(value).sum())
+        if nan or inf:
+            return (
+                f"{key!r} holds {nan} NaN and {inf} infinite voxel(s) of {value.numel()}: not a valid volume "
+                "(the output would be meaningless)"
+            )
+    return None
+
+
+def _series_problems(entry: Mapping[str, Any], keys: Sequence[str], allow_irregular: bool) -> list[str]:
+    """The geometry problems of the DICOM series among the inputs (missing, duplicate or unevenly spaced slices,
+    mixed series: :func:`common.data.dicom.series_problems`)."""
+    from common.data.dicom import is_dicom_input, series_files, series_problems
+
+    problems = []
+    for key in keys:
+        value = entry.get(key)
+        if value is not None and not isinstance(value, (int, float)) and is_dicom_input(value):
+            problems += series_problems(series_files(value), allow_irregular=allow_irregular)
+    return problems
 
 
 class CaseDataset(MonaiDataset):
-    """A ``monai.data.Dataset`` whose item is a failure record instead of an exception when reading or preprocessing
-    a case fails; the steps of ``transform`` run one by one, so the record names the stage (``read`` for a loader:
-    ``LoadImage(d)``, or a transform with ``reads_files = True``; else ``transform``) and the innermost reason.
-    Every item carries its ``case_id`` (:func:`case_id_of`).
+    """A ``monai.data.Dataset`` whose item is a failure record instead of an exception when screening, reading or
+    preprocessing a case fails; the steps of ``transform`` run one by one, so the record names the stage and the
+    innermost reason:
+
+    - ``check``: a DICOM series among the inputs is not a regular volume (missing, duplicate or unevenly spaced
+      slices, mixed series; ``allow_irregular_series`` accepts uneven spacing and missing slices), or a volume
+      just read holds NaN or infinite voxels;
+    - ``read``: a loader (``LoadImage(d)``, or a transform with ``reads_files = True``) failed, or an input file
+      changed while it was read;
+    - ``transform``: another step failed.
+
+    Every item carries its ``case_id`` (:func:`case_id_of`) and, under :data:`INPUTS_KEY`, the fingerprint of the
+    inputs it was made from (:func:`input_fingerprint`, taken before reading; JSON text).
 
     Args:
         data: the entries (dicts).
         transform: the preprocessing (a ``Compose`` or one transform), or ``None``.
-        keys: the entry keys holding the input files (case ids and the ``input`` column of ``failures.csv``).
+        keys: the entry keys holding the input files (case ids, fingerprints and the ``input`` column of
+            ``failures.csv``).
+        allow_irregular_series: accept DICOM series with missing slices or uneven spacing (read as ITK reads them:
+            with the spacing of their first slices).
     """
 
-    def __init__(self, data: Sequence, transform: Callable | None = None, keys: Sequence[str] = ("image",)) -> None:
+    def __init__(
+        self,
+        data: Sequence,
+        transform: Callable | None = None,
+        keys: Sequence[str] = ("image",),
+        allow_irregular_series: bool = False,
+    ) -> None:
         super().__init__(data=data, transform=transform)
         self.keys = [keys] if isinstance(keys, str) else list(keys)
+        self.allow_irregular_series = bool(allow_irregular_series)
 
     def _transform(self, index: int) -> Any:
         entry = self.data[index]
         case = case_id_of(entry, self.keys)
+
+        def failed(stage: str, reason: str) -> dict[str, CaseFailure]:
+            return {_FAILURE_KEY: CaseFailure(case, _input_of(entry, self.keys), stage, reason)}
+
+        try:
+            problems = _series_problems(entry, self.keys, self.allow_irregular_series)
+        except Exception as exc:  # noqa: BLE001 - the case fails, the run goes on
+            return failed("check", _reason(exc))
+        if problems:
+            return failed("check", "; ".join(problems))
+        fingerprint = input_fingerprint(entry, self.keys)
         steps = self.transform.flatten().transforms if isinstance(self.transform, Compose) else [self.transform]
         options = {}
         if isinstance(self.transform, Compose):
             options = {"map_items": self.transform.map_items, "unpack_items": self.transform.unpack_items}
         item = dict(entry)
         for step in steps if self.transform is not None else []:
+            reads = isinstance(step, _READERS) or getattr(step, "reads_files", False)
             try:
                 item = apply_transform(step, item, **options)
             except Exception as exc:  # noqa: BLE001 - the case fails, the run goes on
-                reads = isinstance(step, _READERS) or getattr(step, "reads_files", False)
-                stage = _stage_of_write(exc, "read") if reads else "transform"
-                return {_FAILURE_KEY: CaseFailure(case, _input_of(entry, self.keys), stage, _reason(exc))}
+                return failed("read" if reads else "transform", _reason(exc))
+            problem = _non_finite_problem(item, self.keys) if reads and isinstance(item, Mapping) else None
+            if problem:
+                return failed("check", problem)
+        changed = _changed_while_read(fingerprint)
+        if changed is not None:
+            return failed("read", f"{changed} changed while it was read; run again to read its new content")
         if isinstance(item, dict):
             item.setdefault("case_id", case)
+            item[INPUTS_KEY] = json.dumps(fingerprint, sort_keys=True)
         return item
 
 
@@ -190,7 +423,8 @@ def case_collate(items: Sequence[Any]) -> tuple[Any, list[CaseFailure]]:
 class CaseLoader(ThreadDataLoader):
     """A ``monai.data.ThreadDataLoader`` (the next batch is read in a background thread, with ``num_workers``
     processes under it when set) of a :class:`CaseDataset` whose failed cases go to ``cases``
-    (:meth:`CaseRun.fail`); a batch whose cases all failed is not yielded.
+    (:meth:`CaseRun.fail`); a batch whose cases all failed is not yielded, and nothing more is once the run is
+    stopping (``fail_fast``, a full disk).
 
     Args:
         dataset: a :class:`CaseDataset`.
@@ -209,6 +443,8 @@ class CaseLoader(ThreadDataLoader):
         for batch, failed in super().__iter__():
             for failure in failed:
                 self.cases.fail(failure)
+            if self.cases.stopping is not None:
+                return
             if batch is not None:
                 yield batch
 
@@ -219,35 +455,75 @@ def staging_dir(output_dir: str | os.PathLike) -> str:
     return os.path.join(os.fspath(output_dir), STAGING_DIR, f"rank{get_rank()}")
 
 
-def _digest(value: Any) -> str:
-    """A short hash of ``value`` (JSON), in which a path of an existing file stands for the hash of its bytes: the
-    identity of the weights and settings that made a run's outputs."""
+def _digest(value: Any, files: bool = True) -> str:
+    """A short hash of ``value`` (JSON), in which, with ``files``, a path of an existing file stands for the hash of
+    its bytes: the identity of the weights and settings that made a run's outputs."""
 
     def plain(v: Any) -> Any:
         if isinstance(v, Mapping):
             return {str(k): plain(x) for k, x in v.items()}
         if isinstance(v, (list, tuple)):
             return [plain(x) for x in v]
-        if isinstance(v, (str, os.PathLike)) and os.path.isfile(v):
-            sha = hashlib.sha256()
-            with open(v, "rb") as handle:
-                for block in iter(lambda: handle.read(1 << 22), b""):
-                    sha.update(block)
-            return "sha256:" + sha.hexdigest()
+        if isinstance(v, torch.Tensor):
+            return v.tolist()
+        if files and isinstance(v, (str, os.PathLike)) and os.path.isfile(v):
+            return "sha256:" + _sha256(os.fspath(v))
         return v if isinstance(v, (int, float, bool, type(None))) else str(v)
 
     text = json.dumps(plain(value), sort_keys=True)
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
+def _writable(folder: Path) -> None:
+    """Make ``folder`` and check that it takes a file (written, synced and removed).
+
+    Raises:
+        OutputWriteError: naming the folder and the cause (a read-only file system, no permission, a full disk).
+    """
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        handle, probe = tempfile.mkstemp(prefix=".write-check.", dir=folder)
+        try:
+            os.write(handle, b"\0" * 4096)
+            os.fsync(handle)
+        finally:
+            os.close(handle)
+            os.unlink(probe)
+    except OSError as error:
+        raise OutputWriteError(
+            error.errno,
+            f"the prediction folder {str(folder)!r} is not writable: {describe_write_error(error)}; no case was run",
+        ) from error
+
+
+def _case_insensitive(folder: Path) -> bool:
+    """Whether the file system of ``folder`` (which exists) treats names differing in case as one."""
+    handle, probe = tempfile.mkstemp(prefix=".Case-Check.", dir=folder)
+    os.close(handle)
+    try:
+        return os.path.exists(os.path.join(folder, os.path.basename(probe).lower()))
+    finally:
+        os.unlink(probe)
+
+
 class CaseRun:
     """The bookkeeping of one inference run over a cohort (see the module's description).
+
+    A case counts as written, or is skipped as already written, only when its record (``.done/<case>.json``) lists
+    its files, they are all there, the record's identity is this run's (the weights by content, the settings, the
+    device type and, on the CPU, the number of threads: they change the output's last bits) and its inputs are
+    those the record fingerprinted (:func:`input_fingerprint`: the same size and modification time, else the same
+    sha256; a CSV row's values). Any other case is redone, with one warning line counting the cases and saying why;
+    a case that fails loses its earlier record and files, so the folder never holds a result it no longer vouches
+    for. Two cases never share a file: names are the cases' :func:`common.data.pipeline.output_stem`, and stems that
+    only differ in case are refused on a file system that does not tell them apart.
 
     Args:
         output_dir: the predictions folder (``failures.csv``, the ``.done`` records and the staging folder in it).
         keys: the entry keys holding a case's input files.
         check: ``entries -> one list of problems per entry``, run on this rank's cases before any is processed
-            (e.g. :func:`common.data.preflight.screen_entries` as a partial); ``None`` checks nothing.
+            (e.g. :func:`common.data.preflight.screen_entries` as a partial); ``None`` checks nothing. An entry's own
+            :data:`PROBLEMS_KEY` problems fail it too.
         fail_fast: stop at the first problem (a check lists all of them first) with ``error: ...``, exit status 1.
         overwrite: redo the cases already written.
         identity: what makes the outputs (weights paths - hashed by content -, settings): a case written under
@@ -259,6 +535,12 @@ class CaseRun:
             cohort's table).
         progress: show a progress bar on an interactive rank 0 (a log line per ``log_every_s`` elsewhere).
         log_every_s: seconds between progress log lines when there is no bar.
+        product: what the run makes when one folder may hold several products of the same cases (an autoencoder's
+            ``reconstruct`` and ``encode``): their records are kept apart, in ``.done/<product>/``.
+        device: the device the model runs on: its type is part of the identity (and the thread count on the CPU).
+        windows: objects whose ``sw_batch_size`` the out-of-memory back-off may halve (sliding-window inferers,
+            samplers; ``None`` entries are skipped): a case made with fewer windows per batch than configured says so
+            in its record (``effective``).
     """
 
     def __init__(
@@ -273,6 +555,9 @@ class CaseRun:
         merge: Callable[[list[dict]], Any] | None = None,
         progress: bool = True,
         log_every_s: float = 60.0,
+        product: str | None = None,
+        device: str | torch.device | None = None,
+        windows: Sequence[Any] = (),
     ) -> None:
         for name, flag in (("fail_fast", fail_fast), ("overwrite", overwrite), ("progress", progress)):
             if not isinstance(flag, bool):
@@ -282,7 +567,11 @@ class CaseRun:
         self.check, self.values, self.merge = check, values, merge
         self.fail_fast, self.overwrite, self.progress = fail_fast, overwrite, progress
         self.log_every_s = float(log_every_s)
-        self.identity = _digest(identity)
+        self.settings_digest = _digest(identity)  # the weights are hashed once
+        self.device_type = torch.device(device).type if device is not None else None
+        self.windows = [w for w in windows if w is not None]
+        self.done_dir = self.output_dir / DONE_DIR / product if product else self.output_dir / DONE_DIR
+        self.identity = self._identity()
         self.rank, self.world = get_rank(), get_world_size()
         if self.world > 1 and not (dist.is_available() and dist.is_initialized()):
             raise UserError(
@@ -293,33 +582,68 @@ class CaseRun:
         self.order: dict[str, int] = {}
         self.inputs: dict[str, str] = {}
         self.failures: list[CaseFailure] = []
-        self.written = self.skipped = self.total = 0
+        self.written = self.skipped = self.total = self.ran = 0
         self.elapsed = 0.0  # seconds from the first case read to the end of the evaluator's run
         self.exit_code = EXIT_ALL_WRITTEN  # the process's exit status after :meth:`finish` (rank 0 carries it)
+        # why the run stops before its last case: fail_fast, a full disk, Ctrl-C (a KeyboardInterrupt)
+        self.stopping: BaseException | None = None
+        self._windows_configured: list[int] = []
+        self._engine: Engine | None = None
+        self._sigint: Any = None  # the SIGINT handler to put back after the run
         self._bar: Any = None
         self._started = self._last_log = time.monotonic()
 
-    # -- choosing the cases ------------------------------------------------------------------------------------------
+    def _identity(self) -> str:
+        """The hash of the weights, settings and runtime that make the outputs (see the class description)."""
+        runtime: dict[str, Any] = {}
+        if self.device_type is not None:
+            runtime["device"] = self.device_type
+            if self.device_type == "cpu":
+                runtime["threads"] = torch.get_num_threads()
+        return _digest([self.settings_digest, runtime]) if runtime else self.settings_digest
+
+    # -- records -----------------------------------------------------------------------------------------------------
 
     def _record_path(self, case: str) -> Path:
-        return self.output_dir / DONE_DIR / f"{urllib.parse.quote(case, safe='')}.json"
+        return self.done_dir / f"{urllib.parse.quote(case, safe='')}.json"
 
-    def _is_done(self, case: str) -> tuple[bool, bool]:
-        """``(done, stale)``: the record exists with all its files, made with this run's identity or not."""
+    def _record(self, case: str) -> dict | None:
         try:
             record = json.loads(self._record_path(case).read_text())
         except (OSError, ValueError):
-            return False, False
-        complete = all((self.output_dir / name).is_file() for name in record.get("outputs", []))
-        same = record.get("identity") == self.identity
-        return complete and same, complete and not same
+            return None
+        return record if isinstance(record, dict) else None
+
+    def _state(self, case: str, entry: Mapping[str, Any]) -> str:
+        """``done``, or why the case is to be done: ``new`` (no complete record), ``settings`` (other weights or
+        settings), ``inputs`` (its inputs changed since)."""
+        record = self._record(case)
+        if record is None or not all((self.output_dir / n).is_file() for n in record.get("outputs", [])):
+            return "new"
+        if record.get("identity") != self.identity:
+            return "settings"
+        return "done" if _same_inputs(record.get("inputs"), entry, self.keys) else "inputs"
+
+    def _forget(self, case: str) -> None:
+        """Remove the record of ``case`` and the files it lists (a case about to be rewritten, or that failed)."""
+        record = self._record(case)
+        if record is None:
+            return
+        self._record_path(case).unlink(missing_ok=True)
+        for name in record.get("outputs", []):
+            if name and os.path.basename(name) == name:
+                (self.output_dir / name).unlink(missing_ok=True)
+
+    # -- choosing the cases ------------------------------------------------------------------------------------------
 
     def select(self, items: Sequence[Mapping[str, Any]]) -> list[dict]:
         """This rank's cases of ``items`` still to do, after their check; see the class description.
 
         Raises:
-            UserError: for two cases with one id (their outputs would overwrite each other), or, with
-                ``fail_fast``, for the problems of the check (all listed).
+            UserError: for two cases with one id (their outputs would overwrite each other), or with output names
+                that only differ in case on a file system that does not tell them apart, or, with ``fail_fast``,
+                for the problems of the check (all listed).
+            OutputWriteError: when the prediction folder does not take files (nothing is run).
         """
         items = [dict(item) for item in items]
         ids = [case_id_of(item, self.keys) for item in items]
@@ -331,67 +655,124 @@ class CaseRun:
             )
         self.order = {case: i for i, case in enumerate(ids)}
         self.inputs = {case: _input_of(item, self.keys) for case, item in zip(ids, items)}
-        shutil.rmtree(self.staging_dir, ignore_errors=True)  # what a killed run left half-written
-        done: list[str] = []
-        if not self.overwrite:
-            if self.rank == 0:
-                states = [self._is_done(case) for case in ids]
-                done = [case for case, (ok, _) in zip(ids, states) if ok]
-                stale = sum(s for _, s in states)
-                if stale:
-                    logger.warning(
-                        f"{stale} case(s) in {self.output_dir} were written by other weights or settings: redone."
-                    )
-            if self.world > 1:  # one view of what is done, before any rank writes
-                box = [done]
-                dist.broadcast_object_list(box, src=0)
-                done = box[0]
+        self.identity = self._identity()  # the thread count the run's set-up chose
+        self._windows_configured = [int(w.sw_batch_size) for w in self.windows]
+        done = self._done(ids, items)
         finished = set(done)
         self.skipped = len(finished)
         remaining = [(case, item) for case, item in zip(ids, items) if case not in finished]
         mine = remaining[self.rank :: self.world]
         self.total = len(mine)
+        bad = self._problems(mine)  # with fail_fast they stop the run here, before anything is written
+        for folder in (self.output_dir, self.done_dir) if self.rank == 0 else ():
+            _writable(folder)
+        shutil.rmtree(self.staging_dir, ignore_errors=True)  # what a killed run left half-written
+        _writable(Path(self.staging_dir))
+        self._refuse_names_one_file_system_merges(ids)
         if self.rank == 0:
             share = f", {self.total} on this rank of {self.world}" if self.world > 1 else ""
             skip = f"; {self.skipped} already written, skipped (--overwrite True redoes them)" if self.skipped else ""
             logger.info(f"{len(items)} case(s){skip}: {len(remaining)} to do{share}.")
-        return self._checked(mine)
+        return self._without_failed(mine, bad)
 
-    def _checked(self, mine: list[tuple[str, dict]]) -> list[dict]:
-        if self.check is None or not mine:
-            return [dict(item, case_id=case) for case, item in mine]
-        problems = self.check([item for _, item in mine])
-        bad = [(case, p) for (case, _), p in zip(mine, problems) if p]
+    def _refuse_names_one_file_system_merges(self, ids: list[str]) -> None:
+        folded: dict[str, list[str]] = collections.defaultdict(list)
+        for case in ids:
+            folded[output_stem(case).casefold()].append(case)
+        clashes = [cases for cases in folded.values() if len(cases) > 1]
+        if clashes and self.rank == 0 and _case_insensitive(self.output_dir):
+            listed = "; ".join(" / ".join(cases) for cases in clashes[:5])
+            raise UserError(
+                f"{len(clashes)} group(s) of case ids differ only in upper/lower case ({listed}), and the file system "
+                f"of {str(self.output_dir)!r} does not tell such file names apart: their outputs would overwrite each "
+                "other. Give them distinct case ids, or use a case-sensitive prediction folder."
+            )
+
+    def _done(self, ids: list[str], items: list[dict]) -> list[str]:
+        """The cases already written (rank 0 decides, the others are told), with one warning line per reason the
+        others are redone."""
+        done: list[str] = []
+        if self.overwrite:
+            return done
+        if self.rank == 0:
+            states = [self._state(case, item) for case, item in zip(ids, items)]
+            done = [case for case, state in zip(ids, states) if state == "done"]
+            reasons = {
+                "settings": "were written by other weights or settings",
+                "inputs": "were written from inputs that have changed since (a file's content, or a CSV row's values)",
+            }
+            for state, why in reasons.items():
+                cases = [case for case, s in zip(ids, states) if s == state]
+                if cases:
+                    listed = ", ".join(cases[:5]) + (", ..." if len(cases) > 5 else "")
+                    logger.warning(f"{len(cases)} case(s) in {self.output_dir} {why}: redone ({listed}).")
+        if self.world > 1:  # one view of what is done, before any rank writes
+            box = [done]
+            dist.broadcast_object_list(box, src=0)
+            done = box[0]
+        return done
+
+    def _problems(self, mine: list[tuple[str, dict]]) -> dict[str, list[str]]:
+        """The problems of the cases ``mine`` found before any runs: the check's, the entries' own
+        (:data:`PROBLEMS_KEY`) and case ids too long for a file name.
+
+        Raises:
+            PreflightError: with ``fail_fast``, listing every problem.
+        """
+        problems = self.check([item for _, item in mine]) if self.check is not None and mine else [[] for _ in mine]
+        bad = {}
+        for (case, item), found in zip(mine, problems):
+            found = [*(item.get(PROBLEMS_KEY) or []), *found]
+            if len(output_stem(case).encode()) > MAX_STEM_BYTES:
+                found.append(f"the case id is longer than a file name may be ({MAX_STEM_BYTES} bytes)")
+            if found:
+                bad[case] = found
+        if bad and self.fail_fast:
+            from common.data.preflight import PreflightError
+
+            raise PreflightError(
+                [f"case {case} ({self.inputs[case]}): {'; '.join(p)}" for case, p in bad.items()],
+                "the inference inputs",
+            )
+        return bad
+
+    def _without_failed(self, mine: list[tuple[str, dict]], bad: dict[str, list[str]]) -> list[dict]:
+        """The cases of ``mine`` without problems; the others become ``check`` failures (their earlier records and
+        files removed), with one warning listing them."""
         if bad:
-            lines = [f"case {case} ({self.inputs[case]}): {'; '.join(p)}" for case, p in bad]
-            if self.fail_fast:
-                from common.data.preflight import PreflightError
-
-                raise PreflightError(lines, "the inference inputs")
+            lines = [f"case {case} ({self.inputs[case]}): {'; '.join(p)}" for case, p in bad.items()]
             logger.warning(
                 f"{len(bad)} of {len(mine)} case(s) fail the input check and are skipped (see "
                 f"{self.output_dir / FAILURES_CSV}):\n" + "\n".join(f"  {line}" for line in lines)
             )
-            for case, p in bad:
+            for case, p in bad.items():
+                self._forget(case)
                 self.failures.append(CaseFailure(case, self.inputs[case], "check", "; ".join(p)))
                 self._tick()
-        failed = {case for case, _ in bad}
-        return [dict(item, case_id=case) for case, item in mine if case not in failed]
+        return [dict(item, case_id=case) for case, item in mine if case not in bad]
 
     # -- running them ------------------------------------------------------------------------------------------------
 
     def fail(self, failure: CaseFailure) -> None:
-        """Record a failed case (one console line), or raise it with ``fail_fast``.
-
-        Raises:
-            CaseFailedError: with ``fail_fast``.
-        """
+        """Record a failed case (one console line; its earlier record and files are removed); with ``fail_fast``
+        the run stops (:meth:`finish` raises :class:`CaseFailedError`)."""
         self._discard_staged()
-        if self.fail_fast:
-            raise CaseFailedError(failure.line())
+        self._forget(failure.case_id)
         self.failures.append(failure)
+        if failure.stage != "check":
+            self.ran += 1
+        if self.fail_fast:
+            self._stop(CaseFailedError(failure.line()))
+            return
         logger.warning(failure.line())
         self._tick()
+
+    def _stop(self, error: BaseException) -> None:
+        """Stop after this iteration (the loader yields nothing more); :meth:`finish` raises ``error``."""
+        if self.stopping is None:
+            self.stopping = error
+        if self._engine is not None:
+            self._engine.terminate()
 
     def attach(self, engine: Engine) -> None:
         """Guard ``engine``'s iteration (see the class description); its epoch ends when the loader runs out, since
@@ -404,18 +785,42 @@ class CaseRun:
             return self._run_batch(process, engine, batch)
 
         engine._process_function = guarded
+        self._engine = engine
         engine.add_event_handler(Events.EPOCH_STARTED, self._epoch_started)
         engine.add_event_handler(Events.COMPLETED, self._completed)
+        engine.add_event_handler(Events.TERMINATE, self._completed)
 
     def _epoch_started(self, engine: Engine) -> None:
         engine.state.epoch_length = None  # ends when the loader runs out
         self._started = self._last_log = time.monotonic()
+        self._catch_interrupts()
 
     def _completed(self, engine: Engine) -> None:
         self.elapsed = time.monotonic() - self._started
         self._close_bar()
+        self._release_interrupts()
 
-    def _run_batch(self, process: Callable, engine: Engine, batch: Any) -> Any:
+    def _catch_interrupts(self) -> None:
+        """While the cases run, a first Ctrl-C (SIGINT) lets the case being processed finish and stops the run
+        (:meth:`finish` then raises ``KeyboardInterrupt``: exit status 130 on the command line); a second one stops
+        at once, as it would without this handler. Only the main thread can set a signal handler."""
+        if threading.current_thread() is not threading.main_thread() or self._sigint is not None:
+            return
+        self._sigint = signal.getsignal(signal.SIGINT)
+
+        def interrupted(signum: int, frame: Any) -> None:
+            self._release_interrupts()
+            logger.warning("interrupted: the run stops after the case being processed (Ctrl-C again stops at once).")
+            self._stop(KeyboardInterrupt("interrupted by Ctrl-C"))
+
+        signal.signal(signal.SIGINT, interrupted)
+
+    def _release_interrupts(self) -> None:
+        if self._sigint is not None and threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGINT, self._sigint)
+            self._sigint = None
+
+    def _run_batch(self, process: Callable, engine: Engine, batch: Any, alone: bool = False) -> Any:
         ids = [str(c) for c in (batch.get("case_id") or [])] if isinstance(batch, Mapping) else []
         try:
             output = process(engine, batch)
@@ -424,51 +829,110 @@ class CaseRun:
             self._discard_staged()
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
-            if len(ids) == 1 or self.fail_fast:
+            refused = _written_error(exc)
+            if len(ids) == 1 or self.fail_fast or _is_disk_error(refused):
                 case = ids[0] if ids else "?"
-                failure = CaseFailure(case, self.inputs.get(case, ""), _stage_of_write(exc, "model"), _reason(exc))
-                if self.fail_fast:
-                    raise CaseFailedError(failure.line()) from exc
-                self.fail(failure)
+                stage, reason = ("model", _reason(exc)) if refused is None else ("write", _write_reason(refused))
+                self.fail(CaseFailure(case, self.inputs.get(case, ""), stage, reason))
+                if _is_disk_error(refused):
+                    self._stop_for_disk(case, refused)
                 return None
         else:
-            self._commit(ids, values)
+            self._commit(ids, values, batch, alone)
             return output
         # several cases: redone one by one (outside the handler's context), so only the culprit fails
         output = None
         for single in decollate_batch(batch, detach=False):
-            output = self._run_batch(process, engine, list_data_collate([single])) or output
+            if self.stopping is not None:
+                break
+            output = self._run_batch(process, engine, list_data_collate([single]), alone=True) or output
         return output
+
+    def _stop_for_disk(self, case: str, error: OSError) -> None:
+        self._stop(
+            OutputWriteError(
+                error.errno,
+                f"could not write the outputs of case {case} into {str(self.output_dir)!r}: "
+                f"{describe_write_error(error)}. The run stopped; what is written is complete. Free space (or make "
+                "the folder writable) and run the same command again to go on.",
+            )
+        )
 
     def _discard_staged(self) -> None:
         shutil.rmtree(self.staging_dir, ignore_errors=True)
 
-    def _commit(self, ids: list[str], values: list[dict]) -> None:
-        """Move the staged files of the cases ``ids`` into ``output_dir`` and write their records."""
+    def _effective(self, ids: list[str], alone: bool) -> dict[str, Any]:
+        """What this case was made with besides the configured settings: fewer windows per batch after an
+        out-of-memory back-off; one case per batch after its batch was redone case by case; the cases it shared a
+        batch with (kernels are chosen by batch size: its last bits may differ from those of a case run alone)."""
+        effective: dict[str, Any] = {}
+        current = [int(w.sw_batch_size) for w in self.windows]
+        if current != self._windows_configured:
+            effective["sw_batch_size"] = current
+        if alone:
+            effective["batch_size"] = 1
+        if len(ids) > 1:
+            effective["batch"] = list(ids)
+        return effective
+
+    def _owners(self, ids: list[str]) -> dict[str, list[str]]:
+        """The staged files of each case of ``ids`` (named after its :func:`common.data.pipeline.output_stem`)."""
         staged = sorted(os.listdir(self.staging_dir)) if os.path.isdir(self.staging_dir) else []
+        stems = {case: output_stem(case) for case in ids}
         owner: dict[str, list[str]] = {case: [] for case in ids}
         for name in staged:
-            matches = [c for c in ids if len(ids) == 1 or name.startswith(f"{c}_") or name.startswith(f"{c}.")]
+            if not os.path.isfile(os.path.join(self.staging_dir, name)):
+                raise RuntimeError(f"{name!r} in {self.staging_dir} is not a file: writers write one flat folder.")
+            matches = [c for c in ids if name.startswith(f"{stems[c]}_") or name.startswith(f"{stems[c]}.")]
+            if not matches and len(ids) == 1:
+                matches = ids
             if not matches:
                 raise RuntimeError(f"{name!r} in {self.staging_dir} is named after none of the cases {ids}.")
-            owner[max(matches, key=len)].append(name)
-        self.output_dir.mkdir(parents=True, exist_ok=True)
-        for case, record_values in zip(ids, values):
-            for name in owner[case]:
-                source = os.path.join(self.staging_dir, name)
-                with open(source, "rb") as handle:  # the bytes reach the disk before the name does
-                    os.fsync(handle.fileno())
-                os.replace(source, self.output_dir / name)
-            record = {
-                "case_id": case,
-                "input": self.inputs.get(case, ""),
-                "outputs": owner[case],
-                "identity": self.identity,
-                "values": record_values,
-            }
-            write_text_atomic(self._record_path(case), json.dumps(record, sort_keys=True, indent=1) + "\n")
+            owner[max(matches, key=lambda c: len(stems[c]))].append(name)
+        return owner
+
+    def _commit(self, ids: list[str], values: list[dict], batch: Any, alone: bool) -> None:
+        """Move the staged files of the cases ``ids`` into ``output_dir`` and write their records; a refused write
+        removes what this case moved and stops the run."""
+        owner = self._owners(ids)
+        prints = batch.get(INPUTS_KEY) if isinstance(batch, Mapping) else None
+        for i, (case, record_values) in enumerate(zip(ids, values)):
+            if self.stopping is not None:
+                break
+            moved: list[Path] = []
+            try:
+                self._forget(case)
+                for name in owner[case]:
+                    source = os.path.join(self.staging_dir, name)
+                    with open(source, "rb") as handle:  # the bytes reach the disk before the name does
+                        os.fsync(handle.fileno())
+                    os.replace(source, self.output_dir / name)
+                    moved.append(self.output_dir / name)
+                record = {
+                    "case_id": case,
+                    "input": self.inputs.get(case, ""),
+                    "outputs": owner[case],
+                    "identity": self.identity,
+                    "inputs": json.loads(prints[i]) if prints is not None else None,
+                    "values": record_values,
+                }
+                effective = self._effective(ids, alone)
+                if effective:
+                    record["effective"] = effective
+                write_text_atomic(self._record_path(case), json.dumps(record, sort_keys=True, indent=1) + "\n")
+            except OSError as exc:
+                for path in moved:
+                    path.unlink(missing_ok=True)
+                error = _written_error(exc)
+                reason = _reason(exc) if error is None else _write_reason(error)
+                self.fail(CaseFailure(case, self.inputs.get(case, ""), "write", reason))
+                if _is_disk_error(error):
+                    self._stop_for_disk(case, error)
+                continue
             self.written += 1
+            self.ran += 1
             self._tick()
+        self._discard_staged()
 
     # -- progress ----------------------------------------------------------------------------------------------------
 
@@ -487,9 +951,13 @@ class CaseRun:
         now = time.monotonic()
         if now - self._last_log >= self.log_every_s or done == self.total:
             self._last_log = now
-            rate = done / max(now - self._started, 1e-9)
-            left = (self.total - done) / rate if rate > 0 else float("nan")
-            logger.info(f"{done}/{self.total} case(s), {rate:.2f} case/s, about {left:.0f} s left")
+            elapsed = now - self._started
+            if self.ran and elapsed > 0:
+                rate = self.ran / elapsed
+                left = (self.total - done) / rate
+                logger.info(f"{done}/{self.total} case(s), {rate:.2f} case/s, about {left:.0f} s left")
+            else:
+                logger.info(f"{done}/{self.total} case(s)")
 
     def _close_bar(self) -> None:
         if self._bar is not None:
@@ -507,21 +975,29 @@ class CaseRun:
 
         Returns:
             ``{"written", "skipped", "failed", "status"}`` (all ranks).
+
+        Raises:
+            CaseFailedError: with ``fail_fast``, for the first failed case (nothing more is written).
+            OutputWriteError: when a write was refused for want of space or permission: the run stopped there
+                (``failures.csv`` and the cohort tables are written first where the disk takes them).
+            KeyboardInterrupt: when Ctrl-C stopped the run (after the tables and the summary line; what is written
+                is complete, and the same command goes on from there).
         """
         self._close_bar()
-        failures, written, elapsed = list(self.failures), self.written, self.elapsed
+        self._release_interrupts()
+        local = (list(self.failures), self.written, self.elapsed, self.ran, self.stopping)
         if self.world > 1:
             gathered: list = [None] * self.world
-            dist.all_gather_object(gathered, (failures, written, elapsed))
-            failures = [f for part, _, _ in gathered for f in part]
-            written = sum(n for _, n, _ in gathered)
-            elapsed = max(t for _, _, t in gathered)
-        processed = written + len(failures)
-        if self.rank == 0 and processed:
-            logger.info(
-                f"{processed} case(s) in {elapsed:.2f} s on {self.world} process(es): "
-                f"{processed / max(elapsed, 1e-9):.3f} case/s"
-            )
+            dist.all_gather_object(gathered, local)
+        else:
+            gathered = [local]
+        failures = [f for part in gathered for f in part[0]]
+        written = sum(part[1] for part in gathered)
+        elapsed = max(part[2] for part in gathered)
+        ran = sum(part[3] for part in gathered)
+        stopping = next((part[4] for part in gathered if part[4] is not None), None)
+        if self.rank == 0 and ran and elapsed > 0:
+            logger.info(f"{ran} case(s) run in {elapsed:.2f} s on {self.world} process(es): {ran / elapsed:.3f} case/s")
         failures.sort(key=lambda f: self.order.get(f.case_id, len(self.order)))
         shutil.rmtree(self.staging_dir, ignore_errors=True)
         if self.world > 1:  # every rank is done: rank 0 alone writes what gathers all cases
@@ -531,16 +1007,25 @@ class CaseRun:
         else:
             status = EXIT_SOME_FAILED if failures else EXIT_ALL_WRITTEN
         summary = {"written": written, "skipped": self.skipped, "failed": len(failures), "status": status}
+        if isinstance(stopping, CaseFailedError):
+            raise stopping
         staging = self.output_dir / STAGING_DIR
         if self.rank == 0 and staging.is_dir() and not any(staging.iterdir()):
             staging.rmdir()
         if self.rank == 0:
-            csv_path = self._write_failures(failures)
-            if self.merge is not None:
-                self.merge(self.records())
+            try:
+                csv_path = self._write_failures(failures)
+                if self.merge is not None:
+                    self.merge(self.records())
+            except OSError:
+                if stopping is None:
+                    raise
+                csv_path = self.output_dir / FAILURES_CSV  # the disk is full: the error below says so
             skipped = f" ({self.skipped} already written, skipped)" if self.skipped else ""
             print(f"{written} written{skipped}, {len(failures)} failed" + (f": see {csv_path}" if failures else ""))
         sys.stdout.flush()
+        if stopping is not None:
+            raise stopping
         self.exit_code = status if self.rank == 0 else EXIT_ALL_WRITTEN  # torchrun reports rank 0's status
         return summary
 
@@ -557,13 +1042,10 @@ class CaseRun:
         return write_text_atomic(path, buffer.getvalue())
 
     def records(self) -> list[dict]:
-        """The records of the cases written so far, in the order of the inputs."""
+        """The records of the cases written with this run's identity, in the order of the inputs."""
         found = []
         for case in sorted(self.order, key=self.order.get):
-            try:
-                record = json.loads(self._record_path(case).read_text())
-            except (OSError, ValueError):
-                continue
-            if record.get("identity") == self.identity:
+            record = self._record(case)
+            if record is not None and record.get("identity") == self.identity:
                 found.append(record)
         return found

@@ -392,15 +392,17 @@ class XrayCTWriter:
         engine.add_event_handler(IterationEvents.MODEL_COMPLETED, self)
 
     def __call__(self, engine: Engine) -> None:
+        from common.data.datalist import file_stem
         from common.data.io import write_nifti
-        from common.data.pipeline import batch_case_ids
+        from common.data.pipeline import batch_case_ids, output_stem
 
         output = engine.state.output
         pred = _to_float_numpy(output["pred"])
         std = _to_float_numpy(output["pred_std"]) if output.get("pred_std") is not None else None
         names = batch_case_ids(engine.state.batch, pred.shape[0])
+        by_case = engine.state.batch.get("case_id") is not None  # else the names are the input files
         for i, name in enumerate(names):
-            stem = Path(str(name)).name.split(".")[0] or f"case{i}"
+            stem = (output_stem(name) if by_case else file_stem(name)) or f"case{i}"
             save_panel_png(
                 projection_panel(output["xray"][i], output["pred_xray"][i]), self.output_dir / f"{stem}_views.png"
             )

@@ -35,6 +35,7 @@ __all__ = [
     "split_autoencoder_output",
     "to_memory_format",
     "unwrap",
+    "window_problems",
     "with_window_backoff",
 ]
 
@@ -299,6 +300,20 @@ def inference_view(network: nn.Module, mode: str = "reconstruct", quantized: boo
     if mode == "decode":
         return LatentDecoder(network)
     raise ValueError(f"'mode' must be one of {INFERENCE_VIEWS}, got {mode!r}.")
+
+
+def window_problems(sw_batch_size: int, overlap: float) -> list[str]:
+    """The sliding-window settings of an inference config, one line per invalid value: windows per forward pass
+    (``sw_batch_size``, an integer >= 1) and the share of a window its neighbours cover (``overlap``, a number in
+    [0, 1): at 1 the windows would not advance)."""
+    problems = []
+    if isinstance(sw_batch_size, bool) or not isinstance(sw_batch_size, int) or sw_batch_size < 1:
+        problems.append(f"'sw_batch_size' must be an integer >= 1 (windows per forward pass), got {sw_batch_size!r}.")
+    if isinstance(overlap, bool) or not isinstance(overlap, (int, float)) or not 0 <= overlap < 1:
+        problems.append(
+            f"'overlap' must be a number in [0, 1) (the share of a window its neighbours cover), got {overlap!r}."
+        )
+    return problems
 
 
 def blended_windows(

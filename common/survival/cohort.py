@@ -18,6 +18,7 @@ from __future__ import annotations
 import csv
 import dataclasses
 import io
+import logging
 import math
 import numbers
 import os
@@ -63,6 +64,8 @@ SECTIONS = ("training", "validation", "testing")
 # the in-memory datalist section handed to the image preflight (one entry per CSV row with an image path)
 _PREFLIGHT_SECTION = "cohort"
 _PREFLIGHT_LINE = re.compile(rf"^{_PREFLIGHT_SECTION}\[(\d+)\] (.*)$", re.DOTALL)
+
+logger = logging.getLogger(__name__)
 
 
 class CohortError(UserError, ValueError):
@@ -280,22 +283,53 @@ class CohortColumns:
 _COLUMN_FIELDS = tuple(f.name for f in dataclasses.fields(CohortColumns))
 
 
-def _parse_cohort(
+@dataclass
+class _CohortRow:
+    """One data row of a cohort CSV as read.
+
+    Args:
+        row: the data row number (as the problem lines name it).
+        case_id: its case id, ``None`` when unknown (an empty id cell, an empty image path without an id column, a
+            row whose fields do not match the header).
+        entry: its entry when every cell is valid, else ``None``.
+        image: its resolved image path, ``None`` when the cell is empty or not a usable path.
+        split: its split cell, ``None`` when empty, without a split column or when the fields do not match the header.
+        problems: the problem lines of its cells (not of its case id being shared with other rows).
+    """
+
+    row: int
+    case_id: str | None
+    entry: dict[str, Any] | None
+    image: str | None
+    split: str | None
+    problems: list[str]
+
+
+def _case_rows(rows: Sequence[_CohortRow]) -> dict[str, list[int]]:
+    """Case id -> the numbers of the rows with that id, in file order (rows without an id left out)."""
+    ids: dict[str, list[int]] = {}
+    for row in rows:
+        if row.case_id:
+            ids.setdefault(row.case_id, []).append(row.row)
+    return ids
+
+
+def _read_rows(
     csv_path: str | os.PathLike,
     columns: CohortColumns,
     base_dir: str | os.PathLike | None = None,
     max_cases: int | None = None,
     require_outcomes: bool = True,
-) -> tuple[list[dict[str, Any]], list[str], list[tuple[int, str | None, str]], str]:
-    """Parse the CSV, collecting every problem.
+) -> tuple[list[_CohortRow], list[str], str, bool]:
+    """Read the CSV into its rows, each with its own problems, and the problems of the file as a whole.
 
     Without ``require_outcomes`` the time and event columns may both be absent (inference on new cases); when
     either is present, both are required and checked.
 
     Returns:
-        ``(entries, problems, images, source)``: the entries of valid rows, the problem lines, ``(row, case_id,
-        absolute image path)`` of every row with an image path (valid or not, for the image preflight), and the
-        source name for messages.
+        ``(rows, problems, source, has_ids)``: every data row read (none when the file or its header is unusable);
+        the problems of the file as a whole (the arguments, the file, its header, no data rows); the source name for
+        messages; whether the case ids come from the id column (else from the image file names).
     """
     path = os.path.abspath(os.path.expanduser(os.fspath(csv_path)))
     source = f"cohort CSV {path!r}"
@@ -309,16 +343,16 @@ def _parse_cohort(
     header, rows, file_problems = _read_table(path)
     problems += file_problems
     if header is None:
-        return [], problems, [], source
+        return [], problems, source, False
     outcomes = require_outcomes or time_col in header or event_col in header
     required = {image_col: "image_col", **({time_col: "time_col", event_col: "event_col"} if outcomes else {})}
     required.update({name: "covariate" for name in covariates if name not in required})
     header_problems = _header_problems(header, required)
     problems += header_problems
     if header_problems:
-        return [], problems, [], source
+        return [], problems, source, False
     if not rows:
-        return [], problems + ["the file has a header but no data rows"], [], source
+        return [], problems + ["the file has a header but no data rows"], source, False
     if max_cases is not None:
         rows = rows[: int(max_cases)]
     has_ids = id_col is not None and id_col in header
@@ -329,24 +363,41 @@ def _parse_cohort(
         "split": split_col if split_col is not None and split_col in header else None,
     }
     base = os.path.dirname(path) if base_dir is None else os.path.abspath(os.path.expanduser(os.fspath(base_dir)))
-    entries, images, ids = [], [], {}
+    out = []
     for row, fields in rows:
         if len(fields) != len(header):
-            problems.append(f"row {row}: has {len(fields)} fields but the header has {len(header)} columns")
+            problem = f"row {row}: has {len(fields)} fields but the header has {len(header)} columns"
+            out.append(_CohortRow(row, None, None, None, None, [problem]))
             continue
         cells = {name: value.strip() for name, value in zip(header, fields)}
         case_id = cells[id_col] if has_ids else (file_stem(cells[image_col]) if cells[image_col] else None)
-        if has_ids and not case_id:
-            problems.append(f"row {row}: case id ({id_col!r}) is empty")
-        if case_id:
-            ids.setdefault(case_id, []).append(row)
-        entry, image, row_problems = _parse_row(cells, row, case_id, columns, covariates, per_year, base)
-        problems += row_problems
-        if image is not None:
-            images.append((row, case_id or None, image))
-        if entry is not None and case_id:
-            entries.append(entry)
-    problems += _duplicate_problems(ids, from_stems=not has_ids)
+        row_problems = [f"row {row}: case id ({id_col!r}) is empty"] if has_ids and not case_id else []
+        entry, image, cell_problems = _parse_row(cells, row, case_id, columns, covariates, per_year, base)
+        split = cells[columns["split"]] if columns["split"] is not None else None
+        entry = entry if case_id else None
+        out.append(_CohortRow(row, case_id or None, entry, image, split or None, row_problems + cell_problems))
+    return out, problems, source, has_ids
+
+
+def _parse_cohort(
+    csv_path: str | os.PathLike,
+    columns: CohortColumns,
+    base_dir: str | os.PathLike | None = None,
+    max_cases: int | None = None,
+    require_outcomes: bool = True,
+) -> tuple[list[dict[str, Any]], list[str], list[tuple[int, str | None, str]], str]:
+    """Parse the CSV, collecting every problem (of the file, of every row, then the shared case ids).
+
+    Returns:
+        ``(entries, problems, images, source)``: the entries of valid rows, the problem lines, ``(row, case_id,
+        absolute image path)`` of every row with an image path (valid or not, for the image preflight), and the
+        source name for messages.
+    """
+    rows, problems, source, has_ids = _read_rows(csv_path, columns, base_dir, max_cases, require_outcomes)
+    problems += [line for row in rows for line in row.problems]
+    problems += _duplicate_problems(_case_rows(rows), from_stems=not has_ids)
+    entries = [row.entry for row in rows if row.entry is not None]
+    images = [(row.row, row.case_id, row.image) for row in rows if row.image is not None]
     return entries, problems, images, source
 
 
@@ -397,6 +448,60 @@ def read_cohort_csv(
     return entries
 
 
+def _failing_entry(row: _CohortRow, problems: list[str], named: bool) -> dict[str, Any]:
+    """The entry of an inference row that fails its input check: ``row <N>`` unless ``named`` by its own id."""
+    return {
+        "case_id": row.case_id if named else f"row {row.row}",
+        "image": row.image or "",
+        "covariates": [],
+        "split": row.split,
+        "row": row.row,
+        "case_problems": problems,
+    }
+
+
+def _inference_entries(rows: Sequence[_CohortRow], has_ids: bool) -> list[dict[str, Any]]:
+    """One entry per row: a valid row's entry, else a failing entry with its problems (and its shared case id)."""
+    shared = {case: numbers for case, numbers in _case_rows(rows).items() if len(numbers) > 1}
+    entries = []
+    for row in rows:
+        problems = list(row.problems)
+        if row.case_id in shared:
+            problems += _duplicate_problems({row.case_id: shared[row.case_id]}, from_stems=not has_ids)
+        if row.entry is not None and not problems:
+            entries.append(row.entry)
+        else:
+            entries.append(_failing_entry(row, problems, named=bool(row.case_id) and row.case_id not in shared))
+    return entries
+
+
+def _select_split(
+    entries: list[dict[str, Any]], split: Any, split_col: str | None, source: str
+) -> list[dict[str, Any]]:
+    """The entries whose split cell names ``split``; failing rows naming no split are left out with a warning.
+
+    Raises:
+        CohortError: for an unknown ``split``, or one that selects no row.
+    """
+    wanted = SPLIT_NAMES.get(str(split).strip().lower())
+    if wanted is None:
+        raise CohortError([f"split must be one of {'/'.join(SPLIT_NAMES)} or null, got {split!r}"], source)
+    kept = [e for e in entries if SPLIT_NAMES.get(str(e["split"]).strip().lower()) == wanted]
+    unknown = [str(e["row"]) for e in entries if "case_problems" in e and e["split"] is None]
+    if unknown:
+        logger.warning(
+            f"{source}: row(s) {', '.join(unknown)} fail their check and name no split (an empty split cell, or "
+            f"fields that do not match the header): left out of split {split!r}."
+        )
+    if not kept:
+        if all(e["split"] is None for e in entries):
+            reason = f"the split column {split_col!r} is missing or empty"
+        else:
+            reason = f"no row of the split column {split_col!r} names it"
+        raise CohortError([f"split {split!r} selects no case: {reason}"], source)
+    return kept
+
+
 def inference_cohort(
     csv_path: str | os.PathLike | None = None,
     dataset_dir: str | os.PathLike | None = None,
@@ -414,6 +519,23 @@ def inference_cohort(
     MetaImage files and DICOM series folders, or what matches ``pattern``), named by its file stem
     (:func:`common.data.datalist.find_volumes`); covariates then cannot be given.
 
+    A problem of one row fails that row only (unlike :func:`read_cohort_csv`, which refuses the whole file): the
+    row is returned as a failing entry carrying its problem lines under ``"case_problems"``, the key by which the
+    inference engine (:meth:`common.engines.cases.CaseRun.select`) records a case as failing its input check (a
+    ``check`` row of failures.csv) without running it, while the other rows run. The row problems are those of
+    :func:`read_cohort_csv`, with the same lines naming the row (and case) and the column: an empty, non-numeric,
+    non-finite or negative time, an event other than 0/1, an empty image path, an empty or non-numeric covariate,
+    an empty case id cell, a case id shared with other rows, a row whose number of fields differs from the header.
+
+    - A failing row is named by its case id when it has one of its own; a row without one is named ``row <N>``
+      (``N`` its data row number, as in the problem lines): an empty case id cell (with an id column), an empty
+      image path (without one), a row whose fields do not match the header, and every row of a case id shared by
+      several rows (each fails, with a line naming all the rows sharing it, so no two entries share an id). A case
+      id of the CSV spelled ``row <N>`` itself may then clash with such a name; the engine refuses the clash.
+    - With ``split``, a failing row is kept only when its split cell names that split; a row whose fields do not
+      match the header has no readable split cell and is kept only when ``split`` is ``None`` (a warning names the
+      failing rows left out for naming no split).
+
     Args:
         csv_path: the cohort CSV, or ``None``/empty to list image files.
         dataset_dir: folder for relative image paths (CSV) or the folder to search (no CSV).
@@ -423,12 +545,17 @@ def inference_cohort(
             uses, required).
 
     Returns:
-        One entry per case: ``{"case_id", "image", "covariates", ...}``, plus ``"time"`` (years) and ``"event"``
-        when the CSV has them.
+        One entry per case, in file order. A valid row: ``{"case_id", "image", ("time": years, "event": 0.0 or 1.0,)
+        "covariates": [float, ...], "split": str or None, "row": int}``, the time and event when the CSV has them.
+        A failing row: ``{"case_id": its id or "row <N>", "image": absolute path or "" (empty or not a path),
+        "covariates": [], "split": str or None, "row": int, "case_problems": [problem line, ...]}`` (no time or
+        event). Without a CSV: ``{"case_id", "image", "covariates": []}``.
 
     Raises:
-        CohortError: listing every problem of the CSV (as :func:`read_cohort_csv`), an unknown ``split``, a
-            ``split`` without a split column or matching rows, or covariates without a CSV.
+        CohortError: for problems of the CSV as a whole (the file missing, unreadable, empty or not a
+            comma-separated text file; missing columns, with the columns present; a header without data rows; an
+            unknown ``time_unit``), an unknown ``split``, a ``split`` without a split column or matching rows (failing
+            rows count), or covariates without a CSV.
         MissingInputError: when no CSV is given and no volume is found under ``dataset_dir`` (naming the folder and
             the formats or ``pattern`` looked for).
     """
@@ -446,22 +573,11 @@ def inference_cohort(
             raise CohortError(["give a cohort CSV (csv_path) or a folder of images (dataset_dir)"], "inference cohort")
         entries = inference_entries(dataset_dir, keys=["image"], pattern=pattern)
         return [{"case_id": e["case_id"], "image": e["image"], "covariates": []} for e in entries]
-    entries, problems, _, source = _parse_cohort(csv_path, layout, dataset_dir, require_outcomes=False)
+    rows, problems, source, has_ids = _read_rows(csv_path, layout, dataset_dir, require_outcomes=False)
     if problems:
         raise CohortError(problems, source)
-    if split is None:
-        return entries
-    wanted = SPLIT_NAMES.get(str(split).strip().lower())
-    if wanted is None:
-        raise CohortError([f"split must be one of {'/'.join(SPLIT_NAMES)} or null, got {split!r}"], source)
-    kept = [e for e in entries if SPLIT_NAMES.get(str(e["split"]).strip().lower()) == wanted]
-    if not kept:
-        if all(e["split"] is None for e in entries):
-            reason = f"the split column {layout.split_col!r} is missing or empty"
-        else:
-            reason = f"no row of the split column {layout.split_col!r} names it"
-        raise CohortError([f"split {split!r} selects no case: {reason}"], source)
-    return kept
+    entries = _inference_entries(rows, has_ids)
+    return entries if split is None else _select_split(entries, split, layout.split_col, source)
 
 
 def _round_half_up(value: float) -> int:

@@ -7,19 +7,23 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from common.config_checks import SettingsChecks, choice_problems, switches
-from common.data.pipeline import cache_problems, intensity_problems
-from common.survival.cohort import TIME_UNITS
+from common.config_checks import SettingsChecks, choice_problems, run_problems, switches
+from common.data.pipeline import cache_problems, intensity_problems, orientation_problems, spacing_problems
+from common.survival.cohort import SPLIT_NAMES, TIME_UNITS
 from common.survival.networks import BACKBONES, HEADS, widen_factor_problem
 
 __all__ = [
+    "INFERENCE",
     "TRAINING",
     "cache_rate_problems",
     "check_training_size",
     "covariate_problems",
+    "image_size_problems",
+    "inference_batch_problems",
     "key_metric_problems",
     "network_problems",
     "size_problems",
+    "split_problems",
     "time_axis_problems",
 ]
 
@@ -93,12 +97,18 @@ def size_problems(
         )
     if not _positive_int(accumulation_steps):
         problems.append(f"'accumulation_steps' must be a positive integer, got {accumulation_steps!r}.")
-    size = list(image_size) if isinstance(image_size, (list, tuple)) else None
-    if not size or len(size) != 3 or not all(_positive_int(s) for s in size):
-        problems.append(f"'image_size' must be 3 positive integers, got {image_size!r}.")
+    problems += image_size_problems(image_size)
     if isinstance(val_fraction, bool) or not isinstance(val_fraction, (int, float)) or not 0 <= val_fraction < 1:
         problems.append(f"'val_fraction' must be in [0, 1), got {val_fraction!r}.")
     return problems
+
+
+def image_size_problems(image_size: Sequence[int]) -> list[str]:
+    """The size every volume is padded or cropped to: 3 positive integers (the network is 3D)."""
+    size = list(image_size) if isinstance(image_size, (list, tuple)) else None
+    if not size or len(size) != 3 or not all(_positive_int(s) for s in size):
+        return [f"'image_size' must be 3 positive integers, got {image_size!r}."]
+    return []
 
 
 def covariate_problems(covariates: Sequence[str]) -> list[str]:
@@ -136,3 +146,38 @@ TRAINING = SettingsChecks(
 """The checks of a survival training run (``train.json``, and evaluation on top of it): besides the checks above,
 on/off settings that are not booleans (a string ``"false"`` is true) and an invalid ``intensity``
 (:func:`common.data.pipeline.intensity_problems`)."""
+
+
+def inference_batch_problems(batch_size: int) -> list[str]:
+    """Inference's cases per forward pass: a positive integer."""
+    if _positive_int(batch_size):
+        return []
+    return [f"'batch_size' must be a positive integer (cases per forward pass), got {batch_size!r}."]
+
+
+def split_problems(split: str | None) -> list[str]:
+    """The split of the cohort CSV inference keeps: a split column value of :data:`common.survival.cohort.SPLIT_NAMES`
+    (any case), or ``null`` for every row."""
+    if split is None or SPLIT_NAMES.get(str(split).strip().lower()):
+        return []
+    return [f"'split' must be one of {'/'.join(SPLIT_NAMES)} or null (every row), got {split!r}."]
+
+
+INFERENCE = SettingsChecks(
+    "survival inference",
+    network_problems,
+    time_axis_problems,
+    image_size_problems,
+    inference_batch_problems,
+    covariate_problems,
+    split_problems,
+    intensity_problems,
+    spacing_problems,
+    orientation_problems,
+    run_problems,
+    switches("fail_fast", "overwrite", "allow_irregular_series", "progress", "distributed", "crop_foreground"),
+)
+"""The checks of a survival inference run (``inference.json``), before any case is read: the trained network's head
+and time axis, the volume size (``image_size``, 3 positive integers), the batch, the covariates and CSV split, the
+preprocessing (``intensity``, ``spacing``, ``orientation``), how the command runs
+(:func:`common.config_checks.run_problems`) and the on/off settings."""

@@ -6,15 +6,20 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from common.config_checks import SettingsChecks
-from common.data.pipeline import cache_problems, intensity_problems
+from common.autoencoder.settings import output_problems
+from common.config_checks import SettingsChecks, run_problems, switches
+from common.data.pipeline import cache_problems, intensity_problems, orientation_problems, spacing_problems
+from common.networks.wrappers import window_problems
+from common.utils import is_positive_int
 from common.vqgan.networks import downsample_levels
 
-__all__ = ["TRAINING", "codebook_problems", "downsample_problems", "patch_sampling_problems"]
+__all__ = ["INFERENCE", "TRAINING", "codebook_problems", "downsample_problems", "patch_sampling_problems"]
 
 
 def downsample_problems(patch_size: Sequence[int], downsample: Sequence[int] | int) -> list[str]:
-    """``downsample`` must be powers of two that divide ``patch_size`` on every axis."""
+    """``patch_size`` must be 3 positive integers, ``downsample`` powers of two that divide it on every axis."""
+    if not isinstance(patch_size, (list, tuple)) or len(patch_size) != 3 or not all(map(is_positive_int, patch_size)):
+        return [f"'patch_size' must be 3 positive integers, got {patch_size!r}."]
     try:
         factors = [2**level for level in downsample_levels(downsample, len(patch_size))]
     except ValueError as exc:
@@ -59,3 +64,21 @@ TRAINING = SettingsChecks(
 (:func:`common.data.pipeline.intensity_problems`: an inverted HU window, bad percentiles, an unknown mode), a
 ``cache_rate`` outside [0, 1] or a ``replace_rate`` outside (0, 1] (:func:`common.data.pipeline.cache_problems`:
 MONAI's ``SmartCacheDataset`` refuses 0)."""
+
+INFERENCE = SettingsChecks(
+    "VQ-GAN inference",
+    downsample_problems,
+    output_problems,
+    intensity_problems,
+    spacing_problems,
+    orientation_problems,
+    window_problems,
+    run_problems,
+    switches("fail_fast", "overwrite", "allow_irregular_series", "progress", "distributed", "oom_backoff"),
+)
+"""The checks of a VQ-GAN inference run (``inference.json``), before any case is read: the sliding window
+(``patch_size``, a multiple of the network's ``downsample`` on every axis, or the reconstruction comes out smaller
+than the input), what is written (``mode``, ``output_units``: :func:`common.autoencoder.settings.output_problems`),
+the preprocessing (``intensity``, ``spacing``, ``orientation``), the windows
+(:func:`common.networks.wrappers.window_problems`), how the command runs
+(:func:`common.config_checks.run_problems`) and the on/off settings."""

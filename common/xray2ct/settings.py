@@ -8,8 +8,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from common.config_checks import SettingsChecks, choice_problems, switches
-from common.data.pipeline import cache_problems
+from common.config_checks import SettingsChecks, choice_problems, run_problems, switches
+from common.data.pipeline import cache_problems, orientation_problems
 from common.diffusion.schedule import GRIDS, PREDICTIONS, fast_ddpm_grid
 from common.utils import is_positive_int
 from common.xray2ct.drr import VIEW_AXES, view_plane
@@ -19,15 +19,19 @@ from common.xray2ct.networks import MODES, SAMPLER_MODES, stage_checkpoint
 
 __all__ = [
     "EVALUATION",
+    "INFERENCE",
     "TRAINING",
     "evaluation_mode_problems",
     "loss_problems",
+    "noise_problems",
     "optimisation_problems",
+    "projection_problems",
     "regressor_problems",
     "residual_scale_problems",
     "sampling_problems",
     "schedule_problems",
     "stage_problems",
+    "trained_network_problems",
     "training_mode_problems",
     "unet_problems",
     "view_problems",
@@ -304,3 +308,88 @@ EVALUATION = TRAINING.with_checks(
 )
 """The checks of an evaluation (``evaluate.json`` on ``train.json``): ``mode`` may also be the ``backprojection``
 baseline, no regressor run is needed, and ``save_volumes`` is a switch too."""
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def trained_network_problems(mode: str, views: Sequence[str], view_size: Sequence[int], trained: dict) -> list[str]:
+    """Inference runs the network of the run record (``trained``, the settings it was trained with): its X-ray
+    encoder was built for its ``views`` and ``view_size`` (the patch grid and position embeddings of its ViT), and
+    its weights sample in its ``mode`` (or the network-free ``backprojection`` baseline)."""
+    problems = _size_problem("view_size", view_size, dims=2)
+    view = _sizes(view_size, dims=2)
+    built = _sizes(trained.get("view_size"), dims=2)
+    if view and built and view != built:
+        problems.append(
+            f"'view_size' {view} is not the view size the trained network was built for, {built} ('view_size' of "
+            "its run record, 'trained'): its X-ray encoder's patches and position embeddings fit that size only; "
+            f"leave view_size out or pass {built}."
+        )
+    listed = list(views) if isinstance(views, (list, tuple)) else None
+    if not listed or any(v not in VIEW_AXES for v in listed) or len(set(listed)) != len(listed):
+        problems.append(f"'views' must be distinct names out of {sorted(VIEW_AXES)}, got {views!r}.")
+    elif trained.get("views") is not None and listed != list(trained["views"]):
+        problems.append(
+            f"'views' {listed} are not the views the trained network was built for, {list(trained['views'])} "
+            "('views' of its run record, 'trained'), in that order."
+        )
+    problems += evaluation_mode_problems(mode)
+    trained_mode = trained.get("mode")
+    if mode in SAMPLER_MODES and trained_mode is not None and mode not in (trained_mode, "backprojection"):
+        problems.append(
+            f"'mode' {mode!r} is not the mode the trained network was trained in, {trained_mode!r} ('mode' of its "
+            "run record, 'trained'): run it in that mode, or 'backprojection' (no network)."
+        )
+    return problems
+
+
+def projection_problems(hu_window: Sequence[float], fov_mm: float | Sequence[float], mu_water: float) -> list[str]:
+    """The X-ray projector (:class:`common.xray2ct.drr.DRRProjector`): a CT window ``(hu_min, hu_max)`` with
+    ``-1000 <= hu_min < hu_max`` (air has no attenuation), a positive field of view (one number or one per axis, mm)
+    and a positive attenuation of water (1/cm)."""
+    problems = []
+    window = list(hu_window) if isinstance(hu_window, (list, tuple)) else None
+    if not window or len(window) != 2 or not all(_number(v) for v in window) or not -1000 <= window[0] < window[1]:
+        problems.append(
+            f"'hu_window' must be [hu_min, hu_max] with -1000 <= hu_min < hu_max (air, -1000 HU, has no "
+            f"attenuation), got {hu_window!r}."
+        )
+    fov = list(fov_mm) if isinstance(fov_mm, (list, tuple)) else [fov_mm]
+    if len(fov) not in (1, 3) or not all(_number(v) and v > 0 for v in fov):
+        problems.append(f"'fov_mm' must be a positive number or 3 positive numbers (mm), got {fov_mm!r}.")
+    if not (_number(mu_water) and mu_water > 0):
+        problems.append(f"'mu_water' must be a positive number (1/cm), got {mu_water!r}.")
+    return problems
+
+
+def noise_problems(eta: float, seed: int) -> list[str]:
+    """The DDIM ``eta`` in [0, 1] and the integer ``seed`` >= 0 of each case's sampling noise."""
+    problems = []
+    if not (_number(eta) and 0 <= eta <= 1):
+        problems.append(f"'eta' must be a number in [0, 1] (0: deterministic DDIM), got {eta!r}.")
+    if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+        problems.append(f"'seed' must be an integer >= 0 (it seeds each case's sampling noise), got {seed!r}.")
+    return problems
+
+
+INFERENCE = SettingsChecks(
+    "X-ray -> CT inference",
+    stage_problems,
+    trained_network_problems,
+    vit_problems,
+    schedule_problems,
+    unet_problems,
+    sampling_problems,
+    residual_scale_problems,
+    noise_problems,
+    projection_problems,
+    orientation_problems,
+    run_problems,
+    switches("fail_fast", "overwrite", "allow_irregular_series", "progress", "distributed", "save_volumes"),
+)
+"""The checks of an inference run (``inference.json``), before any weights or case are read: the stages, the views
+and ``view_size`` against the trained network's (:func:`trained_network_problems`) and its ViT's patches
+(:func:`vit_problems`), the schedule, U-Net and sampling, the projector, the preprocessing's ``orientation``, how the
+command runs (:func:`common.config_checks.run_problems`) and the on/off settings."""

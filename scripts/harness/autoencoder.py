@@ -358,7 +358,7 @@ def _inference_rate(plan, prediction_dir: Path) -> dict:
     """Run an inference ``plan``; its logged throughput (cases, seconds, cases/s) and the outputs it wrote."""
     print("$ " + plan.shell(), flush=True)
     result = subprocess.run(plan.argv, cwd=plan.cwd, env=plan.environ(), capture_output=True, text=True)
-    found = re.search(r"(\d+) case\(s\) in ([\d.]+) s on (\d+) process\(es\): ([\d.]+) case/s", result.stdout)
+    found = re.search(r"(\d+) case\(s\) run in ([\d.]+) s on (\d+) process\(es\): ([\d.]+) case/s", result.stdout)
     if result.returncode != 0 or found is None:
         raise RuntimeError(f"inference failed ({result.returncode}):\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}")
     return {
