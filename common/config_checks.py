@@ -19,7 +19,15 @@ from typing import Any
 
 from common.errors import SettingsError
 
-__all__ = ["SettingsChecks", "check_config", "choice_problems", "config_being_parsed", "run_problems", "switches"]
+__all__ = [
+    "CASE_RUN_CHECKS",
+    "SettingsChecks",
+    "check_config",
+    "choice_problems",
+    "config_being_parsed",
+    "run_problems",
+    "switches",
+]
 
 Check = Callable[..., list[str]]
 
@@ -88,6 +96,14 @@ def run_problems(num_workers: int, num_threads: int | None, dist_timeout: float)
             f"{dist_timeout!r}."
         )
     return problems
+
+
+CASE_RUN_CHECKS = (
+    run_problems,
+    switches("fail_fast", "overwrite", "allow_irregular_series", "progress", "distributed"),
+)
+"""The checks every ``inference.json`` runs on the settings of its run over cases (:class:`common.engines.cases.CaseRun`,
+``docs/inference.md``): :func:`run_problems` and its on/off settings; a family's ``INFERENCE`` checks hold them."""
 
 
 class SettingsChecks:

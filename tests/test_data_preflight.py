@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 from common.data.preflight import PreflightError, check_volume, preflight, screen_entries
+from common.demo.images import write_dicom_series
 
 
 def _nifti(path: Path, array: np.ndarray) -> Path:
@@ -231,11 +232,16 @@ def test_preflight_writes_nothing(tmp_path: Path, bad_set: dict[str, Path]) -> N
 
 def test_preflight_accepts_dicom_series_folder(tmp_path: Path) -> None:
     series = _write_dicom_series(tmp_path / "series")
+    # ITK's series writer gives the slices no position or orientation: their geometry cannot be checked
+    assert "cannot be placed" in check_volume(str(series))
+    assert check_volume(str(series), allow_irregular_series=True) is None
+    assert check_volume(str(series), patch_size=(16, 16, 16), allow_pad=False, allow_irregular_series=True) is not None
+    series = write_dicom_series(tmp_path / "placed", np.ones((16, 16, 8), np.float32), spacing=(1.0, 1.0, 2.0))
     assert check_volume(str(series)) is None
     assert check_volume(str(series), patch_size=(16, 16, 16), allow_pad=False) is not None  # only 8 slices
     files = sorted(str(p) for p in series.glob("*.dcm"))
     file = tmp_path / "d.json"
-    file.write_text(json.dumps({"training": [{"image": "series"}, {"image": files}]}))
+    file.write_text(json.dumps({"training": [{"image": "placed"}, {"image": files}]}))
     loaded = preflight(file)
     assert loaded["training"][0]["image"] == str(series)
     empty = tmp_path / "empty_series"

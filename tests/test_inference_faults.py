@@ -38,19 +38,19 @@ import numpy as np
 import pytest
 
 import common.engines.cases as cases_module
-from common.bundle import BUNDLES_DIR, ROOT
+from common.bundle import BUNDLES_DIR, ROOT, bundle_names
 from common.demo.images import make_ct_phantom, make_phantom
 from common.engines.cases import DONE_DIR, FAILURES_CSV
-from common.errors import user_error_in_chain
+from common.errors import INTERRUPTED, user_error_in_chain
 from common.utils import OutputWriteError
 from tests.bundle_cases import CASES
 from tests.helpers import shifted_seed
 
-BUNDLES = ("autoencoder_3d", "vqgan_3d", "fast_ddpm_3d", "mace_survival", "xray2ct_cascade")
+BUNDLES = tuple(bundle_names())
 DOCS = ROOT / "docs" / "reliability.md"
 BEGIN, END = "<!-- inference fault matrix: begin -->", "<!-- inference fault matrix: end -->"
 N_GOOD = 3
-NOT_APPLICABLE = "–"
+NOT_APPLICABLE = "-"
 
 # ------------------------------------------------------------------------------------------------ running a bundle
 
@@ -285,6 +285,11 @@ BYTE_SETTINGS = {
 }
 
 
+def test_every_bundle_has_its_inputs_here():
+    """A new bundle is in the matrix once it says how its inference inputs are written."""
+    assert sorted(INPUTS) == sorted(BYTE_SETTINGS) == sorted(BUNDLES)
+
+
 # ------------------------------------------------------------------------------------------------ fixtures
 
 
@@ -372,8 +377,8 @@ def note(row: str, bundle: str, cell: str, told: str = "") -> None:
 
 
 def _short(text: str, limit: int = 150) -> str:
-    text = re.sub(r"/\S*/", "…/", " ".join(text.split()))
-    return text if len(text) <= limit else text[: limit - 1] + "…"
+    text = re.sub(r"/\S*/", ".../", " ".join(text.split()))
+    return text if len(text) <= limit else text[: limit - 1] + "..."
 
 
 # ------------------------------------------------------------------------------------------------ the faults
@@ -390,7 +395,7 @@ def test_a_setting_the_network_cannot_take_is_refused_before_any_case(bundle, be
     missing = [name for name in CASES[bundle].inference_refused if name not in outcome.last]
     assert not missing, f"{missing} not named in {outcome.last}"
     assert not out.exists()
-    note(SETTING_ROW, bundle, "refused before any case · exit 1 · nothing written", outcome.last)
+    note(SETTING_ROW, bundle, "refused before any case; exit 1; nothing written", outcome.last)
 
 
 def _truncated(path: Path) -> None:
@@ -498,7 +503,7 @@ def test_bad_inputs_fail_their_case_and_the_others_are_written(bundle, benches, 
     for row, (case, stage) in faults.items():
         assert outcome.rows[case]["stage"] == stage, (row, outcome.rows[case])
         assert not [p for p in out.rglob(f"{case}_*")], row
-        note(row, bundle, f"`{stage}` row · exit 2 · no file", outcome.rows[case]["reason"])
+        note(row, bundle, f"`{stage}` row; exit 2; no file", outcome.rows[case]["reason"])
     assert set(outcome.rows) == {case for case, _ in faults.values()}
     assert broken_promises(out, bench.clean) == []
     for row in INPUT_ROWS:
@@ -547,10 +552,10 @@ def test_two_case_ids_with_one_file_name_write_two_files(bundle, benches, tmp_pa
     if bundle == "mace_survival":
         predicted = (out / "predictions.csv").read_text()
         assert "p1/ct" in predicted and "p2/ct" in predicted
-        cell = "two rows in the tables · exit 0"
+        cell = "two rows in the tables; exit 0"
     else:
         assert files and all(name.startswith(("p1%2Fct_", "p2%2Fct_")) for name in files)
-        cell = "two files (`p1%2Fct_…`, `p2%2Fct_…`) · exit 0"
+        cell = "two files (`p1%2Fct_...`, `p2%2Fct_...`); exit 0"
     note(COLLIDE_ROW, bundle, cell, f"{len(files)} files: {', '.join(files[:4])}")
 
 
@@ -595,7 +600,7 @@ def test_inputs_changed_after_their_case_was_written_are_redone(bundle, benches,
     assert clean.status == 0
     assert broken_promises(out, tmp_path / "clean") == []
     for kind, row in CHANGED_ROWS.items():
-        cell = f"redone (warned) · {len(cases) - len(redone)} others kept · exit 0" if kind in changed else None
+        cell = f"redone (warned); {len(cases) - len(redone)} kept; exit 0" if kind in changed else None
         note(row, bundle, cell or NOT_APPLICABLE, lines[0] if kind in changed else "")
 
 
@@ -625,7 +630,7 @@ def test_settings_the_bytes_depend_on_are_part_of_the_identity(bundle, benches, 
         assert bench.infer(clean, **changed).status == 0
         torch.set_num_threads(threads)
         assert broken_promises(out, clean) == []
-        note(SETTING_ROWS[kind], bundle, f"all {N_GOOD} redone (warned) · exit 0", lines[0])
+        note(SETTING_ROWS[kind], bundle, f"all {N_GOOD} redone (warned); exit 0", lines[0])
 
 
 DISK_ROWS = {
@@ -717,17 +722,17 @@ def test_a_full_or_read_only_disk_stops_the_run_with_nothing_partial_and_a_rerun
         if kind == "read_only":
             assert "is not writable: the file system is read-only" in outcome.last and "no case was run" in outcome.last
             assert not any(out.iterdir())
-            cell = "refused before any case · exit 1 · nothing written"
+            cell = "refused before any case; exit 1; nothing written"
         else:
             assert "the disk is full" in outcome.last and "run the same command again" in outcome.last, outcome
             assert outcome.rows["case1"]["stage"] == "write", outcome.rows
             assert [r["case_id"] for r in records(out).values()] == ["case0"]
             assert broken_promises(out, bench.clean, complete=False) == []
-            cell = "stops at once · exit 1 · `write` row · no partial file"
+            cell = "stops at once; exit 1; `write` row; no partial file"
         again = bench.infer(out)
         assert again.status == 0 and again.rows == {}, again
         assert broken_promises(out, bench.clean) == []
-        note(DISK_ROWS[kind], bundle, cell + " → re-run completes, identical", outcome.last)
+        note(DISK_ROWS[kind], bundle, cell + " -> re-run completes, identical", outcome.last)
 
 
 def _mount(*options: str, target: Path) -> bool:
@@ -779,7 +784,7 @@ def test_two_products_of_the_same_cases_keep_their_records(bundle, benches, tmp_
         again = bench.infer(out, mode=mode)
         assert again.status == 0 and again.last == f"0 written ({N_GOOD} already written, skipped), 0 failed", again
     assert all((out / name).is_file() for record in records(out).values() for name in record["outputs"])
-    note(PRODUCT_ROW, bundle, "kept apart: a re-run of either mode skips all · exit 0", again.last)
+    note(PRODUCT_ROW, bundle, "kept apart: a re-run of either mode skips all; exit 0", again.last)
 
 
 INTERRUPT_ROW = "Ctrl-C (SIGINT), then the same command"
@@ -807,7 +812,9 @@ def test_ctrl_c_stops_after_the_case_in_progress_and_the_same_command_goes_on(bu
     again = bench.infer(out)
     assert again.status == 0 and again.last.startswith(f"{N_GOOD - written} written ({written} already"), again
     assert broken_promises(out, bench.clean) == []
-    note(INTERRUPT_ROW, bundle, "stops after the case in progress · exit 130 → re-run completes, identical")
+    note(
+        INTERRUPT_ROW, bundle, "stops after the case in progress; exit 130 -> re-run completes, identical", INTERRUPTED
+    )
 
 
 # ------------------------------------------------------------------------------------------------ the table
@@ -847,9 +854,9 @@ def test_the_fault_matrix_in_the_docs_is_the_one_measured():
     measured = sum(cell != NOT_APPLICABLE for cell in MATRIX.values())
     assert len(ROWS) >= 16 and measured >= 80
     table = f"{BEGIN}\n{matrix_table()}\n{END}"
-    text = DOCS.read_text()
+    text = DOCS.read_text(encoding="utf-8")
     if os.environ.get("WRITE_FAULT_MATRIX"):
         start, end = text.index(BEGIN), text.index(END) + len(END)
-        DOCS.write_text(text[:start] + table + text[end:])
-        text = DOCS.read_text()
+        DOCS.write_text(text[:start] + table + text[end:], encoding="utf-8")
+        text = DOCS.read_text(encoding="utf-8")
     assert table in text, "docs/reliability.md has another fault matrix: WRITE_FAULT_MATRIX=1 writes this one"

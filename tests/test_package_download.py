@@ -824,5 +824,5 @@ def test_package_trains_evaluates_and_infers_with_what_it_carries(name, packages
     assert list(out.rglob("eval*/metrics.json")), sorted(str(p.relative_to(out)) for p in out.rglob("*"))
     run("run", ["configs/inference.json"], *data)  # the shipped weights, outputs in the package's own folder
     predictions = package / "outputs" / "predictions"
-    assert list(predictions.glob(".done/*.json")), _listing(package / "outputs")
+    assert list(predictions.glob(".done/**/*.json")), _listing(package / "outputs")
     assert _predictions(name, predictions) >= 1, _listing(package / "outputs")

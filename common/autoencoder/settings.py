@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from common.config_checks import SettingsChecks, run_problems, switches
+from common.config_checks import CASE_RUN_CHECKS, SettingsChecks, switches
 from common.data.pipeline import (
     cache_problems,
     check_output_units,
@@ -116,6 +116,7 @@ TRAINING = SettingsChecks(
         "deterministic",
         "cudnn_benchmark",
         "preflight",
+        "allow_irregular_series",
         "lr_schedule",
         "with_nonlocal_attn",
         "use_checkpoint",
@@ -163,20 +164,11 @@ INFERENCE = SettingsChecks(
     spacing_problems,
     orientation_problems,
     window_problems,
-    run_problems,
-    switches(
-        "fail_fast",
-        "overwrite",
-        "allow_irregular_series",
-        "progress",
-        "distributed",
-        "oom_backoff",
-        "with_nonlocal_attn",
-        "use_checkpoint",
-    ),
+    *CASE_RUN_CHECKS,
+    switches("oom_backoff", "with_nonlocal_attn", "use_checkpoint"),
 )
 """The checks of an autoencoder inference run (``inference.json``), before any case is read: the trained network's
 levels (``channels``) and the sliding window (``patch_size``, which must be a multiple of its downsampling, or the
 reconstruction comes out smaller than the input), what is written (``mode``, ``output_units``), the preprocessing
 (``intensity``, ``spacing``, ``orientation``), the windows (:func:`common.networks.wrappers.window_problems`), how the
-command runs (:func:`common.config_checks.run_problems`) and the on/off settings."""
+command runs (:data:`common.config_checks.CASE_RUN_CHECKS`) and the on/off settings."""

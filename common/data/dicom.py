@@ -348,8 +348,9 @@ def series_problems(files: Sequence[str | os.PathLike], allow_irregular: bool = 
 
     Args:
         files: the files of one series (what :func:`series_files` gives), in any order.
-        allow_irregular: accept missing slices and non-uniform spacing (the user accepts ITK's uniform geometry);
-            duplicates, unplaced slices and mixed series remain problems.
+        allow_irregular: accept missing slices and non-uniform spacing, and a series none of whose files has a
+            position or orientation (a secondary capture: the user accepts ITK's uniform geometry); duplicates, a
+            series of which only some files can be placed and mixed series remain problems.
 
     Returns:
         One line per problem, each starting with ``DICOM series <folder>: ``; empty for a regular volume.
@@ -364,8 +365,9 @@ def series_problems(files: Sequence[str | os.PathLike], allow_irregular: bool = 
         except Exception as exc:  # noqa: BLE001 - an unreadable header is a problem of the series, not a crash
             unreadable.append(f"{os.path.basename(file)} ({' '.join(str(exc).split())[:200]})")
     problems = [f"{len(unreadable)} files have no readable DICOM header: {unreadable[0]}"] if unreadable else []
-    problems += _mixed(slices) + _unplaced(slices)
-    if not problems:
+    unplaced = all(s.position is None and s.orientation is None for s in slices)
+    problems += _mixed(slices) + ([] if unplaced and allow_irregular else _unplaced(slices))
+    if not problems and not unplaced:
         problems += _placement_problems(slices, allow_irregular)
     label = _series_label(files, slices)
     return [f"{label}: {problem}" for problem in problems]

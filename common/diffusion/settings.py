@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from common.config_checks import SettingsChecks, choice_problems, run_problems, switches
+from common.config_checks import CASE_RUN_CHECKS, SettingsChecks, choice_problems, switches
 from common.data.pipeline import cache_problems, intensity_problems, orientation_problems, spacing_problems
 from common.diffusion.engines import DIFFUSION_MODES, TASKS, volume_multiple
 from common.diffusion.schedule import GRIDS, PREDICTIONS, fast_ddpm_grid
@@ -150,7 +150,16 @@ TRAINING = SettingsChecks(
     task_problems,
     schedule_problems,
     training_problems,
-    switches("latent", "clip_sample", "val_denoise_loss", "ema_warmup", "compile", "preflight", "oom_backoff"),
+    switches(
+        "latent",
+        "clip_sample",
+        "val_denoise_loss",
+        "ema_warmup",
+        "compile",
+        "preflight",
+        "allow_irregular_series",
+        "oom_backoff",
+    ),
     cache_problems,
     unet_problems,
     patch_problems,
@@ -220,21 +229,12 @@ INFERENCE = SettingsChecks(
     spacing_problems,
     orientation_problems,
     window_problems,
-    run_problems,
-    switches(
-        "fail_fast",
-        "overwrite",
-        "allow_irregular_series",
-        "progress",
-        "distributed",
-        "oom_backoff",
-        "latent",
-        "clip_sample",
-    ),
+    *CASE_RUN_CHECKS,
+    switches("oom_backoff", "latent", "clip_sample"),
 )
 """The checks of a diffusion inference run (``inference.json``), before any case is read: the task and schedule of
 the trained model, its U-Net, the sampling window (``patch_size``, a multiple of the U-Net's downsampling times the
 autoencoder's in latent mode: :func:`patch_problems`), what is generated (:func:`generation_problems`), the latent
 codec, the preprocessing (``intensity``, ``spacing``, ``orientation``), the windows
-(:func:`common.networks.wrappers.window_problems`), how the command runs (:func:`common.config_checks.run_problems`)
-and the on/off settings."""
+(:func:`common.networks.wrappers.window_problems`), how the command runs
+(:data:`common.config_checks.CASE_RUN_CHECKS`) and the on/off settings."""

@@ -389,7 +389,10 @@ class CaseDataset(MonaiDataset):
             return failed("check", _reason(exc))
         if problems:
             return failed("check", "; ".join(problems))
-        fingerprint = input_fingerprint(entry, self.keys)
+        try:
+            fingerprint = input_fingerprint(entry, self.keys)
+        except OSError as exc:
+            return failed("read", _reason(exc))
         steps = self.transform.flatten().transforms if isinstance(self.transform, Compose) else [self.transform]
         options = {}
         if isinstance(self.transform, Compose):

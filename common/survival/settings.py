@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from common.config_checks import SettingsChecks, choice_problems, run_problems, switches
+from common.config_checks import CASE_RUN_CHECKS, SettingsChecks, choice_problems, switches
 from common.data.pipeline import cache_problems, intensity_problems, orientation_problems, spacing_problems
 from common.survival.cohort import SPLIT_NAMES, TIME_UNITS
 from common.survival.networks import BACKBONES, HEADS, widen_factor_problem
@@ -139,7 +139,9 @@ TRAINING = SettingsChecks(
     size_problems,
     covariate_problems,
     key_metric_problems,
-    switches("compile", "sync_batchnorm", "augment", "crop_foreground", "preflight", "oom_backoff"),
+    switches(
+        "compile", "sync_batchnorm", "augment", "crop_foreground", "preflight", "allow_irregular_series", "oom_backoff"
+    ),
     intensity_problems,
     cache_rate_problems,
 )
@@ -174,10 +176,10 @@ INFERENCE = SettingsChecks(
     intensity_problems,
     spacing_problems,
     orientation_problems,
-    run_problems,
-    switches("fail_fast", "overwrite", "allow_irregular_series", "progress", "distributed", "crop_foreground"),
+    *CASE_RUN_CHECKS,
+    switches("crop_foreground"),
 )
 """The checks of a survival inference run (``inference.json``), before any case is read: the trained network's head
 and time axis, the volume size (``image_size``, 3 positive integers), the batch, the covariates and CSV split, the
 preprocessing (``intensity``, ``spacing``, ``orientation``), how the command runs
-(:func:`common.config_checks.run_problems`) and the on/off settings."""
+(:data:`common.config_checks.CASE_RUN_CHECKS`) and the on/off settings."""

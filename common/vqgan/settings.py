@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from common.autoencoder.settings import output_problems
-from common.config_checks import SettingsChecks, run_problems, switches
+from common.config_checks import CASE_RUN_CHECKS, SettingsChecks, switches
 from common.data.pipeline import cache_problems, intensity_problems, orientation_problems, spacing_problems
 from common.networks.wrappers import window_problems
 from common.utils import is_positive_int
@@ -59,6 +59,7 @@ TRAINING = SettingsChecks(
     intensity_problems,
     patch_sampling_problems,
     cache_problems,
+    switches("preflight", "allow_irregular_series"),
 )
 """The checks of a VQ-GAN training run (``train.json``): besides the checks above, an invalid ``intensity``
 (:func:`common.data.pipeline.intensity_problems`: an inverted HU window, bad percentiles, an unknown mode), a
@@ -73,12 +74,12 @@ INFERENCE = SettingsChecks(
     spacing_problems,
     orientation_problems,
     window_problems,
-    run_problems,
-    switches("fail_fast", "overwrite", "allow_irregular_series", "progress", "distributed", "oom_backoff"),
+    *CASE_RUN_CHECKS,
+    switches("oom_backoff"),
 )
 """The checks of a VQ-GAN inference run (``inference.json``), before any case is read: the sliding window
 (``patch_size``, a multiple of the network's ``downsample`` on every axis, or the reconstruction comes out smaller
 than the input), what is written (``mode``, ``output_units``: :func:`common.autoencoder.settings.output_problems`),
 the preprocessing (``intensity``, ``spacing``, ``orientation``), the windows
 (:func:`common.networks.wrappers.window_problems`), how the command runs
-(:func:`common.config_checks.run_problems`) and the on/off settings."""
+(:data:`common.config_checks.CASE_RUN_CHECKS`) and the on/off settings."""

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from common.config_checks import SettingsChecks, choice_problems, run_problems, switches
+from common.config_checks import CASE_RUN_CHECKS, SettingsChecks, choice_problems, switches
 from common.data.pipeline import cache_problems, orientation_problems
 from common.diffusion.schedule import GRIDS, PREDICTIONS, fast_ddpm_grid
 from common.utils import is_positive_int
@@ -277,6 +277,7 @@ SWITCHES = (
     "gradient_checkpointing",
     "compile",
     "preflight",
+    "allow_irregular_series",
     "ema_warmup",
     "oom_backoff",
 )
@@ -386,10 +387,10 @@ INFERENCE = SettingsChecks(
     noise_problems,
     projection_problems,
     orientation_problems,
-    run_problems,
-    switches("fail_fast", "overwrite", "allow_irregular_series", "progress", "distributed", "save_volumes"),
+    *CASE_RUN_CHECKS,
+    switches("save_volumes"),
 )
 """The checks of an inference run (``inference.json``), before any weights or case are read: the stages, the views
 and ``view_size`` against the trained network's (:func:`trained_network_problems`) and its ViT's patches
 (:func:`vit_problems`), the schedule, U-Net and sampling, the projector, the preprocessing's ``orientation``, how the
-command runs (:func:`common.config_checks.run_problems`) and the on/off settings."""
+command runs (:data:`common.config_checks.CASE_RUN_CHECKS`) and the on/off settings."""
