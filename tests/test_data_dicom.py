@@ -267,6 +267,25 @@ def test_mixed_orientation_or_series_and_unplaced_slices_are_named(tmp_path):
     ]
 
 
+def test_a_series_without_any_geometry_is_refused_unless_irregular_series_are_allowed(tmp_path):
+    """No file places its slice (a secondary capture): the geometry cannot be checked, so the series is refused by
+    default; ``allow_irregular`` takes it as ITK stacks it (the user accepts that geometry)."""
+    folder = _regular(tmp_path / "capture", slices=4)
+    for file in sorted(folder.glob("*.dcm")):
+        _drop_tag(file, b"\x20\x00\x32\x00", b"\x20\x00\x30\x00")  # ImagePositionPatient
+        _drop_tag(file, b"\x20\x00\x37\x00", b"\x20\x00\x35\x00")  # ImageOrientationPatient
+    files = sorted(str(p) for p in folder.glob("*.dcm"))
+    assert [line.split(": ", 1)[1] for line in series_problems(files)] == [
+        "4 of 4 files have no valid ImagePositionPatient (0020|0032), so their slice cannot be placed: "
+        "slice0000.dcm and 3 more",
+        "4 of 4 files have no valid ImageOrientationPatient (0020|0037), so their slice cannot be placed: "
+        "slice0000.dcm and 3 more",
+    ]
+    assert series_problems(files, allow_irregular=True) == []
+    assert "cannot be placed" in check_volume(str(folder))
+    assert check_volume(str(folder), allow_irregular_series=True) is None
+
+
 def test_series_problems_reads_headers_only_and_fast(tmp_path):
     """300 slices of 64 x 64: the headers are read, not the pixels (about 0.2 s here, after ITK is loaded)."""
     folder = write_dicom_series(tmp_path / "ct", np.zeros((64, 64, 300)), spacing=(1.0, 1.0, 1.0))

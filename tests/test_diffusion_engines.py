@@ -543,6 +543,7 @@ VALID = dict(
     ema_warmup=True,
     compile=False,
     preflight=True,
+    allow_irregular_series=False,
     oom_backoff=True,
 )
 

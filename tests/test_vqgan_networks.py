@@ -531,6 +531,8 @@ VALID = {
     "micro_batch_size": 1,
     "cache_rate": 1.0,
     "replace_rate": 0.1,
+    "preflight": True,
+    "allow_irregular_series": False,
 }
 
 
@@ -584,9 +586,11 @@ def test_every_problem_is_listed_in_one_message():
             micro_batch_size=0,
             cache_rate=1.0,
             replace_rate=0.1,
+            preflight=True,
+            allow_irregular_series="no",
         )
     lines = str(info.value).splitlines()
-    assert len(lines) == 7
+    assert len(lines) == 8 and lines[-1].strip().startswith("'allow_irregular_series' must be True or False")
     ids = ["'patch_size'", "'n_codes'", "'discriminator_iter_start'", "'intensity'", "'patches_per_volume'"]
     for config_id, line in zip([*ids, "'micro_batch_size'"], lines[1:]):
         assert line.strip().startswith(config_id), (config_id, line)

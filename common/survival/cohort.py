@@ -30,6 +30,7 @@ from typing import Any
 import numpy as np
 
 from common.data.datalist import file_stem, resolve_path, text_size_problem
+from common.engines.cases import PROBLEMS_KEY
 from common.errors import UserError
 
 __all__ = [
@@ -456,7 +457,7 @@ def _failing_entry(row: _CohortRow, problems: list[str], named: bool) -> dict[st
         "covariates": [],
         "split": row.split,
         "row": row.row,
-        "case_problems": problems,
+        PROBLEMS_KEY: problems,
     }
 
 
@@ -487,7 +488,7 @@ def _select_split(
     if wanted is None:
         raise CohortError([f"split must be one of {'/'.join(SPLIT_NAMES)} or null, got {split!r}"], source)
     kept = [e for e in entries if SPLIT_NAMES.get(str(e["split"]).strip().lower()) == wanted]
-    unknown = [str(e["row"]) for e in entries if "case_problems" in e and e["split"] is None]
+    unknown = [str(e["row"]) for e in entries if PROBLEMS_KEY in e and e["split"] is None]
     if unknown:
         logger.warning(
             f"{source}: row(s) {', '.join(unknown)} fail their check and name no split (an empty split cell, or "
@@ -520,7 +521,8 @@ def inference_cohort(
     (:func:`common.data.datalist.find_volumes`); covariates then cannot be given.
 
     A problem of one row fails that row only (unlike :func:`read_cohort_csv`, which refuses the whole file): the
-    row is returned as a failing entry carrying its problem lines under ``"case_problems"``, the key by which the
+    row is returned as a failing entry carrying its problem lines under ``"case_problems"``
+    (:data:`common.engines.cases.PROBLEMS_KEY`), the key by which the
     inference engine (:meth:`common.engines.cases.CaseRun.select`) records a case as failing its input check (a
     ``check`` row of failures.csv) without running it, while the other rows run. The row problems are those of
     :func:`read_cohort_csv`, with the same lines naming the row (and case) and the column: an empty, non-numeric,
