@@ -26,14 +26,17 @@ reconstruction and sampling cost, quality at equal budgets, and the GPU campaign
 
 Each command is a function of the bundle's module in ``scripts/harness`` (the table:
 :data:`scripts.harness.bundles.FAMILY_MODULES`), where its arguments are documented; ``campaign`` is
-``scripts/harness/campaign.py``. Results are printed as Markdown tables and written as JSON (``--output``).
+``scripts/harness/campaign.py``. Results are printed as Markdown tables and written as JSON (``--output``). ``<command> --help`` prints a command's
+arguments.
 """
 
 from __future__ import annotations
 
 if __name__ == "__main__":
+    import sys
+
     import fire
 
-    from scripts.harness.bundles import benchmarks
+    from scripts.harness.bundles import benchmark_command, benchmarks
 
-    fire.Fire(benchmarks(), serialize=lambda _: None)
+    fire.Fire(benchmarks(), command=benchmark_command(sys.argv[1:]), serialize=lambda _: None)

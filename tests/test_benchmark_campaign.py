@@ -6,14 +6,20 @@ deadline (an item cut short keeps what came before), the tiny CPU mode's output 
 
 from __future__ import annotations
 
+import functools
+import inspect
 import json
+import os
+import subprocess
 import sys
 import time
 
+import fire
 import pytest
 import torch
 
 from scripts.harness import campaign as bc
+from scripts.harness.bundles import benchmark_command, benchmarks
 from scripts.harness.tools import KERNEL_KINDS, count_flops, kernel_kind, peak_bf16_tflops
 from tests.helpers import REPO_ROOT
 
@@ -284,3 +290,42 @@ def test_report_keeps_what_a_cut_short_item_measured_and_names_failed_sizes():
 )
 def test_kernel_kinds_of_gpu_and_cpu_names(name, kind):
     assert kernel_kind(name) == kind
+
+
+@pytest.mark.parametrize("name", sorted(benchmarks()))
+def test_every_benchmark_command_prints_its_help_without_running(name, capsys):
+    """``benchmark.py <command> --help`` prints the command's arguments; a command taking ``**overrides`` must not
+    take ``--help`` as one of them and start a run."""
+    command, ran = benchmarks()[name], []
+
+    @functools.wraps(command)
+    def recorded(*args, **kwargs):
+        ran.append(kwargs)
+
+    with pytest.raises(fire.core.FireExit) as stopped:
+        fire.Fire({name: recorded}, command=benchmark_command([name, "--help"]))
+    assert stopped.value.code == 0 and not ran
+    out = capsys.readouterr().err  # fire prints help on stderr
+    assert "SYNOPSIS" in out and name in out
+    assert inspect.getdoc(command).split()[0] in out  # the command's own description
+
+
+def test_benchmark_help_from_the_command_line_starts_no_run():
+    """The whole entry point, as typed: ``xray_quality --help`` (it takes extra ``--key value`` bundle settings)."""
+    result = subprocess.run(
+        [sys.executable, "scripts/benchmark.py", "xray_quality", "--help"],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "PAGER": "cat"},
+    )
+    assert result.returncode == 0, result.stderr
+    assert "budgets" in result.stderr and "SYNOPSIS" in result.stderr
+    assert "Epoch" not in result.stdout + result.stderr
+
+
+def test_benchmark_command_leaves_other_arguments_alone():
+    assert benchmark_command(["xray_quality", "--budgets", "[300]"]) == ["xray_quality", "--budgets", "[300]"]
+    assert benchmark_command(["--help"]) == ["--help"]
+    assert benchmark_command(["memory", "-h"]) == ["memory", "--", "--help"]

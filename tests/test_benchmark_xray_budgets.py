@@ -71,7 +71,8 @@ class FakeBundle:
         if o["mode"] != "backprojection":
             for k in range(1, stage + 1):
                 weights.append(float(load_checkpoint(out / f"stage{k}" / "models" / "model.pt")["w"]))
-        metrics = {"val_psnr": sum(weights) + o["guidance_scale"], "val_proj_error": 1.0 / (1 + sum(weights))}
+        psnr = sum(weights) + o["guidance_scale"] + 10 * o["refine_steps"]
+        metrics = {"val_psnr": psnr, "val_proj_error": 1.0 / (1 + sum(weights))}
         if o["num_samples"] > 1:
             metrics["val_sample_psnr"] = metrics["val_psnr"] - 1
         eval_dir = Path(o["eval_dir"])
@@ -92,6 +93,8 @@ def test_budget_runs_snapshots_and_evaluations(tmp_path):
         methods=["direct", "diffusion", "residual", "min_snr"],
         num_samples=4,
         guidance_scale=0.5,
+        refine_steps=3,
+        conditions=["noise_dose_low", "blur", "cone"],
         parallel=2,
         output=str(out),
     )
@@ -116,23 +119,58 @@ def test_budget_runs_snapshots_and_evaluations(tmp_path):
     residual = sorted((o["stage"], o["max_epochs"] * o["epoch_length"]) for o in trainings if o["mode"] == "residual")
     assert residual == [(1, 2), (1, 4), (1, 8), (2, 1), (2, 2), (2, 4)]  # half of each budget, on top of its regressor
     # every evaluation ran the stages of its own budget
-    rows = {(r["method"], r["stage"], r["budget"], r["guidance_scale"]): r for r in summary["results"]}
+    clean = [r for r in summary["results"] if r["condition"] == "clean"]
+    rows = {(r["method"], r["stage"], r["budget"], r["guidance_scale"], r["refine_steps"]): r for r in clean}
+    assert all(r["noise_tolerance"] is None for r in clean) and len(rows) == len(clean)
     for b in (4, 8, 16):
         for method in ("direct", "diffusion"):
-            assert rows[(method, 1, b, 0.0)]["psnr"] == b
-            assert rows[(method, 2, b, 0.0)]["psnr"] == b + b // 2
-        assert rows[("diffusion", 1, b, 0.5)]["psnr"] == b + 0.5
-        assert rows[("residual", 1, b, 0.0)]["psnr"] == b // 2
-        assert rows[("residual", 2, b, 0.0)]["psnr"] == b // 2 + b // 4
-        assert rows[("min_snr", 1, b, 0.0)]["num_samples"] == 4 and ("min_snr", 2, b, 0.0) not in rows
-        assert rows[("direct", 1, b, 0.0)]["num_samples"] == 1 and ("direct", 1, b, 0.5) not in rows
-        assert rows[("diffusion", 1, b, 0.0)]["sample_psnr"] == b - 1
-    assert rows[("backprojection", 1, None, 0.0)]["psnr"] == 0.0 and ("backprojection", 2, None, 0.0) in rows
+            assert rows[(method, 1, b, 0.0, 0)]["psnr"] == b
+            assert rows[(method, 2, b, 0.0, 0)]["psnr"] == b + b // 2
+        assert rows[("diffusion", 1, b, 0.5, 0)]["psnr"] == b + 0.5
+        assert rows[("residual", 1, b, 0.0, 0)]["psnr"] == b // 2
+        assert rows[("residual", 2, b, 0.0, 0)]["psnr"] == b // 2 + b // 4
+        assert rows[("min_snr", 1, b, 0.0, 0)]["num_samples"] == 4 and ("min_snr", 2, b, 0.0, 0) not in rows
+        assert rows[("direct", 1, b, 0.0, 0)]["num_samples"] == 1 and ("direct", 1, b, 0.5, 0) not in rows
+        assert rows[("diffusion", 1, b, 0.0, 0)]["sample_psnr"] == b - 1
+        # the same physics post-processing for every method: the regressor refined, the guided samples refined
+        for stage, psnr in ((1, b), (2, b + b // 2)):
+            assert rows[("direct_refined", stage, b, 0.5, 3)]["psnr"] == psnr + 0.5 + 30
+            assert rows[("direct_refined", stage, b, 0.5, 3)]["num_samples"] == 1
+        for method in ("diffusion", "residual", "min_snr"):
+            assert (method, 1, b, 0.5, 3) in rows
+    assert rows[("backprojection", 1, None, 0.0, 0)]["psnr"] == 0.0 and ("backprojection", 2, None, 0.0, 0) in rows
+    assert rows[("backprojection_refined", 1, None, 0.5, 3)]["psnr"] == 30.5
+    evaluations = [o for run_id, o in fake.calls if run_id == "run"]
+    assert len({o["eval_dir"] for o in evaluations}) == len(evaluations)  # each its own folder
+    # realistic X-rays: the two largest budgets, every method and stage, each condition's overrides, and the guided
+    # and refined evaluations once more with the discrepancy principle
+    realistic = [r for r in summary["results"] if r["condition"] != "clean"]
+    assert {r["condition"] for r in realistic} == {"noise_dose_low", "blur", "cone"}
+    assert {r["budget"] for r in realistic} == {None, 8, 16}
+    for condition in ("noise_dose_low", "cone"):
+        chosen = {
+            (r["method"], r["guidance_scale"], r["refine_steps"], r["noise_tolerance"])
+            for r in realistic
+            if r["condition"] == condition and r["stage"] == 2 and r["budget"] == 16
+        }
+        assert chosen == {
+            ("direct", 0.0, 0, None),
+            ("direct_refined", 0.5, 3, None),
+            ("direct_refined", 0.5, 3, 1.5),
+            *((m, g, r, t) for m in ("diffusion", "residual") for g, r, t in ((0.0, 0, None), (0.5, 0, None))),
+            *((m, 0.5, r, 1.5) for m in ("diffusion", "residual") for r in (0, 3)),
+            *((m, 0.5, 3, None) for m in ("diffusion", "residual")),
+        }
+    cone = [o for _, o in fake.calls if "_cone" in str(o.get("eval_dir", ""))]
+    assert cone and all(o["geometry"] == "cone" and o["source_to_isocenter_mm"] == 1000.0 for o in cone)
+    blur = [o for _, o in fake.calls if str(o.get("eval_dir", "")).endswith("_blur")]
+    assert blur and all(o["xray_condition"] == {"blur_mm": pytest.approx(350.0 / 128)} for o in blur)
+    assert summary["conditions"]["noise_dose_low"] == {"xray_condition": {"photons": 1e4}}
     assert json.loads(out.read_text())["results"] == json.loads(json.dumps(summary["results"]))
     # table and plot
     table = budget_rows(json.loads(out.read_text()))
     assert all(len(row) == len(BUDGET_HEADER) for row in table)
-    assert ["residual", 2, "16 + 8"] in [row[:3] for row in table]
+    assert ["clean", "residual", 2, "16 + 8"] in [row[:4] for row in table]
     png = plot_budgets(summary, tmp_path / "plot.png")
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
@@ -144,6 +182,7 @@ def test_budget_runs_snapshots_and_evaluations(tmp_path):
         ({"methods": ["gan"]}, "methods must be out of"),
         ({"budgets": [4, 6], "methods": ["direct", "residual"]}, "must be positive and even"),
         ({"stages": 3}, "stages must be 1 or 2"),
+        ({"conditions": ["fog"]}, "conditions must be out of"),
     ],
 )
 def test_budget_comparison_refuses_bad_plans(tmp_path, kwargs, message):
@@ -166,6 +205,8 @@ def test_budget_comparison_runs_the_bundle_commands(tmp_path, in_process):  # no
         methods=["direct", "residual"],
         num_samples=2,
         guidance_scale=1.0,
+        refine_steps=2,
+        conditions=["noise_dose_low"],
         parallel=1,
         output=str(tmp_path / "q.json"),
         work_dir=str(tmp_path / "work"),
@@ -178,26 +219,35 @@ def test_budget_comparison_runs_the_bundle_commands(tmp_path, in_process):  # no
         stage_batch_size=[2, 2],
         **NETWORK,
     )
-    rows = {(r["method"], r["budget"], r["guidance_scale"]): r for r in summary["results"]}
+    noisy = [r for r in summary["results"] if r["condition"] == "noise_dose_low"]
+    by_setting = {(r["method"], r["budget"], r["refine_steps"], r["noise_tolerance"]): r for r in noisy}
+    assert ("direct_refined", 4, 2, 1.5) in by_setting and ("residual", 4, 2, 1.5) in by_setting
+    assert {r["budget"] for r in noisy} == {None, 2, 4}  # the two largest budgets, and the baseline
+    clean = by_setting[("direct", 4, 0, None)]["proj_error"]
+    same = [r for r in summary["results"] if r["condition"] == "clean" and r["method"] == "direct" and r["budget"] == 4]
+    assert clean != same[0]["proj_error"]  # the noisy X-rays were made and scored
+    clean_rows = [r for r in summary["results"] if r["condition"] == "clean"]
+    rows = {(r["method"], r["budget"], r["guidance_scale"], r["refine_steps"]): r for r in clean_rows}
     assert set(rows) == {
-        ("backprojection", None, 0.0),
-        ("direct", 2, 0.0),
-        ("direct", 4, 0.0),
-        ("residual", 2, 0.0),
-        ("residual", 2, 1.0),
-        ("residual", 4, 0.0),
-        ("residual", 4, 1.0),
+        ("backprojection", None, 0.0, 0),
+        ("backprojection_refined", None, 1.0, 2),
+        *((method, b, 0.0, 0) for method in ("direct", "residual") for b in (2, 4)),
+        *(("direct_refined", b, 1.0, 2) for b in (2, 4)),
+        *(("residual", b, 1.0, refine) for b in (2, 4) for refine in (0, 2)),
     }
     for key, row in rows.items():
         for name in ("psnr", "ssim", "proj_error", "hf_ratio", "spectral_distance"):
             assert row[name] is not None and row[name] == row[name], (key, name)
         assert (row["sample_psnr"] is not None) == (key[0] == "residual"), key
+    assert rows[("direct_refined", 4, 1.0, 2)]["proj_error"] < rows[("direct", 4, 0.0, 0)]["proj_error"]
+    sirt = rows[("backprojection_refined", None, 1.0, 2)]["proj_error"]
+    assert sirt < rows[("backprojection", None, 0.0, 0)]["proj_error"]
     # the direct snapshot at 2 iterations is the regressor of the residual model at budget 4
     direct2 = load_checkpoint(tmp_path / "work" / "direct" / "b2" / "stage1" / "models" / "model.pt")
     residual4 = load_checkpoint(tmp_path / "work" / "residual" / "b4" / "stage1" / "models" / "model.pt")
     assert all(torch.equal(v, residual4[f"regressor.{k}"]) for k, v in direct2.items())
     # guidance lowers the projection error of the residual samples
     for b in (2, 4):
-        assert rows[("residual", b, 1.0)]["proj_error"] < rows[("residual", b, 0.0)]["proj_error"]
+        assert rows[("residual", b, 1.0, 0)]["proj_error"] < rows[("residual", b, 0.0, 0)]["proj_error"]
     training = [cmd for cmd in in_process if cmd[4] == "training"]
     assert len(training) == 3 + 2 and all(cmd[cmd.index("--num_threads") + 1] == "1" for cmd in in_process)

@@ -89,7 +89,7 @@ def evaluated(cascade, phantoms) -> Path:
     return cascade / "stage2" / "eval_diffusion"
 
 
-def test_evaluate_reproduces_validation_and_writes_outputs(cascade, evaluated):
+def test_evaluate_reproduces_validation_and_writes_outputs(cascade, evaluated, phantoms):
     folder = evaluated
     evaluation = json.loads((folder / "metrics.json").read_text())["latest"]
     best = json.loads((cascade / "stage2" / "metrics.json").read_text())["best"]
@@ -99,7 +99,13 @@ def test_evaluate_reproduces_validation_and_writes_outputs(cascade, evaluated):
     assert len(rows) == 3 and "phantom_val_000" in rows[1]
     ct = nib.load(folder / "predictions" / "phantom_val_000_ct.nii.gz")
     assert ct.shape == (16, 16, 16)
-    np.testing.assert_allclose(np.diag(ct.affine)[:3], [FOV / 16] * 3)
+    np.testing.assert_allclose(np.abs(np.diag(ct.affine)[:3]), [FOV / 16] * 3, rtol=1e-5)
+    # on the input CT's grid: the same world centre (the pipeline resamples and resizes about the centre)
+    (source,) = phantoms.rglob("phantom_val_000.nii.gz")
+    source = nib.load(source)
+    centre = source.affine @ np.array([*((np.array(source.shape[:3]) - 1) / 2), 1.0])
+    spacing = np.abs(np.diag(source.affine)[:3])
+    np.testing.assert_allclose(ct.affine @ np.array([7.5, 7.5, 7.5, 1.0]), centre, atol=float(spacing.max()))
     hu = ct.get_fdata()
     assert -1000 - 1e-3 <= hu.min() and hu.max() <= 1000 + 1e-3
     assert (folder / "predictions" / "phantom_val_001_views.png").is_file()

@@ -271,8 +271,25 @@ def test_xray2ct_inference_checks():
         trained_network_problems("gan", ["ap"], [64], trained)[0]
         == "'view_size' must be 2 positive integers, got [64]."
     )
-    assert projection_problems([-1000, 1000], 350.0, 0.2) == projection_problems([-500, 500], [350, 350, 300], 1) == []
-    assert len(projection_problems([1000, -1000], [350, 0], 0)) == 3
+    parallel = ("parallel", 1000.0, 1500.0)
+    assert projection_problems([-1000, 1000], 350.0, 0.2, *parallel) == []
+    assert projection_problems([-500, 500], [350, 350, 300], 1, "cone", 400.0, 600.0) == []
+    assert len(projection_problems([1000, -1000], [350, 0], 0, *parallel)) == 3
+    assert projection_problems([-1000, 1000], 350.0, 0.2, "fan", 1.0, 1.0) == [
+        "'geometry' must be one of ('parallel', 'cone'), got 'fan'."
+    ]
+    assert projection_problems([-1000, 1000], 350.0, 0.2, "cone", 300.0, 600.0) == [
+        "'source_to_isocenter_mm' must put the cone beam's source outside the volume (> 303.1 mm, half the diagonal "
+        "of fov_mm), got 300.0."
+    ]
+    assert projection_problems([-1000, 1000], 350.0, 0.2, "cone", 1000.0, 900.0) == [
+        "'source_to_detector_mm' must be at least source_to_isocenter_mm 1000.0 (the detector is behind the "
+        "patient), got 900.0."
+    ]
+    assert projection_problems([-1000, 1000], 350.0, 0.2, "cone", "far", None) == [
+        "'source_to_isocenter_mm' must be a number of mm, got 'far'.",
+        "'source_to_detector_mm' must be a number of mm, got None.",
+    ]
     assert noise_problems(0.0, 0) == noise_problems(1, 7) == []
     assert noise_problems(1.5, "0") == [
         "'eta' must be a number in [0, 1] (0: deterministic DDIM), got 1.5.",

@@ -317,3 +317,89 @@ def test_screen_inputs_of_ct_and_xray_files(case, tmp_path):
     bad = {**views, "xray_lateral": str(tmp_path / "none.png")}
     problems = screen_inputs([views, bad], proj, view_files=True)
     assert problems[0] == [] and len(problems[1]) == 1 and problems[1][0].startswith("xray_lateral")
+
+
+# ---------------------------------------------------------------------------------------------- X-ray conditions
+def conditioned(condition, volume=None, case="c1", view_size=(SIDE, SIDE), **projector_settings):
+    from monai.data import MetaTensor
+
+    from common.xray2ct.data import DRRd, XrayConditiond
+
+    proj = DRRProjector(fov_mm=FOV, view_size=view_size, **projector_settings)
+    if volume is None:
+        volume = torch.rand((1, SIDE, SIDE, SIDE), generator=torch.Generator().manual_seed(0)) * 1.6 - 0.8
+    item = DRRd("image", proj)({"image": MetaTensor(volume, meta={"case_id": case})})
+    return item["xray"], XrayConditiond("image", proj, condition)(item)["xray"]
+
+
+@pytest.mark.parametrize("condition", [None, {}, {"seed": 3, "photons": None, "gain": 1.0}])
+def test_a_clean_condition_leaves_the_xrays_alone(condition):
+    clean, out = conditioned(condition)
+    torch.testing.assert_close(out, clean, rtol=0, atol=2e-6)
+
+
+def test_miscalibration_is_the_flat_field_formula():
+    clean, out = conditioned({"gain": 1.1, "offset": 0.02})
+    torch.testing.assert_close(out, -torch.log(1.1 * torch.exp(-clean) + 0.02), rtol=0, atol=1e-5)
+
+
+def test_photon_noise_has_the_poisson_spread_and_is_seeded_per_case():
+    """Counts ~ Poisson(N exp(-p)): ``p`` keeps its mean and spreads by ``1 / sqrt(N exp(-p))`` (delta method)."""
+    flat = torch.full((1, SIDE, SIDE, SIDE), -0.5)  # every ray sees the same line integral
+    photons = 2e4
+    clean, out = conditioned({"photons": photons}, flat, view_size=(64, 64))
+    p = float(clean.mean())
+    expected = 1 / np.sqrt(photons * np.exp(-p))
+    assert float((out - clean).mean()) == pytest.approx(0.0, abs=4 * expected / 64)
+    assert float((out - clean).std()) == pytest.approx(expected, rel=0.08)
+    _, again = conditioned({"photons": photons}, flat, view_size=(64, 64))
+    _, other_case = conditioned({"photons": photons}, flat, case="c2", view_size=(64, 64))
+    _, other_seed = conditioned({"photons": photons, "seed": 1}, flat, view_size=(64, 64))
+    assert torch.equal(out, again) and not torch.equal(out, other_case) and not torch.equal(out, other_seed)
+
+
+def test_detector_blur_spreads_a_point_by_its_sigma_and_keeps_flat_fields_flat():
+    from common.xray2ct.data import XrayConditiond
+
+    proj = DRRProjector(fov_mm=FOV, view_size=(64, 64))
+    pixel = FOV / 64
+    xray = torch.full((2, 64, 64), 2.0)
+    xray[:, 32, 32] = 0.0  # one bright ray: transmission 1 against exp(-2)
+    blurred = XrayConditiond("image", proj, {"blur_mm": 2 * pixel})({"image": torch.zeros(1, 8, 8, 8), "xray": xray})
+    transmitted = torch.exp(-blurred["xray"][0]).double() - np.exp(-2.0)
+    assert float(transmitted.sum()) == pytest.approx(1 - np.exp(-2.0), rel=1e-3)  # energy kept
+    rows = torch.arange(64, dtype=torch.float64) - 32
+    variance = float((transmitted.sum(1) * rows**2).sum() / transmitted.sum())
+    assert variance == pytest.approx(4.0, rel=0.05)  # sigma 2 pixels
+    # the edges are not darkened: a uniform image stays uniform
+    flat = XrayConditiond("image", proj, {"blur_mm": 5.0})({"image": torch.zeros(1, 8, 8, 8), "xray": xray * 0 + 1})
+    torch.testing.assert_close(flat["xray"], torch.ones_like(xray), rtol=0, atol=1e-5)
+
+
+def test_a_pose_shift_of_one_voxel_shifts_the_ap_view_by_one_pixel():
+    volume = torch.full((1, SIDE, SIDE, SIDE), -1.0)
+    volume[:, 5:9, 6:10, 4:12] = 0.5
+    clean, out = conditioned({"shift_mm": [FOV / SIDE, 0.0, 0.0]}, volume)
+    # AP (channel 0) images (X, Z): moved by one row; lateral (Y, Z) integrates along X: unchanged
+    torch.testing.assert_close(out[0, 1:], clean[0, :-1], rtol=0, atol=1e-5)
+    torch.testing.assert_close(out[1], clean[1], rtol=0, atol=1e-5)
+    _, rotated = conditioned({"rotation_deg": [0.0, 0.0, 2.0]}, volume)
+    assert float((rotated - clean).abs().max()) > 0.01
+
+
+def test_condition_settings_are_checked_with_every_problem_named():
+    from common.xray2ct.data import XrayConditiond, condition_problems
+
+    assert condition_problems(None) == condition_problems({"photons": 1e4, "rotation_deg": [1, 2, 0]}) == []
+    problems = condition_problems({"photons": 0, "gain": -1, "offset": 1.5, "shift_mm": [1, 2], "dose": 3})
+    assert problems[0] == (
+        "'xray_condition' has unknown key(s) ['dose']; known: ['blur_mm', 'gain', 'offset', 'photons', "
+        "'rotation_deg', 'seed', 'shift_mm']."
+    )
+    assert [p.split("'")[3] for p in problems[1:]] == ["photons", "gain", "offset", "shift_mm"]
+    assert condition_problems("noisy") == [
+        "'xray_condition' must be null or a mapping of ['blur_mm', 'gain', 'offset', 'photons', 'rotation_deg', "
+        "'seed', 'shift_mm'], got 'noisy'."
+    ]
+    with pytest.raises(ValueError, match="'blur_mm' must be a number >= 0"):
+        XrayConditiond("image", projector(), {"blur_mm": -1.0})

@@ -131,6 +131,43 @@ def test_guidance_lowers_the_projection_error_of_a_sample(mode):
     assert errors[0.5] < 0.8 * errors[0.0] and errors[1.0] < 0.8 * errors[0.0], errors
 
 
+@pytest.mark.parametrize("mode", ["direct", "backprojection", "diffusion"])
+def test_refine_steps_are_consistency_steps_on_each_drawn_sample(mode):
+    """``refine_steps`` R: the sample drawn without them, then R SIRT steps of weight ``guidance_scale`` against the
+    case's X-rays, clipped after each; in every mode (the same physics post-processing for every method)."""
+    net = tiny_xray_denoiser(0)
+    projector = net.projector
+    xray = xrays(seed=5)
+    settings = {**SAMPLER, "mode": mode, "num_samples": 2 if mode == "diffusion" else 1}
+    plain = XrayCTSampler(net, (8, 8, 8), **settings).draw(xray, generator=torch.Generator().manual_seed(3))
+    scale = 0.5 if mode == "diffusion" else 1.0
+    sampler = XrayCTSampler(net, (8, 8, 8), **settings, guidance_scale=scale, refine_steps=3)
+    if mode == "diffusion":  # the guided sampler's samples, then the same steps
+        plain = XrayCTSampler(net, (8, 8, 8), **settings, guidance_scale=scale).draw(
+            xray, generator=torch.Generator().manual_seed(3)
+        )
+    refined = sampler.draw(xray, generator=torch.Generator().manual_seed(3))
+    expected = plain
+    per_sample = xray.repeat_interleave(plain.shape[0] // xray.shape[0], dim=0)
+    for _ in range(3):
+        expected = projector.data_consistency(expected, per_sample, scale).clamp(-1, 1)
+    torch.testing.assert_close(refined, expected, rtol=0, atol=1e-6)
+    before = float(projection_error(plain, per_sample).mean())
+    assert float(projection_error(refined, per_sample).mean()) < before
+
+
+def test_refinement_converges_to_the_x_rays_of_a_consistent_volume():
+    """X-rays made by the projector from a volume (16^3: its 8^3 block means project to them exactly): SIRT steps
+    (Cimmino's method on two views) converge to a volume whose projections are those X-rays, whatever the start."""
+    net = tiny_xray_denoiser(0)
+    truth = volume((1, 1, 16, 16, 16), 7)
+    xray = net.projector.xrays(truth)
+    direct = XrayCTSampler(net, (8, 8, 8), mode="direct", clip_sample=False)
+    start = float(projection_error(direct.draw(xray), xray).mean())
+    refined = XrayCTSampler(net, (8, 8, 8), mode="direct", clip_sample=False, guidance_scale=1.0, refine_steps=40)
+    assert float(projection_error(refined.draw(xray), xray).mean()) < 1e-3 * start
+
+
 def test_several_samples_share_a_pass_and_the_first_is_the_single_sample():
     net = tiny_xray_denoiser(0)
     xray = xrays()
@@ -177,6 +214,12 @@ def test_sampler_rejects_bad_sample_counts(name, value):
         XrayCTSampler(tiny_xray_denoiser(0), (8, 8, 8), **SAMPLER, **{name: value})
     with pytest.raises(ValueError, match="guidance_scale must be >= 0"):
         XrayCTSampler(tiny_xray_denoiser(0), (8, 8, 8), **SAMPLER, guidance_scale=-1)
+    with pytest.raises(ValueError, match="refine_steps must be an integer >= 0"):
+        XrayCTSampler(tiny_xray_denoiser(0), (8, 8, 8), **SAMPLER, guidance_scale=1.0, refine_steps=-1)
+    with pytest.raises(ValueError, match="guidance_scale, which is 0"):
+        XrayCTSampler(tiny_xray_denoiser(0), (8, 8, 8), **SAMPLER, refine_steps=2)
+    with pytest.raises(ValueError, match="noise_tolerance must be None or >= 0"):
+        XrayCTSampler(tiny_xray_denoiser(0), (8, 8, 8), **SAMPLER, noise_tolerance=-0.5)
 
 
 # ---------------------------------------------------------------------------------------------- residual
@@ -339,6 +382,41 @@ def test_min_snr_weights():
         snr_loss_weight(a, "v_prediction", "p2")
 
 
+def test_written_ct_lies_on_the_input_cts_grid(tmp_path):
+    """The predicted CT is written on its input CT's grid (affine after the pipeline: orientation, spacing, crop),
+    rescaled about the centre when the stage's size differs; X-ray files alone give the projector's grid."""
+    from types import SimpleNamespace
+
+    from monai.data import MetaTensor
+    from monai.transforms.utils import scale_affine
+
+    oblique = torch.tensor(
+        [[0.0, -2.0, 0.0, 31.5], [1.5, 0.0, 0.0, -12.0], [0.0, 0.0, 2.5, 140.25], [0.0, 0.0, 0.0, 1.0]],
+        dtype=torch.float64,
+    )
+    second = oblique.clone()
+    second[:3, 3] += torch.tensor([5.0, 6.0, 7.0], dtype=torch.float64)
+    pred = torch.rand(2, 1, 8, 8, 8)
+    xray = xray_projector().xrays(pred * 2 - 1)
+    for size, image_affine in ((8, torch.stack([oblique, second])), (16, torch.stack([oblique, second]))):
+        image = MetaTensor(torch.zeros(2, 1, size, size, size), affine=image_affine)
+        image.is_batch = True
+        batch = {"image": image, "case_id": ["a", "b"]}
+        state = SimpleNamespace(batch=batch, output={"pred": pred, "xray": xray, "pred_xray": xray})
+        XrayCTWriter(tmp_path / str(size), xray_projector())(SimpleNamespace(state=state))
+        for i, name in enumerate("ab"):
+            written = nib.load(tmp_path / str(size) / f"{name}_ct.nii.gz").affine
+            expected = image_affine[i].numpy() @ np.asarray(scale_affine([size] * 3, [8] * 3), dtype=np.float64)
+            np.testing.assert_allclose(written, expected, atol=1e-5)
+            # the centre of the predicted volume is the centre of the input CT, in world coordinates
+            centre = written @ np.array([3.5, 3.5, 3.5, 1.0])
+            np.testing.assert_allclose(centre, image_affine[i].numpy() @ np.array([(size - 1) / 2] * 3 + [1.0]))
+    state = SimpleNamespace(batch={"case_id": ["a", "b"]}, output={"pred": pred, "xray": xray, "pred_xray": xray})
+    XrayCTWriter(tmp_path / "views", xray_projector())(SimpleNamespace(state=state))
+    fov = xray_projector().fov_mm
+    np.testing.assert_allclose(nib.load(tmp_path / "views" / "a_ct.nii.gz").affine, np.diag([*(f / 8 for f in fov), 1]))
+
+
 # ---------------------------------------------------------------------------------------------- evaluation
 def test_evaluator_reports_the_mean_its_spread_and_one_sample(tmp_path):
     net = tiny_xray_denoiser(0)
@@ -400,5 +478,11 @@ def test_residual_and_sampling_settings_are_checked(tmp_path):
     for name in ("'num_samples'", "'sample_chunk'", "'guidance_scale'", "'residual_scale'", "'loss_weighting'"):
         assert name in text, text
     assert "pass --regressor_dir" in text
+    for steps, why in ((-1, "must be an integer >= 0"), (1.5, "must be an integer >= 0"), (2, "which is 0")):
+        with pytest.raises(ValueError, match=f"'refine_steps' .*{why}"):
+            EVALUATION(**{**VALID, "refine_steps": steps, "guidance_scale": 0.0})
+    EVALUATION(**{**VALID, "refine_steps": 5, "guidance_scale": 1.0, "noise_tolerance": 1.5})
+    with pytest.raises(ValueError, match="'noise_tolerance' must be null .* got -1"):
+        EVALUATION(**{**VALID, "noise_tolerance": -1})
     with pytest.raises(ValueError, match="has no trained stage 2 regressor"):
         TRAINING(**{**VALID, "stage": 2, "regressor_dir": str(tmp_path)})

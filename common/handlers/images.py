@@ -372,9 +372,12 @@ def projection_panel(xray: torch.Tensor | np.ndarray, predicted: torch.Tensor | 
 
 class XrayCTWriter:
     """Writes, for every case an X-ray -> CT evaluator processes, ``<case>_views.png`` (see
-    :func:`projection_panel`) and, with ``save_volume``, ``<case>_ct.nii.gz``: the predicted CT in Hounsfield units
-    on the projector's field of view (RAS, isotropic voxels of ``fov_mm / size``), and when the evaluator drew
-    several samples per case, ``<case>_ct_std.nii.gz``: their per-voxel standard deviation in HU, same grid.
+    :func:`projection_panel`) and, with ``save_volume``, ``<case>_ct.nii.gz``: the predicted CT in Hounsfield units,
+    and when the evaluator drew several samples per case, ``<case>_ct_std.nii.gz``: their per-voxel standard
+    deviation in HU, same grid. The grid is the input CT's when the case has one (the batch's ``image`` with its
+    affine after the pipeline's orientation, spacing, crop and resize: the prediction lies voxel for voxel on it);
+    for X-ray files alone it is the projector's field of view (RAS, voxels of ``fov_mm / size``, origin at the
+    corner).
 
     Args:
         output_dir: folder of the files (created when missing).
@@ -401,6 +404,7 @@ class XrayCTWriter:
         std = _to_float_numpy(output["pred_std"]) if output.get("pred_std") is not None else None
         names = batch_case_ids(engine.state.batch, pred.shape[0])
         by_case = engine.state.batch.get("case_id") is not None  # else the names are the input files
+        image = engine.state.batch.get("image")
         for i, name in enumerate(names):
             stem = (output_stem(name) if by_case else file_stem(name)) or f"case{i}"
             save_panel_png(
@@ -409,8 +413,23 @@ class XrayCTWriter:
             if self.save_volume:
                 width = self.projector.hu_max - self.projector.hu_min
                 hu = self.projector.hu_min + pred[i, 0] * width
-                affine = np.diag([*(f / s for f, s in zip(self.projector.fov_mm, hu.shape)), 1.0])
+                affine = self.affine(image, i, hu.shape)
                 write_nifti(self.output_dir / f"{stem}_ct.nii.gz", hu.astype(np.float32), affine)
                 if std is not None:
                     std_hu = (std[i, 0] * width).astype(np.float32)
                     write_nifti(self.output_dir / f"{stem}_ct_std.nii.gz", std_hu, affine)
+
+    def affine(self, image: Any, index: int, shape: Sequence[int]) -> np.ndarray:
+        """The affine of case ``index``'s predicted volume of ``shape``: its input CT's grid (``image``, a batch
+        with meta data, rescaled about the centre when its size differs) or, without one, the projector's."""
+        from monai.data import MetaTensor
+        from monai.transforms.utils import scale_affine
+
+        if not isinstance(image, MetaTensor) or image.ndim != 5:
+            return np.diag([*(f / s for f, s in zip(self.projector.fov_mm, shape)), 1.0])
+        affine = image.affine
+        affine = (affine[index] if affine.ndim == 3 else affine).double().cpu().numpy()
+        size = [int(s) for s in image.shape[2:]]
+        if size != [int(s) for s in shape]:
+            affine = affine @ np.asarray(scale_affine(size, shape), dtype=np.float64)
+        return affine

@@ -24,6 +24,7 @@ from typing import Any
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 from monai.data import MetaTensor
 from monai.transforms import (
     MapTransform,
@@ -33,9 +34,12 @@ from common.data.preflight import PreflightError
 from common.xray2ct.drr import DRRProjector
 
 __all__ = [
+    "CONDITION_DEFAULTS",
     "IMAGE_SUFFIXES",
     "DRRd",
     "LoadViewsd",
+    "XrayConditiond",
+    "condition_problems",
     "check_view_files",
     "grid_spacing",
     "read_view",
@@ -218,6 +222,163 @@ class DRRd(MapTransform):
         with torch.no_grad():
             d[self.output_key] = self.projector.xrays(volume.unsqueeze(0))[0]
         return d
+
+
+#: the settings of :class:`XrayConditiond` (``xray_condition`` in the configs) and their clean values
+CONDITION_DEFAULTS: dict[str, Any] = {
+    "photons": None,
+    "blur_mm": 0.0,
+    "gain": 1.0,
+    "offset": 0.0,
+    "rotation_deg": [0.0, 0.0, 0.0],
+    "shift_mm": [0.0, 0.0, 0.0],
+    "seed": 0,
+}
+
+
+def _real(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and bool(np.isfinite(value))
+
+
+def condition_problems(xray_condition: Mapping[str, Any] | None) -> list[str]:
+    """The X-ray condition (``null``: clean X-rays) is a mapping of :data:`CONDITION_DEFAULTS`' keys: ``photons``
+    (``null`` or > 0: counts per pixel of the unattenuated beam), ``blur_mm`` >= 0, ``gain`` > 0, ``offset`` in
+    ``(-1, 1)``, ``rotation_deg`` and ``shift_mm`` (a number or 3 numbers) and an integer ``seed`` >= 0."""
+    if xray_condition is None:
+        return []
+    if not isinstance(xray_condition, Mapping):
+        return [f"'xray_condition' must be null or a mapping of {sorted(CONDITION_DEFAULTS)}, got {xray_condition!r}."]
+    unknown = sorted(set(xray_condition) - set(CONDITION_DEFAULTS))
+    problems = (
+        [f"'xray_condition' has unknown key(s) {unknown}; known: {sorted(CONDITION_DEFAULTS)}."] if unknown else []
+    )
+    c = {**CONDITION_DEFAULTS, **xray_condition}
+    rules = {
+        "photons": c["photons"] is None or (_real(c["photons"]) and c["photons"] > 0),
+        "blur_mm": _real(c["blur_mm"]) and c["blur_mm"] >= 0,
+        "gain": _real(c["gain"]) and c["gain"] > 0,
+        "offset": _real(c["offset"]) and -1 < c["offset"] < 1,
+        "seed": isinstance(c["seed"], int) and not isinstance(c["seed"], bool) and c["seed"] >= 0,
+    }
+    for key in ("rotation_deg", "shift_mm"):
+        values = c[key] if isinstance(c[key], (list, tuple)) else [c[key]]
+        rules[key] = len(values) in (1, 3) and all(_real(v) for v in values)
+    wanted = {
+        "photons": "null or a number > 0 (counts per pixel of the unattenuated beam)",
+        "blur_mm": "a number >= 0 (the detector blur's Gaussian sigma, mm)",
+        "gain": "a number > 0 (1: calibrated)",
+        "offset": "a number in (-1, 1) (a fraction of the unattenuated intensity; 0: calibrated)",
+        "seed": "an integer >= 0",
+        "rotation_deg": "a number or 3 numbers (degrees about X, Y, Z)",
+        "shift_mm": "a number or 3 numbers (mm along X, Y, Z)",
+    }
+    problems += [
+        f"'xray_condition' {key!r} must be {wanted[key]}, got {c[key]!r}." for key, ok in rules.items() if not ok
+    ]
+    return problems
+
+
+def _triple_of(value: Any) -> list[float]:
+    return [float(v) for v in value] if isinstance(value, (list, tuple)) else [float(value)] * 3
+
+
+class XrayConditiond(MapTransform):
+    """X-rays as a real detector and patient give them: replaces ``xray`` (made by :class:`DRRd`) with the X-rays of
+    the CT under ``keys`` seen under ``condition`` (:data:`CONDITION_DEFAULTS`, each applied when it differs from
+    its clean value), in the order physics applies them:
+
+    1. pose: the CT rotated by ``rotation_deg`` (degrees about X, Y, Z, around its centre) and shifted by
+       ``shift_mm`` before it is projected (air comes in at the borders), while the model assumes the nominal pose;
+    2. detector blur: a Gaussian of sigma ``blur_mm`` (at the volume's centre) on the transmitted intensity
+       ``exp(-p)``;
+    3. photon noise: Poisson counts of ``photons`` per pixel of the unattenuated beam times the transmission
+       (``null``: no noise), floored at half a photon;
+    4. miscalibration: the flat field off by ``gain`` and ``offset`` (``gain exp(-p) + offset``), then ``-log``.
+
+    The noise and nothing else is random, from ``seed`` and the case's id (the same case gets the same noise in every
+    run). The ground-truth CT is not changed.
+
+    Args:
+        keys: the CT key (``1, X, Y, Z`` in ``[-1, 1]``, at the size the X-rays are made from).
+        projector: the DRR projector (geometry, field of view, view size).
+        condition: the condition, ``None`` for clean X-rays (the transform does nothing).
+        output_key: the X-ray key.
+
+    Raises:
+        ValueError: listing every bad setting of ``condition`` (:func:`condition_problems`).
+    """
+
+    def __init__(
+        self, keys: str, projector: DRRProjector, condition: Mapping[str, Any] | None, output_key: str = "xray"
+    ) -> None:
+        super().__init__(keys)
+        problems = condition_problems(condition)
+        if problems:
+            raise ValueError(" ".join(problems))
+        self.projector = projector
+        self.condition = None if condition is None else {**CONDITION_DEFAULTS, **condition}
+        self.output_key = output_key
+
+    def __call__(self, data: Mapping[str, Any]) -> dict[str, Any]:
+        d = dict(data)
+        if self.condition is None:
+            return d
+        c = self.condition
+        volume = torch.as_tensor(d[self.keys[0]]).float()
+        xray = torch.as_tensor(d[self.output_key]).float()
+        with torch.no_grad():
+            rotation, shift = _triple_of(c["rotation_deg"]), _triple_of(c["shift_mm"])
+            if any(rotation) or any(shift):
+                xray = self.projector.xrays(self._moved(volume, rotation, shift).unsqueeze(0))[0]
+            transmitted = torch.exp(-xray)
+            if c["blur_mm"] > 0:
+                transmitted = self._blurred(transmitted, float(c["blur_mm"]))
+            floor = 1e-6
+            if c["photons"] is not None:
+                photons = float(c["photons"])
+                generator = torch.Generator().manual_seed(self._seed(d))
+                transmitted = torch.poisson(transmitted.double() * photons, generator).float() / photons
+                floor = 0.5 / photons
+            transmitted = transmitted.clamp(min=floor) * float(c["gain"]) + float(c["offset"])
+            out = -torch.log(transmitted.clamp(min=floor))
+        d[self.output_key] = MetaTensor(out, meta=getattr(d[self.output_key], "meta", {}))
+        return d
+
+    def _moved(self, volume: torch.Tensor, rotation: list[float], shift: list[float]) -> torch.Tensor:
+        """The CT ``(1, X, Y, Z)`` rotated about its centre and shifted (mm), air outside."""
+        from monai.transforms import Affine
+
+        spacing = [f / n for f, n in zip(self.projector.fov_mm, volume.shape[1:])]
+        affine = Affine(
+            rotate_params=[float(np.deg2rad(r)) for r in rotation],
+            translate_params=[-s / v for s, v in zip(shift, spacing)],  # MONAI moves the sampling grid
+            padding_mode="zeros",
+            mode="bilinear",
+            image_only=True,
+        )
+        return torch.as_tensor(affine(volume + 1.0)) - 1.0  # air (-1) pads as 0
+
+    def _blurred(self, image: torch.Tensor, sigma_mm: float) -> torch.Tensor:
+        """``(V, H, W)`` views blurred by a Gaussian of ``sigma_mm`` at the volume's centre, each in its own pixels."""
+        from monai.networks.layers import GaussianFilter
+
+        out = []
+        for i, view in enumerate(self.projector.views):
+            pixel = [p / self.projector.magnification for p in self.projector.detector_pixel_mm(view)]
+            sigma = [sigma_mm / p for p in pixel]
+            pad = [int(np.ceil(4 * s)) for s in sigma]  # the edge's values continue (the filter pads with zeros)
+            padded = F.pad(image[i][None, None], (pad[1], pad[1], pad[0], pad[0]), mode="replicate")
+            blur = GaussianFilter(2, sigma)
+            blurred = (blur(padded) / blur(torch.ones_like(padded)))[0, 0]  # the truncated kernel, summing to 1
+            out.append(blurred[pad[0] : blurred.shape[0] - pad[0], pad[1] : blurred.shape[1] - pad[1]])
+        return torch.stack(out)
+
+    def _seed(self, data: Mapping[str, Any]) -> int:
+        import zlib
+
+        meta = getattr(data[self.keys[0]], "meta", {}) or {}
+        name = str(meta.get("case_id") or meta.get("filename_or_obj") or "")
+        return (zlib.crc32(name.encode()) + 1_000_003 * int(self.condition["seed"])) % (2**63)
 
 
 class LoadViewsd(MapTransform):

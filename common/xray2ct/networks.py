@@ -472,6 +472,10 @@ class XrayCTSampler(InferenceView):
     a SIRT step with the data's projector against the given X-rays), then the step continues from the corrected
     estimate. ``guidance_scale`` 0 leaves the sampler exactly as without guidance.
 
+    ``refine_steps`` > 0 takes that many more consistency steps of weight ``guidance_scale`` on every sample once it
+    is drawn, in every mode: the physics post-processing any method can have (``direct`` with it is the regression
+    baseline refined by SIRT; ``backprojection`` with it is SIRT from the back-projection).
+
     Args:
         network: the :class:`XrayCTDenoiser` (normally the EMA copy).
         volume_size: the stage's volume size.
@@ -486,7 +490,12 @@ class XrayCTSampler(InferenceView):
         num_samples: samples drawn per case; ``forward`` returns their mean.
         sample_chunk: at most this many volumes per network evaluation (``None``: all samples of a call at once);
             lower it when the samples of a case do not fit in memory together. Results do not depend on it.
-        guidance_scale: weight of the projection-consistency step at each DDIM step (0: off).
+        guidance_scale: weight of the projection-consistency step at each DDIM step and of each refinement step
+            (0: off).
+        refine_steps: projection-consistency steps on every drawn sample (0: none; needs ``guidance_scale`` > 0).
+        noise_tolerance: ``None``, or the discrepancy principle for the guidance and refinement steps: a view whose
+            residual is within this many times its X-ray's estimated noise level gets no more correction
+            (:meth:`common.xray2ct.drr.DRRProjector.data_consistency`).
     """
 
     def __init__(
@@ -504,6 +513,8 @@ class XrayCTSampler(InferenceView):
         num_samples: int = 1,
         sample_chunk: int | None = None,
         guidance_scale: float = 0.0,
+        refine_steps: int = 0,
+        noise_tolerance: float | None = None,
     ) -> None:
         super().__init__(network)
         if mode not in SAMPLER_MODES:
@@ -519,6 +530,12 @@ class XrayCTSampler(InferenceView):
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}.")
         if not float(guidance_scale) >= 0:
             raise ValueError(f"guidance_scale must be >= 0, got {guidance_scale!r}.")
+        if isinstance(refine_steps, bool) or not isinstance(refine_steps, int) or refine_steps < 0:
+            raise ValueError(f"refine_steps must be an integer >= 0, got {refine_steps!r}.")
+        if refine_steps and not float(guidance_scale):
+            raise ValueError("refine_steps takes steps of weight guidance_scale, which is 0.")
+        if noise_tolerance is not None and not float(noise_tolerance) >= 0:
+            raise ValueError(f"noise_tolerance must be None or >= 0, got {noise_tolerance!r}.")
         self.volume_size = [int(s) for s in volume_size]
         self.mode = mode
         self.timesteps = torch.as_tensor(timesteps, dtype=torch.long).cpu()
@@ -530,6 +547,8 @@ class XrayCTSampler(InferenceView):
         self.num_samples = int(num_samples)
         self.sample_chunk = None if sample_chunk is None else int(sample_chunk)
         self.guidance_scale = float(guidance_scale)
+        self.refine_steps = int(refine_steps)
+        self.noise_tolerance = None if noise_tolerance is None else float(noise_tolerance)
         # a buffer, so that a traced (exported) sampler keeps the same noise
         self.register_buffer("start_noise", self._fixed_noise(self.num_samples), persistent=False)
 
@@ -582,7 +601,7 @@ class XrayCTSampler(InferenceView):
         k = self.samples_per_case(num_samples)
         if self.mode == "backprojection":
             backprojection = unwrap(net).projector.backproject(xray, self.volume_size)
-            return backprojection.mean(1, keepdim=True).clamp(-1.0, 1.0)
+            return self.refine(backprojection.mean(1, keepdim=True).clamp(-1.0, 1.0), xray)
         if previous is not None:
             previous = upsample_previous(previous, self.volume_size)
             if previous.shape[0] not in (batch, batch * k):
@@ -592,7 +611,7 @@ class XrayCTSampler(InferenceView):
             zeros = torch.zeros((batch, 1, *self.volume_size), device=xray.device)
             t = torch.zeros(batch, dtype=torch.long, device=xray.device)
             out = net(zeros, t, xray, previous, condition=condition).float()
-            return out.clamp(-1.0, 1.0) if self.clip_sample else out
+            return self.refine(out.clamp(-1.0, 1.0) if self.clip_sample else out, xray)
         noise = self._start_noise(batch, k, generator).to(xray.device)
 
         def per_sample(x: torch.Tensor | None) -> torch.Tensor | None:
@@ -617,7 +636,16 @@ class XrayCTSampler(InferenceView):
             )
             for i in range(0, batch * k, chunk)
         ]
-        return torch.cat(samples)
+        return self.refine(torch.cat(samples), xray_k)
+
+    def refine(self, volume: torch.Tensor, xray: torch.Tensor) -> torch.Tensor:
+        """``volume`` after ``refine_steps`` projection-consistency steps of weight ``guidance_scale`` against
+        ``xray`` (one X-ray per volume), clipped to the CT window after each step when ``clip_sample``."""
+        projector = unwrap(self.network).projector
+        for _ in range(self.refine_steps):
+            volume = projector.data_consistency(volume, xray, self.guidance_scale, self.noise_tolerance)
+            volume = volume.clamp(-1.0, 1.0) if self.clip_sample else volume
+        return volume
 
     def _sample_chunk(
         self,
@@ -645,7 +673,7 @@ class XrayCTSampler(InferenceView):
         def corrected(x0: torch.Tensor, t: int) -> torch.Tensor:
             volume = to_volume(x0)
             if self.guidance_scale:
-                volume = denoiser.projector.data_consistency(volume, xray, self.guidance_scale)
+                volume = denoiser.projector.data_consistency(volume, xray, self.guidance_scale, self.noise_tolerance)
             if self.clip_sample:
                 volume = volume.clamp(-1.0, 1.0)
             return to_state(volume)

@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -12,7 +13,8 @@ from common.config_checks import CASE_RUN_CHECKS, SettingsChecks, choice_problem
 from common.data.pipeline import cache_problems, orientation_problems
 from common.diffusion.schedule import GRIDS, PREDICTIONS, fast_ddpm_grid
 from common.utils import is_positive_int
-from common.xray2ct.drr import VIEW_AXES, view_plane
+from common.xray2ct.data import condition_problems
+from common.xray2ct.drr import GEOMETRIES, VIEW_AXES, view_plane
 from common.xray2ct.engines import DIRECT_LOSSES, LOSS_WEIGHTINGS
 from common.xray2ct.losses import PHYSICS_WEIGHTINGS
 from common.xray2ct.networks import MODES, SAMPLER_MODES, stage_checkpoint
@@ -258,16 +260,88 @@ def regressor_problems(mode: str, regressor_dir: str | None, stage: int) -> list
     ]
 
 
-def sampling_problems(num_samples: int, sample_chunk: int | None, guidance_scale: float) -> list[str]:
+def _number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def sampling_problems(
+    num_samples: int, sample_chunk: int | None, guidance_scale: float, refine_steps: int, noise_tolerance: float | None
+) -> list[str]:
     """At least one sample per case, drawn in chunks of at least one (or all at once: ``null``), with a projection
-    guidance scale >= 0."""
+    guidance scale >= 0 and ``refine_steps`` >= 0 data-consistency steps after sampling, each of weight
+    ``guidance_scale`` (so refinement needs a scale > 0); the discrepancy principle's ``noise_tolerance`` is null
+    (off) or >= 0."""
     problems = []
     if not is_positive_int(num_samples):
         problems.append(f"'num_samples' must be an integer >= 1, got {num_samples!r}.")
     if sample_chunk is not None and not is_positive_int(sample_chunk):
         problems.append(f"'sample_chunk' must be an integer >= 1 or null, got {sample_chunk!r}.")
-    if isinstance(guidance_scale, bool) or not isinstance(guidance_scale, (int, float)) or not guidance_scale >= 0:
+    scale_ok = _number(guidance_scale) and guidance_scale >= 0
+    if not scale_ok:
         problems.append(f"'guidance_scale' must be a number >= 0 (0: no projection guidance), got {guidance_scale!r}.")
+    if isinstance(refine_steps, bool) or not isinstance(refine_steps, int) or refine_steps < 0:
+        problems.append(
+            f"'refine_steps' must be an integer >= 0 (data-consistency steps after sampling; 0: none), got "
+            f"{refine_steps!r}."
+        )
+    elif refine_steps and scale_ok and not guidance_scale:
+        problems.append(
+            f"'refine_steps' {refine_steps} takes data-consistency steps of weight 'guidance_scale', which is 0: "
+            "give guidance_scale > 0 (1 is a full step) or refine_steps 0."
+        )
+    if noise_tolerance is not None and not (_number(noise_tolerance) and noise_tolerance >= 0):
+        problems.append(
+            "'noise_tolerance' must be null (every consistency step corrects) or a number >= 0 (a view within this "
+            f"many times its X-ray's noise level is left alone), got {noise_tolerance!r}."
+        )
+    return problems
+
+
+def projection_problems(
+    hu_window: Sequence[float],
+    fov_mm: float | Sequence[float],
+    mu_water: float,
+    geometry: str,
+    source_to_isocenter_mm: float,
+    source_to_detector_mm: float,
+) -> list[str]:
+    """The X-ray projector (:class:`common.xray2ct.drr.DRRProjector`): a CT window ``(hu_min, hu_max)`` with
+    ``-1000 <= hu_min < hu_max`` (air has no attenuation), a positive field of view (one number or one per axis, mm),
+    a positive attenuation of water (1/cm) and a beam ``geometry``; a cone beam's source outside the volume and its
+    detector behind the volume's centre."""
+    problems = []
+    window = list(hu_window) if isinstance(hu_window, (list, tuple)) else None
+    if not window or len(window) != 2 or not all(_number(v) for v in window) or not -1000 <= window[0] < window[1]:
+        problems.append(
+            f"'hu_window' must be [hu_min, hu_max] with -1000 <= hu_min < hu_max (air, -1000 HU, has no "
+            f"attenuation), got {hu_window!r}."
+        )
+    fov = list(fov_mm) if isinstance(fov_mm, (list, tuple)) else [fov_mm]
+    fov_ok = len(fov) in (1, 3) and all(_number(v) and v > 0 for v in fov)
+    if not fov_ok:
+        problems.append(f"'fov_mm' must be a positive number or 3 positive numbers (mm), got {fov_mm!r}.")
+    if not (_number(mu_water) and mu_water > 0):
+        problems.append(f"'mu_water' must be a positive number (1/cm), got {mu_water!r}.")
+    problems += choice_problems(geometry=(geometry, GEOMETRIES))
+    if geometry != "cone":
+        return problems
+    distances = {"source_to_isocenter_mm": source_to_isocenter_mm, "source_to_detector_mm": source_to_detector_mm}
+    bad = [
+        f"{name!r} must be a number of mm, got {value!r}." for name, value in distances.items() if not _number(value)
+    ]
+    if bad or not fov_ok:
+        return problems + bad
+    reach = math.sqrt(sum((f / 2) ** 2 for f in (fov * 3 if len(fov) == 1 else fov)))
+    if not source_to_isocenter_mm > reach:
+        problems.append(
+            f"'source_to_isocenter_mm' must put the cone beam's source outside the volume (> {reach:.1f} mm, half "
+            f"the diagonal of fov_mm), got {source_to_isocenter_mm!r}."
+        )
+    elif not source_to_detector_mm >= source_to_isocenter_mm:
+        problems.append(
+            f"'source_to_detector_mm' must be at least source_to_isocenter_mm {source_to_isocenter_mm!r} (the "
+            f"detector is behind the patient), got {source_to_detector_mm!r}."
+        )
     return problems
 
 
@@ -296,6 +370,8 @@ TRAINING = SettingsChecks(
     residual_scale_problems,
     regressor_problems,
     sampling_problems,
+    projection_problems,
+    condition_problems,
     cache_problems,
     _TRAINING_SWITCHES,
 )
@@ -309,10 +385,6 @@ EVALUATION = TRAINING.with_checks(
 )
 """The checks of an evaluation (``evaluate.json`` on ``train.json``): ``mode`` may also be the ``backprojection``
 baseline, no regressor run is needed, and ``save_volumes`` is a switch too."""
-
-
-def _number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def trained_network_problems(mode: str, views: Sequence[str], view_size: Sequence[int], trained: dict) -> list[str]:
@@ -346,25 +418,6 @@ def trained_network_problems(mode: str, views: Sequence[str], view_size: Sequenc
     return problems
 
 
-def projection_problems(hu_window: Sequence[float], fov_mm: float | Sequence[float], mu_water: float) -> list[str]:
-    """The X-ray projector (:class:`common.xray2ct.drr.DRRProjector`): a CT window ``(hu_min, hu_max)`` with
-    ``-1000 <= hu_min < hu_max`` (air has no attenuation), a positive field of view (one number or one per axis, mm)
-    and a positive attenuation of water (1/cm)."""
-    problems = []
-    window = list(hu_window) if isinstance(hu_window, (list, tuple)) else None
-    if not window or len(window) != 2 or not all(_number(v) for v in window) or not -1000 <= window[0] < window[1]:
-        problems.append(
-            f"'hu_window' must be [hu_min, hu_max] with -1000 <= hu_min < hu_max (air, -1000 HU, has no "
-            f"attenuation), got {hu_window!r}."
-        )
-    fov = list(fov_mm) if isinstance(fov_mm, (list, tuple)) else [fov_mm]
-    if len(fov) not in (1, 3) or not all(_number(v) and v > 0 for v in fov):
-        problems.append(f"'fov_mm' must be a positive number or 3 positive numbers (mm), got {fov_mm!r}.")
-    if not (_number(mu_water) and mu_water > 0):
-        problems.append(f"'mu_water' must be a positive number (1/cm), got {mu_water!r}.")
-    return problems
-
-
 def noise_problems(eta: float, seed: int) -> list[str]:
     """The DDIM ``eta`` in [0, 1] and the integer ``seed`` >= 0 of each case's sampling noise."""
     problems = []
@@ -386,6 +439,7 @@ INFERENCE = SettingsChecks(
     residual_scale_problems,
     noise_problems,
     projection_problems,
+    condition_problems,
     orientation_problems,
     *CASE_RUN_CHECKS,
     switches("save_volumes"),

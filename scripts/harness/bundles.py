@@ -10,13 +10,13 @@ the bundle its benchmarks and fault-test job run)."""
 from __future__ import annotations
 
 import importlib
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from types import ModuleType
 
 from common.bundle import bundle_names
 from common.bundle_tools.registry import describe
 
-__all__ = ["BUNDLES", "FAMILY_MODULES", "benchmarks", "family", "modules"]
+__all__ = ["BUNDLES", "FAMILY_MODULES", "benchmark_command", "benchmarks", "family", "modules"]
 
 BUNDLES = tuple(bundle_names())
 FAMILY_MODULES = {bundle: describe(bundle).harness for bundle in BUNDLES}
@@ -51,3 +51,14 @@ def benchmarks() -> dict[str, Callable]:
                 raise RuntimeError(f"benchmark {name!r} of {module.__name__} is also defined elsewhere.")
             found[name] = function
     return found
+
+
+def benchmark_command(argv: Sequence[str]) -> list[str]:
+    """The ``fire`` command of ``scripts/benchmark.py``'s arguments ``argv``: ``<command> --help`` (or ``-h``) asks
+    for the command's help, which a command taking extra ``--key value`` settings (``**overrides``) would otherwise
+    take as one of them and run."""
+    argv = list(argv)
+    asks_help = bool({"-h", "--help"} & set(argv[: argv.index("--")] if "--" in argv else argv))
+    if asks_help and argv and not argv[0].startswith("-"):
+        return [argv[0], "--", "--help"]
+    return argv

@@ -128,6 +128,9 @@ def _projector(view_size: Sequence[int]):
         views=config["views"],
         view_size=[int(v) for v in view_size],
         mu_water=config["mu_water"],
+        geometry=config["geometry"],
+        source_to_isocenter_mm=config["source_to_isocenter_mm"],
+        source_to_detector_mm=config["source_to_detector_mm"],
     )
 
 
@@ -433,6 +436,8 @@ def xray_quality(
     methods: Sequence[str] = ("direct", "diffusion", "residual"),
     num_samples: int = 4,
     guidance_scale: float = 1.0,
+    refine_steps: int = 5,
+    conditions: Sequence[str] | None = None,
     parallel: int = 2,
     plot: str | None = None,
     **overrides,
@@ -462,7 +467,12 @@ def xray_quality(
             :data:`scripts.harness.xray_budgets.CPU_BUDGET_SETTINGS` sizes, one thread per command.
         methods: the methods of a budget comparison (``direct``, ``diffusion``, ``residual``, ``min_snr``).
         num_samples: samples per case of the stochastic methods in a budget comparison.
-        guidance_scale: the projection-guidance weight of the guided evaluations of a budget comparison.
+        guidance_scale: the projection-guidance weight of the guided evaluations of a budget comparison, and the
+            weight of each refinement step.
+        refine_steps: the data-consistency steps of the refined evaluations of a budget comparison (every method
+            gets them: ``direct_refined`` is the regressor's output after them).
+        conditions: the realistic X-ray conditions of a budget comparison (default: all of
+            :data:`scripts.harness.xray_budgets.CONDITIONS`; ``"[]"`` for none).
         parallel: commands run at a time in a budget comparison.
         plot: PNG file of a budget comparison's curves.
         overrides: bundle overrides given to every training and evaluation command (``--num_threads 2``,
@@ -482,6 +492,8 @@ def xray_quality(
             methods,
             num_samples,
             guidance_scale,
+            refine_steps,
+            conditions,
             parallel,
             plot,
             overrides,
@@ -598,6 +610,8 @@ def _quality_budgets(
     methods: Sequence[str],
     num_samples: int,
     guidance_scale: float,
+    refine_steps: int,
+    conditions: Sequence[str] | None,
     parallel: int,
     plot: str | None,
     overrides: dict,
@@ -605,10 +619,13 @@ def _quality_budgets(
     """``xray_quality --budgets``: see :func:`scripts.harness.xray_budgets.xray_budgets`."""
     from common.demo.images import make_xray2ct_demo
     from common.utils import resolve_device
-    from scripts.harness.xray_budgets import BUDGET_HEADER, CPU_BUDGET_SETTINGS, budget_rows, plot_budgets
+    from scripts.harness.xray_budgets import BUDGET_HEADER, CONDITIONS, CPU_BUDGET_SETTINGS, budget_rows, plot_budgets
     from scripts.harness.xray_budgets import xray_budgets as run_budgets
 
-    reserved = sorted(set(overrides) & {*QUALITY_RESERVED, "eval_dir", "num_samples", "guidance_scale"})
+    reserved = sorted(
+        set(overrides)
+        & {*QUALITY_RESERVED, "eval_dir", "num_samples", "guidance_scale", "refine_steps", "noise_tolerance"}
+    )
     if reserved:
         raise ValueError(f"xray_quality --budgets sets {reserved} itself for every run; leave them out.")
     dev = resolve_device(device)
@@ -641,6 +658,12 @@ def _quality_budgets(
         stages=int(stages),
         num_samples=int(num_samples),
         guidance_scale=float(guidance_scale),
+        refine_steps=int(refine_steps),
+        conditions=list(CONDITIONS)
+        if conditions is None
+        else [conditions]
+        if isinstance(conditions, str)
+        else conditions,
         parallel=int(parallel),
         output=output,
     )

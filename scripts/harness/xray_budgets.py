@@ -22,7 +22,16 @@ A budget ``b`` is the training iterations of stage 1; stage 2 gets ``b * stage2_
 Every snapshot is evaluated with ``evaluate.json`` (stage ``k`` runs the cascade ``1..k``; its stage-1 snapshot is
 that of the same budget) on the validation cases: the stochastic methods with ``num_samples`` samples per case,
 without and with projection guidance, reporting the mean of the samples and one sample; the untrained
-back-projection is the floor. Results go to ``output`` (JSON, rewritten after every evaluation), a Markdown table
+back-projection is the floor. Every method also gets the same physics post-processing, ``refine_steps``
+data-consistency (SIRT) steps of weight ``guidance_scale`` on its output (after guidance for the stochastic
+methods): the rows ``direct_refined`` (the regressor refined) and ``backprojection_refined`` (SIRT from the
+back-projection), and the stochastic methods' rows with ``refine`` > 0.
+
+Realistic X-rays (``conditions``, :data:`CONDITIONS`): at the two largest budgets every method is evaluated again
+on validation X-rays made under each condition - photon noise at two doses, detector blur, a miscalibrated flat
+field, a pose error, cone-beam views - with the models trained on clean parallel-beam X-rays. Its guided and refined
+evaluations run twice there: with every consistency step, and with the discrepancy principle (``noise_tolerance``:
+a view within that many times its noise level is left alone). Results go to ``output`` (JSON, rewritten after every evaluation), a Markdown table
 and a plot of PSNR and projection error against the budget.
 """
 
@@ -38,7 +47,7 @@ from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from pathlib import Path
 from typing import Any
 
-__all__ = ["BUDGET_METHODS", "CPU_BUDGET_SETTINGS", "budget_rows", "plot_budgets", "xray_budgets"]
+__all__ = ["BUDGET_METHODS", "CONDITIONS", "CPU_BUDGET_SETTINGS", "budget_rows", "plot_budgets", "xray_budgets"]
 
 #: the methods of the comparison: the trained mode and its extra training settings
 BUDGET_METHODS = {
@@ -54,6 +63,19 @@ CPU_BUDGET_SETTINGS = {
     "view_size": [32, 32],
     "vit_patch_size": 8,
 }
+#: the realistic X-ray conditions of the evaluations: the overrides of ``evaluate.json`` each one sets. Photon counts
+#: are per X-ray pixel of the unattenuated beam at the benchmark's view size; ``blur_px`` is the detector blur's sigma
+#: in X-ray pixels (turned into ``blur_mm`` for the run's field of view and view size)
+CONDITIONS: dict[str, dict[str, Any]] = {
+    "noise_dose_high": {"xray_condition": {"photons": 1e5}},
+    "noise_dose_low": {"xray_condition": {"photons": 1e4}},
+    "blur": {"xray_condition": {"blur_px": 1.0}},
+    "miscalibrated": {"xray_condition": {"gain": 1.05, "offset": 0.01}},
+    "pose": {"xray_condition": {"rotation_deg": [1.5, 1.5, 1.5], "shift_mm": [1.5, 1.5, 1.5]}},
+    "cone": {"geometry": "cone", "source_to_isocenter_mm": 1000.0, "source_to_detector_mm": 1500.0},
+}
+#: the discrepancy principle's tolerance in the conditions' guided and refined evaluations
+NOISE_TOLERANCE = 1.5
 #: the metrics kept per evaluation (``val_`` prefix dropped)
 METRICS = ("psnr", "ssim", "ms_ssim", "proj_error", "hf_ratio", "spectral_distance")
 
@@ -117,6 +139,9 @@ def xray_budgets(
     stage2_ratio: float = 0.5,
     num_samples: int = 4,
     guidance_scale: float = 1.0,
+    refine_steps: int = 5,
+    conditions: Sequence[str] = tuple(CONDITIONS),
+    noise_tolerance: float = NOISE_TOLERANCE,
     parallel: int = 2,
     output: str | None = None,
 ) -> dict:
@@ -132,7 +157,10 @@ def xray_budgets(
         stages: 1 or 2.
         stage2_ratio: stage-2 iterations per stage-1 iteration.
         num_samples: samples per case of the stochastic methods' evaluations.
-        guidance_scale: the guided evaluations' projection-guidance weight.
+        guidance_scale: the guided evaluations' projection-guidance weight, and the weight of each refinement step.
+        refine_steps: the data-consistency steps of the refined evaluations (0: none).
+        conditions: names out of :data:`CONDITIONS` to evaluate the two largest budgets under.
+        noise_tolerance: the discrepancy principle's tolerance in the conditions' guided and refined evaluations.
         parallel: commands at a time.
         output: JSON file of the results.
 
@@ -147,6 +175,10 @@ def xray_budgets(
         raise ValueError("the residual method refines the direct regressor: list 'direct' too.")
     if stages not in (1, 2):
         raise ValueError(f"stages must be 1 or 2, got {stages!r}.")
+    conditions = [conditions] if isinstance(conditions, str) else list(conditions)
+    unknown = [c for c in conditions if c not in CONDITIONS]
+    if unknown:
+        raise ValueError(f"conditions must be out of {sorted(CONDITIONS)}, got {unknown}.")
     iters2 = {b: int(round(b * stage2_ratio)) for b in budgets}
     halves = "residual" in methods  # the residual method's regressors are direct snapshots at half the budgets
     odd = [b for b in budgets if b < 1 or (halves and b % 2)]
@@ -166,6 +198,9 @@ def xray_budgets(
         "methods": list(methods),
         "num_samples": int(num_samples),
         "guidance_scale": float(guidance_scale),
+        "refine_steps": int(refine_steps),
+        "conditions": {name: _condition(name, settings) for name in conditions},
+        "noise_tolerance": float(noise_tolerance),
         "settings": settings,
         "train_seconds": {},
         "results": [],
@@ -232,30 +267,51 @@ def xray_budgets(
 
         return task
 
-    def evaluate(method: str, budget: int | None, stage: int) -> Callable[[], None]:
+    def evaluations(stochastic: bool, condition: str) -> list[dict[str, Any]]:
+        """The sampler settings of a method's evaluations: plain, guided (stochastic methods), refined; under a
+        realistic condition the guided and refined ones with the discrepancy principle too."""
+        g, r = float(guidance_scale), int(refine_steps) if guidance_scale else 0
+        chosen = [(0.0, 0), (g, 0)] if stochastic and g else [(0.0, 0)]
+        chosen += [(g, r)] if r else []
+        found = [{"guidance_scale": a, "refine_steps": b, "noise_tolerance": None} for a, b in dict.fromkeys(chosen)]
+        if condition != "clean":
+            found += [{**e, "noise_tolerance": float(noise_tolerance)} for e in found if e["guidance_scale"]]
+        return found
+
+    def evaluate(method: str, budget: int | None, stage: int, condition: str = "clean") -> Callable[[], None]:
         def task() -> None:
             mode = "backprojection" if method == "backprojection" else BUDGET_METHODS[method]["mode"]
             out = work / "backprojection" if budget is None else _budget_dir(work, method, budget)
             stochastic = mode in ("diffusion", "residual")
-            for guidance in (0.0, float(guidance_scale)) if stochastic else (0.0,):
-                eval_dir = out / f"stage{stage}" / f"eval_k{num_samples if stochastic else 1}_g{guidance:g}"
+            for sampler in evaluations(stochastic, condition):
+                k = num_samples if stochastic else 1
+                guidance, refine, tolerance = (
+                    sampler[n] for n in ("guidance_scale", "refine_steps", "noise_tolerance")
+                )
+                name = f"eval_k{k}_g{guidance:g}" + (f"_r{refine}" if refine else "")
+                name += ("" if tolerance is None else f"_t{tolerance:g}") + (
+                    "" if condition == "clean" else f"_{condition}"
+                )
+                eval_dir = out / f"stage{stage}" / name
                 overrides = {
                     **settings,
+                    **summary["conditions"].get(condition, {}),
                     "stage": stage,
                     "mode": mode,
                     "output_dir": str(out),
                     "eval_dir": str(eval_dir),
                     "num_samples": int(num_samples) if stochastic else 1,
-                    "guidance_scale": guidance,
+                    **sampler,
                 }
                 seconds = run(command("run", ["train.json", "evaluate.json"], overrides))
                 latest = json.loads((eval_dir / "metrics.json").read_text())["latest"]
                 row = {
-                    "method": method,
+                    "method": f"{method}_refined" if refine and not stochastic else method,
                     "stage": stage,
                     "budget": budget,
+                    "condition": condition,
                     "num_samples": overrides["num_samples"],
-                    "guidance_scale": guidance,
+                    **sampler,
                     "eval_seconds": seconds,
                     **{m: latest.get(f"val_{m}") for m in METRICS},
                     **{f"sample_{m}": latest.get(f"val_sample_{m}") for m in METRICS},
@@ -281,18 +337,32 @@ def xray_budgets(
             if stages > 1:
                 jobs.add(f"residual/train2/{b}", residual(b, 2), after=["direct/train2", f"residual/train1/{b}"])
     for stage in range(1, stages + 1):
-        jobs.add(f"backprojection/eval{stage}", evaluate("backprojection", None, stage))
-        for method in methods:
-            if method == "min_snr" and stage > 1:
-                continue
-            for b in budgets:
-                trained = f"residual/train{stage}/{b}" if method == "residual" else f"{method}/train{stage}"
-                jobs.add(f"{method}/eval{stage}/{b}", evaluate(method, b, stage), after=[trained])
+        for condition in ["clean", *conditions]:
+            tag = "" if condition == "clean" else f"/{condition}"
+            jobs.add(f"backprojection/eval{stage}{tag}", evaluate("backprojection", None, stage, condition))
+            for method in methods:
+                if method == "min_snr" and stage > 1:
+                    continue
+                for b in budgets if condition == "clean" else budgets[-2:]:
+                    trained = f"residual/train{stage}/{b}" if method == "residual" else f"{method}/train{stage}"
+                    jobs.add(f"{method}/eval{stage}/{b}{tag}", evaluate(method, b, stage, condition), after=[trained])
     start = time.perf_counter()
     jobs.run()
     summary["wall_seconds"] = time.perf_counter() - start
     save()
     return summary
+
+
+def _condition(name: str, settings: dict) -> dict[str, Any]:
+    """The ``evaluate.json`` overrides of the condition ``name`` (:data:`CONDITIONS`) for the run ``settings``: a
+    blur in X-ray pixels becomes ``blur_mm`` at the run's field of view and view size."""
+    overrides = json.loads(json.dumps(CONDITIONS[name]))
+    condition = overrides.get("xray_condition")
+    if condition and "blur_px" in condition:
+        fov = settings.get("fov_mm", 350.0)
+        fov = min(fov) if isinstance(fov, (list, tuple)) else float(fov)
+        condition["blur_mm"] = condition.pop("blur_px") * fov / max(settings.get("view_size", [128, 128]))
+    return overrides
 
 
 def _copy_stage(source: Path, target: Path, stage: int) -> None:
@@ -312,7 +382,17 @@ def budget_rows(summary: dict) -> list[list[str]]:
     rows = []
     ordered = sorted(
         summary["results"],
-        key=lambda r: (r["stage"], r["method"], r["num_samples"], r["guidance_scale"], r["budget"] or 0),
+        key=lambda r: (
+            r["stage"],
+            r.get("condition", "clean") != "clean",
+            r.get("condition", "clean"),
+            r["method"],
+            r["num_samples"],
+            r["guidance_scale"],
+            r.get("refine_steps", 0),
+            r.get("noise_tolerance") or 0,
+            r["budget"] or 0,
+        ),
     )
     stage2 = {int(k): v for k, v in (summary.get("stage2_iterations") or {}).items()}
     for r in ordered:
@@ -320,11 +400,14 @@ def budget_rows(summary: dict) -> list[list[str]]:
         cost = "-" if budget is None else str(budget) if r["stage"] == 1 else f"{budget} + {stage2[budget]}"
         rows.append(
             [
+                r.get("condition", "clean"),
                 r["method"],
                 r["stage"],
                 cost,
                 r["num_samples"],
                 f"{r['guidance_scale']:g}",
+                r.get("refine_steps", 0),
+                fmt(r.get("noise_tolerance"), "g"),
                 fmt(r["psnr"], ".2f"),
                 fmt(r["ssim"], ".3f"),
                 fmt(r["proj_error"], ".4f"),
@@ -340,11 +423,14 @@ def budget_rows(summary: dict) -> list[list[str]]:
 
 
 BUDGET_HEADER = [
+    "X-rays",
     "method",
     "stage",
     "iterations",
     "K",
     "guidance",
+    "refine",
+    "noise tol.",
     "PSNR (dB)",
     "SSIM",
     "proj. error",
@@ -368,16 +454,17 @@ def plot_budgets(summary: dict, path: str | Path) -> Path:
     fig, axes = plt.subplots(2, len(stages), figsize=(5.5 * len(stages), 7), squeeze=False)
     for col, stage in enumerate(stages):
         curves: dict[str, list[tuple[int, float, float]]] = {}
-        floor = None
+        floors = {}  # the untrained baselines, one level each
         for r in summary["results"]:
-            if r["stage"] != stage:
+            if r["stage"] != stage or r.get("condition", "clean") != "clean":
                 continue
             if r["budget"] is None:
-                floor = r
+                floors[r["method"]] = r
                 continue
             label = r["method"]
             if r["num_samples"] > 1:
                 label += f" K={r['num_samples']} g={r['guidance_scale']:g}"
+                label += f" r={r['refine_steps']}" if r.get("refine_steps") else ""
             curves.setdefault(label, []).append((r["budget"], r["psnr"], r["proj_error"]))
             if r["num_samples"] > 1 and r["guidance_scale"] == 0:
                 single = f"{r['method']} 1 sample"
@@ -388,9 +475,10 @@ def plot_budgets(summary: dict, path: str | Path) -> Path:
             style = "--" if "1 sample" in label else "-"
             axes[0][col].plot(x, [p[1] for p in points], style, marker="o", label=label)
             axes[1][col].plot(x, [p[2] for p in points], style, marker="o", label=label)
-        if floor is not None:
-            axes[0][col].axhline(floor["psnr"], color="grey", linestyle=":", label="back-projection")
-            axes[1][col].axhline(floor["proj_error"], color="grey", linestyle=":", label="back-projection")
+        for (name, floor), colour in zip(sorted(floors.items()), ("grey", "black")):
+            label = name.replace("backprojection", "back-projection").replace("_refined", " + SIRT")
+            axes[0][col].axhline(floor["psnr"], color=colour, linestyle=":", label=label)
+            axes[1][col].axhline(floor["proj_error"], color=colour, linestyle=":", label=label)
         for row, name in enumerate(("PSNR (dB)", "projection error")):
             ax = axes[row][col]
             ax.set_xscale("log", base=2)
