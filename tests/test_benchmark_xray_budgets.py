@@ -251,3 +251,24 @@ def test_budget_comparison_runs_the_bundle_commands(tmp_path, in_process):  # no
         assert rows[("residual", b, 1.0, 0)]["proj_error"] < rows[("residual", b, 0.0, 0)]["proj_error"]
     training = [cmd for cmd in in_process if cmd[4] == "training"]
     assert len(training) == 3 + 2 and all(cmd[cmd.index("--num_threads") + 1] == "1" for cmd in in_process)
+    # the spread of the residual snapshot: scored on held-out phantoms, calibrated on the others
+    result = benchmark.xray_uncertainty(
+        str(tmp_path / "q.json"),
+        str(tmp_path / "work"),
+        methods=["residual"],
+        ks=[2],
+        n_cases=4,
+        output=str(tmp_path / "u.json"),
+    )
+    assert result["cases"] == {"calibration": 2, "held_out": 2} and result["budget"] == 4
+    (row,) = result["results"]
+    for name in ("raw_coverage_1std", "raw_coverage_2std", "calibrated_coverage_1std", "calibrated_coverage_2std"):
+        assert 0 <= row[name] <= 1, name
+    assert row["raw_coverage_1std"] <= row["raw_coverage_2std"]
+    assert -1 <= row["raw_std_error_spearman"] <= 1 and -1 <= row["raw_std_error_partial_spearman"] <= 1
+    assert row["uncertainty_scale"] > 0 and row["uncertainty_floor"] >= 0
+    calibrated = [cmd for cmd in in_process if "uncertainty_k2_calibrated" in " ".join(cmd)]
+    assert calibrated and "--uncertainty_scale" in calibrated[0]
+    held_out = json.loads((tmp_path / "work" / "datalist_held_out.json").read_text())["validation"]
+    fitted = json.loads((tmp_path / "work" / "datalist_calibration.json").read_text())["validation"]
+    assert not {c["image"] for c in held_out} & {c["image"] for c in fitted}

@@ -326,6 +326,8 @@ VALID = {
     "guidance_scale": 0.0,
     "refine_steps": 0,
     "noise_tolerance": None,
+    "uncertainty_scale": 1.0,
+    "uncertainty_floor": 0.0,
     "hu_window": [-1000.0, 1000.0],
     "fov_mm": 350.0,
     "mu_water": 0.2,
@@ -335,6 +337,7 @@ VALID = {
     "xray_condition": None,
     **dict.fromkeys(SWITCHES, False),
     "save_volumes": False,
+    "calibrate_uncertainty": False,
 }
 
 

@@ -283,3 +283,80 @@ def test_bad_bins_eps_and_shape_are_rejected():
         radial_frequency((16, 16))
     with pytest.raises(ValueError, match="needs the ground truth"):
         HighFrequencyRatioMetric()(y_pred=_rand(1, 0))
+
+
+# ---------------------------------------------------------------------------------------------- uncertainty
+def _gaussian_case(seed: int, shape=(1, 1, 24, 24, 24)):
+    """A prediction whose errors are Gaussian with exactly the spread ``std`` it states (varying per voxel)."""
+    gen = torch.Generator().manual_seed(seed)
+    mean = torch.rand(shape, generator=gen)
+    std = 0.02 + 0.1 * torch.rand(shape, generator=gen)
+    target = mean + std * torch.randn(shape, generator=gen, dtype=torch.float64).float()
+    return mean, std, target
+
+
+def test_a_right_spread_covers_the_gaussian_fractions():
+    from common.xray2ct.metrics import uncertainty_scores
+
+    mean, std, target = _gaussian_case(0)
+    scores = uncertainty_scores(mean, std, target)
+    assert float(scores["coverage_1std"]) == pytest.approx(0.6827, abs=0.01)
+    assert float(scores["coverage_2std"]) == pytest.approx(0.9545, abs=0.006)
+    half = uncertainty_scores(mean, std, target, scale=0.5)  # a spread half too small covers +-1 and +-0.5 sigma
+    assert float(half["coverage_2std"]) == pytest.approx(float(scores["coverage_1std"]), abs=1e-6)
+
+
+def test_rank_correlations_match_scipy_and_a_regression_on_the_edge_map():
+    """Spearman against scipy; the partial rank correlation against the correlation of the residuals of both ranks
+    regressed on the edge map's ranks (numpy least squares), a computation of its own."""
+    from scipy.stats import rankdata, spearmanr
+
+    from common.xray2ct.metrics import uncertainty_scores
+
+    mean, std, target = _gaussian_case(1, (2, 1, 12, 12, 12))
+    std = std + 0.5 * torch.stack(torch.gradient(mean, dim=(2, 3, 4))).pow(2).sum(0).sqrt()  # partly an edge map
+    std[0, 0, :2] = 0.05  # ties
+    scores = uncertainty_scores(mean, std, target)
+    for i in range(2):
+        error = (mean[i] - target[i]).abs().double().numpy().ravel()
+        spread = std[i].double().numpy().ravel()
+        assert float(scores["std_error_spearman"][i]) == pytest.approx(spearmanr(spread, error)[0], abs=1e-6)
+        edges = np.sqrt(sum(g**2 for g in np.gradient(mean[i, 0].double().numpy()))).ravel()
+        design = np.stack([np.ones_like(edges), rankdata(edges)], axis=1)
+
+        def residual(values):
+            ranks = rankdata(values)
+            return ranks - design @ np.linalg.lstsq(design, ranks, rcond=None)[0]
+
+        partial = np.corrcoef(residual(spread), residual(error))[0, 1]
+        assert float(scores["std_error_partial_spearman"][i]) == pytest.approx(partial, abs=1e-6)
+
+
+def test_a_spread_that_is_only_an_edge_map_says_nothing_beyond_it():
+    from common.xray2ct.metrics import uncertainty_scores
+
+    gen = torch.Generator().manual_seed(2)
+    mean = torch.rand((1, 1, 16, 16, 16), generator=gen, dtype=torch.float64)  # no rounding ties in 3 x edges
+    edges = torch.stack(torch.gradient(mean, dim=(2, 3, 4))).pow(2).sum(0).sqrt()
+    target = mean + edges * torch.randn(mean.shape, generator=gen, dtype=torch.float64)  # errors grow with the edges
+    scores = uncertainty_scores(mean, edges * 3 + 0.01, target)  # a spread that is the edge map itself
+    assert float(scores["std_error_spearman"]) > 0.3
+    assert abs(float(scores["std_error_partial_spearman"])) < 1e-6
+
+
+def test_the_fitted_scale_covers_what_it_was_fitted_for():
+    from common.xray2ct.metrics import fit_uncertainty_scale, uncertainty_scores
+
+    mean, std, target = _gaussian_case(3)
+    scale = fit_uncertainty_scale(mean - target, std * 3, coverage=0.95, width=2.0)  # a spread 3x too wide
+    assert scale == pytest.approx(1.96 / 2 / 3, rel=0.03)
+    covered = float(uncertainty_scores(mean, std * 3, target, scale=scale)["coverage_2std"])
+    assert 0.95 <= covered < 0.95 + 1 / mean.numel() + 1e-9
+    with pytest.raises(ValueError, match="error but no spread"):
+        fit_uncertainty_scale(torch.ones(100), torch.zeros(100))
+    # a floor gives voxels where every sample agreed an interval: |e| / (0 + 0.5) = 2, so s = 2 / width
+    assert fit_uncertainty_scale(torch.ones(100), torch.zeros(100), floor=0.5) == pytest.approx(1.0)
+    with pytest.raises(ValueError, match="same number of voxels"):
+        fit_uncertainty_scale(torch.ones(10), torch.ones(9))
+    with pytest.raises(ValueError, match="three"):
+        uncertainty_scores(mean, std[..., :3], target)

@@ -23,6 +23,7 @@ from common.diffusion.schedule import DiffusionSchedule, fast_ddpm_grid, grid_dd
 from common.handlers.images import XrayCTWriter
 from common.xray2ct.engines import XrayCTEvaluator, XrayCTTrainer, snr_loss_weight, xray2ct_metric_handlers
 from common.xray2ct.losses import ProjectionLoss
+from common.xray2ct.metrics import uncertainty_scores
 from common.xray2ct.networks import XrayCTDenoiser, XrayCTSampler, build_cascade, load_regressor
 from common.xray2ct.settings import EVALUATION, TRAINING
 from tests.helpers import TINY_XRAY_NETWORK, randomise_zero_parameters, tiny_xray_denoiser, xray_projector
@@ -443,6 +444,19 @@ def test_evaluator_reports_the_mean_its_spread_and_one_sample(tmp_path):
         np.testing.assert_allclose(std.get_fdata(), out["pred_std"][i, 0].numpy() * width, rtol=1e-5, atol=1e-3)
     assert float(out["pred_std"].min()) >= 0 and float(out["pred_std"].mean()) > 0
     assert out["sample_proj_error"].shape == (2,)
+    scored = []
+    labelled = data
+    for scale in (1.0, 2.5):
+        evaluator = XrayCTEvaluator("cpu", [labelled], sampler, uncertainty_scale=scale)
+        evaluator.add_event_handler(Events.ITERATION_COMPLETED, lambda e: scored.append(dict(e.state.output)))
+        evaluator.run()
+    torch.testing.assert_close(scored[1]["pred_std"], scored[0]["pred_std"] * 2.5)
+    expected = uncertainty_scores(scored[1]["pred"], scored[1]["pred_std"], scored[1]["label"])
+    for name, value in expected.items():
+        torch.testing.assert_close(scored[1][name], value)
+    assert (scored[1]["coverage_1std"] >= scored[0]["coverage_1std"]).all()  # a wider spread covers more
+    with pytest.raises(ValueError, match="uncertainty_scale must be positive"):
+        XrayCTEvaluator("cpu", [labelled], sampler, uncertainty_scale=0)
     single = XrayCTEvaluator("cpu", [data], XrayCTSampler(net, (8, 8, 8), **SAMPLER))
     single.add_event_handler(Events.ITERATION_COMPLETED, lambda e: outputs.append(dict(e.state.output)))
     single.run()
@@ -450,12 +464,44 @@ def test_evaluator_reports_the_mean_its_spread_and_one_sample(tmp_path):
     torch.testing.assert_close(outputs[-1]["pred"], out["pred_sample"], rtol=0, atol=1e-4)
 
 
+def test_a_calibration_fitted_on_cases_covers_them_as_asked(tmp_path):
+    """The handler fits ``scale * (std + floor)`` on an evaluation's cases; applying it, ``+-2`` calibrated spreads
+    cover 95% of their voxels (split conformal on the same cases: at least 95%, by at most one voxel more), and a
+    refit on the calibrated evaluation gives the same calibration of the samples' own spread."""
+    from common.xray2ct.metrics import UncertaintyCalibration
+
+    net = tiny_xray_denoiser(0)
+    sampler = XrayCTSampler(net, (8, 8, 8), **SAMPLER, num_samples=3)
+    x0 = volume((2, 1, 8, 8, 8), 3)
+    data = {"image": x0, "xray": xray_projector().xrays(x0), "case_id": ["a", "b"]}
+    fitted = []
+    for i, applied in enumerate(((1.0, 0.0), None)):
+        if applied is None:
+            applied = (fitted[0]["uncertainty_scale"], fitted[0]["uncertainty_floor"])
+        evaluator = XrayCTEvaluator("cpu", [data], sampler, uncertainty_scale=applied[0], uncertainty_floor=applied[1])
+        outputs = []
+        evaluator.add_event_handler(Events.ITERATION_COMPLETED, lambda e: outputs.append(dict(e.state.output)))
+        path = tmp_path / f"calibration{i}.json"
+        UncertaintyCalibration(str(path), applied_scale=applied[0], applied_floor=applied[1], num_samples=3).attach(
+            evaluator
+        )
+        evaluator.run()
+        fitted.append(json.loads(path.read_text()))
+    assert fitted[0]["cases"] == 2 and fitted[0]["voxels"] == 2 * 8**3 and fitted[0]["num_samples"] == 3
+    assert fitted[0]["uncertainty_floor"] > 0
+    for name in ("uncertainty_scale", "uncertainty_floor"):
+        assert fitted[1][name] == pytest.approx(fitted[0][name], rel=1e-5)
+    covered = float(outputs[0]["coverage_2std"].mean())  # equal voxel counts: the pooled fraction
+    assert 0.95 <= covered <= 0.95 + 1 / (2 * 8**3) + 1e-6
+
+
 def test_metric_handlers_add_texture_and_single_sample_metrics():
     base = {"val_psnr", "val_ssim", "val_ms_ssim", "val_proj_error", "val_hf_ratio", "val_spectral_distance"}
     assert set(xray2ct_metric_handlers()) == base
     assert set(xray2ct_metric_handlers(num_samples=4, mode="direct")) == base
     with_samples = set(xray2ct_metric_handlers(num_samples=4, mode="residual"))
-    assert with_samples == base | {name.replace("val_", "val_sample_") for name in base}
+    uncertainty = {"val_coverage_1std", "val_coverage_2std", "val_std_error_spearman", "val_std_error_partial_spearman"}
+    assert with_samples == base | {name.replace("val_", "val_sample_") for name in base} | uncertainty
 
 
 # ---------------------------------------------------------------------------------------------- settings

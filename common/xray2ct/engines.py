@@ -25,6 +25,7 @@ from common.engines.evaluator import StepEvaluator
 from common.networks.wrappers import unwrap
 from common.xray2ct.drr import DRRProjector
 from common.xray2ct.losses import ProjectionLoss, physics_noise_weight
+from common.xray2ct.metrics import UNCERTAINTY_SCORES, uncertainty_scores
 from common.xray2ct.networks import MODES, degrade_to_previous
 
 __all__ = [
@@ -266,7 +267,11 @@ class XrayCTEvaluator(StepEvaluator):
     one batched pass or in ``sample_chunk`` pieces; sample ``j`` of stage ``k`` conditions on sample ``j`` of stage
     ``k - 1``). With more than one sample the output also holds ``pred_std`` (the per-voxel standard deviation of
     the samples on the same ``[0, 1]`` scale), ``pred_sample`` (the first sample, the one a single-sample run
-    draws) and ``sample_proj_error``.
+    draws) and ``sample_proj_error``; with a real CT too, the per-case scores of that spread as an uncertainty
+    (:func:`common.xray2ct.metrics.uncertainty_scores`: ``coverage_1std``, ``coverage_2std``,
+    ``std_error_spearman``, ``std_error_partial_spearman``). ``uncertainty_scale`` and ``uncertainty_floor`` calibrate
+    the spread, ``scale * (std + floor)`` (fitted on validation cases by
+    :class:`common.xray2ct.metrics.UncertaintyCalibration`; 1 and 0: the samples' own).
 
     Args:
         device: the device of this rank.
@@ -274,6 +279,8 @@ class XrayCTEvaluator(StepEvaluator):
         network: the stage's sampler.
         previous: the earlier stages (an :class:`common.xray2ct.networks.XrayCTCascade`) for stage >= 2.
         seed: base seed of the start noise.
+        uncertainty_scale: factor of the samples' standard deviation in ``pred_std`` (> 0).
+        uncertainty_floor: added to the samples' standard deviation before the factor (>= 0, ``[0, 1]`` scale).
         settings: ``amp``, ``inferer`` (calls the sampler on each case's X-rays; default ``SimpleInferer``) and the
             other arguments of :class:`common.engines.evaluator.StepEvaluator` (``prepare_batch`` defaults to
             :func:`prepare_xray_batch`).
@@ -288,9 +295,17 @@ class XrayCTEvaluator(StepEvaluator):
         network: nn.Module,
         previous: nn.Module | None = None,
         seed: int = 0,
+        uncertainty_scale: float = 1.0,
+        uncertainty_floor: float = 0.0,
         **settings: Any,
     ) -> None:
         super().__init__(device=device, val_data_loader=val_data_loader, network=network, **settings)
+        if not float(uncertainty_scale) > 0 or not float(uncertainty_floor) >= 0:
+            raise ValueError(
+                f"uncertainty_scale must be positive and uncertainty_floor >= 0, got {uncertainty_scale!r} and "
+                f"{uncertainty_floor!r}."
+            )
+        self.uncertainty_scale, self.uncertainty_floor = float(uncertainty_scale), float(uncertainty_floor)
         if network.with_previous and previous is None:
             raise ValueError("this stage conditions on the previous stage: pass the earlier stages as 'previous'.")
         self.previous = previous
@@ -323,12 +338,16 @@ class XrayCTEvaluator(StepEvaluator):
         meta = image if isinstance(image, MetaTensor) else batchdata.get(XRAY_KEY)
         output[Keys.PRED] = _with_meta(((volume + 1) / 2).clamp(0, 1), meta)
         if sampler.samples_per_case() > 1:  # the spread of the samples, and one sample scored as the mean is
-            output["pred_std"] = torch.cat(stds) / 2  # on the [0, 1] scale of ``pred``
+            # on the [0, 1] scale of ``pred``; calibrated: ``uncertainty_scale * (std + uncertainty_floor)``
+            output["pred_std"] = (torch.cat(stds) / 2 + self.uncertainty_floor) * self.uncertainty_scale
             sample = torch.cat(firsts)
             output["pred_sample"] = _with_meta(((sample + 1) / 2).clamp(0, 1), meta)
             output["sample_proj_error"] = self.projection_loss(sample, xray)
         if image is not None:
             output[Keys.LABEL] = ((_plain(image).float() + 1) / 2).clamp(0, 1)
+            if "pred_std" in output:  # how well the spread tells where the error is (``uncertainty_scores``)
+                scores = uncertainty_scores(_plain(output[Keys.PRED]), output["pred_std"], output[Keys.LABEL])
+                output.update(scores)
         return output
 
 
@@ -350,7 +369,8 @@ def xray2ct_metric_handlers(
     ``proj_error``, the evaluator's per-case projection error, and the texture measures ``hf_ratio`` and
     ``spectral_distance`` (:mod:`common.xray2ct.metrics`). When a stochastic ``mode`` (``diffusion``,
     ``residual``) draws ``num_samples`` > 1 samples, the same of one sample, ``sample_<name>``: the mean is
-    smoother than any sample, so the texture of what the model generates is the single sample's."""
+    smoother than any sample, so the texture of what the model generates is the single sample's; and the scores of
+    the samples' spread as an uncertainty (:data:`common.xray2ct.metrics.UNCERTAINTY_SCORES`)."""
     from monai.handlers import from_engine
 
     from common.diffusion.metrics import output_value_handler
@@ -366,4 +386,6 @@ def xray2ct_metric_handlers(
         metrics.update(image_quality_handlers(prefix=single, output_transform=sample, save_details=save_details))
         metrics[f"{single}proj_error"] = output_value_handler("sample_proj_error", save_details=save_details)
         metrics.update(texture_handlers(prefix=single, output_transform=sample, save_details=save_details))
+        for name in UNCERTAINTY_SCORES:
+            metrics[f"{prefix}{name}"] = output_value_handler(name, save_details=save_details)
     return metrics

@@ -29,27 +29,43 @@ channels.
 :class:`HighFrequencyRatioMetric` and :class:`SpectralDistanceMetric` wrap both for MONAI evaluators, and
 :func:`texture_handlers` wraps those as ``IgniteMetricHandler`` (like
 :func:`common.metrics.image.image_quality_handlers`).
+
+The spread of several samples per case is scored as an uncertainty estimate (:func:`uncertainty_scores`): how often
+the truth lies within 1 and 2 standard deviations of the mean, how well the spread ranks the voxels by their error
+(Spearman), and how much of that ranking is more than an edge map: the partial rank correlation given the mean's
+gradient magnitude. :func:`fit_uncertainty_scale` fits the factor that makes ``+-2`` scaled standard deviations
+cover a wanted fraction of voxels.
 """
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
 import torch
+import torch.distributed as dist
+from ignite.engine import Engine, Events
 from monai.handlers import IgniteMetricHandler, from_engine
 from monai.metrics import CumulativeIterationMetric
 from monai.metrics.utils import do_metric_reduction
 from monai.utils import MetricReduction, convert_to_tensor
 
+from common.utils import write_text_atomic
+
 __all__ = [
+    "UNCERTAINTY_SCORES",
     "HighFrequencyRatioMetric",
     "SpectralDistanceMetric",
+    "UncertaintyCalibration",
+    "fit_uncertainty_scale",
     "high_frequency_energy_ratio",
     "log_spectral_distance",
     "radial_frequency",
     "radial_power_spectrum",
     "texture_handlers",
+    "uncertainty_scores",
 ]
 
 _MAX_RADIAL_FREQUENCY = math.sqrt(3.0) / 2.0
@@ -385,3 +401,191 @@ def texture_handlers(
         f"{prefix}{name}": IgniteMetricHandler(metric_fn=metric, output_transform=transform, save_details=save_details)
         for name, metric in metrics.items()
     }
+
+
+#: the per-case uncertainty scores of :func:`uncertainty_scores`, by name
+UNCERTAINTY_SCORES = ("coverage_1std", "coverage_2std", "std_error_spearman", "std_error_partial_spearman")
+
+
+def _ranks(values: torch.Tensor) -> torch.Tensor:
+    """Ranks ``0 .. n-1`` of each row of ``(B, n)`` values, tied values sharing their average rank (as
+    ``scipy.stats.rankdata(method="average") - 1``)."""
+    rows = []
+    for row in values:
+        ordered, order = row.sort(stable=True)
+        _, inverse, counts = torch.unique_consecutive(ordered, return_inverse=True, return_counts=True)
+        average = counts.cumsum(0).double() - (counts.double() + 1) / 2  # the mean 0-based position of each group
+        ranks = torch.empty(row.numel(), dtype=torch.float64, device=row.device)
+        ranks[order] = average[inverse]
+        rows.append(ranks)
+    return torch.stack(rows)
+
+
+def _correlation(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Pearson correlation of each row pair of ``(B, n)``; 0 for a constant row."""
+    a = a - a.mean(1, keepdim=True)
+    b = b - b.mean(1, keepdim=True)
+    norm = (a.pow(2).sum(1) * b.pow(2).sum(1)).sqrt()
+    return torch.where(norm > 0, (a * b).sum(1) / norm.clamp_min(1e-300), torch.zeros_like(norm))
+
+
+def uncertainty_scores(
+    mean: torch.Tensor, std: torch.Tensor, target: torch.Tensor, scale: float = 1.0
+) -> dict[str, torch.Tensor]:
+    """Per-case scores ``(B,)`` of a per-voxel standard deviation ``std`` (times ``scale``) as the uncertainty of the
+    prediction ``mean`` against ``target`` (all ``(B, C, X, Y, Z)`` on one scale):
+
+    - ``coverage_1std``, ``coverage_2std``: the fraction of voxels with ``|mean - target| <= k * scale * std``
+      (for Gaussian errors with the right spread: 0.683 and 0.954);
+    - ``std_error_spearman``: Spearman's rank correlation of ``std`` with ``|mean - target|`` over the voxels;
+    - ``std_error_partial_spearman``: the same given the edge map ``|grad mean|`` (central differences), i.e. what
+      the spread says about the error beyond where the edges are: ``(r_se - r_sg r_eg) / sqrt((1 - r_sg^2)(1 - r_eg^2))``
+      of the rank correlations (0 when the edge map explains one of them entirely).
+
+    Raises:
+        ValueError: for shapes that differ or are not 5D, or a ``scale`` that is not positive.
+    """
+    if mean.shape != std.shape or mean.shape != target.shape or mean.ndim != 5:
+        raise ValueError(
+            f"uncertainty_scores expects three (B, C, X, Y, Z) tensors of one shape, got {tuple(mean.shape)}, "
+            f"{tuple(std.shape)} and {tuple(target.shape)}."
+        )
+    if not float(scale) > 0:
+        raise ValueError(f"scale must be positive, got {scale!r}.")
+    mean, std, target = (t.detach().double() for t in (mean, std, target))
+    error = (mean - target).abs()
+    spread = std * float(scale)
+    batch = mean.shape[0]
+    scores = {f"coverage_{k}std": (error <= k * spread).flatten(1).double().mean(1) for k in (1, 2)}
+    gradients = torch.gradient(mean, dim=(2, 3, 4))
+    edges = torch.stack(gradients).pow(2).sum(0).sqrt()
+    r_std, r_error, r_edge = (_ranks(t.reshape(batch, -1)) for t in (std, error, edges))
+    se, sg, eg = _correlation(r_std, r_error), _correlation(r_std, r_edge), _correlation(r_error, r_edge)
+    denominator = ((1 - sg.pow(2)) * (1 - eg.pow(2))).sqrt()
+    scores["std_error_spearman"] = se
+    scores["std_error_partial_spearman"] = torch.where(
+        denominator > 1e-12, (se - sg * eg) / denominator.clamp_min(1e-12), torch.zeros_like(se)
+    )
+    return {name: value.float() for name, value in scores.items()}
+
+
+def fit_uncertainty_scale(
+    error: torch.Tensor, std: torch.Tensor, coverage: float = 0.95, width: float = 2.0, floor: float = 0.0
+) -> float:
+    """The factor ``s`` such that ``|error| <= width * s * (std + floor)`` holds for the fraction ``coverage`` of the
+    voxels given (the validation cases' errors and spreads, any shapes of equal size): the ``coverage`` quantile of
+    the normalised error ``|error| / (std + floor)``, divided by ``width`` - split conformal prediction with that
+    score, so held-out cases like these are covered at ``coverage``. ``floor`` > 0 keeps voxels where every sample
+    agrees (all clipped to air, say: no spread) from dominating the quantile; a voxel with no spread, no floor and an
+    error counts as infinitely far out.
+
+    Raises:
+        ValueError: for sizes that differ, nothing given, ``coverage`` outside ``(0, 1)``, ``width`` <= 0 or
+            ``floor`` < 0, or when the quantile is infinite (more than ``1 - coverage`` of the voxels have errors but
+            no spread).
+    """
+    if error.numel() != std.numel() or error.numel() == 0:
+        raise ValueError(
+            f"error and std must hold the same number of voxels (> 0), got {error.numel()} and {std.numel()}."
+        )
+    if not 0 < float(coverage) < 1 or not float(width) > 0 or not float(floor) >= 0:
+        raise ValueError(
+            f"coverage must be in (0, 1), width > 0 and floor >= 0, got {coverage!r}, {width!r}, {floor!r}."
+        )
+    error = error.detach().double().abs().reshape(-1)
+    spread = std.detach().double().reshape(-1) + float(floor)
+    ratio = torch.where(spread > 0, error / spread.clamp_min(1e-300), torch.where(error > 0, torch.inf, 0.0))
+    quantile = float(ratio.kthvalue(max(1, math.ceil(float(coverage) * ratio.numel()))).values)  # any size
+    if not math.isfinite(quantile):
+        raise ValueError(
+            f"more than {1 - coverage:.1%} of the voxels have an error but no spread: no scale of the spread covers "
+            f"{coverage:.0%} of them (give the spread a floor)."
+        )
+    return quantile / float(width)
+
+
+class UncertaintyCalibration:
+    """Fits the calibration of the samples' spread on the cases an evaluator runs and writes it as JSON to ``path``
+    (rank 0, after every rank's cases are gathered): the calibrated spread is ``scale * (std + floor)``, with
+    ``floor`` the median spread of those voxels (so voxels where every sample agrees still get an interval) and
+    ``scale`` from :func:`fit_uncertainty_scale` (``+-width`` calibrated spreads cover ``coverage`` of the voxels).
+    Each case gives at most ``max_voxels`` voxels (a seeded random subset of larger volumes: the quantile's sampling
+    error stays below 1e-3 of coverage).
+
+    The evaluator's output must hold ``pred``, ``pred_std`` and ``label``. ``pred_std`` is the spread the evaluator
+    reports, ``applied_scale * (std + applied_floor)`` of the samples' own ``std``; the file gives the calibration of
+    the samples' own spread (``uncertainty_scale``, ``uncertainty_floor``), whatever was applied.
+
+    Args:
+        path: the JSON file to write (``uncertainty_scale``, ``uncertainty_floor``, ``coverage``, ``width``,
+            ``num_samples``, ``cases``, ``voxels``).
+        coverage: the fraction of voxels ``+-width`` calibrated spreads should cover.
+        width: the interval's half-width in calibrated spreads.
+        applied_scale, applied_floor: the evaluator's ``uncertainty_scale`` and ``uncertainty_floor``.
+        num_samples: the samples per case of the evaluation (recorded: the calibration holds for this number only).
+        max_voxels: the most voxels taken from one case.
+    """
+
+    def __init__(
+        self,
+        path: str,
+        coverage: float = 0.95,
+        width: float = 2.0,
+        applied_scale: float = 1.0,
+        applied_floor: float = 0.0,
+        num_samples: int | None = None,
+        max_voxels: int = 1 << 18,
+    ) -> None:
+        self.path = path
+        self.coverage, self.width = float(coverage), float(width)
+        self.applied_scale, self.applied_floor = float(applied_scale), float(applied_floor)
+        self.num_samples = num_samples
+        self.max_voxels = int(max_voxels)
+        self._errors: list[torch.Tensor] = []
+        self._stds: list[torch.Tensor] = []
+
+    def attach(self, engine: Engine) -> None:
+        engine.add_event_handler(Events.EPOCH_STARTED, lambda _: (self._errors.clear(), self._stds.clear()))
+        engine.add_event_handler(Events.ITERATION_COMPLETED, self.collect)
+        engine.add_event_handler(Events.EPOCH_COMPLETED, self.write)
+
+    def collect(self, engine: Engine) -> None:
+        output = engine.state.output
+        if output.get("pred_std") is None or output.get("label") is None:
+            raise ValueError(
+                "calibrating the uncertainty needs several samples per case (num_samples > 1 in a diffusion mode) "
+                "and the real CT of every case."
+            )
+        error = (output["pred"].detach().float() - output["label"].detach().float()).abs().cpu()
+        own = output["pred_std"].detach().float().cpu() / self.applied_scale - self.applied_floor  # the samples'
+        for case_error, case_std in zip(error, own.clamp_min(0)):
+            case_error, case_std = case_error.reshape(-1), case_std.reshape(-1)
+            if case_error.numel() > self.max_voxels:
+                generator = torch.Generator().manual_seed(len(self._errors))
+                keep = torch.randperm(case_error.numel(), generator=generator)[: self.max_voxels]
+                case_error, case_std = case_error[keep], case_std[keep]
+            self._errors.append(case_error)
+            self._stds.append(case_std)
+
+    def write(self, engine: Engine) -> None:
+        pairs = [(self._errors, self._stds)]
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            gathered: list = [None] * dist.get_world_size()
+            dist.all_gather_object(gathered, pairs[0])
+            pairs = gathered
+            if dist.get_rank() != 0:
+                return
+        errors = torch.cat([e for rank_errors, _ in pairs for e in rank_errors])
+        stds = torch.cat([s for _, rank_stds in pairs for s in rank_stds])
+        floor = float(stds.double().median())
+        result = {
+            "uncertainty_scale": fit_uncertainty_scale(errors, stds, self.coverage, self.width, floor),
+            "uncertainty_floor": floor,
+            "coverage": self.coverage,
+            "width": self.width,
+            "num_samples": self.num_samples,
+            "cases": sum(len(rank_errors) for rank_errors, _ in pairs),
+            "voxels": int(errors.numel()),
+        }
+        Path(self.path).parent.mkdir(parents=True, exist_ok=True)
+        write_text_atomic(Path(self.path), json.dumps(result, indent=2))

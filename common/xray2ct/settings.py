@@ -264,6 +264,19 @@ def _number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
+def uncertainty_problems(uncertainty_scale: float, uncertainty_floor: float) -> list[str]:
+    """The calibration of the samples' spread, ``uncertainty_scale * (std + uncertainty_floor)`` (fitted on
+    validation cases; 1 and 0: the samples' own): a factor > 0 and a floor >= 0."""
+    problems = []
+    if not (_number(uncertainty_scale) and uncertainty_scale > 0):
+        problems.append(
+            f"'uncertainty_scale' must be a number > 0 (1: the samples' own spread), got {uncertainty_scale!r}."
+        )
+    if not (_number(uncertainty_floor) and uncertainty_floor >= 0):
+        problems.append(f"'uncertainty_floor' must be a number >= 0 (0: none), got {uncertainty_floor!r}.")
+    return problems
+
+
 def sampling_problems(
     num_samples: int, sample_chunk: int | None, guidance_scale: float, refine_steps: int, noise_tolerance: float | None
 ) -> list[str]:
@@ -372,6 +385,7 @@ TRAINING = SettingsChecks(
     sampling_problems,
     projection_problems,
     condition_problems,
+    uncertainty_problems,
     cache_problems,
     _TRAINING_SWITCHES,
 )
@@ -380,11 +394,11 @@ TRAINING = SettingsChecks(
 
 EVALUATION = TRAINING.with_checks(
     evaluation_mode_problems,
-    switches(*SWITCHES, "save_volumes"),
+    switches(*SWITCHES, "save_volumes", "calibrate_uncertainty"),
     without=(training_mode_problems, regressor_problems, _TRAINING_SWITCHES),
 )
 """The checks of an evaluation (``evaluate.json`` on ``train.json``): ``mode`` may also be the ``backprojection``
-baseline, no regressor run is needed, and ``save_volumes`` is a switch too."""
+baseline, no regressor run is needed, and ``save_volumes`` and ``calibrate_uncertainty`` are switches too."""
 
 
 def trained_network_problems(mode: str, views: Sequence[str], view_size: Sequence[int], trained: dict) -> list[str]:
@@ -440,6 +454,7 @@ INFERENCE = SettingsChecks(
     noise_problems,
     projection_problems,
     condition_problems,
+    uncertainty_problems,
     orientation_problems,
     *CASE_RUN_CHECKS,
     switches("save_volumes"),

@@ -56,7 +56,16 @@ from scripts.harness.tools import (
     train_config,
 )
 
-__all__ = ["BENCHMARKS", "CAMPAIGN_TINY", "THROUGHPUT", "fault_case", "xray_memory", "xray_quality", "xray_throughput"]
+__all__ = [
+    "BENCHMARKS",
+    "CAMPAIGN_TINY",
+    "THROUGHPUT",
+    "fault_case",
+    "xray_memory",
+    "xray_quality",
+    "xray_throughput",
+    "xray_uncertainty",
+]
 
 BUNDLE = "xray2ct_cascade"
 
@@ -781,7 +790,72 @@ def fault_case(root: Path, seed: int) -> BundleCase:
     )
 
 
-BENCHMARKS = {"xray_memory": xray_memory, "xray_quality": xray_quality, "xray_throughput": xray_throughput}
+def xray_uncertainty(
+    comparison: str,
+    work_dir: str,
+    methods: Sequence[str] = ("residual", "diffusion"),
+    budget: int | None = None,
+    stage: int = 1,
+    ks: Sequence[int] = (4, 8, 16),
+    n_cases: int = 20,
+    calibration_fraction: float = 0.5,
+    seed: int = 1000,
+    output: str | None = "xray_uncertainty.json",
+) -> dict:
+    """The samples' spread as an uncertainty, and its calibration on held-out cases, for the stochastic snapshots of
+    a budget comparison (``xray_quality --budgets``): see :mod:`scripts.harness.xray_uncertainty`.
+
+    Args:
+        comparison: the budget comparison's JSON (``--output`` of ``xray_quality --budgets``: its settings and budgets).
+        work_dir: its ``--work_dir`` (the snapshots).
+        methods: its stochastic methods to score.
+        budget: the snapshots' budget (default: the comparison's largest).
+        stage: the cascade's stage to evaluate.
+        ks: the numbers of samples per case.
+        n_cases: new validation phantoms (``seed`` makes them; the comparison's are not reused), split between
+            calibration and held-out cases.
+        calibration_fraction: the share of ``n_cases`` the calibration is fitted on.
+        seed: the phantoms' seed.
+        output: JSON file of the results.
+    """
+    from common.demo.images import make_xray2ct_demo
+    from scripts.harness.xray_uncertainty import UNCERTAINTY_HEADER, uncertainty_rows
+    from scripts.harness.xray_uncertainty import xray_uncertainty as run_uncertainty
+
+    summary = json.loads(Path(comparison).read_text())
+    settings = {k: v for k, v in summary["settings"].items() if k != "dataset_dir"}
+    work = Path(work_dir)
+    shape = settings.get("source_size") or settings["stage_sizes"][-1]
+    fov = settings.get("fov_mm", train_config(BUNDLE)["fov_mm"])
+    datalist = make_xray2ct_demo(
+        work / "uncertainty_data", n_train=1, n_val=int(n_cases), shape=shape, fov_mm=fov, seed=seed
+    )
+    settings["dataset_dir"] = str(datalist.parent)
+    result = run_uncertainty(
+        _run,
+        _bundle_cmd,
+        settings,
+        work,
+        datalist,
+        methods=[methods] if isinstance(methods, str) else list(methods),
+        budget=int(budget if budget is not None else max(summary["budgets"])),
+        stage=int(stage),
+        ks=[int(k) for k in ([ks] if isinstance(ks, int) else ks)],
+        guidance_scale=float(summary.get("guidance_scale", 1.0)),
+        calibration_fraction=float(calibration_fraction),
+        output=output,
+    )
+    hu = train_config(BUNDLE)["hu_window"]
+    print_table(UNCERTAINTY_HEADER, uncertainty_rows(result, hu_width=float(hu[1] - hu[0])))
+    return result
+
+
+BENCHMARKS = {
+    "xray_memory": xray_memory,
+    "xray_quality": xray_quality,
+    "xray_throughput": xray_throughput,
+    "xray_uncertainty": xray_uncertainty,
+}
 
 # the tiny networks and data of the campaign's CPU rehearsal (its throughput rows and the stage-3 step)
 CAMPAIGN_TINY = {"stage_sizes": [[16, 16, 16], [32, 32, 32]], "view_size": [32, 32], "n_cases": 3, "batch_size": 1}
