@@ -16,7 +16,7 @@ import torch
 
 from common.checkpoint_io import load_checkpoint, save_checkpoint
 from scripts.harness import xray2ct as benchmark
-from scripts.harness.xray_budgets import BUDGET_HEADER, budget_rows, plot_budgets, xray_budgets
+from scripts.harness.xray_budgets import BUDGET_HEADER, budget_rows, plot_budgets, winner_rows, xray_budgets
 from tests.helpers import TINY_XRAY_NETWORK, shifted_seed
 from tests.test_benchmark_xray import in_process  # noqa: F401  (fixture)
 
@@ -171,6 +171,12 @@ def test_budget_runs_snapshots_and_evaluations(tmp_path):
     table = budget_rows(json.loads(out.read_text()))
     assert all(len(row) == len(BUDGET_HEADER) for row in table)
     assert ["clean", "residual", 2, "16 + 8"] in [row[:4] for row in table]
+    winners = {tuple(row[:3]): row for row in winner_rows(summary)}
+    assert set(winners) == {
+        (c, stage, b) for c in ("clean", "noise_dose_low", "blur", "cone") for stage in (1, 2) for b in (8, 16)
+    }
+    assert winners[("clean", 1, 16)][3].endswith(": 46.50")  # 16 iterations + guidance 0.5 + 10 x 3 refine steps
+    assert winners[("clean", 1, 16)][4].endswith(f": {1 / 17:.4f}")
     png = plot_budgets(summary, tmp_path / "plot.png")
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 

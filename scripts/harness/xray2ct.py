@@ -628,7 +628,15 @@ def _quality_budgets(
     """``xray_quality --budgets``: see :func:`scripts.harness.xray_budgets.xray_budgets`."""
     from common.demo.images import make_xray2ct_demo
     from common.utils import resolve_device
-    from scripts.harness.xray_budgets import BUDGET_HEADER, CONDITIONS, CPU_BUDGET_SETTINGS, budget_rows, plot_budgets
+    from scripts.harness.xray_budgets import (
+        BUDGET_HEADER,
+        CONDITIONS,
+        CPU_BUDGET_SETTINGS,
+        WINNER_HEADER,
+        budget_rows,
+        plot_budgets,
+        winner_rows,
+    )
     from scripts.harness.xray_budgets import xray_budgets as run_budgets
 
     reserved = sorted(
@@ -680,6 +688,7 @@ def _quality_budgets(
     if output:
         Path(output).write_text(json.dumps(summary, indent=2))
     print_table(BUDGET_HEADER, budget_rows(summary))
+    print_table(WINNER_HEADER, winner_rows(summary))
     if plot:
         print(f"plot: {plot_budgets(summary, plot)}")
     return summary

@@ -47,7 +47,16 @@ from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from pathlib import Path
 from typing import Any
 
-__all__ = ["BUDGET_METHODS", "CONDITIONS", "CPU_BUDGET_SETTINGS", "budget_rows", "plot_budgets", "xray_budgets"]
+__all__ = [
+    "BUDGET_METHODS",
+    "CONDITIONS",
+    "CPU_BUDGET_SETTINGS",
+    "WINNER_HEADER",
+    "budget_rows",
+    "plot_budgets",
+    "winner_rows",
+    "xray_budgets",
+]
 
 #: the methods of the comparison: the trained mode and its extra training settings
 BUDGET_METHODS = {
@@ -441,6 +450,51 @@ BUDGET_HEADER = [
     "1-sample HF ratio",
     "eval (s)",
 ]
+
+
+def _setting(r: dict) -> str:
+    """A row's method and evaluation setting in a few characters: ``residual K4 g1 r5 t1.5``."""
+    parts = [r["method"]]
+    if r["num_samples"] > 1:
+        parts.append(f"K{r['num_samples']}")
+    if r["guidance_scale"] and not r["method"].endswith("_refined"):
+        parts.append(f"g{r['guidance_scale']:g}")
+    if r.get("refine_steps") and not r["method"].endswith("_refined"):
+        parts.append(f"r{r['refine_steps']}")
+    if r.get("noise_tolerance") is not None:
+        parts.append(f"t{r['noise_tolerance']:g}")
+    return " ".join(parts)
+
+
+WINNER_HEADER = ["X-rays", "stage", "iterations", "best PSNR (dB)", "best projection error", "best 1-sample HF ratio"]
+
+
+def winner_rows(summary: dict, budgets: Sequence[int] | None = None) -> list[list[str]]:
+    """Per condition, stage and budget (default: the two largest), the method and setting with the best PSNR, the
+    lowest projection error, and the single-sample high-frequency ratio nearest 1 (texture), with their values."""
+    budgets = sorted(budgets or summary["budgets"])[-2:]
+    cells: dict[tuple, list[dict]] = {}
+    for r in summary["results"]:
+        if r["budget"] in budgets:
+            cells.setdefault((r.get("condition", "clean"), r["stage"], r["budget"]), []).append(r)
+    rows = []
+    for (condition, stage, budget), found in sorted(cells.items(), key=lambda c: (c[0][0] != "clean", *c[0])):
+        psnr = max(found, key=lambda r: r["psnr"])
+        proj = min(found, key=lambda r: r["proj_error"])
+        texture = {id(r): r.get("sample_hf_ratio") or r.get("hf_ratio") for r in found}  # one sample's, if any
+        scored = [r for r in found if texture[id(r)] is not None]
+        hf = min(scored, key=lambda r: abs(texture[id(r)] - 1)) if scored else None
+        rows.append(
+            [
+                condition,
+                stage,
+                budget,
+                f"{_setting(psnr)}: {psnr['psnr']:.2f}",
+                f"{_setting(proj)}: {proj['proj_error']:.4f}",
+                "-" if hf is None else f"{_setting(hf)}: {texture[id(hf)]:.3f}",
+            ]
+        )
+    return rows
 
 
 def plot_budgets(summary: dict, path: str | Path) -> Path:
