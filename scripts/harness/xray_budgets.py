@@ -47,6 +47,8 @@ from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from pathlib import Path
 from typing import Any
 
+from common.xray2ct.metrics import UNCERTAINTY_SCORES
+
 __all__ = [
     "BUDGET_METHODS",
     "CONDITIONS",
@@ -86,7 +88,7 @@ CONDITIONS: dict[str, dict[str, Any]] = {
 #: the discrepancy principle's tolerance in the conditions' guided and refined evaluations
 NOISE_TOLERANCE = 1.5
 #: the metrics kept per evaluation (``val_`` prefix dropped)
-METRICS = ("psnr", "ssim", "ms_ssim", "proj_error", "hf_ratio", "spectral_distance")
+METRICS = ("psnr", "ssim", "ms_ssim", "proj_error", "hf_ratio", "spectral_distance", *UNCERTAINTY_SCORES)
 
 
 class _Work:
