@@ -140,13 +140,12 @@ def test_refine_steps_are_consistency_steps_on_each_drawn_sample(mode):
     projector = net.projector
     xray = xrays(seed=5)
     settings = {**SAMPLER, "mode": mode, "num_samples": 2 if mode == "diffusion" else 1}
-    plain = XrayCTSampler(net, (8, 8, 8), **settings).draw(xray, generator=torch.Generator().manual_seed(3))
     scale = 0.5 if mode == "diffusion" else 1.0
+    # the samples drawn without refinement (guided by the same scale: refinement comes after guidance), then the steps
+    plain = XrayCTSampler(net, (8, 8, 8), **settings, guidance_scale=scale).draw(
+        xray, generator=torch.Generator().manual_seed(3)
+    )
     sampler = XrayCTSampler(net, (8, 8, 8), **settings, guidance_scale=scale, refine_steps=3)
-    if mode == "diffusion":  # the guided sampler's samples, then the same steps
-        plain = XrayCTSampler(net, (8, 8, 8), **settings, guidance_scale=scale).draw(
-            xray, generator=torch.Generator().manual_seed(3)
-        )
     refined = sampler.draw(xray, generator=torch.Generator().manual_seed(3))
     expected = plain
     per_sample = xray.repeat_interleave(plain.shape[0] // xray.shape[0], dim=0)

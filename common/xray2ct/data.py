@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import os
+import zlib
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -26,9 +27,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from monai.data import MetaTensor
-from monai.transforms import (
-    MapTransform,
-)
+from monai.networks.layers import GaussianFilter
+from monai.transforms import Affine, MapTransform
 
 from common.data.preflight import PreflightError
 from common.xray2ct.drr import DRRProjector
@@ -346,8 +346,6 @@ class XrayConditiond(MapTransform):
 
     def _moved(self, volume: torch.Tensor, rotation: list[float], shift: list[float]) -> torch.Tensor:
         """The CT ``(1, X, Y, Z)`` rotated about its centre and shifted (mm), air outside."""
-        from monai.transforms import Affine
-
         spacing = [f / n for f, n in zip(self.projector.fov_mm, volume.shape[1:])]
         affine = Affine(
             rotate_params=[float(np.deg2rad(r)) for r in rotation],
@@ -360,8 +358,6 @@ class XrayConditiond(MapTransform):
 
     def _blurred(self, image: torch.Tensor, sigma_mm: float) -> torch.Tensor:
         """``(V, H, W)`` views blurred by a Gaussian of ``sigma_mm`` at the volume's centre, each in its own pixels."""
-        from monai.networks.layers import GaussianFilter
-
         out = []
         for i, view in enumerate(self.projector.views):
             pixel = [p / self.projector.magnification for p in self.projector.detector_pixel_mm(view)]
@@ -374,8 +370,6 @@ class XrayConditiond(MapTransform):
         return torch.stack(out)
 
     def _seed(self, data: Mapping[str, Any]) -> int:
-        import zlib
-
         meta = getattr(data[self.keys[0]], "meta", {}) or {}
         name = str(meta.get("case_id") or meta.get("filename_or_obj") or "")
         return (zlib.crc32(name.encode()) + 1_000_003 * int(self.condition["seed"])) % (2**63)
