@@ -21,6 +21,7 @@ from typing import Any
 from common.errors import UserError
 
 __all__ = [
+    "CALIBRATED_IDS",
     "LOCATION_IDS",
     "RUN_ARGUMENTS",
     "RUN_FILE",
@@ -35,6 +36,7 @@ __all__ = [
     "is_plain",
     "make_record",
     "read_record",
+    "record_calibration",
     "run_dir_of",
     "run_settings",
     "settings_differences",
@@ -95,6 +97,9 @@ TRAINING_ONLY_IDS = frozenset(
         "cache_device",
     }
 )
+# settings fitted on validation cases after training and written into the run's record by an evaluation
+# (:func:`record_calibration`): a resumed run rewrites its record without them, for its weights change
+CALIBRATED_IDS = frozenset({"uncertainty_scale", "uncertainty_floor", "consistency_reference"})
 # arguments of ``monai.bundle.scripts.run`` that are not config overrides
 RUN_ARGUMENTS = frozenset(
     {
@@ -313,6 +318,29 @@ def read_record(output_dir: str | os.PathLike) -> dict[str, Any] | None:
     return record
 
 
+def record_calibration(output_dir: str | os.PathLike, values: Mapping[str, Any]) -> Path | None:
+    """Add ``values`` (ids of :data:`CALIBRATED_IDS`) to the settings of the run recorded in ``output_dir`` and
+    write its ``run.json`` again atomically, with ``calibrated`` (the time); evaluation and inference then read them
+    as the run's settings. Returns the record's path, or ``None`` when the folder holds no record (a packaged
+    bundle: its ``train.json`` carries the settings).
+
+    Raises:
+        ValueError: for an id that is not calibrated.
+        RunRecordError: when ``run.json`` is unreadable.
+    """
+    from common.utils import write_text_atomic
+
+    unknown = sorted(set(values) - CALIBRATED_IDS)
+    if unknown:
+        raise ValueError(f"{unknown} are not calibrated settings ({sorted(CALIBRATED_IDS)}).")
+    record = read_record(output_dir)
+    if record is None:
+        return None
+    record["settings"].update(_jsonable(dict(values)))
+    record["calibrated"] = time.strftime("%Y-%m-%dT%H:%M:%S%z")
+    return write_text_atomic(Path(output_dir) / RUN_FILE, json.dumps(record, indent=4) + "\n")
+
+
 def check_record_bundle(record: Mapping[str, Any], bundle_root: str | os.PathLike, where: Any) -> None:
     """Refuse the record of a run of another bundle (compared by the ``name`` in ``metadata.json``, so a bundle
     unzipped into a folder of another name still reads its runs).
@@ -373,8 +401,9 @@ def run_dir_of(checkpoint: str | os.PathLike) -> Path | None:
 
 def settings_differences(recorded: Mapping[str, Any], current: Mapping[str, Any]) -> list[str]:
     """``id: checkpoint <value>, config <value>`` for every id both mappings hold with different values, leaving
-    out locations and optimisation-only settings (see ``LOCATION_IDS``, ``TRAINING_ONLY_IDS``)."""
-    skip = LOCATION_IDS | TRAINING_ONLY_IDS
+    out locations, optimisation-only and calibrated settings (see ``LOCATION_IDS``, ``TRAINING_ONLY_IDS``,
+    ``CALIBRATED_IDS``)."""
+    skip = LOCATION_IDS | TRAINING_ONLY_IDS | CALIBRATED_IDS
     lines = []
     for key in sorted(set(recorded) & set(current)):
         if key in skip:

@@ -278,3 +278,32 @@ def test_budget_comparison_runs_the_bundle_commands(tmp_path, in_process):  # no
     held_out = json.loads((tmp_path / "work" / "datalist_held_out.json").read_text())["validation"]
     fitted = json.loads((tmp_path / "work" / "datalist_calibration.json").read_text())["validation"]
     assert not {c["image"] for c in held_out} & {c["image"] for c in fitted}
+    # the consistency check: fitted on the calibration phantoms, never recorded into the snapshot
+    checked = benchmark.xray_consistency(
+        str(tmp_path / "q.json"),
+        str(tmp_path / "work"),
+        methods=["direct"],
+        conditions=["miscalibrated"],
+        refine_steps=2,
+        mismatch_tolerances=[1.1],
+        n_cases=4,
+        output=str(tmp_path / "c.json"),
+    )
+    found = {(r["condition"], r["correction"]): r for r in checked["results"]}
+    assert set(found) == {(c, v) for c in ("clean", "miscalibrated") for v in ("none", "corrected", "checked 1.1")}
+    assert json.loads((tmp_path / "c.json").read_text()) == checked
+    (reference,) = {tuple(r["consistency_reference"]) for r in checked["results"]}
+    assert len(reference) == 2 and min(reference) > 0
+    for condition in ("clean", "miscalibrated"):
+        none, corrected, check = (found[(condition, v)] for v in ("none", "corrected", "checked 1.1"))
+        assert none["corrected_views"] == corrected["corrected_views"] == 1.0
+        assert 0.0 <= check["corrected_views"] <= 1.0
+        if check["corrected_views"] == 1.0:  # every view passed: the corrections as without the check
+            assert check["psnr"] == pytest.approx(corrected["psnr"], abs=1e-4)
+        if check["corrected_views"] == 0.0:  # none passed: no correction at all
+            assert check["psnr"] == pytest.approx(none["psnr"], abs=1e-4)
+    assert found[("miscalibrated", "none")]["psnr"] != found[("clean", "none")]["psnr"]
+    fit = json.loads(
+        (tmp_path / "work" / "direct" / "b4" / "stage1" / "consistency_fit" / "calibration.json").read_text()
+    )
+    assert fit["record"] is None and fit["consistency_reference"] == list(reference)

@@ -111,6 +111,27 @@ def test_project_native_refuses_views_of_different_sizes():
 
 
 # ---------------------------------------------------------------------------------------------- intensity
+@pytest.mark.parametrize("spatial", [(8, 8, 8), (8, 12, 6)])
+def test_residual_is_each_views_rms_difference_at_its_own_plane(spatial):
+    """``residual``: per case and view, the root mean square of the view's projection at its own plane minus the
+    X-ray area-averaged to that plane (numpy reference), for cubes and for volumes whose views differ in size."""
+    projector = DRRProjector(views=("ap", "lateral"), view_size=(24, 24))
+    gen = torch.Generator().manual_seed(4)
+    volume = torch.rand((2, 1, *spatial), generator=gen) * 2 - 1
+    xray = torch.rand((2, 2, 24, 24), generator=gen)
+    got = projector.residual(volume, xray)
+    assert got.shape == (2, 2)
+    for v, view in enumerate(("ap", "lateral")):
+        axis = VIEW_AXES[view]
+        plane = [s for a, s in enumerate(spatial) if a != axis]
+        projected = projector.project(volume, plane)[:, v].numpy()
+        blocks = xray[:, v].numpy().reshape(2, plane[0], 24 // plane[0], plane[1], 24 // plane[1]).mean(axis=(2, 4))
+        expected = np.sqrt(((projected - blocks) ** 2).mean(axis=(1, 2)))
+        np.testing.assert_allclose(got[:, v].numpy(), expected, rtol=1e-5)
+    if len(set(spatial)) == 1:  # the volume's own X-rays at its plane leave no residual
+        assert float(projector.residual(volume, projector.project_native(volume)).abs().max()) < 1e-5
+
+
 def test_intensity_and_line_integral_are_inverse():
     p = torch.linspace(0.0, 5.0, 101)
     intensity = DRRProjector.intensity(p)

@@ -328,6 +328,8 @@ VALID = {
     "noise_tolerance": None,
     "uncertainty_scale": 1.0,
     "uncertainty_floor": 0.0,
+    "consistency_reference": None,
+    "mismatch_tolerance": 1.0,
     "hu_window": [-1000.0, 1000.0],
     "fov_mm": 350.0,
     "mu_water": 0.2,
@@ -337,7 +339,8 @@ VALID = {
     "xray_condition": None,
     **dict.fromkeys(SWITCHES, False),
     "save_volumes": False,
-    "calibrate_uncertainty": False,
+    "calibrate": False,
+    "record_calibration": True,
 }
 
 

@@ -156,6 +156,60 @@ def test_refine_steps_are_consistency_steps_on_each_drawn_sample(mode):
     assert float(projection_error(refined, per_sample).mean()) < before
 
 
+@pytest.mark.parametrize("mode", ["direct", "diffusion", "backprojection"])
+def test_the_consistency_check_leaves_out_the_views_whose_first_estimate_fits_worse_than_the_reference(mode):
+    """With ``consistency_reference``, each sample's first estimate (before any correction) is projected; a view
+    whose residual is beyond ``mismatch_tolerance`` times its reference gives no correction, in the guidance and in
+    every refinement step. A reference every view meets is no check at all; one no view meets leaves the sample
+    as drawn without any correction."""
+    net = tiny_xray_denoiser(0)
+    projector = net.projector
+    xray = xrays(seed=5)
+    settings = {**SAMPLER, "mode": mode, "num_samples": 2 if mode == "diffusion" else 1, "guidance_scale": 1.0}
+    gen = lambda: torch.Generator().manual_seed(3)  # noqa: E731
+    free = XrayCTSampler(net, (8, 8, 8), **settings, refine_steps=2)
+    unchecked = free.draw(xray, generator=gen())
+    residual = free.consistency["residual"]
+    assert residual.shape == (unchecked.shape[0], 2) and bool(free.consistency["corrected"].all())
+    if mode != "diffusion":  # the first estimate: the output drawn without any correction
+        first = XrayCTSampler(net, (8, 8, 8), **{**settings, "guidance_scale": 0.0}).draw(xray, generator=gen())
+        torch.testing.assert_close(residual, projector.residual(first, xray))
+    wide = XrayCTSampler(net, (8, 8, 8), **settings, refine_steps=2, consistency_reference=[1e3, 1e3])
+    torch.testing.assert_close(wide.draw(xray, generator=gen()), unchecked, rtol=0, atol=0)
+    # the first view's reference is met, the second's is not: the second view never corrects
+    limit = residual.max(0).values
+    half = XrayCTSampler(
+        net, (8, 8, 8), **settings, refine_steps=2, consistency_reference=[float(limit[0]), float(limit[1]) / 4]
+    )
+    checked = half.draw(xray, generator=gen())
+    assert half.consistency["corrected"][:, 0].all() and not half.consistency["corrected"][:, 1].any()
+    torch.testing.assert_close(half.consistency["residual"], residual)
+    none = XrayCTSampler(net, (8, 8, 8), **settings, refine_steps=2, consistency_reference=[1e-9, 1e-9])
+    drawn = XrayCTSampler(net, (8, 8, 8), **{**settings, "guidance_scale": 0.0}).draw(xray, generator=gen())
+    torch.testing.assert_close(none.draw(xray, generator=gen()), drawn, rtol=0, atol=1e-5)
+    if mode != "diffusion":
+        per_sample = xray.repeat_interleave(checked.shape[0] // xray.shape[0], dim=0)
+        expected, keep = drawn, torch.tensor([[1.0, 0.0]]).expand(checked.shape[0], 2)
+        for _ in range(2):
+            expected = projector.data_consistency(expected, per_sample, 1.0, view_weight=keep).clamp(-1, 1)
+        torch.testing.assert_close(checked, expected, rtol=0, atol=1e-6)
+    with pytest.raises(ValueError, match="consistency_reference must be None or 2 positive numbers"):
+        XrayCTSampler(net, (8, 8, 8), **settings, consistency_reference=[1.0])
+    with pytest.raises(ValueError, match="mismatch_tolerance must be a number > 0"):
+        XrayCTSampler(net, (8, 8, 8), **settings, mismatch_tolerance=0)
+
+
+def test_only_the_last_stage_of_a_cascade_takes_the_consistency_reference():
+    cascade = build_cascade(
+        xray_projector(),
+        [(8, 8, 8), (16, 16, 16)],
+        2,
+        TINY_XRAY_NETWORK,
+        {**SAMPLER, "guidance_scale": 1.0, "consistency_reference": [0.5, 0.25]},
+    )
+    assert [s.consistency_reference for s in cascade.stages] == [None, [0.5, 0.25]]
+
+
 def test_refinement_converges_to_the_x_rays_of_a_consistent_volume():
     """X-rays made by the projector from a volume (16^3: its 8^3 block means project to them exactly): SIRT steps
     (Cimmino's method on two views) converge to a volume whose projections are those X-rays, whatever the start."""
@@ -465,14 +519,24 @@ def test_evaluator_reports_the_mean_its_spread_and_one_sample(tmp_path):
 
 def test_a_calibration_fitted_on_cases_covers_them_as_asked(tmp_path):
     """The handler fits ``scale * (std + floor)`` on an evaluation's cases; applying it, ``+-2`` calibrated spreads
-    cover 95% of their voxels (split conformal on the same cases: at least 95%, by at most one voxel more), and a
-    refit on the calibrated evaluation gives the same calibration of the samples' own spread."""
-    from common.xray2ct.metrics import UncertaintyCalibration
+    cover 95% of their voxels (split conformal on the same cases: 95% to within one voxel), and a
+    refit on the calibrated evaluation gives the same calibration of the samples' own spread. The consistency
+    reference is the 95% quantile of the cases' first-estimate residuals per view (of 2 cases: the larger). All of
+    it is recorded into the run's record, whose settings evaluation and inference read."""
+    from common.runs import RUN_FILE, run_settings
+    from common.xray2ct.metrics import SamplerCalibration
 
     net = tiny_xray_denoiser(0)
-    sampler = XrayCTSampler(net, (8, 8, 8), **SAMPLER, num_samples=3)
+    sampler = XrayCTSampler(net, (8, 8, 8), **SAMPLER, num_samples=3, guidance_scale=0.5)
     x0 = volume((2, 1, 8, 8, 8), 3)
     data = {"image": x0, "xray": xray_projector().xrays(x0), "case_id": ["a", "b"]}
+    run = tmp_path / "run"
+    (run / RUN_FILE).parent.mkdir(parents=True)
+    bundle = tmp_path / "bundle"
+    (bundle / "configs").mkdir(parents=True)
+    (bundle / "configs" / "train.json").write_text(json.dumps({"uncertainty_scale": 1.0, "lr": 0.1}))
+    (bundle / "configs" / "metadata.json").write_text("{}")
+    (run / RUN_FILE).write_text(json.dumps({"bundle": "bundle", "settings": {"lr": 0.2}}))
     fitted = []
     for i, applied in enumerate(((1.0, 0.0), None)):
         if applied is None:
@@ -481,9 +545,9 @@ def test_a_calibration_fitted_on_cases_covers_them_as_asked(tmp_path):
         outputs = []
         evaluator.add_event_handler(Events.ITERATION_COMPLETED, lambda e: outputs.append(dict(e.state.output)))
         path = tmp_path / f"calibration{i}.json"
-        UncertaintyCalibration(str(path), applied_scale=applied[0], applied_floor=applied[1], num_samples=3).attach(
-            evaluator
-        )
+        SamplerCalibration(
+            str(path), None if i else str(run), applied_scale=applied[0], applied_floor=applied[1], num_samples=3
+        ).attach(evaluator)
         evaluator.run()
         fitted.append(json.loads(path.read_text()))
     assert fitted[0]["cases"] == 2 and fitted[0]["voxels"] == 2 * 8**3 and fitted[0]["num_samples"] == 3
@@ -491,16 +555,55 @@ def test_a_calibration_fitted_on_cases_covers_them_as_asked(tmp_path):
     for name in ("uncertainty_scale", "uncertainty_floor"):
         assert fitted[1][name] == pytest.approx(fitted[0][name], rel=1e-5)
     covered = float(outputs[0]["coverage_2std"].mean())  # equal voxel counts: the pooled fraction
-    assert 0.95 <= covered <= 0.95 + 1 / (2 * 8**3) + 1e-6
+    voxel = 1 / (2 * 8**3)  # the voxel at the quantile sits on the interval's edge: rounding may leave it out
+    assert 0.95 - voxel - 1e-6 <= covered <= 0.95 + voxel + 1e-6
+    residuals = outputs[0]["consistency_residual"]
+    assert residuals.shape == (2, 2)
+    assert fitted[0]["consistency_reference"] == pytest.approx(residuals.max(0).values.tolist())
+    assert fitted[0]["record"] == str(run / RUN_FILE) and fitted[1]["record"] is None
+    record = json.loads((run / RUN_FILE).read_text())
+    assert "calibrated" in record and record["settings"]["lr"] == 0.2
+    settings = run_settings(run, bundle)
+    for name in ("uncertainty_scale", "uncertainty_floor", "consistency_reference"):
+        assert settings[name] == pytest.approx(fitted[0][name])
+
+
+def test_a_calibration_with_nothing_to_fit_says_so(tmp_path):
+    from common.xray2ct.metrics import SamplerCalibration
+
+    net = tiny_xray_denoiser(0)
+    x0 = volume((1, 1, 8, 8, 8), 3)
+    evaluator = XrayCTEvaluator(
+        "cpu", [{"image": x0, "xray": xray_projector().xrays(x0)}], XrayCTSampler(net, (8, 8, 8), **SAMPLER)
+    )
+    SamplerCalibration(str(tmp_path / "c.json")).attach(evaluator)
+    with pytest.raises(ValueError, match="nothing to calibrate"):
+        evaluator.run()
+    assert not (tmp_path / "c.json").exists()
+
+
+def test_calibrated_settings_are_no_difference_when_a_run_resumes(tmp_path):
+    from common.runs import record_calibration, settings_differences
+
+    assert settings_differences({"uncertainty_scale": 1.4, "consistency_reference": [0.1, 0.2]}, {}) == []
+    assert settings_differences(
+        {"uncertainty_scale": 1.4, "consistency_reference": [0.1, 0.2], "guidance_scale": 1.0},
+        {"uncertainty_scale": 1.0, "consistency_reference": None, "guidance_scale": 0.5},
+    ) == ["guidance_scale: checkpoint 1.0, config 0.5"]
+    assert record_calibration(tmp_path, {"uncertainty_scale": 2.0}) is None  # no record: nothing written
+    assert not list(tmp_path.iterdir())
+    with pytest.raises(ValueError, match=r"\['lr'\] are not calibrated settings"):
+        record_calibration(tmp_path, {"lr": 2.0})
 
 
 def test_metric_handlers_add_texture_and_single_sample_metrics():
     base = {"val_psnr", "val_ssim", "val_ms_ssim", "val_proj_error", "val_hf_ratio", "val_spectral_distance"}
-    assert set(xray2ct_metric_handlers()) == base
-    assert set(xray2ct_metric_handlers(num_samples=4, mode="direct")) == base
+    assert set(xray2ct_metric_handlers()) == base | {"val_corrected_views"}
+    assert set(xray2ct_metric_handlers(num_samples=4, mode="direct")) == base | {"val_corrected_views"}
     with_samples = set(xray2ct_metric_handlers(num_samples=4, mode="residual"))
     uncertainty = {"val_coverage_1std", "val_coverage_2std", "val_std_error_spearman", "val_std_error_partial_spearman"}
-    assert with_samples == base | {name.replace("val_", "val_sample_") for name in base} | uncertainty
+    single = {name.replace("val_", "val_sample_") for name in base}
+    assert with_samples == base | single | uncertainty | {"val_corrected_views"}
 
 
 # ---------------------------------------------------------------------------------------------- settings
@@ -529,5 +632,12 @@ def test_residual_and_sampling_settings_are_checked(tmp_path):
     EVALUATION(**{**VALID, "refine_steps": 5, "guidance_scale": 1.0, "noise_tolerance": 1.5})
     with pytest.raises(ValueError, match="'noise_tolerance' must be null .* got -1"):
         EVALUATION(**{**VALID, "noise_tolerance": -1})
+    EVALUATION(**{**VALID, "consistency_reference": [0.01, 0.02], "mismatch_tolerance": 1.5})
+    for reference in ([0.01], [0.01, 0], "0.01", [0.01, True]):
+        with pytest.raises(ValueError, match=r"'consistency_reference' must be null \(no check\) or 2 numbers > 0"):
+            EVALUATION(**{**VALID, "consistency_reference": reference})
+    for tolerance in (0, -1, float("inf"), None):
+        with pytest.raises(ValueError, match="'mismatch_tolerance' must be a number > 0"):
+            EVALUATION(**{**VALID, "mismatch_tolerance": tolerance})
     with pytest.raises(ValueError, match="has no trained stage 2 regressor"):
         TRAINING(**{**VALID, "stage": 2, "regressor_dir": str(tmp_path)})

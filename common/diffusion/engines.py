@@ -37,6 +37,7 @@ __all__ = [
     "TASKS",
     "DiffusionEvaluator",
     "DiffusionTrainer",
+    "case_name",
     "expand_channels",
     "insert_target",
     "latent_roi_size",
@@ -139,6 +140,13 @@ def volume_seed(batchdata: Any, index: int = 0, seed: int = 0) -> int:
     The noise of a volume then does not depend on the batch order, the number of processes or earlier
     validations, so metrics are comparable between validations and between single- and multi-GPU runs.
     """
+    name = case_name(batchdata, index)
+    text = f"{seed}:{name if name is not None else index}"
+    return zlib.crc32(text.encode("utf-8")) & 0x7FFFFFFF
+
+
+def case_name(batchdata: Any, index: int = 0) -> Any:
+    """The ``case_id`` (or image file name) of volume ``index`` of a batch, ``None`` when it has neither."""
     name = None
     image = batchdata.get(Keys.IMAGE) if isinstance(batchdata, Mapping) else None
     if isinstance(batchdata, Mapping) and "case_id" in batchdata:
@@ -147,8 +155,7 @@ def volume_seed(batchdata: Any, index: int = 0, seed: int = 0) -> int:
         name = image.meta.get("case_id", image.meta.get("filename_or_obj"))
     if isinstance(name, (list, tuple)):
         name = name[index] if index < len(name) else None
-    text = f"{seed}:{name if name is not None else index}"
-    return zlib.crc32(text.encode("utf-8")) & 0x7FFFFFFF
+    return name
 
 
 def prepare_diffusion_batch(

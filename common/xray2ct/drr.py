@@ -330,8 +330,34 @@ class DRRProjector(nn.Module):
         """Attenuation (1/cm) -> volume value (the inverse of :meth:`attenuation`)."""
         return self.from_hu((mu / self.mu_water - 1.0) * 1000.0)
 
+    def residual(self, volume: torch.Tensor, xray: torch.Tensor) -> torch.Tensor:
+        """``(B, V)`` root mean square difference of each view between the volumes' native projection and the
+        X-rays (area-averaged to the native plane, as :meth:`data_consistency` compares them).
+
+        Args:
+            volume: ``(B, 1, X, Y, Z)`` volumes in ``[-1, 1]``.
+            xray: ``(B, V, H, W)`` normalised line integrals of the same cases.
+        """
+        planes = [view_plane(volume.shape[2:], v) for v in self.views]
+        residuals = []
+        for i, plane in enumerate(planes):  # views of a volume that is not a cube have planes of different sizes
+            if i and plane == planes[0]:
+                residuals.append(None)
+                continue
+            projected = self.project(volume, plane).float()
+            measured = resize_2d(xray.to(volume.device).float(), plane)
+            residual = (projected - measured).pow(2).mean(dim=(2, 3)).sqrt()
+            residuals.append(residual)
+        first = residuals[0]
+        return torch.stack([(first if r is None else r)[:, i] for i, r in enumerate(residuals)], dim=1)
+
     def data_consistency(
-        self, volume: torch.Tensor, xray: torch.Tensor, weight: float = 1.0, noise_tolerance: float | None = None
+        self,
+        volume: torch.Tensor,
+        xray: torch.Tensor,
+        weight: float = 1.0,
+        noise_tolerance: float | None = None,
+        view_weight: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """``volume`` moved towards agreeing with ``xray``: one simultaneous algebraic reconstruction (SIRT) step.
 
@@ -351,6 +377,9 @@ class DRRProjector(nn.Module):
                 is already within ``tau`` times its X-ray's noise level (:func:`noise_level`) gives no correction:
                 Morozov's discrepancy principle, so that noisy X-rays are not fitted into the volume. ``None``:
                 every view corrects.
+            view_weight: ``(B, V)`` factors of each view's correction (0 leaves a view out, as a view that does not
+                match the projector; :class:`common.xray2ct.networks.XrayCTSampler`'s consistency check), or
+                ``None`` for all 1.
         """
         if not weight:
             return volume
@@ -363,6 +392,8 @@ class DRRProjector(nn.Module):
             residual = (projected - measured).pow(2).mean(dim=(2, 3)).sqrt()
             outside = residual > float(noise_tolerance) * noise_level(measured)
             difference = difference * outside[:, :, None, None, None].to(difference.dtype)
+        if view_weight is not None:
+            difference = difference * view_weight.to(difference)[:, :, None, None, None]
         correction = difference.mean(1, keepdim=True)
         return volume + float(weight) * correction.to(volume.dtype)
 

@@ -9,6 +9,7 @@ inference from X-ray files) and ``xray`` (``B, V, H, W`` normalised line integra
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
@@ -19,7 +20,7 @@ from monai.utils import CommonKeys as Keys
 from torch import nn
 from torch.optim import Optimizer
 
-from common.diffusion.engines import DiffusionTrainer, volume_seed
+from common.diffusion.engines import DiffusionTrainer, case_name, volume_seed
 from common.diffusion.schedule import DiffusionSchedule
 from common.engines.evaluator import StepEvaluator
 from common.networks.wrappers import unwrap
@@ -27,6 +28,8 @@ from common.xray2ct.drr import DRRProjector
 from common.xray2ct.losses import ProjectionLoss, physics_noise_weight
 from common.xray2ct.metrics import UNCERTAINTY_SCORES, uncertainty_scores
 from common.xray2ct.networks import MODES, degrade_to_previous
+
+logger = logging.getLogger(__name__)
 
 __all__ = [
     "DIRECT_LOSSES",
@@ -271,7 +274,7 @@ class XrayCTEvaluator(StepEvaluator):
     (:func:`common.xray2ct.metrics.uncertainty_scores`: ``coverage_1std``, ``coverage_2std``,
     ``std_error_spearman``, ``std_error_partial_spearman``). ``uncertainty_scale`` and ``uncertainty_floor`` calibrate
     the spread, ``scale * (std + floor)`` (fitted on validation cases by
-    :class:`common.xray2ct.metrics.UncertaintyCalibration`; 1 and 0: the samples' own).
+    :class:`common.xray2ct.metrics.SamplerCalibration`; 1 and 0: the samples' own).
 
     Args:
         device: the device of this rank.
@@ -318,7 +321,7 @@ class XrayCTEvaluator(StepEvaluator):
         xray = _plain(xray).float()
         sampler = engine.network
         modules = [sampler] + ([self.previous] if self.previous is not None else [])
-        means, stds, firsts = [], [], []
+        means, stds, firsts, residuals, corrected = [], [], [], [], []
         with self.inference(*modules):
             for i in range(xray.shape[0]):
                 generator = torch.Generator().manual_seed(volume_seed(batchdata, i, self.seed))
@@ -328,6 +331,11 @@ class XrayCTEvaluator(StepEvaluator):
                 means.append(samples.mean(0, keepdim=True))
                 stds.append(samples.std(0, correction=0, keepdim=True))
                 firsts.append(samples[:1])
+                check = sampler.consistency
+                if check["residual"] is not None:
+                    residuals.append(check["residual"].float().mean(0, keepdim=True).cpu())
+                    corrected.append(check["corrected"].float().mean(0, keepdim=True).cpu())
+                    _warn_mismatch(sampler, batchdata, i, corrected[-1][0], residuals[-1][0])
         volume = torch.cat(means)
         projector = unwrap(sampler.network).projector
         output: dict[str, Any] = {
@@ -335,6 +343,12 @@ class XrayCTEvaluator(StepEvaluator):
             "pred_xray": projector.project(volume, xray.shape[-2:]),
             "proj_error": self.projection_loss(volume, xray),
         }
+        if len(residuals) == xray.shape[0]:  # per case and view: the first estimates' residual, the share corrected
+            output["consistency_residual"] = torch.cat(residuals)
+            output["consistency_corrected"] = torch.cat(corrected)
+        # per case: the share of its samples' views the consistency check let correct them (1: all, or no check)
+        share = output.get("consistency_corrected")
+        output["corrected_views"] = torch.ones(xray.shape[0]) if share is None else share.mean(1)
         meta = image if isinstance(image, MetaTensor) else batchdata.get(XRAY_KEY)
         output[Keys.PRED] = _with_meta(((volume + 1) / 2).clamp(0, 1), meta)
         if sampler.samples_per_case() > 1:  # the spread of the samples, and one sample scored as the mean is
@@ -349,6 +363,25 @@ class XrayCTEvaluator(StepEvaluator):
                 scores = uncertainty_scores(_plain(output[Keys.PRED]), output["pred_std"], output[Keys.LABEL])
                 output.update(scores)
         return output
+
+
+def _warn_mismatch(sampler: nn.Module, batchdata: Any, index: int, corrected: torch.Tensor, residual: torch.Tensor):
+    """One warning line for a case some of whose views the sampler's consistency check left out."""
+    if bool((corrected >= 1).all()) or not (sampler.guidance_scale and sampler.consistency_reference is not None):
+        return
+    views = unwrap(sampler.network).projector.views
+    left_out = [
+        f"{view} (residual {float(r):.4g} > {sampler.mismatch_tolerance:g} x {ref:.4g})"
+        for view, r, ref, c in zip(views, residual, sampler.consistency_reference, corrected)
+        if float(c) < 1
+    ]
+    name = case_name(batchdata, index)
+    logger.warning(
+        "case %s: the X-ray of view(s) %s does not match the projector as the calibration cases did (blurred, "
+        "miscalibrated, misposed or another geometry?): no projection correction from it.",
+        name if name is not None else index,
+        ", ".join(left_out),
+    )
 
 
 def _with_meta(volume: torch.Tensor, source: Any) -> torch.Tensor:
@@ -366,7 +399,8 @@ def xray2ct_metric_handlers(
     """The metrics of an X-ray -> CT model, keyed ``prefix + name``: ``psnr``, ``ssim`` and ``ms_ssim`` of the
     generated CT (the mean of the samples) against the real one on ``[0, 1]`` (the projector's HU window, so PSNR's
     data range is the window's width in HU; see :func:`common.metrics.image.image_quality_handlers`),
-    ``proj_error``, the evaluator's per-case projection error, and the texture measures ``hf_ratio`` and
+    ``proj_error``, the evaluator's per-case projection error, ``corrected_views``, the share of the views the
+    sampler's consistency check let correct each case (1 without a check), and the texture measures ``hf_ratio`` and
     ``spectral_distance`` (:mod:`common.xray2ct.metrics`). When a stochastic ``mode`` (``diffusion``,
     ``residual``) draws ``num_samples`` > 1 samples, the same of one sample, ``sample_<name>``: the mean is
     smoother than any sample, so the texture of what the model generates is the single sample's; and the scores of
@@ -379,6 +413,7 @@ def xray2ct_metric_handlers(
 
     metrics = image_quality_handlers(prefix=prefix, save_details=save_details)
     metrics[f"{prefix}proj_error"] = output_value_handler("proj_error", save_details=save_details)
+    metrics[f"{prefix}corrected_views"] = output_value_handler("corrected_views", save_details=save_details)
     metrics.update(texture_handlers(prefix=prefix, save_details=save_details))
     if mode in ("diffusion", "residual") and int(num_samples) > 1:
         sample = from_engine(["pred_sample", Keys.LABEL])

@@ -40,6 +40,7 @@ cover a wanted fraction of voxels.
 from __future__ import annotations
 
 import json
+import logging
 import math
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -52,13 +53,16 @@ from monai.metrics import CumulativeIterationMetric
 from monai.metrics.utils import do_metric_reduction
 from monai.utils import MetricReduction, convert_to_tensor
 
+from common.runs import record_calibration
 from common.utils import write_text_atomic
+
+logger = logging.getLogger(__name__)
 
 __all__ = [
     "UNCERTAINTY_SCORES",
     "HighFrequencyRatioMetric",
+    "SamplerCalibration",
     "SpectralDistanceMetric",
-    "UncertaintyCalibration",
     "fit_uncertainty_scale",
     "high_frequency_energy_ratio",
     "log_spectral_distance",
@@ -504,31 +508,46 @@ def fit_uncertainty_scale(
     return quantile / float(width)
 
 
-class UncertaintyCalibration:
-    """Fits the calibration of the samples' spread on the cases an evaluator runs and writes it as JSON to ``path``
-    (rank 0, after every rank's cases are gathered): the calibrated spread is ``scale * (std + floor)``, with
-    ``floor`` the median spread of those voxels (so voxels where every sample agrees still get an interval) and
-    ``scale`` from :func:`fit_uncertainty_scale` (``+-width`` calibrated spreads cover ``coverage`` of the voxels).
-    Each case gives at most ``max_voxels`` voxels (a seeded random subset of larger volumes: the quantile's sampling
-    error stays below 1e-3 of coverage).
+class SamplerCalibration:
+    """Fits what a sampler learns about itself on the cases an evaluator runs (validation cases like those it will
+    meet), writes it as JSON to ``path`` and records it with the weights: into the settings of the run recorded in
+    ``record_dir`` (:func:`common.runs.record_calibration`), so that evaluation and inference of that run use it
+    (rank 0, after every rank's cases are gathered).
 
-    The evaluator's output must hold ``pred``, ``pred_std`` and ``label``. ``pred_std`` is the spread the evaluator
-    reports, ``applied_scale * (std + applied_floor)`` of the samples' own ``std``; the file gives the calibration of
-    the samples' own spread (``uncertainty_scale``, ``uncertainty_floor``), whatever was applied.
+    - ``consistency_reference``: per view, the ``coverage`` quantile of the cases' first-estimate residuals
+      (``consistency_residual`` of :class:`common.xray2ct.engines.XrayCTEvaluator`): the consistency check of
+      :class:`common.xray2ct.networks.XrayCTSampler` then leaves out the views of a case that fit the projector
+      markedly worse than these cases did. Fitted when the evaluation recorded the residuals (any mode with a
+      correction: ``guidance_scale`` > 0, or ``direct``/``backprojection``/``residual``).
+    - ``uncertainty_scale`` and ``uncertainty_floor``: the calibrated spread is ``scale * (std + floor)``, with
+      ``floor`` the median spread of those voxels (so voxels where every sample agrees still get an interval) and
+      ``scale`` from :func:`fit_uncertainty_scale` (``+-width`` calibrated spreads cover ``coverage`` of the
+      voxels). Fitted when the evaluation drew several samples per case and has the real CTs. Each case gives at
+      most ``max_voxels`` voxels (a seeded random subset of larger volumes: the quantile's sampling error stays
+      below 1e-3 of coverage). ``pred_std`` is the spread the evaluator reports, ``applied_scale * (std +
+      applied_floor)`` of the samples' own ``std``; the fit is of the samples' own spread, whatever was applied.
 
     Args:
-        path: the JSON file to write (``uncertainty_scale``, ``uncertainty_floor``, ``coverage``, ``width``,
-            ``num_samples``, ``cases``, ``voxels``).
-        coverage: the fraction of voxels ``+-width`` calibrated spreads should cover.
+        path: the JSON file to write (the fitted settings, ``coverage``, ``width``, ``num_samples``, ``cases``,
+            ``voxels``, ``record``).
+        record_dir: the run folder whose record takes the fitted settings (``None``, or a folder without a record:
+            the JSON file only).
+        coverage: the fraction of voxels ``+-width`` calibrated spreads should cover, and the quantile of the
+            residuals.
         width: the interval's half-width in calibrated spreads.
         applied_scale, applied_floor: the evaluator's ``uncertainty_scale`` and ``uncertainty_floor``.
-        num_samples: the samples per case of the evaluation (recorded: the calibration holds for this number only).
+        num_samples: the samples per case of the evaluation (recorded: the spread's calibration holds for this
+            number only).
         max_voxels: the most voxels taken from one case.
+
+    Raises:
+        ValueError: at the end of the evaluation, when it gave nothing to fit.
     """
 
     def __init__(
         self,
         path: str,
+        record_dir: str | None = None,
         coverage: float = 0.95,
         width: float = 2.0,
         applied_scale: float = 1.0,
@@ -537,25 +556,27 @@ class UncertaintyCalibration:
         max_voxels: int = 1 << 18,
     ) -> None:
         self.path = path
+        self.record_dir = record_dir
         self.coverage, self.width = float(coverage), float(width)
         self.applied_scale, self.applied_floor = float(applied_scale), float(applied_floor)
         self.num_samples = num_samples
         self.max_voxels = int(max_voxels)
         self._errors: list[torch.Tensor] = []
         self._stds: list[torch.Tensor] = []
+        self._residuals: list[torch.Tensor] = []
 
     def attach(self, engine: Engine) -> None:
-        engine.add_event_handler(Events.EPOCH_STARTED, lambda _: (self._errors.clear(), self._stds.clear()))
+        parts = (self._errors, self._stds, self._residuals)
+        engine.add_event_handler(Events.EPOCH_STARTED, lambda _: [part.clear() for part in parts])
         engine.add_event_handler(Events.ITERATION_COMPLETED, self.collect)
         engine.add_event_handler(Events.EPOCH_COMPLETED, self.write)
 
     def collect(self, engine: Engine) -> None:
         output = engine.state.output
+        if output.get("consistency_residual") is not None:
+            self._residuals.extend(output["consistency_residual"].detach().float().cpu())
         if output.get("pred_std") is None or output.get("label") is None:
-            raise ValueError(
-                "calibrating the uncertainty needs several samples per case (num_samples > 1 in a diffusion mode) "
-                "and the real CT of every case."
-            )
+            return
         error = (output["pred"].detach().float() - output["label"].detach().float()).abs().cpu()
         own = output["pred_std"].detach().float().cpu() / self.applied_scale - self.applied_floor  # the samples'
         for case_error, case_std in zip(error, own.clamp_min(0)):
@@ -568,24 +589,47 @@ class UncertaintyCalibration:
             self._stds.append(case_std)
 
     def write(self, engine: Engine) -> None:
-        pairs = [(self._errors, self._stds)]
+        parts = [(self._errors, self._stds, self._residuals)]
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
             gathered: list = [None] * dist.get_world_size()
-            dist.all_gather_object(gathered, pairs[0])
-            pairs = gathered
+            dist.all_gather_object(gathered, parts[0])
+            parts = gathered
             if dist.get_rank() != 0:
                 return
-        errors = torch.cat([e for rank_errors, _ in pairs for e in rank_errors])
-        stds = torch.cat([s for _, rank_stds in pairs for s in rank_stds])
-        floor = float(stds.double().median())
+        errors = [e for rank in parts for e in rank[0]]
+        stds = [s for rank in parts for s in rank[1]]
+        residuals = [r for rank in parts for r in rank[2]]
+        fitted: dict = {}
+        if residuals:
+            stacked = torch.stack(residuals).double()  # (cases, views)
+            k = max(1, math.ceil(self.coverage * stacked.shape[0]))
+            fitted["consistency_reference"] = [float(v) for v in stacked.kthvalue(k, dim=0).values]
+        if errors:
+            all_errors, all_stds = torch.cat(errors), torch.cat(stds)
+            floor = float(all_stds.double().median())
+            fitted["uncertainty_scale"] = fit_uncertainty_scale(all_errors, all_stds, self.coverage, self.width, floor)
+            fitted["uncertainty_floor"] = floor
+        if not fitted:
+            raise ValueError(
+                "nothing to calibrate: the consistency reference needs a sampler that checks its first estimates "
+                "(guidance_scale > 0 in the diffusion mode), the spread several samples per case (num_samples > 1 "
+                "in a diffusion mode) and the real CT of every case."
+            )
+        record = record_calibration(self.record_dir, fitted) if self.record_dir is not None else None
         result = {
-            "uncertainty_scale": fit_uncertainty_scale(errors, stds, self.coverage, self.width, floor),
-            "uncertainty_floor": floor,
+            **fitted,
             "coverage": self.coverage,
             "width": self.width,
             "num_samples": self.num_samples,
-            "cases": sum(len(rank_errors) for rank_errors, _ in pairs),
-            "voxels": int(errors.numel()),
+            "cases": max(len(residuals), len(errors)),
+            "voxels": sum(int(e.numel()) for e in errors),
+            "record": None if record is None else str(record),
         }
         Path(self.path).parent.mkdir(parents=True, exist_ok=True)
         write_text_atomic(Path(self.path), json.dumps(result, indent=2))
+        where = (
+            f"recorded in {record}: evaluation and inference of this run use it"
+            if record
+            else "no run record here: pass these settings to evaluation and inference"
+        )
+        logger.info("calibration %s (%s): %s", self.path, where, json.dumps(fitted))

@@ -13,6 +13,7 @@ ViTs. The U-Net's time embedding is sinusoidal followed by a two-layer MLP.
 from __future__ import annotations
 
 import logging
+import math
 import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -496,6 +497,20 @@ class XrayCTSampler(InferenceView):
         noise_tolerance: ``None``, or the discrepancy principle for the guidance and refinement steps: a view whose
             residual is within this many times its X-ray's estimated noise level gets no more correction
             (:meth:`common.xray2ct.drr.DRRProjector.data_consistency`).
+        consistency_reference: ``None``, or the consistency check of the guidance and refinement steps: per view,
+            the residual (:meth:`common.xray2ct.drr.DRRProjector.residual`) that the sampler's first estimate of
+            the CT leaves on X-rays like those it was trained on (fitted on validation cases by
+            :class:`common.xray2ct.metrics.SamplerCalibration`). A sample whose first estimate leaves more than
+            ``mismatch_tolerance`` times that on a view gets no correction from that view: its X-ray does not match
+            the projector (blurred, miscalibrated, misposed or another geometry), and fitting it moves the volume
+            away from the truth. The first estimate is the network's output (``direct``), the back-projection
+            (``backprojection``) or the first DDIM step's prediction of the CT (``diffusion``, ``residual``), all
+            before any correction.
+        mismatch_tolerance: the factor of ``consistency_reference`` beyond which a view is left out (> 0).
+
+    After each :meth:`draw`, :attr:`consistency` holds ``residual`` (``(N, V)``: each sample's first-estimate
+    residual per view, ``None`` for a diffusion mode sampled without any correction) and ``corrected`` (``(N, V)``
+    booleans: the views that corrected it), for the ``N`` samples drawn.
     """
 
     def __init__(
@@ -515,6 +530,8 @@ class XrayCTSampler(InferenceView):
         guidance_scale: float = 0.0,
         refine_steps: int = 0,
         noise_tolerance: float | None = None,
+        consistency_reference: Sequence[float] | None = None,
+        mismatch_tolerance: float = 1.0,
     ) -> None:
         super().__init__(network)
         if mode not in SAMPLER_MODES:
@@ -549,6 +566,20 @@ class XrayCTSampler(InferenceView):
         self.guidance_scale = float(guidance_scale)
         self.refine_steps = int(refine_steps)
         self.noise_tolerance = None if noise_tolerance is None else float(noise_tolerance)
+        views = len(unwrap(network).projector.views)
+        if consistency_reference is not None:
+            reference = [float(r) for r in consistency_reference]
+            if len(reference) != views or not all(math.isfinite(r) and r > 0 for r in reference):
+                raise ValueError(
+                    f"consistency_reference must be None or {views} positive numbers (one per view), got "
+                    f"{consistency_reference!r}."
+                )
+            consistency_reference = reference
+        if not (math.isfinite(float(mismatch_tolerance)) and float(mismatch_tolerance) > 0):
+            raise ValueError(f"mismatch_tolerance must be a number > 0, got {mismatch_tolerance!r}.")
+        self.consistency_reference = consistency_reference
+        self.mismatch_tolerance = float(mismatch_tolerance)
+        self.consistency: dict[str, torch.Tensor | None] = {"residual": None, "corrected": None}
         # a buffer, so that a traced (exported) sampler keeps the same noise
         self.register_buffer("start_noise", self._fixed_noise(self.num_samples), persistent=False)
 
@@ -601,7 +632,8 @@ class XrayCTSampler(InferenceView):
         k = self.samples_per_case(num_samples)
         if self.mode == "backprojection":
             backprojection = unwrap(net).projector.backproject(xray, self.volume_size)
-            return self.refine(backprojection.mean(1, keepdim=True).clamp(-1.0, 1.0), xray)
+            first = backprojection.mean(1, keepdim=True).clamp(-1.0, 1.0)
+            return self.refine(first, xray, self._check_consistency(first, xray))
         if previous is not None:
             previous = upsample_previous(previous, self.volume_size)
             if previous.shape[0] not in (batch, batch * k):
@@ -611,7 +643,8 @@ class XrayCTSampler(InferenceView):
             zeros = torch.zeros((batch, 1, *self.volume_size), device=xray.device)
             t = torch.zeros(batch, dtype=torch.long, device=xray.device)
             out = net(zeros, t, xray, previous, condition=condition).float()
-            return self.refine(out.clamp(-1.0, 1.0) if self.clip_sample else out, xray)
+            out = out.clamp(-1.0, 1.0) if self.clip_sample else out
+            return self.refine(out, xray, self._check_consistency(out, xray))
         noise = self._start_noise(batch, k, generator).to(xray.device)
 
         def per_sample(x: torch.Tensor | None) -> torch.Tensor | None:
@@ -625,8 +658,9 @@ class XrayCTSampler(InferenceView):
             estimate = unwrap(net).estimate(xray if per_case else xray_k, previous, self.volume_size)
             estimate_k = per_sample(estimate)
         chunk = self.sample_chunk or batch * k
-        samples = [
-            self._sample_chunk(
+        samples, residuals, corrected = [], [], []
+        for i in range(0, batch * k, chunk):
+            sample, check = self._sample_chunk(
                 noise[i : i + chunk],
                 xray_k[i : i + chunk],
                 None if previous_k is None else previous_k[i : i + chunk],
@@ -634,16 +668,38 @@ class XrayCTSampler(InferenceView):
                 None if estimate_k is None else estimate_k[i : i + chunk],
                 generator,
             )
-            for i in range(0, batch * k, chunk)
-        ]
-        return self.refine(torch.cat(samples), xray_k)
+            samples.append(sample)
+            residuals.append(check["residual"])
+            corrected.append(check["corrected"])
+        checked = all(r is not None for r in residuals)
+        self.consistency = {
+            "residual": torch.cat(residuals) if checked else None,
+            "corrected": torch.cat(corrected) if checked else self._all_views(batch * k, xray.device),
+        }
+        return self.refine(torch.cat(samples), xray_k, self.consistency["corrected"])
 
-    def refine(self, volume: torch.Tensor, xray: torch.Tensor) -> torch.Tensor:
+    def _all_views(self, n: int, device: torch.device | str) -> torch.Tensor:
+        return torch.ones((n, len(unwrap(self.network).projector.views)), dtype=torch.bool, device=device)
+
+    def _check_consistency(self, volume: torch.Tensor, xray: torch.Tensor) -> torch.Tensor:
+        """Records the first estimates' residuals per view in :attr:`consistency` and returns the ``(N, V)`` views
+        that may correct them (all, without a ``consistency_reference``)."""
+        residual = unwrap(self.network).projector.residual(volume, xray)
+        corrected = self._all_views(volume.shape[0], volume.device)
+        if self.consistency_reference is not None:
+            limit = torch.tensor(self.consistency_reference, device=residual.device) * self.mismatch_tolerance
+            corrected = residual <= limit
+        self.consistency = {"residual": residual, "corrected": corrected}
+        return corrected
+
+    def refine(self, volume: torch.Tensor, xray: torch.Tensor, corrected: torch.Tensor | None = None) -> torch.Tensor:
         """``volume`` after ``refine_steps`` projection-consistency steps of weight ``guidance_scale`` against
-        ``xray`` (one X-ray per volume), clipped to the CT window after each step when ``clip_sample``."""
+        ``xray`` (one X-ray per volume), clipped to the CT window after each step when ``clip_sample``; with
+        ``corrected`` (``(N, V)`` booleans) only those views correct."""
         projector = unwrap(self.network).projector
+        view_weight = None if corrected is None or self.consistency_reference is None else corrected.float()
         for _ in range(self.refine_steps):
-            volume = projector.data_consistency(volume, xray, self.guidance_scale, self.noise_tolerance)
+            volume = projector.data_consistency(volume, xray, self.guidance_scale, self.noise_tolerance, view_weight)
             volume = volume.clamp(-1.0, 1.0) if self.clip_sample else volume
         return volume
 
@@ -655,11 +711,14 @@ class XrayCTSampler(InferenceView):
         condition: tuple[torch.Tensor, ...],
         estimate: torch.Tensor | None,
         generator: torch.Generator | None,
-    ) -> torch.Tensor:
-        """The DDIM samples of one chunk: ``noise`` and the per-sample inputs of its volumes."""
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor | None]]:
+        """The DDIM samples of one chunk (``noise`` and the per-sample inputs of its volumes), and the consistency
+        check of their first estimates (``residual`` and ``corrected``, see :attr:`consistency`; ``residual`` is
+        ``None`` when the chunk was sampled without any correction)."""
         net = self.network
         denoiser = unwrap(net)
         extra = {} if estimate is None else {"estimate": estimate}
+        check: dict[str, torch.Tensor | None] = {"residual": None, "corrected": None}
 
         def model_fn(x_t: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
             return net(x_t, t, xray, previous, condition=condition, **extra).float()
@@ -672,8 +731,14 @@ class XrayCTSampler(InferenceView):
 
         def corrected(x0: torch.Tensor, t: int) -> torch.Tensor:
             volume = to_volume(x0)
+            if check["residual"] is None:  # the first estimate, before any correction
+                check["corrected"] = self._check_consistency(volume.float(), xray)
+                check["residual"] = self.consistency["residual"]
             if self.guidance_scale:
-                volume = denoiser.projector.data_consistency(volume, xray, self.guidance_scale, self.noise_tolerance)
+                views = None if self.consistency_reference is None else check["corrected"].to(volume.dtype)
+                volume = denoiser.projector.data_consistency(
+                    volume, xray, self.guidance_scale, self.noise_tolerance, views
+                )
             if self.clip_sample:
                 volume = volume.clamp(-1.0, 1.0)
             return to_state(volume)
@@ -690,7 +755,7 @@ class XrayCTSampler(InferenceView):
             clip_sample=self.clip_sample and estimate is None and not self.guidance_scale,
             x0_transform=transform,
         )
-        return to_volume(out.double()).to(noise.dtype) if estimate is not None else out
+        return (to_volume(out.double()).to(noise.dtype) if estimate is not None else out), check
 
     def forward(
         self, xray: torch.Tensor, previous: torch.Tensor | None = None, generator: torch.Generator | None = None
@@ -775,11 +840,16 @@ def build_cascade(
 ) -> XrayCTCascade:
     """The cascade of stages ``1 .. stages`` with one network architecture (``network_settings``, the keyword
     arguments of :class:`XrayCTDenoiser` besides ``projector``/``with_previous``) and one sampler setting
-    (``sampler_settings``: :class:`XrayCTSampler` arguments besides ``network``/``volume_size``), random weights."""
+    (``sampler_settings``: :class:`XrayCTSampler` arguments besides ``network``/``volume_size``), random weights.
+    ``consistency_reference`` is the last stage's (the stage an evaluation calibrates): the earlier stages correct
+    without the consistency check."""
     samplers = []
     for k in range(int(stages)):
         network = XrayCTDenoiser(projector, with_previous=k > 0, **dict(network_settings)).to(device)
-        samplers.append(XrayCTSampler(network, stage_sizes[k], **dict(sampler_settings)))
+        settings = dict(sampler_settings)
+        if k < int(stages) - 1:
+            settings["consistency_reference"] = None
+        samplers.append(XrayCTSampler(network, stage_sizes[k], **settings))
     return XrayCTCascade(samplers).to(device)
 
 

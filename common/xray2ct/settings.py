@@ -277,6 +277,29 @@ def uncertainty_problems(uncertainty_scale: float, uncertainty_floor: float) -> 
     return problems
 
 
+def consistency_problems(
+    views: Sequence[str], consistency_reference: Sequence[float] | None, mismatch_tolerance: float
+) -> list[str]:
+    """The consistency check of the projection corrections: ``consistency_reference`` is null (off) or one residual
+    > 0 per view (fitted by ``evaluate.json --calibrate True``), and ``mismatch_tolerance`` a factor > 0."""
+    problems = []
+    if consistency_reference is not None:
+        ok = isinstance(consistency_reference, (list, tuple)) and all(
+            _number(r) and r > 0 for r in consistency_reference
+        )
+        if not ok or len(consistency_reference) != len(views):
+            problems.append(
+                f"'consistency_reference' must be null (no check) or {len(views)} numbers > 0, one per view "
+                f"{list(views)} (fitted by evaluate.json --calibrate True), got {consistency_reference!r}."
+            )
+    if not (_number(mismatch_tolerance) and math.isfinite(mismatch_tolerance) and mismatch_tolerance > 0):
+        problems.append(
+            "'mismatch_tolerance' must be a number > 0 (a view whose first estimate leaves more than this many times "
+            f"its consistency_reference gets no correction), got {mismatch_tolerance!r}."
+        )
+    return problems
+
+
 def sampling_problems(
     num_samples: int, sample_chunk: int | None, guidance_scale: float, refine_steps: int, noise_tolerance: float | None
 ) -> list[str]:
@@ -386,6 +409,7 @@ TRAINING = SettingsChecks(
     projection_problems,
     condition_problems,
     uncertainty_problems,
+    consistency_problems,
     cache_problems,
     _TRAINING_SWITCHES,
 )
@@ -394,11 +418,11 @@ TRAINING = SettingsChecks(
 
 EVALUATION = TRAINING.with_checks(
     evaluation_mode_problems,
-    switches(*SWITCHES, "save_volumes", "calibrate_uncertainty"),
+    switches(*SWITCHES, "save_volumes", "calibrate", "record_calibration"),
     without=(training_mode_problems, regressor_problems, _TRAINING_SWITCHES),
 )
 """The checks of an evaluation (``evaluate.json`` on ``train.json``): ``mode`` may also be the ``backprojection``
-baseline, no regressor run is needed, and ``save_volumes`` and ``calibrate_uncertainty`` are switches too."""
+baseline, no regressor run is needed, and ``save_volumes``, ``calibrate`` and ``record_calibration`` are switches too."""
 
 
 def trained_network_problems(mode: str, views: Sequence[str], view_size: Sequence[int], trained: dict) -> list[str]:
@@ -455,6 +479,7 @@ INFERENCE = SettingsChecks(
     projection_problems,
     condition_problems,
     uncertainty_problems,
+    consistency_problems,
     orientation_problems,
     *CASE_RUN_CHECKS,
     switches("save_volumes"),

@@ -61,6 +61,7 @@ __all__ = [
     "CAMPAIGN_TINY",
     "THROUGHPUT",
     "fault_case",
+    "xray_consistency",
     "xray_memory",
     "xray_quality",
     "xray_throughput",
@@ -827,19 +828,11 @@ def xray_uncertainty(
         seed: the phantoms' seed.
         output: JSON file of the results.
     """
-    from common.demo.images import make_xray2ct_demo
     from scripts.harness.xray_uncertainty import UNCERTAINTY_HEADER, uncertainty_rows
     from scripts.harness.xray_uncertainty import xray_uncertainty as run_uncertainty
 
-    summary = json.loads(Path(comparison).read_text())
-    settings = {k: v for k, v in summary["settings"].items() if k != "dataset_dir"}
+    summary, settings, datalist = _new_phantoms(comparison, work_dir, n_cases, seed)
     work = Path(work_dir)
-    shape = settings.get("source_size") or settings["stage_sizes"][-1]
-    fov = settings.get("fov_mm", train_config(BUNDLE)["fov_mm"])
-    datalist = make_xray2ct_demo(
-        work / "uncertainty_data", n_train=1, n_val=int(n_cases), shape=shape, fov_mm=fov, seed=seed
-    )
-    settings["dataset_dir"] = str(datalist.parent)
     result = run_uncertainty(
         _run,
         _bundle_cmd,
@@ -859,7 +852,86 @@ def xray_uncertainty(
     return result
 
 
+def _new_phantoms(comparison: str, work_dir: str, n_cases: int, seed: int) -> tuple[dict, dict, Path]:
+    """The budget comparison's summary and settings, with ``n_cases`` new validation phantoms (``seed``) of its size
+    under ``<work_dir>/uncertainty_data`` as the data of the settings; and their datalist."""
+    from common.demo.images import make_xray2ct_demo
+
+    summary = json.loads(Path(comparison).read_text())
+    settings = {k: v for k, v in summary["settings"].items() if k != "dataset_dir"}
+    shape = settings.get("source_size") or settings["stage_sizes"][-1]
+    fov = settings.get("fov_mm", train_config(BUNDLE)["fov_mm"])
+    datalist = make_xray2ct_demo(
+        Path(work_dir) / "uncertainty_data", n_train=1, n_val=int(n_cases), shape=shape, fov_mm=fov, seed=seed
+    )
+    settings["dataset_dir"] = str(datalist.parent)
+    return summary, settings, datalist
+
+
+def xray_consistency(
+    comparison: str,
+    work_dir: str,
+    methods: Sequence[str] = ("direct", "residual"),
+    budget: int | None = None,
+    stage: int = 1,
+    conditions: Sequence[str] | None = None,
+    num_samples: int = 4,
+    refine_steps: int = 5,
+    mismatch_tolerances: Sequence[float] = (1.0, 1.1, 1.25),
+    n_cases: int = 20,
+    calibration_fraction: float = 0.5,
+    seed: int = 1000,
+    output: str | None = "xray_consistency.json",
+) -> dict:
+    """Whether the consistency check keeps guidance and refinement from doing harm under realistic X-ray conditions:
+    the snapshots of a budget comparison (``xray_quality --budgets``) on held-out phantoms, clean and under each
+    condition, without correction, corrected, and corrected under the check fitted on the other phantoms (clean):
+    see :mod:`scripts.harness.xray_uncertainty`.
+
+    Args:
+        comparison, work_dir, budget, stage, n_cases, calibration_fraction, seed: as ``xray_uncertainty``.
+        methods: the comparison's methods to evaluate (``direct``, ``residual``, ``diffusion``).
+        conditions: names out of ``scripts.harness.xray_budgets.CONDITIONS`` (default: all).
+        num_samples: samples per case of the stochastic methods.
+        refine_steps: the refinement steps (guidance: the comparison's scale).
+        mismatch_tolerance: the check's factor of the fitted reference.
+        output: JSON file of the results.
+    """
+    from scripts.harness.xray_budgets import CONDITIONS, _condition
+    from scripts.harness.xray_uncertainty import consistency_header, consistency_rows
+    from scripts.harness.xray_uncertainty import xray_consistency as run_consistency
+
+    names = list(CONDITIONS) if conditions is None else [conditions] if isinstance(conditions, str) else conditions
+    unknown = [c for c in names if c not in CONDITIONS]
+    if unknown:
+        raise ValueError(f"conditions must be out of {sorted(CONDITIONS)}, got {unknown}.")
+    summary, settings, datalist = _new_phantoms(comparison, work_dir, n_cases, seed)
+    result = run_consistency(
+        _run,
+        _bundle_cmd,
+        settings,
+        Path(work_dir),
+        datalist,
+        {name: _condition(name, settings) for name in names},
+        methods=[methods] if isinstance(methods, str) else list(methods),
+        budget=int(budget if budget is not None else max(summary["budgets"])),
+        stage=int(stage),
+        num_samples=int(num_samples),
+        guidance_scale=float(summary.get("guidance_scale", 1.0)),
+        refine_steps=int(refine_steps),
+        mismatch_tolerances=[
+            float(t)
+            for t in ([mismatch_tolerances] if isinstance(mismatch_tolerances, (int, float)) else mismatch_tolerances)
+        ],
+        calibration_fraction=float(calibration_fraction),
+        output=output,
+    )
+    print_table(consistency_header(result), consistency_rows(result))
+    return result
+
+
 BENCHMARKS = {
+    "xray_consistency": xray_consistency,
     "xray_memory": xray_memory,
     "xray_quality": xray_quality,
     "xray_throughput": xray_throughput,

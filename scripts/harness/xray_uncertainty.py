@@ -9,8 +9,13 @@ half. For each method and each number of samples ``K``, the held-out half is eva
 spread (coverage of ``+-1`` and ``+-2`` standard deviations, Spearman's correlation of the spread with the error
 and the partial correlation given the edge map: :func:`common.xray2ct.metrics.uncertainty_scores`); the calibration
 half fits ``scale * (std + floor)`` (:class:`common.xray2ct.metrics.UncertaintyCalibration`, split conformal), and
-the held-out half is evaluated again with it. Every evaluation is ``evaluate.json`` through the bundle's command
-line.
+the held-out half is evaluated again with it.
+
+The consistency check of the projection corrections (``scripts/benchmark.py xray_consistency``): the calibration
+half fits each method's ``consistency_reference`` on clean X-rays; the held-out half is evaluated on clean X-rays
+and under each realistic condition (:data:`scripts.harness.xray_budgets.CONDITIONS`) three ways: without any
+correction, with guidance and refinement, and with both under the consistency check. Every evaluation is
+``evaluate.json`` through the bundle's command line; the calibrations are not recorded into the snapshots.
 """
 
 from __future__ import annotations
@@ -20,7 +25,14 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-__all__ = ["UNCERTAINTY_HEADER", "uncertainty_rows", "xray_uncertainty"]
+__all__ = [
+    "UNCERTAINTY_HEADER",
+    "consistency_header",
+    "consistency_rows",
+    "uncertainty_rows",
+    "xray_consistency",
+    "xray_uncertainty",
+]
 
 SCORES = ("coverage_1std", "coverage_2std", "std_error_spearman", "std_error_partial_spearman")
 
@@ -39,6 +51,49 @@ def _split_datalists(datalist: Path, work: Path, fraction: float) -> dict[str, P
         path.write_text(json.dumps({"training": part, "validation": part}, indent=2))
         out[name] = path
     return out
+
+
+def _snapshot(work: Path, method: str, budget: int, stage: int) -> Path:
+    """The run folder of ``method``'s snapshot at ``budget`` in the comparison's folder ``work``.
+
+    Raises:
+        ValueError: when its stage ``stage`` has no weights.
+    """
+    out = Path(work) / method / f"b{budget}"
+    if not (out / f"stage{stage}" / "models" / "model.pt").is_file():
+        raise ValueError(f"no stage {stage} snapshot of {method} at budget {budget} under {out}.")
+    return out
+
+
+def _evaluation(
+    run: Callable[[list[str]], float],
+    command: Callable[[str, Sequence[str], dict], list[str]],
+    settings: dict,
+    out: Path,
+    stage: int,
+    parts: dict[str, Path],
+    prefix: str,
+    **fixed: Any,
+) -> Callable[..., dict]:
+    """``evaluate(part, name, **overrides)``: ``evaluate.json`` of the snapshot ``out`` at ``stage`` on the datalist
+    ``parts[part]`` into ``<stage folder>/<prefix><name>``, with ``settings``, ``fixed`` and ``overrides``; returns
+    its folder (``dir``) and latest metrics (``latest``)."""
+
+    def evaluate(part: str, name: str, **extra: Any) -> dict:
+        eval_dir = out / f"stage{stage}" / f"{prefix}{name}"
+        overrides = {
+            **settings,
+            "stage": stage,
+            "output_dir": str(out),
+            "eval_dir": str(eval_dir),
+            "datalist": str(parts[part]),
+            **fixed,
+            **extra,
+        }
+        run(command("run", ["train.json", "evaluate.json"], overrides))
+        return {"dir": eval_dir, "latest": json.loads((eval_dir / "metrics.json").read_text())["latest"]}
+
+    return evaluate
 
 
 def xray_uncertainty(
@@ -83,30 +138,23 @@ def xray_uncertainty(
     summary: dict[str, Any] = {"budget": budget, "stage": stage, "guidance_scale": float(guidance_scale), "results": []}
     summary["cases"] = {name: len(json.loads(path.read_text())["validation"]) for name, path in parts.items()}
     for method in methods:
-        out = Path(work) / method / f"b{budget}"
-        if not (out / f"stage{stage}" / "models" / "model.pt").is_file():
-            raise ValueError(f"no stage {stage} snapshot of {method} at budget {budget} under {out}.")
+        out = _snapshot(work, method, budget, stage)
         mode = "diffusion" if method == "min_snr" else method
         for k in (int(k) for k in ks):
-
-            def evaluate(part: str, name: str, **extra: Any) -> dict:
-                eval_dir = out / f"stage{stage}" / f"uncertainty_k{k}_{name}"
-                overrides = {
-                    **settings,
-                    "stage": stage,
-                    "mode": mode,
-                    "output_dir": str(out),
-                    "eval_dir": str(eval_dir),
-                    "datalist": str(parts[part]),
-                    "num_samples": k,
-                    "guidance_scale": float(guidance_scale),
-                    **extra,
-                }
-                run(command("run", ["train.json", "evaluate.json"], overrides))
-                return {"dir": eval_dir, "latest": json.loads((eval_dir / "metrics.json").read_text())["latest"]}
-
-            fit = evaluate("calibration", "fit", calibrate_uncertainty=True)
-            calibration = json.loads((fit["dir"] / "uncertainty_calibration.json").read_text())
+            evaluate = _evaluation(
+                run,
+                command,
+                settings,
+                out,
+                stage,
+                parts,
+                f"uncertainty_k{k}_",
+                mode=mode,
+                num_samples=k,
+                guidance_scale=float(guidance_scale),
+            )
+            fit = evaluate("calibration", "fit", calibrate=True, record_calibration=False)
+            calibration = json.loads((fit["dir"] / "calibration.json").read_text())
             raw = evaluate("held_out", "raw")
             calibrated = evaluate(
                 "held_out",
@@ -166,3 +214,111 @@ def uncertainty_rows(summary: dict, hu_width: float = 2000.0) -> list[list[str]]
         ]
         for r in summary["results"]
     ]
+
+
+def xray_consistency(
+    run: Callable[[list[str]], float],
+    command: Callable[[str, Sequence[str], dict], list[str]],
+    settings: dict,
+    work: Path,
+    datalist: Path,
+    conditions: dict[str, dict],
+    methods: Sequence[str] = ("direct", "residual"),
+    budget: int = 0,
+    stage: int = 1,
+    num_samples: int = 4,
+    guidance_scale: float = 1.0,
+    refine_steps: int = 5,
+    mismatch_tolerances: Sequence[float] = (1.1,),
+    calibration_fraction: float = 0.5,
+    output: str | None = None,
+) -> dict:
+    """Each method's snapshot at ``budget`` on held-out X-rays, clean and under each condition, without correction
+    (``correction`` ``none``), corrected (``corrected``), and corrected under the consistency check fitted on the
+    calibration half with each tolerance (``checked <tolerance>``; see the module docstring).
+
+    Args:
+        run, command, settings, work, datalist, budget, stage, calibration_fraction, output: as
+            :func:`xray_uncertainty`.
+        conditions: name -> the ``evaluate.json`` overrides that make its X-rays.
+        methods: methods of the comparison (``direct``, ``residual``, ``diffusion``).
+        num_samples: samples per case of the stochastic methods.
+        guidance_scale, refine_steps: the corrections (guidance only for the stochastic methods).
+        mismatch_tolerances: the consistency check's factors of the reference.
+
+    Raises:
+        ValueError: for an unknown method or a missing snapshot.
+    """
+    bad = [m for m in methods if m not in ("direct", "residual", "diffusion")]
+    if bad or not methods:
+        raise ValueError(f"methods must be out of direct, residual, diffusion, got {bad}.")
+    parts = _split_datalists(Path(datalist), Path(work), calibration_fraction)
+    summary: dict[str, Any] = {
+        "budget": budget,
+        "stage": stage,
+        "num_samples": int(num_samples),
+        "guidance_scale": float(guidance_scale),
+        "refine_steps": int(refine_steps),
+        "mismatch_tolerances": [float(t) for t in mismatch_tolerances],
+        "conditions": conditions,
+        "results": [],
+    }
+    summary["cases"] = {name: len(json.loads(path.read_text())["validation"]) for name, path in parts.items()}
+    for method in methods:
+        out = _snapshot(work, method, budget, stage)
+        k = 1 if method == "direct" else int(num_samples)
+        corrected = {"guidance_scale": float(guidance_scale), "refine_steps": int(refine_steps)}
+        evaluate = _evaluation(run, command, settings, out, stage, parts, "consistency_", mode=method, num_samples=k)
+        fit = evaluate("calibration", "fit", calibrate=True, record_calibration=False, **corrected)
+        reference = json.loads((fit["dir"] / "calibration.json").read_text())["consistency_reference"]
+        variants = {"none": {"guidance_scale": 0.0, "refine_steps": 0}, "corrected": corrected}
+        for tolerance in summary["mismatch_tolerances"]:
+            check = {"consistency_reference": reference, "mismatch_tolerance": tolerance}
+            variants[f"checked {tolerance:g}"] = {**corrected, **check}
+        for condition, condition_overrides in {"clean": {}, **conditions}.items():
+            for variant, extra in variants.items():
+                name = f"{condition}_{variant.replace(' ', '_')}"
+                latest = evaluate("held_out", name, **condition_overrides, **extra)["latest"]
+                summary["results"].append(
+                    {
+                        "method": method,
+                        "num_samples": k,
+                        "condition": condition,
+                        "correction": variant,
+                        "consistency_reference": reference,
+                        **{m: latest.get(f"val_{m}") for m in ("psnr", "ssim", "proj_error", "corrected_views")},
+                    }
+                )
+                if output:
+                    Path(output).write_text(json.dumps(summary, indent=2))
+    return summary
+
+
+def consistency_header(summary: dict) -> list[str]:
+    """The columns of :func:`consistency_rows`."""
+    checked = [f"checked {t:g}: PSNR (views corrected)" for t in summary["mismatch_tolerances"]]
+    return ["condition", "method", "none: PSNR (dB)", "corrected", *checked]
+
+
+def consistency_rows(summary: dict) -> list[list[str]]:
+    """The Markdown rows of :func:`xray_consistency`'s results: per condition and method, the PSNR without
+    correction, corrected, and corrected under the check at each tolerance with the share of the views it let
+    correct (the best PSNR of the row in bold)."""
+    cells: dict[tuple[str, str], dict[str, dict]] = {}
+    for r in summary["results"]:
+        cells.setdefault((r["condition"], r["method"]), {})[r["correction"]] = r
+    variants = ["none", "corrected", *(f"checked {t:g}" for t in summary["mismatch_tolerances"])]
+    rows = []
+    for (condition, method), found in cells.items():
+        psnrs = {v: found[v]["psnr"] for v in variants if v in found and found[v]["psnr"] is not None}
+        best = max(psnrs.values()) if psnrs else None
+
+        def cell(v: str) -> str:
+            if v not in psnrs:
+                return "-"
+            text = f"**{psnrs[v]:.2f}**" if psnrs[v] == best else f"{psnrs[v]:.2f}"
+            share = found[v].get("corrected_views")
+            return text if not v.startswith("checked") or share is None else f"{text} ({100 * share:.0f}%)"
+
+        rows.append([condition, method, *(cell(v) for v in variants)])
+    return rows
