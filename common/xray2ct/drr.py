@@ -338,18 +338,15 @@ class DRRProjector(nn.Module):
             volume: ``(B, 1, X, Y, Z)`` volumes in ``[-1, 1]``.
             xray: ``(B, V, H, W)`` normalised line integrals of the same cases.
         """
-        planes = [view_plane(volume.shape[2:], v) for v in self.views]
-        residuals = []
-        for i, plane in enumerate(planes):  # views of a volume that is not a cube have planes of different sizes
-            if i and plane == planes[0]:
-                residuals.append(None)
-                continue
-            projected = self.project(volume, plane).float()
-            measured = resize_2d(xray.to(volume.device).float(), plane)
-            residual = (projected - measured).pow(2).mean(dim=(2, 3)).sqrt()
-            residuals.append(residual)
-        first = residuals[0]
-        return torch.stack([(first if r is None else r)[:, i] for i, r in enumerate(residuals)], dim=1)
+        by_plane: dict[tuple[int, int], torch.Tensor] = {}  # a volume that is not a cube: planes of several sizes
+        columns = []
+        for i, view in enumerate(self.views):
+            plane = view_plane(volume.shape[2:], view)
+            if plane not in by_plane:
+                measured = resize_2d(xray.to(volume.device).float(), plane)
+                by_plane[plane] = (self.project(volume, plane).float() - measured).pow(2).mean(dim=(2, 3)).sqrt()
+            columns.append(by_plane[plane][:, i])
+        return torch.stack(columns, dim=1)
 
     def data_consistency(
         self,
