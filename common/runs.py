@@ -125,6 +125,32 @@ class RunRecordError(UserError, ValueError):
     """A ``run.json`` that cannot be used: unreadable, or the record of another bundle."""
 
 
+def _is_bundle_command(argv: Sequence[str]) -> bool:
+    """Whether ``argv`` is MONAI's bundle command line, ``python -m monai.bundle ...`` (directly or under torchrun)."""
+    return bool(argv) and str(argv[0]).replace("\\", "/").endswith("monai/bundle/__main__.py")
+
+
+def exit_on_command_line(status: int, argv: Sequence[str] | None = None) -> int:
+    """The last item of an inference ``run`` list: on MONAI's bundle command line (``python -m monai.bundle ...``) a
+    non-zero ``status`` becomes the process's exit status; anywhere else (a notebook, ``ConfigWorkflow(...).run()``,
+    ``monai.bundle.run(...)`` called from Python) it is returned and the process goes on.
+
+    ``python -m monai.bundle`` ends with status 0 whatever its run list returns, so this is the only way a bundle
+    command can report a partial result; it is also the only place in the shared library that ends the process.
+
+    Args:
+        status: the exit status (:attr:`common.engines.cases.CaseRun.exit_code`: 0 all written, 1 none, 2 some failed).
+        argv: the command line (default ``sys.argv``).
+
+    Returns:
+        ``status``, when the process is not the bundle command line or ``status`` is 0.
+    """
+    if status and _is_bundle_command(list(sys.argv if argv is None else argv)):
+        sys.stdout.flush()
+        sys.exit(status)
+    return status
+
+
 def command_line(argv: Sequence[str] | None = None) -> dict[str, Any] | None:
     """The ``--id value`` arguments of a ``python -m monai.bundle run ...`` command line, values parsed as ``fire``
     parses them; ``None`` when the process is not that command (a notebook, a test, another script).
@@ -135,7 +161,7 @@ def command_line(argv: Sequence[str] | None = None) -> dict[str, Any] | None:
     from fire.parser import DefaultParseValue
 
     argv = list(sys.argv if argv is None else argv)
-    if not argv or not argv[0].replace("\\", "/").endswith("monai/bundle/__main__.py") or argv[1:2] != ["run"]:
+    if not _is_bundle_command(argv) or argv[1:2] != ["run"]:
         return None
     found: dict[str, Any] = {}
     args, i = argv[2:], 0

@@ -78,8 +78,9 @@ class _Warnings(logging.Handler):
 
 def infer(bundle: str, trained: Path, prediction_dir: Path, **settings: Any) -> Outcome:
     """``python -m monai.bundle run --config_file <bundle>/configs/inference.json --output_dir <trained>
-    --prediction_dir <prediction_dir> --num_threads 1 <settings>``, in this process."""
-    import monai.bundle
+    --prediction_dir <prediction_dir> --num_threads 1 <settings>``, in this process, as a notebook runs it: the
+    status is the value the run list returns (from Python no case's failure ends the process)."""
+    from monai.bundle import create_workflow
 
     config = str(BUNDLES_DIR / bundle / "configs" / "inference.json")
     args = {"output_dir": str(trained), "prediction_dir": str(prediction_dir), "num_threads": 1, **settings}
@@ -88,9 +89,9 @@ def infer(bundle: str, trained: Path, prediction_dir: Path, **settings: Any) -> 
     logging.getLogger("common").addHandler(warned)
     try:
         with contextlib.redirect_stdout(printed):
-            monai.bundle.run("run", config_file=config, **args)
-    except SystemExit as exc:
-        status = int(exc.code or 0)
+            workflow = create_workflow(config_file=config, **args)
+            status = workflow.run()[-1]
+            workflow.finalize()
     except KeyboardInterrupt:
         status, last = 130, "interrupted"
     except Exception as exc:  # noqa: BLE001 - what the command line prints for a user error

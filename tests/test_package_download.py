@@ -592,6 +592,9 @@ def test_check_archive_layout(packages, tmp_path):
         "duplicate.zip": ([meta, meta], "appears twice"),
         "fifo.zip": ([meta, ("a/pipe", b"", stat.S_IFIFO | 0o644)], "special file"),
         "dot.zip": ([meta, ("a/./x.txt", b"", stat.S_IFREG | 0o644)], "not a normalised relative path"),
+        "char_device.zip": ([meta, ("a/tty", b"", stat.S_IFCHR | 0o600)], "special file"),
+        "socket.zip": ([meta, ("a/sock", b"", stat.S_IFSOCK | 0o600)], "special file"),
+        "bare_symlink.zip": ([meta, ("a/link", b"/etc/passwd", stat.S_IFLNK)], "symbolic link"),
     }
     for file, (members, message) in cases.items():
         with pytest.raises(UnsafeArchiveError, match=message):
@@ -599,6 +602,26 @@ def test_check_archive_layout(packages, tmp_path):
     (tmp_path / "text.zip").write_text("not a zip")
     with pytest.raises(UnsafeArchiveError, match="not a readable zip"):
         check_archive(tmp_path / "text.zip")
+
+
+def test_a_zip_of_plain_permission_bits_is_a_zip_of_regular_files(packages, tmp_path):
+    """``ZipFile.writestr(name, data)`` records mode 0o600 with no file-type bits, which unzip and zipfile's
+    extraction take for a regular file: such a repacked bundle is extracted to the same bytes."""
+    name = BUNDLE_NAMES[0]
+    zip_path, _ = packages[name]
+    repacked = tmp_path / "repacked.zip"
+    with zipfile.ZipFile(zip_path) as src, zipfile.ZipFile(repacked, "w") as dst:
+        for info in src.infolist():
+            dst.writestr(info.filename, src.read(info))  # a str name: mode 0o600 (0o40775 for a folder)
+    with zipfile.ZipFile(repacked) as zf:
+        modes = {info.external_attr >> 16 for info in zf.infolist() if not info.is_dir()}
+    assert modes == {0o600}  # no file-type bits: what the check used to refuse as "a special file"
+    assert check_archive(repacked, name) == name
+    bundle = extract_bundle(repacked, tmp_path / "target", name=name)
+    with zipfile.ZipFile(zip_path) as src:
+        for info in src.infolist():
+            if not info.is_dir():
+                assert (bundle.parent / info.filename).read_bytes() == src.read(info), info.filename
 
 
 def test_extract_refuses_tampered_weights(packages, tmp_path):

@@ -74,14 +74,38 @@ def test_command_line_prints_the_same_message_and_exits_1(tmp_path: Path) -> Non
 
 
 def test_library_code_does_not_end_the_process() -> None:
-    """No module of the shared library calls ``sys.exit`` or raises ``SystemExit``: only the command-line entry
-    points (``scripts/``, ``__main__`` blocks) turn a ``UserError`` into an exit status."""
+    """No module of the shared library calls ``sys.exit`` or raises ``SystemExit`` (nor does any bundle config):
+    only the command-line entry points (``scripts/``, ``__main__`` blocks) turn a ``UserError`` into an exit status,
+    and ``common.runs.exit_on_command_line`` gives ``python -m monai.bundle`` its status (tested below)."""
     offenders = []
     for path in sorted((REPO_ROOT / "common").rglob("*.py")):
         text = path.read_text()
         body = text.split('\nif __name__ == "__main__":')[0]
+        function = ""
         for number, line in enumerate(body.splitlines(), 1):
+            if line.startswith("def "):
+                function = line.split("(")[0][4:]
             code = line.split("#")[0]
             if "sys.exit(" in code or "raise SystemExit" in code:
-                offenders.append(f"{path.relative_to(REPO_ROOT)}:{number}: {line.strip()}")
+                if (path.name, function) != ("runs.py", "exit_on_command_line"):
+                    offenders.append(f"{path.relative_to(REPO_ROOT)}:{number}: {line.strip()}")
+    for path in sorted(BUNDLES.glob("*/configs/*.json")):
+        if "sys.exit" in path.read_text() or "SystemExit" in path.read_text():
+            offenders.append(str(path.relative_to(REPO_ROOT)))
     assert not offenders, offenders
+
+
+def test_only_the_bundle_command_line_ends_the_process_with_a_run_status() -> None:
+    """An inference ``run`` list's last item: exit status 1 or 2 on ``python -m monai.bundle`` (also under torchrun),
+    the status returned anywhere else (a notebook, ``ConfigWorkflow(...).run()``, ``monai.bundle.run``)."""
+    from common.runs import exit_on_command_line
+
+    cli = ["/env/lib/python3.11/site-packages/monai/bundle/__main__.py", "run", "--config_file", "inference.json"]
+    for status in (1, 2):
+        with pytest.raises(SystemExit) as ended:
+            exit_on_command_line(status, argv=cli)
+        assert ended.value.code == status
+        assert exit_on_command_line(status, argv=["/env/bin/ipykernel_launcher.py", "-f", "kernel.json"]) == status
+        assert exit_on_command_line(status, argv=["/env/bin/pytest"]) == status
+    assert exit_on_command_line(0, argv=cli) == 0
+    assert exit_on_command_line(2) == 2  # this process is pytest

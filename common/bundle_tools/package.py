@@ -655,7 +655,9 @@ def _member_problem(info: zipfile.ZipInfo) -> str | None:
     if reason:
         return reason
     mode = info.external_attr >> 16
-    if info.create_system == 3 and mode:
+    # permission bits without a file type (Python's ``ZipFile.writestr(name, data)`` writes 0o600) are a regular
+    # file, as unzip and zipfile's extraction read them
+    if info.create_system == 3 and stat.S_IFMT(mode):
         if stat.S_ISLNK(mode):
             return "is a symbolic link"
         if not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):

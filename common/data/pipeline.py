@@ -491,14 +491,16 @@ def inference_postprocessing(
     (channels last, the affine scaled by the downsampling factor) for latent diffusion models; with a
     ``quantizer`` the stitched latent is quantized first and the code indices are saved as
     ``<name>_codes.nii.gz`` (int32, same affine). ``decode``: the input is a latent (or code) map; save the
-    decoded image as ``<name>_decoded.nii.gz`` with the affine scaled back to the image grid.
+    decoded image as ``<name>_decoded.nii.gz`` (``<name>`` the latent's own case name, ``sub01_latent``) with the
+    affine scaled back to the image grid.
 
     Intensities, with ``output_units="input"``: a reconstruction is returned to the input's units where the
     normalisation can be undone: a CT ``intensity`` window to Hounsfield units (clipped to the window, the only
     values the network saw), per-volume percentiles (recorded by
     :class:`common.data.intensity.InvertibleScaleIntensityRangePercentilesd`) by the inverse of that volume's
     linear mapping (``Invertd``; values beyond the percentiles were clipped to them by the normalisation). A
-    decoded image has no input volume: Hounsfield units for a CT window, [0, 1] for percentiles. With
+    decoded image has no input volume: Hounsfield units for a CT window, the network's normalised scale for
+    percentiles (not clipped: a decoder's output can fall outside the training images' [0, 1]). With
     ``"normalised"`` every output stays in [0, 1] (the preprocessing must then be built with
     ``invertible_intensity=False``).
 

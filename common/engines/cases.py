@@ -974,7 +974,8 @@ class CaseRun:
         failed) and, with ``merge``, the cohort tables (rank 0, after every rank is done); print the summary line and
         set :attr:`exit_code` (:data:`EXIT_NONE_WRITTEN` when no case is written and some failed,
         :data:`EXIT_SOME_FAILED` when some are written and some failed; on rank 0 only, which carries a torchrun
-        job's status). A bundle's ``run`` list ends the process with it (its last item).
+        job's status). On the command line a bundle's ``run`` list ends the process with it
+        (its last item, :func:`common.runs.exit_on_command_line`); from Python it is returned.
 
         Returns:
             ``{"written", "skipped", "failed", "status"}`` (all ranks).
