@@ -7,13 +7,16 @@ from __future__ import annotations
 
 import difflib
 import importlib
+import json
 import os
+import re
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from common.config_checks import config_being_parsed
 from common.errors import BundleNotFoundError, MissingInputError, SettingsError, UserError, install_user_error_hook
-from common.runs import RUN_ARGUMENTS, command_line, config_file_list
+from common.runs import RUN_ARGUMENTS, command_line, config_file_list, is_plain, parsed_config
 
 __all__ = [
     "BUNDLES_DIR",
@@ -23,7 +26,9 @@ __all__ = [
     "bundle_root",
     "check_command_line",
     "check_run",
+    "check_parsed_overrides",
     "check_settings",
+    "checkout_problem",
     "demo_generator",
     "find_checkpoint",
     "is_bundle",
@@ -37,6 +42,22 @@ ROOT = Path(__file__).resolve().parent.parent
 BUNDLES_DIR = ROOT / "bundles"
 """The repository's bundles, one folder each (absent in a packaged bundle)."""
 METADATA = Path("configs") / "metadata.json"
+
+
+def checkout_problem(script: str | os.PathLike) -> str | None:
+    """Why the script at ``script`` (its ``__file__``) would run another checkout's code, or ``None``.
+
+    ``python scripts/<x>.py`` puts ``scripts/``, not the repository, on ``sys.path``, so ``common`` (and every
+    folder it finds: ``ROOT``, the bundles, the harness) comes from wherever the environment installed it - with
+    one environment shared by two clones, the first one's. A script's entry point stops with this line instead.
+    """
+    theirs = Path(script).resolve().parent.parent
+    if theirs == ROOT or not (theirs / "common").is_dir():
+        return None
+    return (
+        f"{Path(script).name} is in the checkout {str(theirs)!r} but this Python imports the collection from "
+        f"{str(ROOT)!r}; run it there, or make this environment use this checkout: pip install -e {str(theirs)!r}"
+    )
 
 
 def is_bundle(folder: str | os.PathLike) -> bool:
@@ -170,7 +191,8 @@ def check_settings(check: Callable[..., Any], **settings: Any) -> Any:
 
 
 def _kind_problem(name: str, default: Any, value: Any) -> str | None:
-    """Why ``value`` cannot replace the plain default ``default`` of config id ``name``, or ``None``."""
+    """Why ``value`` cannot replace the plain default ``default`` of config id ``name`` (as the user wrote it:
+    ``--max_epochs`` or ``'max_epochs'``), or ``None``."""
     if value is None or default is None or (isinstance(value, str) and value[:1] in ("$", "@", "%")):
         return None
     if isinstance(default, bool):
@@ -187,7 +209,14 @@ def _kind_problem(name: str, default: Any, value: Any) -> str | None:
         return None  # strings take many forms (paths, "auto", modes) and are checked where they are used
     if ok:
         return None
-    return f"--{name} must be {kind} like its default {default!r}, got {value!r} ({type(value).__name__})."
+    return f"{name} must be {kind} like its default {default!r}, got {value!r} ({type(value).__name__})."
+
+
+def _unknown_id_problem(name: str, config_id: str, known: Sequence[str], where: str) -> str:
+    """The line refusing an override of ``config_id`` (written ``name``) that no config of ``where`` has."""
+    close = difflib.get_close_matches(config_id, list(known), n=3, cutoff=0.6)
+    hint = f" (did you mean {', '.join(repr(c) for c in close)}?)" if close else ""
+    return f"{name} is not an id of {where}{hint}."
 
 
 def _lookup(parser: Any, config_id: str) -> Any:
@@ -230,11 +259,11 @@ def check_command_line(argv: Sequence[str] | None = None) -> list[str]:
             parent = name.rpartition("#")[0]
             if parent and isinstance(_lookup(parser, parent), dict):
                 continue  # a new argument of an existing component (``--train#handlers#3#exec_at_start``)
-            close = difflib.get_close_matches(name, known, n=3, cutoff=0.6)
-            hint = f" (did you mean {', '.join(repr(c) for c in close)}?)" if close else ""
-            problems.append(f"--{name} is not an id of {config_file_list(overrides['config_file'])}{hint}.")
+            problems.append(
+                _unknown_id_problem(f"--{name}", name, known, str(config_file_list(overrides["config_file"])))
+            )
             continue
-        problem = _kind_problem(name, default, overrides[name])
+        problem = _kind_problem(f"--{name}", default, overrides[name])
         if problem:
             problems.append(problem)
     if problems:
@@ -242,10 +271,75 @@ def check_command_line(argv: Sequence[str] | None = None) -> list[str]:
     return checked
 
 
+_REFERENCE = re.compile(r"@([A-Za-z_][A-Za-z0-9_]*)")
+
+
+def _references(value: Any, found: set[str]) -> set[str]:
+    """The top-level ids that ``@`` references inside ``value`` name (in references and expressions)."""
+    if isinstance(value, str):
+        found.update(_REFERENCE.findall(value))
+    elif isinstance(value, dict):
+        for item in value.values():
+            _references(item, found)
+    elif isinstance(value, (list, tuple)):
+        for item in value:
+            _references(item, found)
+    return found
+
+
+def check_parsed_overrides(config: Any = None) -> list[str]:
+    """The check of :func:`check_command_line` for a workflow built in Python (``ConfigWorkflow(..., id=value)``,
+    ``create_workflow``, ``monai.bundle.run`` called in-process, ``parser.update`` in a notebook), whose overrides
+    MONAI merges without keeping them apart: a top-level id that none of the bundle's config files has and nothing
+    in the config reads (a misspelt ``max_epoch=5`` would otherwise be ignored) is refused with the closest known
+    ids, and a plain value replacing the bundle files' plain values must be of their kind.
+
+    Args:
+        config: the ``ConfigParser`` (or its resolver) to check; default: the config being parsed.
+
+    Returns:
+        The top-level ids checked.
+
+    Raises:
+        SettingsError: naming every unknown id (with the closest known ids) and every value of the wrong kind.
+    """
+    resolver = getattr(config, "ref_resolver", config) if config is not None else config_being_parsed()
+    merged = parsed_config(resolver)
+    if merged is None or "bundle_root" not in merged:
+        return []
+    root = Path(resolver.get_resolved_content("bundle_root"))
+    defaults: dict[str, list[Any]] = {}
+    for path in sorted((root / "configs").glob("*.json")):
+        try:
+            content = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+            continue  # not a config this workflow merged (it would have failed to parse): it names no known id
+        if isinstance(content, dict):
+            for key, value in content.items():
+                defaults.setdefault(str(key).lstrip("+"), []).append(value)
+    read = _references(merged, set())
+    problems, checked = [], []
+    for name, value in merged.items():
+        if not isinstance(name, str) or name in ("_meta_", "imports"):
+            continue
+        checked.append(name)
+        if name not in defaults:
+            if name not in read:
+                problems.append(_unknown_id_problem(repr(name), name, list(defaults), f"the configs of {str(root)!r}"))
+            continue
+        kinds = [_kind_problem(repr(name), default, value) for default in defaults[name] if is_plain(default)]
+        if kinds and all(kinds):
+            problems.append(kinds[0])
+    if problems:
+        raise SettingsError("the overrides have problems:\n  " + "\n  ".join(problems))
+    return checked
+
+
 def check_run(
     amp: str | None = None, device: Any = None, argv: Sequence[str] | None = None, memory_format: str | None = None
 ) -> None:
-    """The checks every bundle runs first in ``initialize``: the command line (:func:`check_command_line`), the
+    """The checks every bundle runs first in ``initialize``: the command line (:func:`check_command_line`), or from
+    Python the overrides merged into the config being parsed (:func:`check_parsed_overrides`), the
     mixed precision against the device (:func:`common.utils.check_amp`) and, for training, the memory layout
     (:data:`common.networks.wrappers.MEMORY_FORMATS`).
 
@@ -258,7 +352,10 @@ def check_run(
     install_user_error_hook()
     problems = []
     try:
-        check_command_line(argv)
+        if command_line(argv) is None:
+            check_parsed_overrides()
+        else:
+            check_command_line(argv)
     except ValueError as exc:
         problems.append(str(exc))
     try:

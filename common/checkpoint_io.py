@@ -163,8 +163,10 @@ def _recorded_settings(path: Path) -> tuple[dict[str, Any] | None, str]:
         return None, f"{str(record_path)!r} is missing and the checkpoint carries no record"
     settings: dict[str, Any] = {}
     train_json = next(iter(record.get("config_files") or {}), None)
-    if train_json and Path(train_json).is_file():
-        settings.update(default_settings(Path(train_json).parent.parent))
+    roots = [record.get("bundle_root"), Path(train_json).parent.parent if train_json else None]
+    root = next((Path(r) for r in roots if r and (Path(r) / "configs" / "train.json").is_file()), None)
+    if root is not None:  # the defaults the record's settings differ from
+        settings.update(default_settings(root))
     settings.update(record["settings"])
     return settings, str(source)
 

@@ -18,6 +18,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from common.config_checks import config_being_parsed
 from common.errors import UserError
 
 __all__ = [
@@ -35,6 +36,7 @@ __all__ = [
     "default_settings",
     "is_plain",
     "make_record",
+    "parsed_config",
     "read_record",
     "record_calibration",
     "run_dir_of",
@@ -222,27 +224,77 @@ def default_settings(bundle_root: str | os.PathLike) -> dict[str, Any]:
     return {k: v for k, v in config.items() if isinstance(k, str) and k != "imports" and is_plain(v)}
 
 
-def changed_settings(config_files: Sequence[str], overrides: Mapping[str, Any] | None = None) -> dict[str, Any]:
-    """The ids whose plain value after merging ``config_files`` and ``overrides`` differs from the first file's:
-    top-level ids, and nested ids (``a#b``) set on the command line. Values that are expressions or components
-    are left out (they are rebuilt from the plain ones)."""
+def parsed_config(config: Any = None) -> dict[str, Any] | None:
+    """The merged raw content of a config: its files in order, then its overrides, however they were given
+    (``--id value`` on the command line, ``ConfigWorkflow(..., id=value)``, ``parser.update(...)`` in a notebook).
+
+    Args:
+        config: a ``monai.bundle.ConfigParser`` or its ``ReferenceResolver``; default: the config being parsed
+            (:func:`common.config_checks.config_being_parsed`).
+
+    Returns:
+        The content, or ``None`` outside a config's resolution without ``config``.
+    """
+    source = config if config is not None else config_being_parsed()
+    if source is None:
+        return None
+    if hasattr(source, "ref_resolver"):  # a ConfigParser
+        content = source.get()
+    else:  # a ReferenceResolver: the root item ("") holds the whole config
+        root = source.items.get("")
+        content = None if root is None else root.get_config()
+    return content if isinstance(content, dict) else None
+
+
+def _changed(value: Any, default: Any, config_id: str, found: dict[str, Any]) -> None:
+    """Add to ``found`` every plain value inside ``value`` that differs from ``default`` at the same place, by id."""
+    if is_plain(value):
+        if value != default:
+            found[config_id] = value
+        return
+    if isinstance(value, Mapping) and isinstance(default, Mapping):
+        items: Any = value.items()
+    elif isinstance(value, list) and isinstance(default, list):
+        items = enumerate(value)
+    else:
+        return  # an expression or a component where the default is something else: rebuilt from the plain values
+    missing = object()
+    for key, item in items:
+        old = (
+            default.get(key, missing)
+            if isinstance(default, Mapping)
+            else (default[key] if key < len(default) else missing)
+        )
+        if old is missing:
+            if is_plain(item):
+                found[f"{config_id}#{key}"] = item  # a new argument of an existing component
+            continue
+        _changed(item, old, f"{config_id}#{key}", found)
+
+
+def changed_settings(merged: Mapping[str, Any], defaults: Mapping[str, Any]) -> dict[str, Any]:
+    """The plain values of the merged config ``merged`` that differ from ``defaults`` (the bundle's ``train.json``):
+    top-level ids, and nested ids (``train#trainer#grad_clip``) where a plain value inside a component changed or
+    was added. Expressions and components are left out (they are rebuilt from the plain values)."""
+    changed: dict[str, Any] = {}
+    for key, value in merged.items():
+        if not isinstance(key, str) or key in ("imports", "_meta_") or not is_plain(value) and key not in defaults:
+            continue
+        if key not in defaults:
+            changed[key] = value
+        else:
+            _changed(value, defaults[key], key, changed)
+    return changed
+
+
+def _merged_files(config_files: Sequence[str], overrides: Mapping[str, Any]) -> dict[str, Any]:
+    """The content of ``config_files`` merged and updated with ``overrides``, as ``monai.bundle run`` merges them."""
     from monai.bundle import ConfigParser
 
-    first = _read_json(config_files[0])
-    merged = ConfigParser()
-    merged.read_config(list(config_files))
-    changed: dict[str, Any] = {}
-    for key, value in merged.get().items():
-        if key in ("imports", "_meta_") or not is_plain(value):
-            continue
-        if key not in first or first[key] != value:
-            changed[key] = value
-    for key, value in (overrides or {}).items():
-        if key in RUN_ARGUMENTS or not is_plain(value):
-            continue
-        if "#" in key or first.get(key, object()) != value:
-            changed[key] = value
-    return changed
+    parser = ConfigParser()
+    parser.read_config(list(config_files))
+    parser.update({k: v for k, v in overrides.items() if k not in RUN_ARGUMENTS})
+    return parser.get()
 
 
 def _sha256(path: str | os.PathLike) -> str:
@@ -254,41 +306,55 @@ class RunRecord:
     handler writes it once resuming has succeeded, so a command whose settings do not fit the run's checkpoint
     leaves the record of the run as it was).
 
+    The settings are the plain values of the run's merged config that differ from the bundle's ``train.json``
+    (:func:`changed_settings`), whichever way they came: a config file merged after ``train.json``, a command-line
+    override, an override given in Python. ``config_files`` and ``command_line`` are recorded where the command
+    line names them; a run started from Python records none (MONAI's workflow does not keep them).
+
     Args:
         output_dir: the run folder.
-        bundle_root: the bundle's folder (its ``configs/metadata.json`` names the version).
-        config_files: the config files of the command, the bundle's ``train.json`` first.
+        bundle_root: the bundle's folder (its ``configs/metadata.json`` names the version, its ``configs/train.json``
+            holds the defaults).
+        config_files: the config files of the command, the bundle's ``train.json`` first (none from Python).
         overrides: the command-line overrides.
         resolved: values of ids whose default is an expression (e.g. an intensity chosen from the data), recorded
             as resolved so that evaluation and inference use them as they were.
+        merged: the run's merged config (:func:`parsed_config`); default: ``config_files`` merged and updated
+            with ``overrides``.
     """
 
     def __init__(
         self,
         output_dir: str | os.PathLike,
         bundle_root: str | os.PathLike,
-        config_files: Sequence[str],
+        config_files: Sequence[str] = (),
         overrides: Mapping[str, Any] | None = None,
         resolved: Mapping[str, Any] | None = None,
+        merged: Mapping[str, Any] | None = None,
     ) -> None:
         self.path = Path(output_dir) / RUN_FILE
         self.bundle_root = Path(bundle_root)
         self.config_files = [str(Path(f).resolve()) for f in config_files]
-        self.overrides = {k: v for k, v in (overrides or {}).items() if k not in RUN_ARGUMENTS}
-        self.settings = {**changed_settings(self.config_files, self.overrides), **_jsonable(dict(resolved or {}))}
+        self.overrides = None if overrides is None else {k: v for k, v in overrides.items() if k not in RUN_ARGUMENTS}
+        if merged is None:
+            merged = _merged_files(self.config_files, self.overrides or {})
+        defaults = _read_json(self.bundle_root / "configs" / "train.json")
+        self.settings = {**changed_settings(merged, defaults), **_jsonable(dict(resolved or {}))}
 
     def content(self) -> dict[str, Any]:
-        """The JSON content: ``bundle`` (folder name), ``name`` and ``version`` (from ``metadata.json``),
-        ``created``, ``config_files`` (path: sha256), ``command_line`` and ``settings``."""
+        """The JSON content: ``bundle`` (folder name) and ``bundle_root`` (its path), ``name`` and ``version`` (from
+        ``metadata.json``), ``created``, ``config_files`` (path: sha256), ``command_line`` (``null`` from Python)
+        and ``settings``."""
         metadata = _read_json(self.bundle_root / "configs" / "metadata.json")
         return {
             "schema": _SCHEMA,
             "bundle": self.bundle_root.name,
+            "bundle_root": str(self.bundle_root.resolve()),
             "name": metadata.get("name"),
             "version": metadata.get("version"),
             "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
             "config_files": {f: _sha256(f) for f in self.config_files},
-            "command_line": _jsonable(self.overrides),
+            "command_line": None if self.overrides is None else _jsonable(self.overrides),
             "settings": _jsonable(self.settings),
         }
 
@@ -319,14 +385,20 @@ def make_record(
     bundle_root: str | os.PathLike,
     resolved: Mapping[str, Any] | None = None,
     argv: Sequence[str] | None = None,
+    config: Any = None,
 ) -> RunRecord | None:
-    """The record of this training command (``python -m monai.bundle run ... --config_file ...``), or ``None``
-    outside such a command (a notebook or a test building the workflow in-process): nothing is recorded then.
-    See :class:`RunRecord` for ``resolved``."""
+    """The record of this training run, the same from the command line and from Python: its settings come from the
+    config being parsed (or ``config``, see :func:`parsed_config`); on a ``python -m monai.bundle run ...
+    --config_file ...`` command line (``argv``, default ``sys.argv``) its files and overrides are recorded too.
+    ``None`` outside both (nothing to record). See :class:`RunRecord` for ``resolved``."""
     overrides = command_line(argv)
     if not overrides or "config_file" not in overrides:
+        overrides = None
+    merged = parsed_config(config)
+    if merged is None and overrides is None:
         return None
-    return RunRecord(output_dir, bundle_root, config_file_list(overrides["config_file"]), overrides, resolved)
+    files = config_file_list(overrides["config_file"]) if overrides is not None else []
+    return RunRecord(output_dir, bundle_root, files, overrides, resolved, merged)
 
 
 def read_record(output_dir: str | os.PathLike) -> dict[str, Any] | None:

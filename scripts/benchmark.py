@@ -35,6 +35,10 @@ arguments.
 from __future__ import annotations
 
 if __name__ == "__main__":
+    from common.bundle import checkout_problem
+
+    if problem := checkout_problem(__file__):  # another checkout's code would run
+        raise SystemExit(f"error: {problem}")
     import sys
 
     import fire

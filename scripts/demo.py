@@ -175,6 +175,10 @@ def main(
 
 
 if __name__ == "__main__":
+    from common.bundle import checkout_problem
+
+    if problem := checkout_problem(__file__):  # another checkout's code would run
+        raise SystemExit(f"error: {problem}")
     if {"-h", "--help"} & set(sys.argv[1:]):  # main takes any --key as a bundle override: answer help here
         print(f"{__doc__}\nOptions (any other --key value is a bundle override):\n{inspect.getdoc(main)}")
         raise SystemExit(0)

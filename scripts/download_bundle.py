@@ -66,6 +66,10 @@ def main(
 
 
 if __name__ == "__main__":
+    from common.bundle import checkout_problem
+
+    if problem := checkout_problem(__file__):  # another checkout's code would run
+        raise SystemExit(f"error: {problem}")
     import fire
 
     fire.Fire(main)

@@ -196,4 +196,8 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    from common.bundle import checkout_problem
+
+    if problem := checkout_problem(__file__):  # another checkout's code would run
+        raise SystemExit(f"error: {problem}")
     main()

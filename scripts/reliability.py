@@ -13,6 +13,10 @@ input, and a long run's memory (the harness: ``scripts/harness/faults.py``; each
 from __future__ import annotations
 
 if __name__ == "__main__":
+    from common.bundle import checkout_problem
+
+    if problem := checkout_problem(__file__):  # another checkout's code would run
+        raise SystemExit(f"error: {problem}")
     import fire
 
     from scripts.harness.faults import faults, fuzz, report, soak

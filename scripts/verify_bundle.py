@@ -36,6 +36,10 @@ def main(*names: str, bundles_dir: str | None = None, quick: bool = False, devic
 
 
 if __name__ == "__main__":
+    from common.bundle import checkout_problem
+
+    if problem := checkout_problem(__file__):  # another checkout's code would run
+        raise SystemExit(f"error: {problem}")
     import fire
 
     fire.Fire(main)

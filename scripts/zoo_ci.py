@@ -157,6 +157,10 @@ def main(*packages: str, zoo: str, work_dir: str | None = None, output: str | No
 
 
 if __name__ == "__main__":
+    from common.bundle import checkout_problem
+
+    if problem := checkout_problem(__file__):  # another checkout's code would run
+        raise SystemExit(f"error: {problem}")
     import fire
 
     fire.Fire(main)

@@ -1,8 +1,9 @@
 # Copyright (c) the 3D MONAI bundle collection contributors.
 # Licensed under the Apache License, Version 2.0.
 """The fault matrix of inference: every kind of fault a cohort run meets x every bundle it applies to, each run as
-a user runs it (the bundle's ``inference.json`` on a trained tiny run, in this process as ``python -m monai.bundle
-run`` runs it: the exit status is the ``sys.exit`` of its ``run`` list, a user error is ``error: <message>``), with
+a user runs it (the bundle's ``inference.json`` on a trained tiny run, in this process as a notebook runs it: the
+exit status is what its ``run`` list returns, the one ``python -m monai.bundle run`` exits with; a user error is what
+the command prints, ``error: <message>``), with
 what the user sees: the rows of ``failures.csv``, the exit status, what is on disk.
 
 Every cell also checks the promise of ``docs/inference.md``: every case the folder counts as written (a record in

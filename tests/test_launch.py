@@ -442,3 +442,50 @@ def test_sbatch_template(tmp_path):
     ]
     assert result.stdout.strip() == f"{STORE} {shlex.join(expected)}"
     assert "SLURM job 4242: node 1 of 2" in result.stderr
+
+
+# --------------------------------------------------------------------------------------------- two checkouts
+ENTRY_POINTS = sorted(p.name for p in (REPO_ROOT / "scripts").glob("*.py") if p.name != "__init__.py")
+
+
+def _second_checkout(root: Path) -> Path:
+    """A copy of this checkout's files (tracked and not ignored) in ``root``: a second clone."""
+    listed = subprocess.run(
+        ["git", "ls-files", "--cached", "--others", "--exclude-standard"],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.splitlines()
+    for name in listed:
+        source = REPO_ROOT / name
+        if source.is_file():
+            (root / name).parent.mkdir(parents=True, exist_ok=True)
+            (root / name).write_bytes(source.read_bytes())
+    return root
+
+
+def _cli_of(script: Path, *args: str, env: dict[str, str]) -> subprocess.CompletedProcess:
+    """``python <script> <args>`` from the folder holding the script's checkout."""
+    cwd = script.parent.parent.parent
+    return subprocess.run([PY, str(script), *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=120)
+
+
+def test_a_script_runs_the_checkout_it_is_in_or_stops(tmp_path):
+    """With one environment and two checkouts, a script of the second one that would import the first one's code
+    stops with one line naming both; importing its own checkout, it runs it (the launcher's command starts there)."""
+    other = _second_checkout(tmp_path / "second clone")
+    for script in ENTRY_POINTS:  # this environment imports REPO_ROOT's common
+        result = _cli_of(other / "scripts" / script, "--help", env=_env())
+        message = f"error: {script} is in the checkout {str(other)!r} but this Python imports the collection from "
+        assert result.returncode == 1 and result.stderr.splitlines() == [
+            f"{message}{str(REPO_ROOT)!r}; run it there, or make this environment use this checkout: "
+            f"pip install -e {str(other)!r}"
+        ], (script, result.stderr[-2000:])
+    own = _env(PYTHONPATH=str(other))
+    result = _cli_of(other / "scripts" / "launch.py", EXAMPLE, "--cpu", "True", "--dry_run", "True", env=own)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.startswith(f"cd {shlex.quote(str(other))} && "), result.stdout
+    assert _cli(EXAMPLE, "--cpu", "True", "--dry_run", "True", cwd=tmp_path).stdout.startswith(
+        f"cd {shlex.quote(str(REPO_ROOT))} && "
+    )

@@ -12,12 +12,15 @@ from __future__ import annotations
 
 import csv
 import hashlib
+import json
 import logging
 import os
 import re
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import nbformat
 import numpy as np
@@ -27,6 +30,7 @@ from jupyter_client.kernelspec import KernelSpecManager
 from nbclient import NotebookClient
 from nbclient.exceptions import CellControlSignal, DeadKernelError
 
+from common.bundle import bundle_names
 from common.notebooks import (
     config_table,
     plot_comparison,
@@ -84,6 +88,50 @@ def _error_text(cell: nbformat.NotebookNode) -> str:
             traceback = _ANSI.sub("", "\n".join(output.get("traceback", [])))
             return f"{output.get('ename')}: {output.get('evalue')}\n{traceback[-6000:]}"
     return ""
+
+
+def _execute(
+    nb: nbformat.NotebookNode,
+    name: str,
+    folder: Path,
+    executed: Path,
+    on_cell_start: Callable[..., None] | None = None,
+    on_cell_executed: Callable[..., None] | None = None,
+) -> None:
+    """Run ``nb`` in the tests' ``python3`` kernel with ``folder`` as working directory and write the executed copy
+    to ``executed``; a failed cell fails the test with its source and error."""
+    current: dict[str, int] = {}
+
+    def started(cell_index: int, **kwargs: Any) -> None:
+        current["index"] = cell_index
+        if on_cell_start is not None:
+            on_cell_start(cell_index=cell_index, **kwargs)
+
+    client = NotebookClient(
+        nb,
+        timeout=CELL_TIMEOUT_S,
+        kernel_name=KERNEL_NAME,
+        resources={"metadata": {"path": str(folder)}},
+        on_cell_start=started,
+        on_cell_executed=on_cell_executed,
+    )
+    failure: Exception | None = None
+    try:
+        client.execute()
+    except (CellControlSignal, DeadKernelError) as e:  # cell errors and timeouts, or a crashed kernel
+        failure = e
+    nbformat.write(nb, executed)
+    if failure is not None:
+        index = current.get("index")
+        if index is None:
+            pytest.fail(f"{name}: the kernel failed before the first cell: {failure}", pytrace=False)
+        cell = nb.cells[int(index)]
+        detail = _error_text(cell) or _ANSI.sub("", str(failure))[-6000:]
+        pytest.fail(
+            f"{name}: cell {index} failed ({type(failure).__name__}); executed copy: {executed}\n"
+            f"{_source_head(cell)}\n{detail}",
+            pytrace=False,
+        )
 
 
 @pytest.fixture(scope="module")
@@ -149,34 +197,9 @@ def test_notebook_runs(path: Path, python_kernel, tmp_path: Path):
     def on_cell_executed(cell_index: int, **_) -> None:
         timings[cell_index] = time.perf_counter() - current["start"]
 
-    client = NotebookClient(
-        nb,
-        timeout=CELL_TIMEOUT_S,
-        kernel_name=KERNEL_NAME,
-        resources={"metadata": {"path": str(path.parent)}},
-        on_cell_start=on_cell_start,
-        on_cell_executed=on_cell_executed,
-    )
     start = time.perf_counter()
-    failure: Exception | None = None
-    try:
-        client.execute()
-    except (CellControlSignal, DeadKernelError) as e:  # cell errors and timeouts, or a crashed kernel
-        failure = e
+    _execute(nb, _notebook_id(path), path.parent, tmp_path / path.name, on_cell_start, on_cell_executed)
     total = time.perf_counter() - start
-    executed = tmp_path / path.name
-    nbformat.write(nb, executed)
-    if failure is not None:
-        index = current.get("index")
-        if index is None:
-            pytest.fail(f"{_notebook_id(path)}: the kernel failed before the first cell: {failure}", pytrace=False)
-        cell = nb.cells[int(index)]
-        detail = _error_text(cell) or _ANSI.sub("", str(failure))[-6000:]
-        pytest.fail(
-            f"{_notebook_id(path)}: cell {index} failed ({type(failure).__name__}); executed copy: {executed}\n"
-            f"{_source_head(cell)}\n{detail}",
-            pytrace=False,
-        )
     slowest = sorted(timings.items(), key=lambda item: -item[1])[:3]
     print(f"{_notebook_id(path)}: {total:.1f} s; slowest cells " + ", ".join(f"{i}: {t:.1f} s" for i, t in slowest))
 
@@ -186,6 +209,135 @@ def test_notebook_runs(path: Path, python_kernel, tmp_path: Path):
     assert all(cell.execution_count is not None for cell in code_cells), "not every code cell ran"
     assert _digest(path) == before, f"{path} was modified by its execution"
     assert sorted(p.name for p in path.parent.iterdir()) == folder_before, f"{path.parent} gained or lost files"
+
+
+# A notebook user's whole path, no command line: train each bundle's tiny profile, evaluate and infer on that run
+# folder with nothing retyped, package its weights. ``jobs.json`` (written by the test) holds each bundle's data,
+# its training settings and its inference inputs.
+PYTHON_ONLY_CELLS = (
+    """import json
+from pathlib import Path
+
+import torch
+from monai.bundle import ConfigWorkflow, create_workflow
+
+from common.bundle import resolve_bundle
+from common.bundle_tools.package import package_bundle
+from common.errors import user_error_in_chain
+
+torch.set_num_threads(1)
+JOBS = json.loads(Path("jobs.json").read_text())
+results = {}
+
+
+def files(bundle, *names):
+    return [str(resolve_bundle(bundle) / "configs" / name) for name in names]
+
+
+def run(workflow):
+    workflow.initialize()
+    outcome = workflow.run()
+    workflow.finalize()
+    return outcome""",
+    """for bundle, job in JOBS.items():  # a misspelt id is refused before anything is written, as on the command line
+    try:
+        ConfigWorkflow(
+            config_file=files(bundle, "train.json", *job["profile"]),
+            workflow_type="train",
+            output_dir=job["output_dir"],
+            max_epoch=1,
+            **job["data"],
+        ).initialize()
+        results[bundle] = {"typo": None}
+    except RuntimeError as exc:
+        results[bundle] = {"typo": str(user_error_in_chain(exc))}
+    results[bundle]["written_by_typo"] = Path(job["output_dir"]).exists()""",
+    """for bundle, job in JOBS.items():
+    out = job["output_dir"]
+    train = ConfigWorkflow(
+        config_file=files(bundle, "train.json", *job["profile"]), workflow_type="train", output_dir=out, **job["train"]
+    )
+    run(train)
+    run(create_workflow(config_file=files(bundle, "train.json", "evaluate.json"), output_dir=out, **job["evaluate"]))
+    inference = create_workflow(
+        config_file=files(bundle, "inference.json"),
+        output_dir=out,
+        prediction_dir=job["prediction_dir"],
+        **job["inputs"],
+    )
+    results[bundle]["summary"] = run(inference)[1]  # failed cases do not end the kernel
+    if job["pack"]:  # one file of the cascade's stages
+        run(create_workflow(config_file=files(bundle, "inference.json"), run_id="pack", output_dir=out))
+    package = package_bundle(bundle, Path(out) / "models" / "model.pt", job["dist"], weights_inside=True)
+    results[bundle]["package"] = str(package)
+Path("results.json").write_text(json.dumps(results, indent=1))""",
+)
+
+
+def _python_only_jobs(root: Path) -> dict[str, Any]:
+    """Each bundle's job for :data:`PYTHON_ONLY_CELLS`: the data of its fault-test job, trained one epoch; the good
+    inference inputs of the fault matrix, plus a truncated volume for the autoencoder (a failed case)."""
+    from scripts.harness.faults import make_case
+    from tests.test_inference_faults import INPUTS
+
+    jobs = {}
+    for bundle in bundle_names():
+        job = make_case(bundle, root / bundle / "data", shifted_seed(0))
+        train = {**job.args, "max_epochs": 1, "val_interval": 1, "deterministic": False}
+        _, inputs = INPUTS[bundle].good(root / bundle / "inputs")
+        if bundle == "autoencoder_3d":
+            good = (root / bundle / "inputs" / "case0.nii.gz").read_bytes()
+            (root / bundle / "inputs" / "cut.nii.gz").write_bytes(good[: len(good) // 2])
+        jobs[bundle] = {
+            "profile": job.configs[1:],
+            "data": {k: job.args[k] for k in job.data},
+            "train": train,
+            "evaluate": {"num_threads": 1, **({"stage": 1} if "stage" in job.args else {})},
+            "inputs": {"num_threads": 1, **inputs},
+            "pack": bundle == "xray2ct_cascade",
+            "output_dir": str(root / bundle / "run"),
+            "prediction_dir": str(root / bundle / "predictions"),
+            "dist": str(root / "dist"),
+        }
+    return jobs
+
+
+def test_a_notebook_trains_evaluates_infers_and_packages_every_bundle(python_kernel, tmp_path: Path):
+    """From a notebook only (a kernel whose working folder is outside the repository): a misspelt override is refused
+    as on the command line, a run trained in Python records its settings as a command would, evaluation and
+    inference read them with nothing retyped, a failed case returns its summary instead of ending the kernel, and
+    the package carries the run's settings."""
+    import zipfile
+
+    from common.bundle_tools.launch import format_overrides
+    from common.runs import LOCATION_IDS, RUN_FILE, make_record
+
+    jobs = _python_only_jobs(tmp_path)
+    (tmp_path / "jobs.json").write_text(json.dumps(jobs))
+    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(source) for source in PYTHON_ONLY_CELLS])
+    _execute(nb, "python-only notebook", tmp_path, tmp_path / "executed.ipynb")
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert sorted(results) == sorted(jobs)
+    for bundle, job in jobs.items():
+        found = results[bundle]
+        assert "'max_epoch' is not an id of" in found["typo"] and "did you mean 'max_epochs'" in found["typo"]
+        assert not found["written_by_typo"], bundle
+        failed = 1 if bundle == "autoencoder_3d" else 0
+        assert found["summary"] == {"written": 3, "skipped": 0, "failed": failed, "status": 2 if failed else 0}
+        # the record of the run trained in Python holds what the same command line would have recorded
+        out = Path(job["output_dir"])
+        folder = out / "stage1" if "stage" in job["train"] else out
+        recorded = json.loads((folder / RUN_FILE).read_text())
+        configs = [str(BUNDLES / bundle / "configs" / c) for c in ("train.json", *job["profile"])]
+        argv = ["/x/monai/bundle/__main__.py", "run", "training", "--config_file", json.dumps(configs)]
+        argv += format_overrides({**job["train"], "output_dir": str(out)})
+        expected = make_record(folder, BUNDLES / bundle, argv=argv).settings
+        assert {k: recorded["settings"].get(k) for k in expected} == expected, bundle
+        assert recorded["command_line"] is None and recorded["config_files"] == {}
+        with zipfile.ZipFile(found["package"]) as zf:
+            packaged = json.loads(zf.read(f"{bundle}/configs/train.json"))
+        kept = {k: v for k, v in recorded["settings"].items() if "#" not in k and k not in LOCATION_IDS}
+        assert {k: packaged[k] for k in kept} == kept and kept["max_epochs"] == 1, bundle
 
 
 def _write_metrics(path: Path, rows: list[tuple[int, int, str, float]]) -> Path:

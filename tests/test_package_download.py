@@ -779,7 +779,9 @@ def test_hugging_face_layout_downloads_with_monai_and_runs(hub, tmp_path, monkey
     cmd = [sys.executable, "-m", "monai.bundle", "download", "--name", name, "--source", "huggingface_hub"]
     cmd += ["--repo", f"monai-test/{name}", "--bundle_dir", str(downloads), "--progress", "False"]
     env = bundle_env(HF_ENDPOINT=endpoint, HF_HUB_DISABLE_XET="1", HF_HOME=str(tmp_path / "hf_home"))
-    result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    result = subprocess.run(
+        cmd, env=env, capture_output=True, text=True, encoding="utf-8", errors="replace", timeout=600
+    )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
     bundle = downloads / name
     got = sorted(p for p in _listing(bundle) if (bundle / p).is_file() and not p.startswith(".cache"))

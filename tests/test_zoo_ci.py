@@ -7,11 +7,17 @@ bundle's declared exclusions are reported as such."""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 import textwrap
 import zipfile
 from pathlib import Path
 
+import pytest
+
 from scripts.zoo_ci import CHECKS, run_checks
+from tests.bundle_cases import CASES
+from tests.helpers import BUNDLES, REPO_ROOT, bundle_env
 
 FAKE_VERIFY = textwrap.dedent(
     """
@@ -78,3 +84,45 @@ def test_every_check_is_reported_with_exclusions(tmp_path):
     assert results["declared"]["data_shape"][0] == "failed"
     assert results["listed"]["data_shape"] == ("excluded", "in the zoo's exclusion list")
     assert "ckpt_export (trace)" not in plain
+
+
+_SCRIPT_NETWORK = textwrap.dedent(
+    """
+    import json, re, sys
+    import torch
+    from monai.bundle import ConfigParser
+    parser = ConfigParser()
+    parser.read_config(json.loads(sys.argv[1]))
+    parser.update({"device": "cpu"})
+    try:
+        torch.jit.script(parser.get_parsed_content("network_def"))
+        print(json.dumps(None))
+    except Exception as exc:  # TorchScript's frontend raises several kinds
+        print(json.dumps([path.replace("\\\\", "/") for path in re.findall(r'File "([^"]+)", line', str(exc))][:1]))
+    """
+)
+
+
+@pytest.mark.parametrize("bundle", sorted(CASES))
+def test_a_declared_torchscript_exclusion_names_the_real_first_error(bundle):
+    """``model_zoo_ci_exclusions.verify_torchscript`` is declared exactly when the inference network does not script
+    (MONAI's ``torch.jit.script`` of ``network_def``, as the zoo's ``verify_torchscript``), and its reason names the
+    file where TorchScript stops first."""
+    configs = [str(BUNDLES / bundle / "configs" / name) for name in ("inference.json", *CASES[bundle].configs)]
+    result = subprocess.run(
+        [sys.executable, "-c", _SCRIPT_NETWORK, json.dumps(configs)],
+        env=bundle_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=True,
+    )
+    first = json.loads(result.stdout.strip().splitlines()[-1])
+    declared = json.loads((BUNDLES / bundle / "configs" / "metadata.json").read_text())["model_zoo_ci_exclusions"]
+    reason = declared.get("verify_torchscript")
+    if first is None:
+        assert reason is None, f"{bundle} scripts, but its metadata declares: {reason}"
+        return
+    assert first, f"{bundle}: TorchScript failed without naming a file:\n{result.stdout[-2000:]}"
+    where = first[0].split("site-packages/")[-1].replace(str(REPO_ROOT).replace("\\", "/") + "/", "")
+    assert reason is not None and where in reason, f"{bundle}: TorchScript stops first in {where}; declared: {reason}"

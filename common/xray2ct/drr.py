@@ -394,5 +394,6 @@ class DRRProjector(nn.Module):
         correction = difference.mean(1, keepdim=True)
         return volume + float(weight) * correction.to(volume.dtype)
 
+    @torch.jit.unused  # a physics operator (view caches, Python geometry), not TorchScript: left out of a scripted net
     def forward(self, volume: torch.Tensor) -> torch.Tensor:
         return self.xrays(volume)
