@@ -14,9 +14,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from common.config_checks import config_being_parsed
 from common.errors import BundleNotFoundError, MissingInputError, SettingsError, UserError, install_user_error_hook
-from common.runs import RUN_ARGUMENTS, command_line, config_file_list, is_plain, parsed_config
+from common.runs import RUN_ARGUMENTS, command_line, config_being_parsed, config_file_list, is_plain, parsed_config
 
 __all__ = [
     "BUNDLES_DIR",

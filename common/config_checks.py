@@ -18,13 +18,13 @@ from collections.abc import Callable
 from typing import Any
 
 from common.errors import SettingsError
+from common.runs import config_being_parsed
 
 __all__ = [
     "CASE_RUN_CHECKS",
     "SettingsChecks",
     "check_config",
     "choice_problems",
-    "config_being_parsed",
     "run_problems",
     "switches",
 ]
@@ -152,23 +152,6 @@ class SettingsChecks:
 
     def __repr__(self) -> str:
         return f"SettingsChecks({self.subject!r}, reads={self.ids})"
-
-
-def config_being_parsed() -> Any:
-    """The ``monai.bundle.ReferenceResolver`` resolving the config item whose expression or component is running now
-    (found on the call stack), or ``None`` outside a config's resolution."""
-    from monai.bundle.reference_resolver import ReferenceResolver
-
-    frame = inspect.currentframe()
-    try:
-        while frame is not None:
-            owner = frame.f_locals.get("self")
-            if isinstance(owner, ReferenceResolver):
-                return owner
-            frame = frame.f_back
-        return None
-    finally:
-        del frame
 
 
 def _values(ids: list[str], config: Any, checks: SettingsChecks) -> dict[str, Any]:

@@ -10,6 +10,7 @@ MONAI."""
 from __future__ import annotations
 
 import hashlib
+import inspect
 import json
 import os
 import sys
@@ -18,7 +19,6 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from common.config_checks import config_being_parsed
 from common.errors import UserError
 
 __all__ = [
@@ -32,6 +32,7 @@ __all__ = [
     "changed_settings",
     "check_record_bundle",
     "command_line",
+    "config_being_parsed",
     "config_file_list",
     "default_settings",
     "is_plain",
@@ -224,13 +225,34 @@ def default_settings(bundle_root: str | os.PathLike) -> dict[str, Any]:
     return {k: v for k, v in config.items() if isinstance(k, str) and k != "imports" and is_plain(v)}
 
 
+def config_being_parsed() -> Any:
+    """The ``monai.bundle.ReferenceResolver`` resolving the config item whose expression or component is running now
+    (found on the call stack), or ``None`` outside a config's resolution.
+
+    MONAI 1.6 gives a config's expressions and components no reference to the parser or resolver evaluating them
+    (``@`` references name items, never the config itself), so a check that reads other ids, or the record of the
+    merged config, can only find it here; this is the one function of the collection that walks the stack."""
+    from monai.bundle.reference_resolver import ReferenceResolver
+
+    frame = inspect.currentframe()
+    try:
+        while frame is not None:
+            owner = frame.f_locals.get("self")
+            if isinstance(owner, ReferenceResolver):
+                return owner
+            frame = frame.f_back
+        return None
+    finally:
+        del frame
+
+
 def parsed_config(config: Any = None) -> dict[str, Any] | None:
     """The merged raw content of a config: its files in order, then its overrides, however they were given
     (``--id value`` on the command line, ``ConfigWorkflow(..., id=value)``, ``parser.update(...)`` in a notebook).
 
     Args:
         config: a ``monai.bundle.ConfigParser`` or its ``ReferenceResolver``; default: the config being parsed
-            (:func:`common.config_checks.config_being_parsed`).
+            (:func:`config_being_parsed`).
 
     Returns:
         The content, or ``None`` outside a config's resolution without ``config``.
