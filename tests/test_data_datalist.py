@@ -17,13 +17,18 @@ from common.data.datalist import (
     BRATS_MODALITIES,
     DatalistError,
     MissingSectionError,
+    NoInputs,
     find_brats_cases,
     find_volumes,
+    found_inputs,
     inference_entries,
     is_dicom_file,
     load_datalist,
+    no_volumes_error,
+    require_inputs,
     write_datalist,
 )
+from common.errors import MissingInputError
 
 
 def _write_json(path: Path, data: object) -> Path:
@@ -403,6 +408,35 @@ def test_find_volumes_disambiguates_case_ids_with_the_relative_path(tmp_path: Pa
         "x/ct": "x_ct",
         "y/ct": "y_ct",
     }
+
+
+def test_no_volumes_error_message(tmp_path):
+    with pytest.raises(FileNotFoundError, match=r"under '/data' \(the folder does not exist\).*matching '\*\.nii\.gz'"):
+        raise no_volumes_error("/data", "*.nii.gz")
+    with pytest.raises(FileNotFoundError) as info:
+        raise no_volumes_error(str(tmp_path))
+    message = str(info.value)
+    assert repr(str(tmp_path)) in message and "does not exist" not in message
+    for looked_for in ("NIfTI (.nii, .nii.gz)", "NRRD (.nrrd, .nhdr)", "MetaImage (.mha, .mhd)", "DICOM series"):
+        assert looked_for in message
+
+
+def test_a_run_without_inputs_is_built_and_refused_at_its_first_step(tmp_path):
+    """``found_inputs`` keeps the finder's MissingInputError in an empty ``NoInputs`` (the workflow can be built, as
+    the model zoo's ``check_properties`` does); ``require_inputs`` raises that very error; other errors pass."""
+    missing = found_inputs(inference_entries, dataset_dir=tmp_path / "nothing", keys=["image"])
+    assert isinstance(missing, NoInputs) and missing == []
+    with pytest.raises(
+        MissingInputError, match=r"no input volumes found under .*nothing' \(the folder does not exist\)"
+    ):
+        require_inputs(missing)
+    with pytest.raises(MissingInputError, match="the input list is empty"):
+        require_inputs([])
+    _volume_tree(tmp_path)
+    found = found_inputs(inference_entries, dataset_dir=tmp_path, keys=["image"])
+    assert found == find_volumes(tmp_path) and require_inputs(found) is True
+    with pytest.raises(DatalistError):
+        found_inputs(inference_entries, dataset_dir=tmp_path, keys=["image"], datalist=tmp_path / "absent.json")
 
 
 def test_inference_entries_use_find_volumes_and_name_what_was_looked_for(tmp_path: Path) -> None:

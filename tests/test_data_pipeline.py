@@ -26,7 +26,6 @@ from common.data.pipeline import (
     intensity_transform,
     make_loader,
     partition_for_rank,
-    raise_no_inputs,
 )
 from common.demo.images import make_phantom
 from common.errors import UserError
@@ -436,17 +435,6 @@ def test_output_units_must_match_the_preprocessing(tmp_path):
     with pytest.raises(ValueError, match="invertible_intensity=True"):
         inference_postprocessing("reconstruct", plain, str(tmp_path))
     inference_postprocessing("reconstruct", plain, str(tmp_path), output_units="normalized")  # either spelling
-
-
-def test_raise_no_inputs_message(tmp_path):
-    with pytest.raises(FileNotFoundError, match=r"under '/data' \(the folder does not exist\).*matching '\*\.nii\.gz'"):
-        raise_no_inputs("/data", "*.nii.gz")
-    with pytest.raises(FileNotFoundError) as info:
-        raise_no_inputs(str(tmp_path))
-    message = str(info.value)
-    assert repr(str(tmp_path)) in message and "does not exist" not in message
-    for looked_for in ("NIfTI (.nii, .nii.gz)", "NRRD (.nrrd, .nhdr)", "MetaImage (.mha, .mhd)", "DICOM series"):
-        assert looked_for in message
 
 
 # ---------------------------------------------------------------------------------------------- VQ codes / decode

@@ -42,8 +42,8 @@ def test_family_module_holds_its_bundle(bundle: str) -> None:
 
 def test_benchmarks_are_the_union_of_the_modules() -> None:
     found = benchmarks()
-    expected = {"campaign"} | {name for b in BUNDLES for name in family(b).BENCHMARKS}
-    assert set(found) == expected and len(found) == 1 + sum(len(m.BENCHMARKS) for m in modules())
+    expected = {"campaign", "demo_spread"} | {name for b in BUNDLES for name in family(b).BENCHMARKS}
+    assert set(found) == expected and len(found) == 2 + sum(len(m.BENCHMARKS) for m in modules())
     assert [m.__name__ for m in modules()] == list(dict.fromkeys(FAMILY_MODULES.values()))
     assert {"throughput", "vqgan_reconstruction", "ddpm_sampling", "mace_throughput", "xray_quality"} <= set(found)
 
@@ -99,3 +99,29 @@ def test_command_lines_are_thin_and_run_from_anywhere(script: str, tmp_path: Pat
     assert result.returncode == 0, result.stderr[-2000:]
     # fire writes help to stderr when it is not a terminal
     assert "gpu_tests" in result.stdout if script == "benchmark.py" else "reliability.py fuzz" in result.stderr
+
+
+def test_demo_spread_summarises_the_runs_and_builds_the_quickstart_command(tmp_path: Path) -> None:
+    """``demo_spread``'s summary is the mean, sample standard deviation, min and max over the seeds' runs (checked
+    against the closed form), and each run is ``scripts/demo.py`` with its seed and its own output folder."""
+    from scripts.harness.demos import demo_command, spread
+
+    runs = {0: {"val_psnr": 21.0, "val_ssim": 0.6}, 1: {"val_psnr": 22.0, "val_ssim": 0.5}, 2: {"val_psnr": 24.0}}
+    summary = spread(runs, ["val_psnr", "val_ssim", "absent"])
+    assert set(summary) == {"val_psnr", "val_ssim"}
+    assert summary["val_psnr"]["mean"] == pytest.approx(67 / 3)
+    assert summary["val_psnr"]["std"] == pytest.approx(
+        (((21 - 67 / 3) ** 2 + (22 - 67 / 3) ** 2 + (24 - 67 / 3) ** 2) / 2) ** 0.5
+    )
+    assert (summary["val_psnr"]["min"], summary["val_psnr"]["max"], summary["val_psnr"]["n"]) == (21.0, 24.0, 3)
+    assert summary["val_ssim"]["n"] == 2 and spread({5: {"val_psnr": 1.0}}, ["val_psnr"])["val_psnr"]["std"] == 0.0
+    cmd = demo_command("vqgan_3d", 3, tmp_path / "seed3", preset=None, num_threads=1)
+    assert cmd[1].endswith("scripts/demo.py")
+    words = cmd[2:]
+    assert dict(zip(words[::2], words[1::2])) == {
+        "--bundle": "vqgan_3d",
+        "--seed": "3",
+        "--output_dir": str(tmp_path / "seed3"),
+        "--preset": "None",
+        "--num_threads": "1",
+    }

@@ -265,7 +265,7 @@ def run(workflow):
         prediction_dir=job["prediction_dir"],
         **job["inputs"],
     )
-    results[bundle]["summary"] = run(inference)[1]  # failed cases do not end the kernel
+    results[bundle]["summary"] = run(inference)[-2]  # failed cases do not end the kernel
     if job["pack"]:  # one file of the cascade's stages
         run(create_workflow(config_file=files(bundle, "inference.json"), run_id="pack", output_dir=out))
     package = package_bundle(bundle, Path(out) / "models" / "model.pt", job["dist"], weights_inside=True)

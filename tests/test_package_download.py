@@ -11,6 +11,7 @@ import functools
 import hashlib
 import json
 import os
+import re
 import stat
 import subprocess
 import sys
@@ -676,6 +677,46 @@ def test_model_zoo_checks(name, packages, tmp_path):
     overrides = {"dataset_dir": str(dataset)}
     lines = model_zoo_checks(bundle, ["infer"], [], overrides, shape, True, net_id)
     assert lines == ["metadata verified", "infer properties verified", "net in out verified", "torchscript verified"]
+
+
+_PROPERTIES_WITHOUT_INPUTS = """
+import os, sys
+from monai.bundle import create_workflow
+from monai.bundle.properties import InferProperties, MetaProperties
+bundle, empty, out = sys.argv[1:4]  # run in the bundle folder, whose common/ is imported
+from common.errors import MissingInputError, user_error_in_chain
+configs = os.path.join(bundle, "configs")
+workflow = create_workflow(workflow_type="inference", bundle_root=bundle, config_file=os.path.join(configs,
+    "inference.json"), meta_file=os.path.join(configs, "metadata.json"), dataset_dir=empty, output_dir=out)
+workflow.properties = {**MetaProperties, **InferProperties}  # what the zoo's check_properties sets
+print("missing properties", workflow.check_properties())
+try:
+    workflow.run()
+except Exception as e:
+    error = user_error_in_chain(e)
+    print("refused", type(error).__name__, error)
+"""
+
+
+@pytest.mark.parametrize("name", BUNDLE_NAMES)
+def test_an_inference_workflow_is_built_before_its_inputs(name, packages, tmp_path):
+    """As the model zoo's ``check_properties`` (and an application driving the bundle) do, the package's inference
+    workflow is created without inputs and has MONAI's ``InferProperties`` and ``MetaProperties``; its run then
+    refuses at its first step, with the command line's message naming the folder, and writes nothing."""
+    zip_path, _ = packages[name]
+    with zipfile.ZipFile(zip_path) as zf:
+        zf.extractall(tmp_path / "zoo")
+    empty, out = tmp_path / "no_inputs", tmp_path / "out"
+    empty.mkdir()
+    bundle = tmp_path / "zoo" / name
+    cmd = [*STANDALONE_PYTHON, "-c", _PROPERTIES_WITHOUT_INPUTS, str(bundle), str(empty), str(out)]
+    result = subprocess.run(cmd, cwd=bundle, env=standalone_env(), capture_output=True, text=True, timeout=600)
+    lines = result.stdout.splitlines()
+    assert result.returncode == 0 and "missing properties []" in lines, result.stdout[-2000:] + result.stderr[-3000:]
+    refused = [line for line in lines if line.startswith("refused ")]
+    assert refused and re.match(r"refused MissingInputError no (input volumes|inference inputs)", refused[0]), lines
+    assert repr(str(empty)) in refused[0]
+    assert not out.exists() or not any(out.rglob("*.nii*"))
 
 
 # ----------------------------------------------------------------------------------- notebook, outside the bundle

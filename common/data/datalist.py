@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +18,9 @@ __all__ = [
     "BRATS_MODALITIES",
     "DatalistError",
     "MissingSectionError",
+    "NoInputs",
     "file_stem",
+    "found_inputs",
     "VOLUME_FORMATS",
     "find_brats_cases",
     "find_volumes",
@@ -28,6 +30,7 @@ __all__ = [
     "load_datalist",
     "parse_datalist_section",
     "read_datalist_json",
+    "require_inputs",
     "resolve_path",
     "text_size_problem",
     "write_datalist",
@@ -557,6 +560,36 @@ def no_volumes_error(
     return MissingInputError(
         f"no input volumes found under {root!r}{missing}: looked for {wanted}, recursively (set {options})."
     )
+
+
+class NoInputs(list):
+    """The inputs of an inference run that found none: an empty list keeping the :class:`MissingInputError` that
+    says why, so the workflow can be built before its inputs exist (an application driving the bundle, or the
+    model zoo's ``check_properties``, builds ``dataset`` first); the run's first step, :func:`require_inputs`,
+    raises it before anything is read or written."""
+
+    def __init__(self, error: MissingInputError):
+        super().__init__()
+        self.error = error
+
+
+def found_inputs(find: Callable[..., list], **kwargs: Any) -> list:
+    """``find(**kwargs)`` (an inference run's input finder, e.g. :func:`inference_entries`), or a :class:`NoInputs`
+    holding the :class:`MissingInputError` it raised. Other errors (an invalid datalist or CSV) are raised."""
+    try:
+        return find(**kwargs)
+    except MissingInputError as e:
+        return NoInputs(e)
+
+
+def require_inputs(inputs: Sequence) -> bool:
+    """The first step of an inference run: raise the :class:`MissingInputError` of a :class:`NoInputs` (or a
+    plain one for another empty list); ``True`` otherwise."""
+    if isinstance(inputs, NoInputs):
+        raise inputs.error
+    if not inputs:
+        raise MissingInputError("no inference inputs: the input list is empty (set --dataset_dir or --datalist).")
+    return True
 
 
 def inference_entries(

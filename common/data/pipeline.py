@@ -23,13 +23,12 @@ from monai.transforms import (
 )
 from monai.utils import CommonKeys as Keys
 
-from common.data.datalist import file_stem, no_volumes_error
+from common.data.datalist import file_stem
 from common.data.intensity import InvertibleScaleIntensityRangePercentilesd, ScaleIntensityModed
 from common.errors import UserError
 from common.utils import get_rank, get_world_size
 
 __all__ = [
-    "raise_no_inputs",
     "EpochSampler",
     "ItemSeededDataset",
     "CaseMetad",
@@ -539,9 +538,3 @@ def inference_postprocessing(
             ]
         )
     raise ValueError(f"mode must be 'reconstruct', 'encode' or 'decode', got {mode!r}.")
-
-
-def raise_no_inputs(dataset_dir: str, pattern: str | None = None) -> None:
-    """Raise the error of an inference run that found no input volume (see
-    :func:`common.data.datalist.no_volumes_error`)."""
-    raise no_volumes_error(dataset_dir, pattern)

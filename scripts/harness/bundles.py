@@ -37,14 +37,16 @@ def modules() -> list[ModuleType]:
 
 
 def benchmarks() -> dict[str, Callable]:
-    """Every benchmark command by name: the ``BENCHMARKS`` of each bundle's module, and ``campaign``.
+    """Every benchmark command by name: the ``BENCHMARKS`` of each bundle's module, ``campaign`` and
+    ``demo_spread`` (any bundle's quickstart, once per seed).
 
     Raises:
         RuntimeError: when two modules name a benchmark alike.
     """
     from scripts.harness.campaign import campaign
+    from scripts.harness.demos import demo_spread
 
-    found: dict[str, Callable] = {"campaign": campaign}
+    found: dict[str, Callable] = {"campaign": campaign, "demo_spread": demo_spread}
     for module in modules():
         for name, function in module.BENCHMARKS.items():
             if name in found:
