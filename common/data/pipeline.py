@@ -72,6 +72,8 @@ def intensity_problems(intensity: Mapping[str, Any] | None) -> list[str]:
         lower, upper = float(intensity.get("lower", 0.5)), float(intensity.get("upper", 99.5))
         if not 0 <= lower < upper <= 100:
             return [f"'intensity' percentiles: need 0 <= lower < upper <= 100, got {lower} and {upper}."]
+        if not isinstance(intensity.get("clip", True), bool):
+            return [f"'intensity' clip must be true or false, got {intensity['clip']!r}."]
     elif mode != "none":
         return [f"'intensity' mode must be 'ct', 'mri' or 'none', got {mode!r}."]
     return []
@@ -132,7 +134,7 @@ def intensity_transform(
 
     ``{"mode": "ct", "a_min": -1000, "a_max": 1000}`` clips a Hounsfield window (undone by :func:`hu_window_steps`,
     within the window); ``{"mode": "mri", "lower": 0.5, "upper": 99.5}`` rescales between per-volume percentiles
-    (robust to scanner scaling), per channel with ``channel_wise`` (e.g. several MRI modalities stacked as
+    (robust to scanner scaling; clipped to [0, 1] unless ``"clip": false``, as the zoo's BraTS autoencoder), per channel with ``channel_wise`` (e.g. several MRI modalities stacked as
     channels); ``{"mode": "none"}`` keeps the values.
 
     With ``invertible`` the percentile scaling is
@@ -155,7 +157,8 @@ def intensity_transform(
     if mode == "mri":
         lower, upper = float(intensity.get("lower", 0.5)), float(intensity.get("upper", 99.5))
         percentiles = InvertibleScaleIntensityRangePercentilesd if invertible else ScaleIntensityRangePercentilesd
-        return percentiles(keys, lower=lower, upper=upper, b_min=0.0, b_max=1.0, clip=True, channel_wise=channel_wise)
+        clip = bool(intensity.get("clip", True))
+        return percentiles(keys, lower=lower, upper=upper, b_min=0.0, b_max=1.0, clip=clip, channel_wise=channel_wise)
     return None
 
 
