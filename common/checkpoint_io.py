@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch import nn
 
 from common.errors import UserError
 from common.networks.wrappers import clean_state_dict, unwrap
@@ -25,7 +26,9 @@ __all__ = [
     "checkpoint_record",
     "load_checkpoint",
     "load_network_weights",
+    "load_published_weights",
     "mismatch_error",
+    "published_state",
     "save_checkpoint",
     "save_weights",
     "state_dict_mismatch",
@@ -243,3 +246,99 @@ def load_network_weights(
             raise CheckpointError(f"checkpoint {str(path)!r} does not fit {type(unwrap(network)).__name__}: {e}") from e
         raise error from None
     return network
+
+
+# keys of a training checkpoint that hold the network's state dict, in the order they are tried
+_WRAPPERS = ("state_dict", "model", "autoencoder", "network", "gnetwork", "model_state_dict")
+
+
+def _tensor_dict(checkpoint: Any, path: str) -> dict[str, torch.Tensor]:
+    """The state dict inside a weights file: the file itself, or under one of the usual keys of a training
+    checkpoint (optimizer and scheduler states beside it are ignored)."""
+    if isinstance(checkpoint, Mapping) and checkpoint and all(torch.is_tensor(v) for v in checkpoint.values()):
+        return dict(checkpoint)
+    if isinstance(checkpoint, Mapping):
+        for key in _WRAPPERS:
+            inner = checkpoint.get(key)
+            if isinstance(inner, Mapping) and inner and all(torch.is_tensor(v) for v in inner.values()):
+                return dict(inner)
+        kinds = {k: type(v).__name__ for k, v in list(checkpoint.items())[:8]}
+        raise CheckpointError(
+            f"pretrained weights {path!r} hold no state dict of tensors at the top or under {list(_WRAPPERS)}; "
+            f"found {kinds}."
+        )
+    raise CheckpointError(
+        f"pretrained weights {path!r} must be a state dict of tensors, got {type(checkpoint).__name__}."
+    )
+
+
+def _from_generative_layout(state: dict[str, torch.Tensor], own: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Keys of MONAI Generative's ``AutoencoderKL`` renamed to MONAI's (what ``load_old_state_dict`` renames: an
+    up-sampling block's ``conv`` is ``postconv``; an attention block's ``to_q/k/v`` sit under ``attn.`` and
+    ``proj_attn`` is ``attn.out_proj``); keys already in MONAI's layout stay."""
+    renamed = {}
+    for key, value in state.items():
+        new = key
+        if new not in own:
+            for old, current in ((".conv.conv.", ".postconv.conv."), (".proj_attn.", ".attn.out_proj.")):
+                if old in new and new.replace(old, current) in own:
+                    new = new.replace(old, current)
+            for part in ("to_q", "to_k", "to_v"):
+                candidate = new.replace(f".{part}.", f".attn.{part}.")
+                if candidate != new and candidate in own:
+                    new = candidate
+        renamed[new] = value
+    return renamed
+
+
+def published_state(network: nn.Module, path: str) -> tuple[dict[str, torch.Tensor], str]:
+    """The state dict of the weights file ``path`` in ``network``'s key names, and why it does not fit (``""``)."""
+    state = clean_state_dict(_tensor_dict(load_checkpoint(path), path))
+    own = network.state_dict()
+    state = _from_generative_layout(state, own)
+    missing = [k for k in own if k not in state]
+    unexpected = [k for k in state if k not in own]
+    wrong = [
+        f"{k}: file {tuple(v.shape)} vs network {tuple(own[k].shape)}"
+        for k, v in state.items()
+        if k in own and v.shape != own[k].shape
+    ]
+    if not (missing or unexpected or wrong):
+        return state, ""
+    name = type(network).__name__
+    parts = []
+    if missing:
+        parts.append(f"{len(missing)} of the {name}'s {len(own)} tensors are not in the file (e.g. {missing[:3]})")
+    if unexpected:
+        parts.append(f"{len(unexpected)} file tensors are not in the network (e.g. {unexpected[:3]})")
+    if wrong:
+        parts.append(f"{len(wrong)} tensors differ in shape ({'; '.join(wrong[:3])})")
+    return state, (
+        f"pretrained weights {path!r} do not fit the {name}: {'; '.join(parts)}. Is it the file of this network "
+        "(the publisher's channels, levels and latent channels)?"
+    )
+
+
+def load_published_weights(network: nn.Module, path: str | os.PathLike) -> int:
+    """Load a publisher's weights file into ``network`` (e.g. :func:`common.autoencoder.published.published_network`), all of it or
+    nothing.
+
+    Accepted as distributed: a plain state dict (MAISI's ``autoencoder_epoch273.pt``), one under ``state_dict``,
+    ``model``, ``autoencoder``, ... (a training checkpoint; its optimizer state is ignored), DDP's ``module.`` and
+    ``torch.compile``'s ``_orig_mod.`` prefixes, and MONAI Generative's key names (the zoo's BraTS
+    ``model_autoencoder.pt``). Unlike MONAI's ``load_old_state_dict``, a tensor the network has and the file lacks
+    is an error, not a silently random layer.
+
+    Returns:
+        The number of tensors loaded (all of the network's).
+
+    Raises:
+        CheckpointError: one line naming the file and what does not fit: unreadable, no state dict, missing or
+            unexpected tensors (a few named, with their count), or shapes that differ (e.g. another channel count
+            or number of levels).
+    """
+    state, problem = published_state(network, str(path))
+    if problem:
+        raise CheckpointError(problem)
+    network.load_state_dict(state, strict=True)
+    return len(state)

@@ -8,17 +8,27 @@ are refused with one line naming the file."""
 
 from __future__ import annotations
 
+import json
+
 import nibabel as nib
 import numpy as np
 import pytest
 import torch
-from monai.bundle import ConfigParser
+from monai.bundle import ConfigParser, ConfigWorkflow
 from monai.transforms import ScaleIntensityRange, ScaleIntensityRangePercentiles
 
-from common.autoencoder.published import PUBLISHED, load_published_weights, published_network
-from common.checkpoint_io import CheckpointError
+from common.autoencoder.published import (
+    PUBLISHED,
+    network_problems,
+    published_network,
+    published_settings,
+    split_problems,
+)
+from common.checkpoint_io import CheckpointError, load_published_weights
 from common.data.pipeline import intensity_transform
 from common.demo.images import make_ct_phantom, mni_template_paths
+from common.errors import user_error_in_chain
+from tests.helpers import BUNDLES, bundle_env
 
 # the publishers' configurations as they are written (MONAI model zoo: maisi_ct_generative configs/inference.json
 # "autoencoder_def"; brats_mri_generative_diffusion configs/train_autoencoder.json "autoencoder_def", with its ids
@@ -169,3 +179,115 @@ def test_published_network_settings():
         published_network("maisi_vae", dim_split=3)
     maisi = published_network("maisi_vae")
     assert maisi.encoder.blocks[0].num_splits == 8 and not maisi.encoder.blocks[1].norm1.norm_float16  # CPU
+
+
+# ------------------------------------------------------------------------------------- in the autoencoder bundle
+CONFIGS = BUNDLES / "autoencoder_3d" / "configs"
+
+
+@pytest.mark.parametrize("name", sorted(PUBLISHED))
+def test_each_preset_file_is_the_publishers_network(name):
+    """``configs/<name>.json`` holds what :func:`published_settings` derives from the publisher's configuration
+    (one owner: :data:`PUBLISHED`), and those settings pass the bundle's checks."""
+    assert json.loads((CONFIGS / f"{name}.json").read_text()) == published_settings(name)
+    settings = published_settings(name)
+    given = {k: settings[k] for k in ("channels", "latent_channels", "num_res_blocks", "norm_num_groups")}
+    given.update(attention_levels=settings["attention_levels"], with_nonlocal_attn=settings["with_nonlocal_attn"])
+    assert network_problems(name, **given, num_splits=None, dim_split=None) == []
+
+
+def test_architecture_settings_are_checked():
+    ours = {"channels": [32, 64, 64], "latent_channels": 3, "num_res_blocks": 1, "norm_num_groups": 16}
+    ours.update(attention_levels=[False, False, True], with_nonlocal_attn=True)
+    assert network_problems("autoencoder", **ours, num_splits=None, dim_split=None) == []
+    (problem,) = network_problems("maisi_vae", **ours, num_splits=None, dim_split=None)
+    assert problem.startswith("'architecture' 'maisi_vae' is the publisher's network, but 'channels' [32, 64, 64]")
+    assert "merge its preset configs/maisi_vae.json" in problem
+    assert network_problems("maisi", **ours, num_splits=None, dim_split=None) == [
+        "'architecture' must be one of ['autoencoder', 'maisi_vae', 'brats_ldm_autoencoder'], got 'maisi'."
+    ]
+    assert "has none (use null)" in network_problems("autoencoder", **ours, num_splits=2, dim_split=None)[0]
+    # the publisher's 8 splits along dimension 1 need a window of 96 voxels there (96 / 4 / 8 = 3)
+    assert split_problems("maisi_vae", [96, 96, 96], None, None) == []
+    (problem,) = split_problems("maisi_vae", [64, 64, 64], None, None)
+    assert "pieces of 2 voxels at MAISI's deepest level (16)" in problem and "num_splits <= 5" in problem
+    assert split_problems("maisi_vae", [64, 64, 64], 5, None) == split_problems("maisi_vae", [64, 64, 64], 8, 0)[:0]
+    assert split_problems("brats_ldm_autoencoder", [16, 16, 16], None, None) == []
+
+
+def test_a_training_run_starts_from_the_publishers_file(tmp_path):
+    """``--architecture`` by preset file and ``--pretrained_weights`` in the publisher's layout: the training
+    workflow's autoencoder holds the file's weights after ``initialize``; a file of another network is refused
+    there, before any output is written."""
+    publisher = _publisher_network("brats_ldm_autoencoder", seed=4)
+    _released_file("brats_ldm_autoencoder", publisher, tmp_path / "model_autoencoder.pt")
+    configs = [str(CONFIGS / f) for f in ("train.json", "tiny.json", "brats_ldm_autoencoder.json")]
+    out = tmp_path / "run"
+    workflow = ConfigWorkflow(
+        config_file=configs,
+        workflow_type="train",
+        output_dir=str(out),
+        pretrained_weights=str(tmp_path / "model_autoencoder.pt"),
+    )
+    workflow.initialize()
+    network = workflow.parser.get_parsed_content("autoencoder")
+    assert all(torch.equal(network.state_dict()[k], v) for k, v in publisher.state_dict().items())
+    torch.save(published_network("maisi_vae", num_splits=1).state_dict(), tmp_path / "maisi.pt")
+    other = ConfigWorkflow(
+        config_file=configs,
+        workflow_type="train",
+        output_dir=str(tmp_path / "other"),
+        pretrained_weights=str(tmp_path / "maisi.pt"),
+    )
+    with pytest.raises(Exception) as info:  # noqa: PT011 - MONAI wraps it
+        other.initialize()
+    assert "maisi.pt' do not fit the AutoencoderKL" in str(user_error_in_chain(info.value))
+    assert not (tmp_path / "other").exists()
+
+
+def test_zero_shot_inference_on_the_publishers_file(tmp_path):
+    """``inference.json`` + the preset, ``--ckpt_path`` the publisher's file (no training run): the volume is
+    reconstructed by the publisher's network with the file's weights (the MONAI Generative layout here)."""
+    import subprocess
+    import sys
+
+    publisher = _publisher_network("brats_ldm_autoencoder", seed=2)
+    _released_file("brats_ldm_autoencoder", publisher, tmp_path / "model_autoencoder.pt")
+    (tmp_path / "in").mkdir()
+    t1 = nib.load(mni_template_paths()["t1"])
+    crop = np.asarray(t1.dataobj, dtype=np.float32)[80:112, 96:128, 64:96]
+    nib.save(nib.Nifti1Image(crop, np.diag([1.0, 1.0, 1.0, 1.0])), tmp_path / "in" / "t1.nii.gz")
+    config = json.dumps([str(CONFIGS / "inference.json"), str(CONFIGS / "brats_ldm_autoencoder.json")])
+    cmd = [sys.executable, "-m", "monai.bundle", "run", "--config_file", config, "--ckpt_path"]
+    cmd += [str(tmp_path / "model_autoencoder.pt"), "--output_dir", str(tmp_path / "zero"), "--dataset_dir"]
+    cmd += [str(tmp_path / "in"), "--patch_size", "[32,32,32]", "--output_units", "normalized"]
+    result = subprocess.run(cmd, env=bundle_env(), capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    written = nib.load(tmp_path / "zero" / "predictions" / "t1_recon.nii.gz").get_fdata()
+    x = torch.as_tensor(np.asarray(ScaleIntensityRangePercentiles(lower=0, upper=99.5, b_min=0, b_max=1)(crop[None])))
+    with torch.no_grad():
+        expected = publisher.reconstruct(x[None].float())[0, 0].numpy()
+    assert written.shape == crop.shape
+    np.testing.assert_allclose(written, expected, atol=1e-4)
+
+
+@pytest.mark.parametrize("name", sorted(PUBLISHED))
+def test_fast_ddpm_latents_are_the_publishers(name, tmp_path):
+    """fast_ddpm_3d's latent mode in a published latent space: ``latent_config`` the autoencoder bundle's train.json
+    with the preset (and the encoding window), ``latent_ckpt`` the publisher's file; its codec encodes to the
+    publisher's posterior mean and decodes with the publisher's decoder."""
+    from common.diffusion.latent import codec_from_bundle
+
+    publisher = _publisher_network(name, seed=6)
+    _released_file(name, publisher, tmp_path / "released.pt")
+    window = {"patch_size": [SIZE] * 3, **({"num_splits": 1} if name == "maisi_vae" else {})}
+    (tmp_path / "window.json").write_text(json.dumps(window))
+    configs = [str(CONFIGS / "train.json"), str(CONFIGS / f"{name}.json"), str(tmp_path / "window.json")]
+    latent_channels = published_settings(name)["latent_channels"]
+    codec = codec_from_bundle(configs, str(tmp_path / "released.pt"), latent_channels, downsample=[4, 4, 4])
+    x = _real_input(name)
+    with torch.no_grad():
+        latent = codec.encode(x * 2 - 1)  # the codec takes images in [-1, 1]
+        assert torch.allclose(latent, publisher.encode(x)[0], atol=1e-5, rtol=0)
+        decoded = codec.decode(latent)
+        assert torch.allclose((decoded + 1) / 2, publisher.decode(latent), atol=1e-5, rtol=0)

@@ -27,10 +27,27 @@ from monai.apps.generation.maisi.networks.autoencoderkl_maisi import Autoencoder
 from monai.networks.nets import AutoencoderKL
 from torch import nn
 
-from common.checkpoint_io import CheckpointError, load_checkpoint
-from common.networks.wrappers import clean_state_dict
+from common.autoencoder.networks import AutoencoderKLReconstructor
+from common.checkpoint_io import (
+    CheckpointError,
+    checkpoint_record,
+    load_network_weights,
+    load_published_weights,
+    published_state,
+)
 
-__all__ = ["PUBLISHED", "load_published_weights", "published_network"]
+__all__ = [
+    "PUBLISHED",
+    "ARCHITECTURES",
+    "MaisiReconstructor",
+    "autoencoder_network",
+    "load_autoencoder_weights",
+    "network_problems",
+    "published_network",
+    "pretrained_problems",
+    "published_settings",
+    "split_problems",
+]
 
 #: name -> (network class, the publisher's arguments, the publisher's intensity convention as this collection's
 #: ``intensity`` setting)
@@ -76,19 +93,148 @@ PUBLISHED: dict[str, tuple[type[nn.Module], dict[str, Any], dict[str, Any]]] = {
         {"mode": "mri", "lower": 0.0, "upper": 99.5, "clip": False},
     ),
 }
-# keys of a training checkpoint that hold the network's state dict, in the order they are tried
-_WRAPPERS = ("state_dict", "model", "autoencoder", "network", "gnetwork", "model_state_dict")
+#: the ``architecture`` choices of the autoencoder bundle: this collection's own, then the published ones
+ARCHITECTURES = ("autoencoder", *PUBLISHED)
+
+
+class MaisiReconstructor(AutoencoderKlMaisi):
+    """MAISI's VAE whose ``forward(x)`` is its deterministic reconstruction (as
+    :class:`common.autoencoder.networks.AutoencoderKLReconstructor` for ``AutoencoderKL``); same state dict."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        return self.reconstruct(x)
+
+
+def published_settings(name: str) -> dict[str, Any]:
+    """The autoencoder bundle's settings that describe the published network ``name``: ``architecture``, the
+    architecture ids (``channels``, ``latent_channels``, ``num_res_blocks``, ``norm_num_groups``,
+    ``attention_levels``, ``with_nonlocal_attn``) and the publisher's ``intensity``. Its preset config file
+    (``configs/<name>.json``) holds these values."""
+    _, arguments, intensity = PUBLISHED[name]
+    blocks = arguments["num_res_blocks"]
+    return {
+        "architecture": name,
+        "channels": list(arguments.get("channels", arguments.get("num_channels"))),
+        "latent_channels": arguments["latent_channels"],
+        "num_res_blocks": blocks[0] if isinstance(blocks, list) and len(set(blocks)) == 1 else blocks,
+        "norm_num_groups": arguments["norm_num_groups"],
+        "attention_levels": list(arguments["attention_levels"]),
+        "with_nonlocal_attn": arguments["with_encoder_nonlocal_attn"],
+        "intensity": dict(intensity),
+    }
+
+
+def network_problems(
+    architecture: str,
+    channels: Any,
+    latent_channels: Any,
+    num_res_blocks: Any,
+    norm_num_groups: Any,
+    attention_levels: Any,
+    with_nonlocal_attn: Any,
+    num_splits: Any,
+    dim_split: Any,
+) -> list[str]:
+    """``architecture`` is one of :data:`ARCHITECTURES`; a published network's architecture ids are the
+    publisher's (its weights fit nothing else: merge its preset ``configs/<architecture>.json``), and
+    ``num_splits``/``dim_split`` (MAISI's split convolutions) are null or valid for MAISI."""
+    if architecture not in ARCHITECTURES:
+        return [f"'architecture' must be one of {list(ARCHITECTURES)}, got {architecture!r}."]
+    problems = []
+    given = {
+        "channels": channels,
+        "latent_channels": latent_channels,
+        "num_res_blocks": num_res_blocks,
+        "norm_num_groups": norm_num_groups,
+        "attention_levels": attention_levels,
+        "with_nonlocal_attn": with_nonlocal_attn,
+    }
+    if architecture in PUBLISHED:
+        expected = published_settings(architecture)
+        differ = [f"'{k}' {given[k]!r} (the publisher's: {expected[k]!r})" for k in given if given[k] != expected[k]]
+        if differ:
+            problems.append(
+                f"'architecture' {architecture!r} is the publisher's network, but {'; '.join(differ)}: merge its "
+                f"preset configs/{architecture}.json after the others."
+            )
+    for key, value, minimum in (("num_splits", num_splits, 1), ("dim_split", dim_split, 0)):
+        if value is None:
+            continue
+        if architecture != "maisi_vae":
+            problems.append(f"'{key}' is MAISI's split convolution setting; {architecture!r} has none (use null).")
+        elif (
+            isinstance(value, bool)
+            or not isinstance(value, int)
+            or value < minimum
+            or (key == "dim_split" and value > 2)
+        ):
+            allowed = "0, 1 or 2 (a spatial dimension)" if key == "dim_split" else "an integer >= 1"
+            problems.append(f"'{key}' must be null or {allowed}, got {value!r}.")
+    return problems
+
+
+def split_problems(architecture: str, patch_size: Any, num_splits: Any, dim_split: Any) -> list[str]:
+    """MAISI's split convolutions cut the window (``patch_size``) along ``dim_split`` into ``num_splits`` pieces
+    (null: the publisher's 8 along dimension 1); at the deepest level (the window / 4) each piece must keep at least
+    3 voxels, the convolution kernel, or the first case fails inside the network (measured: 64 voxels allow at most
+    5 splits)."""
+    if architecture != "maisi_vae" or not isinstance(patch_size, (list, tuple)) or len(patch_size) != 3:
+        return []
+    defaults = PUBLISHED["maisi_vae"][1]
+    splits = defaults["num_splits"] if num_splits is None else num_splits
+    dim = defaults["dim_split"] if dim_split is None else dim_split
+    if not all(isinstance(v, int) and not isinstance(v, bool) for v in (splits, dim, *patch_size)) or not 0 <= dim <= 2:
+        return []  # network_problems and patch_problems name these
+    deepest = patch_size[dim] // 4
+    if splits > 1 and deepest // splits < 3:
+        most = max(1, deepest // 3)
+        return [
+            f"'num_splits' {splits} cuts dimension {dim} of the {patch_size[dim]}-voxel window ('patch_size' "
+            f"{list(patch_size)}) into pieces of {deepest // splits} voxels at MAISI's deepest level ({deepest}); the "
+            f"kernel needs 3: use num_splits <= {most}, another dim_split or a larger patch_size."
+        ]
+    return []
+
+
+def autoencoder_network(
+    architecture: str = "autoencoder",
+    reconstructor: bool = False,
+    device: str | torch.device = "cpu",
+    num_splits: int | None = None,
+    dim_split: int | None = None,
+    pretrained_weights: str | None = None,
+    **arguments: Any,
+) -> nn.Module:
+    """The autoencoder bundle's network: ``autoencoder`` is MONAI's ``AutoencoderKL`` (one input and output channel)
+    built from ``arguments`` (the bundle's ids); a published name is the publisher's network
+    (:func:`published_network`; ``arguments`` then describe it, checked by :func:`network_problems`).
+    ``reconstructor``: the inference view, whose ``forward`` is the deterministic reconstruction.
+    ``pretrained_weights``: a publisher's weights file loaded into it (:func:`load_published_weights`)."""
+    if architecture in PUBLISHED:
+        built = published_network(architecture, device, num_splits, dim_split, reconstructor=reconstructor)
+    else:
+        cls = AutoencoderKLReconstructor if reconstructor else AutoencoderKL
+        built = cls(spatial_dims=3, in_channels=1, out_channels=1, **arguments)
+    if pretrained_weights:
+        load_published_weights(built, pretrained_weights)
+    return built
 
 
 def published_network(
-    name: str, device: str | torch.device = "cpu", num_splits: int | None = None, dim_split: int | None = None
+    name: str,
+    device: str | torch.device = "cpu",
+    num_splits: int | None = None,
+    dim_split: int | None = None,
+    reconstructor: bool = False,
 ) -> nn.Module:
-    """The publisher's network ``name`` (a key of :data:`PUBLISHED`), randomly initialised.
+    """The publisher's network ``name`` (a key of :data:`PUBLISHED`), randomly initialised; ``reconstructor``: its
+    inference view (``forward`` is the deterministic reconstruction).
 
-    MAISI's ``norm_float16`` (group norm in half precision) is kept on a CUDA device only: on the CPU outside
-    autocast it fails ("Input type (c10::Half) and bias type (float) should be the same"). ``num_splits`` and
-    ``dim_split`` (MAISI only) override the publisher's split convolutions (8 along dimension 1): each split must
-    stay wider than the 3-voxel kernel, so 1 (no split) suits inputs under 8 x 4 voxels along that dimension.
+    MAISI's ``norm_float16`` (group norm in half precision, the publisher's setting) is kept for the inference view
+    on a CUDA device only: on the CPU outside autocast it fails ("Input type (c10::Half) and bias type (float)
+    should be the same"), and fine-tuning keeps group norm in float32. ``num_splits`` and ``dim_split`` (MAISI
+    only) override the publisher's split convolutions (8 along dimension 1): each split must stay wider than the
+    3-voxel kernel, so 1 (no split) suits small inputs.
 
     Raises:
         ValueError: for an unknown name, or split settings given for a network without them.
@@ -97,8 +243,11 @@ def published_network(
         raise ValueError(f"'network' must be one of {sorted(PUBLISHED)} for published weights, got {name!r}.")
     cls, arguments, _ = PUBLISHED[name]
     arguments = dict(arguments)
+    if cls is AutoencoderKL and reconstructor:
+        cls = AutoencoderKLReconstructor
     if cls is AutoencoderKlMaisi:
-        arguments["norm_float16"] = torch.device(device).type == "cuda"
+        cls = MaisiReconstructor if reconstructor else cls
+        arguments["norm_float16"] = reconstructor and torch.device(device).type == "cuda"
         for key, value in (("num_splits", num_splits), ("dim_split", dim_split)):
             if value is not None:
                 if isinstance(value, bool) or not isinstance(value, int) or value < (1 if key == "num_splits" else 0):
@@ -111,86 +260,46 @@ def published_network(
     return cls(**arguments).to(device)
 
 
-def _tensor_dict(checkpoint: Any, path: str) -> dict[str, torch.Tensor]:
-    """The state dict inside a weights file: the file itself, or under one of the usual keys of a training
-    checkpoint (optimizer and scheduler states beside it are ignored)."""
-    if isinstance(checkpoint, Mapping) and checkpoint and all(torch.is_tensor(v) for v in checkpoint.values()):
-        return dict(checkpoint)
-    if isinstance(checkpoint, Mapping):
-        for key in _WRAPPERS:
-            inner = checkpoint.get(key)
-            if isinstance(inner, Mapping) and inner and all(torch.is_tensor(v) for v in inner.values()):
-                return dict(inner)
-        kinds = {k: type(v).__name__ for k, v in list(checkpoint.items())[:8]}
-        raise CheckpointError(
-            f"pretrained weights {path!r} hold no state dict of tensors at the top or under {list(_WRAPPERS)}; "
-            f"found {kinds}."
-        )
-    raise CheckpointError(
-        f"pretrained weights {path!r} must be a state dict of tensors, got {type(checkpoint).__name__}."
-    )
+def pretrained_problems(
+    architecture: str,
+    pretrained_weights: Any,
+    channels: Any,
+    latent_channels: Any,
+    num_res_blocks: Any,
+    norm_num_groups: Any,
+    attention_levels: Any,
+    with_nonlocal_attn: Any,
+) -> list[str]:
+    """``pretrained_weights`` (null, or a weights file) is readable and fits the network the settings build,
+    checked before anything is written: the network is built on PyTorch's ``meta`` device (no memory, no random
+    numbers drawn), the file read, keys and shapes compared."""
+    if not pretrained_weights:
+        return []
+    arguments = {"channels": channels, "latent_channels": latent_channels, "num_res_blocks": num_res_blocks}
+    arguments.update(norm_num_groups=norm_num_groups, attention_levels=attention_levels)
+    arguments.update(with_encoder_nonlocal_attn=with_nonlocal_attn, with_decoder_nonlocal_attn=with_nonlocal_attn)
+    try:
+        with torch.device("meta"):
+            network = autoencoder_network(architecture, device="meta", **arguments)
+    except Exception:  # invalid architecture settings: their own checks name them
+        return []
+    try:
+        return [problem] if (problem := published_state(network, str(pretrained_weights))[1]) else []
+    except CheckpointError as e:
+        return [str(e)]
 
 
-def _from_generative_layout(state: dict[str, torch.Tensor], own: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Keys of MONAI Generative's ``AutoencoderKL`` renamed to MONAI's (what ``load_old_state_dict`` renames: an
-    up-sampling block's ``conv`` is ``postconv``; an attention block's ``to_q/k/v`` sit under ``attn.`` and
-    ``proj_attn`` is ``attn.out_proj``); keys already in MONAI's layout stay."""
-    renamed = {}
-    for key, value in state.items():
-        new = key
-        if new not in own:
-            for old, current in ((".conv.conv.", ".postconv.conv."), (".proj_attn.", ".attn.out_proj.")):
-                if old in new and new.replace(old, current) in own:
-                    new = new.replace(old, current)
-            for part in ("to_q", "to_k", "to_v"):
-                candidate = new.replace(f".{part}.", f".attn.{part}.")
-                if candidate != new and candidate in own:
-                    new = candidate
-        renamed[new] = value
-    return renamed
-
-
-def load_published_weights(network: nn.Module, path: str | os.PathLike) -> int:
-    """Load a publisher's weights file into ``network`` (built by :func:`published_network`), all of it or
-    nothing.
-
-    Accepted as distributed: a plain state dict (MAISI's ``autoencoder_epoch273.pt``), one under ``state_dict``,
-    ``model``, ``autoencoder``, ... (a training checkpoint; its optimizer state is ignored), DDP's ``module.`` and
-    ``torch.compile``'s ``_orig_mod.`` prefixes, and MONAI Generative's key names (the zoo's BraTS
-    ``model_autoencoder.pt``). Unlike MONAI's ``load_old_state_dict``, a tensor the network has and the file lacks
-    is an error, not a silently random layer.
-
-    Returns:
-        The number of tensors loaded (all of the network's).
-
-    Raises:
-        CheckpointError: one line naming the file and what does not fit: unreadable, no state dict, missing or
-            unexpected tensors (a few named, with their count), or shapes that differ (e.g. another channel count
-            or number of levels).
-    """
-    path = str(path)
-    state = clean_state_dict(_tensor_dict(load_checkpoint(path), path))
-    own = network.state_dict()
-    state = _from_generative_layout(state, own)
-    missing = [k for k in own if k not in state]
-    unexpected = [k for k in state if k not in own]
-    wrong = [
-        f"{k}: file {tuple(v.shape)} vs network {tuple(own[k].shape)}"
-        for k, v in state.items()
-        if k in own and v.shape != own[k].shape
-    ]
-    name = type(network).__name__
-    if missing or unexpected or wrong:
-        parts = []
-        if missing:
-            parts.append(f"{len(missing)} of the {name}'s {len(own)} tensors are not in the file (e.g. {missing[:3]})")
-        if unexpected:
-            parts.append(f"{len(unexpected)} file tensors are not in the network (e.g. {unexpected[:3]})")
-        if wrong:
-            parts.append(f"{len(wrong)} tensors differ in shape ({'; '.join(wrong[:3])})")
-        raise CheckpointError(
-            f"pretrained weights {path!r} do not fit the {name}: {'; '.join(parts)}. Is it the file of this network "
-            "(the publisher's channels, levels and latent channels)?"
-        )
-    network.load_state_dict(state, strict=True)
-    return len(state)
+def load_autoencoder_weights(
+    network: nn.Module,
+    path: str | os.PathLike,
+    architecture: str = "autoencoder",
+    settings: Mapping[str, Any] | None = None,
+) -> nn.Module:
+    """Load the weights evaluation and inference use: a checkpoint this collection trained (it carries its run's
+    record; :func:`common.checkpoint_io.load_network_weights`, naming the settings that differ when it does not fit),
+    or for a published ``architecture`` the publisher's file as distributed (:func:`load_published_weights`:
+    zero-shot)."""
+    if architecture in PUBLISHED and checkpoint_record(path) is None:
+        load_published_weights(network, path)
+        return network
+    return load_network_weights(network, path, settings=settings)

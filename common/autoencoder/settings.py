@@ -7,6 +7,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from common.autoencoder.published import network_problems, pretrained_problems, split_problems
 from common.config_checks import CASE_RUN_CHECKS, SettingsChecks, switches
 from common.data.pipeline import (
     cache_problems,
@@ -105,6 +106,9 @@ def loss_weight_problems(
 
 TRAINING = SettingsChecks(
     "autoencoder",
+    network_problems,
+    split_problems,
+    pretrained_problems,
     channel_problems,
     patch_problems,
     count_problems,
@@ -156,6 +160,8 @@ def output_problems(mode: str, output_units: str) -> list[str]:
 
 INFERENCE = SettingsChecks(
     "autoencoder inference",
+    network_problems,
+    split_problems,
     channel_problems,
     patch_problems,
     latent_channel_problems,

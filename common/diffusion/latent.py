@@ -15,8 +15,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from common.checkpoint_io import CheckpointError, load_checkpoint
-from common.networks.wrappers import LatentDecoder, LatentEncoder, blended_windows, clean_state_dict, unwrap
+from common.checkpoint_io import CheckpointError, load_published_weights
+from common.networks.wrappers import LatentDecoder, LatentEncoder, blended_windows, unwrap
 from common.utils import rng_state, set_rng_state
 
 __all__ = ["LatentCodec", "LatentScaleCalibration", "codec_from_bundle", "load_latent_codec"]
@@ -211,19 +211,12 @@ def load_latent_codec(
     """
     if not ckpt_path:
         raise ValueError("'latent_ckpt' must name a trained autoencoder checkpoint (model.pt) for latent mode.")
-    try:
-        state = load_checkpoint(ckpt_path)
+    try:  # a run's model.pt, or a publisher's file as distributed (MAISI's VAE, the zoo's BraTS autoencoder)
+        load_published_weights(unwrap(autoencoder), ckpt_path)
     except CheckpointError as exc:
-        raise ValueError(f"'latent_ckpt': {exc}") from None
-    try:
-        unwrap(autoencoder).load_state_dict(clean_state_dict(state), strict=True)
-    except RuntimeError as exc:
-        detail = " ".join(str(exc).split())
-        raise ValueError(
-            f"'latent_ckpt' {ckpt_path!r} does not fit the network_def of 'latent_config' "
-            f"({type(unwrap(autoencoder)).__name__}): "
-            f"{detail[:600]}"
-        ) from None
+        if "do not fit" not in str(exc):
+            raise ValueError(f"'latent_ckpt': {exc}") from None
+        raise ValueError(f"'latent_ckpt' does not fit the network_def of 'latent_config': {exc}") from None
     autoencoder = autoencoder.to(device).eval()
     probe = torch.zeros(1, 1, *[int(r) for r in roi_size], device=device)
     with torch.no_grad():
