@@ -38,6 +38,7 @@ from scripts.harness.tools import (
     print_throughput,
     run_probe,
     setup,
+    sync,
     timed_loop,
 )
 
@@ -49,6 +50,8 @@ __all__ = [
     "memory",
     "memory_probe",
     "plain_loader",
+    "published_probe",
+    "published_reconstruction",
     "throughput",
 ]
 
@@ -452,7 +455,103 @@ def inference(
     return rows
 
 
-BENCHMARKS = {"throughput": throughput, "memory": memory, "inference": inference}
+def published_probe(
+    architecture: str, shape, num_splits, dim_split, device: str, reference: str, seed: int = 0
+) -> dict:
+    """One measurement (in a fresh process): whole-volume reconstruction (no sliding window) of a CT phantom of
+    ``shape`` by the published network, its seconds and peak memory; the unsplit run (``num_splits`` 1) saves its
+    output to ``reference``, the others compare with it."""
+    import time
+
+    from common.autoencoder.published import published_network
+    from common.demo.images import make_ct_phantom
+    from common.handlers.monitor import peak_memory_gib
+    from common.utils import resolve_device
+
+    dev = resolve_device(device)
+    torch.manual_seed(seed)  # the same weights in every process
+    network = published_network(architecture, dev, num_splits, dim_split, reconstructor=True).eval()
+    ct = torch.as_tensor(make_ct_phantom(tuple(shape), seed=seed))
+    x = ((ct.clamp(-1000, 1000) + 1000) / 2000)[None, None].to(dev)  # MAISI's HU window
+    if dev.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(dev)
+    with torch.no_grad(), torch.autocast(dev.type, enabled=dev.type == "cuda"):
+        start = time.perf_counter()
+        y = network(x)
+        sync(dev)
+        seconds = time.perf_counter() - start
+    if num_splits == 1:
+        torch.save(y.float().cpu(), reference)
+    diff = float((y.float().cpu() - torch.load(reference)).abs().max()) if Path(reference).is_file() else None
+    return {
+        "architecture": architecture,
+        "shape": list(shape),
+        "num_splits": num_splits,
+        "dim_split": dim_split,
+        "seconds": seconds,
+        "peak_mem_gib": peak_memory_gib(dev),
+        "max_abs_diff_vs_unsplit": diff,
+        "output_range": [float(y.min()), float(y.max())],
+        "device": device_name(dev),
+    }
+
+
+def published_reconstruction(
+    architecture: str = "maisi_vae",
+    shape=(128, 128, 128),
+    splits=(1, 4),
+    dim_split: int = 1,
+    device: str = "auto",
+    output: str | None = None,
+) -> list[dict]:
+    """Whole-volume reconstruction by a published autoencoder (MAISI's VAE by default; random weights of its exact
+    architecture, the cost does not depend on the values) with and without MAISI's split convolutions: seconds,
+    peak memory (CPU: peak resident set size of the process) and the largest difference from the unsplit output.
+    The first entry of ``splits`` must be 1 (the reference); each runs in a fresh process."""
+    if list(splits)[:1] != [1]:
+        raise ValueError(f"'splits' must start with 1 (the unsplit reference), got {list(splits)}.")
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="published_") as tmp:
+        reference = str(Path(tmp) / "unsplit.pt")
+        for n in splits:
+            settings = {"architecture": architecture, "shape": list(shape), "num_splits": int(n)}
+            settings["dim_split"] = dim_split
+            try:
+                rows.append(run_probe(__name__, "published_probe", **settings, device=device, reference=reference))
+            except RuntimeError as exc:  # e.g. out of memory, or a split narrower than the kernel
+                rows.append({**settings, "error": str(exc)[-500:]})
+    print_table(
+        ["device", "network", "volume", "num_splits", "seconds", "peak mem (GiB)", "max |diff| vs unsplit"],
+        [
+            [
+                r.get("device", device),
+                r["architecture"],
+                "x".join(map(str, r["shape"])),
+                r["num_splits"],
+                *(
+                    ["failed: " + r["error"].strip().splitlines()[-1][:80], "", ""]
+                    if "error" in r
+                    else [
+                        f"{r['seconds']:.1f}",
+                        f"{r['peak_mem_gib']:.2f}",
+                        "-" if r["max_abs_diff_vs_unsplit"] is None else f"{r['max_abs_diff_vs_unsplit']:.2e}",
+                    ]
+                ),
+            ]
+            for r in rows
+        ],
+    )
+    if output:
+        Path(output).write_text(json.dumps(rows, indent=2))
+    return rows
+
+
+BENCHMARKS = {
+    "throughput": throughput,
+    "memory": memory,
+    "inference": inference,
+    "published_reconstruction": published_reconstruction,
+}
 
 # the campaign's throughput rows (scripts/harness/campaign.py): (row name, benchmark, GPU settings, tiny settings)
 THROUGHPUT = (
