@@ -117,6 +117,16 @@ def overrides(**kwargs) -> list[str]:
     return args
 
 
+def rank_probe(bundle: str, path: Path, saved: str, folder: str = "@output_dir") -> Path:
+    """Write ``path``: a config whose ``finalize`` saves ``saved`` (a config expression of a dict) to
+    ``<folder>/rank<R>.pt`` on each rank, then runs the bundle's own multi-GPU ``finalize`` (replica check, writer
+    closed, process group torn down), so a test ends its processes as a user's run does."""
+    finalize = json.loads((BUNDLES / bundle / "configs" / "multi_gpu_train.json").read_text())["finalize"]
+    save = f"$torch.save({saved}, {folder} + '/rank' + str(torch.distributed.get_rank()) + '.pt')"
+    path.write_text(json.dumps({"finalize": [save, *finalize]}))
+    return path
+
+
 def run_bundle(
     bundle: str,
     configs: Sequence[str],
@@ -138,8 +148,17 @@ def run_bundle(
     if check and result.returncode != 0:
         raise AssertionError(
             f"{' '.join(cmd)} failed ({result.returncode}):\n{result.stdout[-4000:]}\n{result.stderr[-6000:]}"
+            f"\nfirst error lines:\n{_error_lines(result.stderr)}"
         )
     return result
+
+
+def _error_lines(text: str, limit: int = 20) -> str:
+    """The first lines of ``text`` that report an error (a rank's exception, a C++ abort), which a torchrun
+    failure's closing summary pushes out of the tail."""
+    marks = ("Error", "error:", "terminate called", "what():", "Abort", "Fatal")
+    lines = [line for line in text.splitlines() if any(m in line for m in marks) and "errors/__init__" not in line]
+    return "\n".join(lines[:limit]) or "(none)"
 
 
 _ZOO_CHECKS = """

@@ -26,6 +26,7 @@ from tests.helpers import (
     bundle_parser,
     config_arg,
     overrides,
+    rank_probe,
     run_bundle,
     same_seeded_outputs,
     same_tensor,
@@ -429,19 +430,11 @@ def test_preflight_refuses_bad_data_and_writes_nothing(phantoms, tmp_path):
 def test_torchrun_two_processes(phantoms, tmp_path):
     """2-process gloo DDP: ranks train on different partitions and end with identical weights."""
     out = tmp_path / "ddp"
-    probe = tmp_path / "probe.json"
-    probe.write_text(
-        json.dumps(
-            {
-                "finalize": [
-                    "$torch.save({'weights': @autoencoder.state_dict(), 'd_weights': @discriminator.state_dict(), "
-                    "'train': [d['image'] for d in @train#dataset.data], 'iteration': @train#trainer.state.iteration}, "
-                    "@output_dir + '/rank' + str(torch.distributed.get_rank()) + '.pt')",
-                    "$common.handlers.monitor.close_writer(@summary_writer)",
-                    "$common.utils.destroy_distributed()",
-                ],
-            }
-        )
+    probe = rank_probe(
+        BUNDLE,
+        tmp_path / "probe.json",
+        "{'weights': @autoencoder.state_dict(), 'd_weights': @discriminator.state_dict(), "
+        "'train': [d['image'] for d in @train#dataset.data], 'iteration': @train#trainer.state.iteration}",
     )
     configs = ["train.json", "multi_gpu_train.json", str(probe)]
     args = overrides(

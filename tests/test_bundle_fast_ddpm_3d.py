@@ -26,6 +26,7 @@ from tests.helpers import (
     bundle_env,
     bundle_parser,
     overrides,
+    rank_probe,
     run_bundle,
     same_seeded_outputs,
     same_tensor,
@@ -380,19 +381,11 @@ def test_unconditional_generation(brats_tree, tmp_path):
 
 def test_torchrun_two_processes_keep_identical_replicas(brats_tree, tmp_path):
     out = tmp_path / "ddp"
-    probe = tmp_path / "probe.json"
-    probe.write_text(
-        json.dumps(
-            {
-                "finalize": [
-                    "$torch.save({'unet': @unet.state_dict(), 'ema': @ema.module.state_dict(), 'train': "
-                    "[str(d['case_id']) for d in @train#dataset.data], 'iteration': @train#trainer.state.iteration}, "
-                    "@output_dir + '/rank' + str(torch.distributed.get_rank()) + '.pt')",
-                    "$common.utils.assert_replicas_equal({'unet': @unet, 'ema': @ema.module})",
-                    "$common.utils.destroy_distributed()",
-                ]
-            }
-        )
+    probe = rank_probe(
+        BUNDLE,
+        tmp_path / "probe.json",
+        "{'unet': @unet.state_dict(), 'ema': @ema.module.state_dict(), 'train': "
+        "[str(d['case_id']) for d in @train#dataset.data], 'iteration': @train#trainer.state.iteration}",
     )
     configs = [*TASK, "multi_gpu_train.json", str(probe)]
     args = overrides(dataset_dir=str(brats_tree), output_dir=str(out), max_epochs=1, val_interval=1)

@@ -23,6 +23,7 @@ from tests.helpers import (
     bundle_env,
     bundle_parser,
     overrides,
+    rank_probe,
     run_bundle,
     same_seeded_outputs,
     same_tensor,
@@ -356,19 +357,11 @@ def test_bad_data_is_reported_per_case_before_training(ct_series, tmp_path):
 
 def test_torchrun_two_processes_keep_identical_codebooks(ct_series, tmp_path):
     out = tmp_path / "ddp"
-    probe = tmp_path / "probe.json"
-    probe.write_text(
-        json.dumps(
-            {
-                "finalize": [
-                    "$torch.save({'weights': @vqgan.state_dict(), 'train': [str(d['image']) for d in "
-                    "@train#dataset.data], 'iteration': @train#trainer.state.iteration}, "
-                    "@output_dir + '/rank' + str(torch.distributed.get_rank()) + '.pt')",
-                    "$common.utils.assert_replicas_equal({'vqgan': @vqgan})",
-                    "$common.utils.destroy_distributed()",
-                ]
-            }
-        )
+    probe = rank_probe(
+        BUNDLE,
+        tmp_path / "probe.json",
+        "{'weights': @vqgan.state_dict(), 'train': [str(d['image']) for d in @train#dataset.data], "
+        "'iteration': @train#trainer.state.iteration}",
     )
     configs = ["train.json", TINY_JSON, "multi_gpu_train.json", str(probe)]
     args = overrides(dataset_dir=str(ct_series), output_dir=str(out), max_epochs=1, val_interval=1)

@@ -31,6 +31,7 @@ from tests.helpers import (
     bundle_parser,
     config_arg,
     overrides,
+    rank_probe,
     run_bundle,
     same_seeded_outputs,
     same_tensor,
@@ -291,19 +292,12 @@ def test_bad_data_is_reported_per_case_before_training(phantoms, tmp_path):
 
 def test_torchrun_two_processes_keep_identical_replicas(phantoms, tmp_path):
     out = tmp_path / "ddp"
-    probe = tmp_path / "probe.json"
-    probe.write_text(
-        json.dumps(
-            {
-                "finalize": [
-                    "$torch.save({'network': @network.state_dict(), 'train': [str(d['image']) for d in "
-                    "@train#dataset.data], 'iteration': @train#trainer.state.iteration}, "
-                    "@stage_dir + '/rank' + str(torch.distributed.get_rank()) + '.pt')",
-                    "$common.utils.assert_replicas_equal({'network': @network, 'ema': @ema.module})",
-                    "$common.utils.destroy_distributed()",
-                ]
-            }
-        )
+    probe = rank_probe(
+        BUNDLE,
+        tmp_path / "probe.json",
+        "{'network': @network.state_dict(), 'train': [str(d['image']) for d in @train#dataset.data], "
+        "'iteration': @train#trainer.state.iteration}",
+        folder="@stage_dir",
     )
     configs = [*TASK, "multi_gpu_train.json", str(probe)]
     args = overrides(

@@ -87,20 +87,18 @@ def test_resume_on_cuda_continues_where_it_stopped(bundle, tmp_path):
 def test_two_gpus_nccl_replicas_stay_identical(tmp_path):
     """2-process DDP over NCCL (one GPU each, SyncBatchNorm): every weight and BatchNorm statistic is equal on both
     ranks after training."""
-    import json
     import subprocess
 
     from common.demo.images import write_phantom_dataset
-    from tests.helpers import REPO_ROOT, bundle_env, config_arg, overrides, torchrun_cmd
+    from tests.helpers import REPO_ROOT, bundle_env, config_arg, overrides, rank_probe, torchrun_cmd
 
     datalist = write_phantom_dataset(tmp_path / "data", n_train=4, n_val=2, shape=(32, 32, 32), seed=0)
     out = tmp_path / "ddp"
-    probe = tmp_path / "probe.json"
-    save = (
-        "$torch.save({'weights': @autoencoder.state_dict(), 'd_weights': @discriminator.state_dict()}, "
-        "@output_dir + '/rank' + str(torch.distributed.get_rank()) + '.pt')"
+    probe = rank_probe(
+        "autoencoder_3d",
+        tmp_path / "probe.json",
+        "{'weights': @autoencoder.state_dict(), 'd_weights': @discriminator.state_dict()}",
     )
-    probe.write_text(json.dumps({"finalize": [save, "$common.utils.destroy_distributed()"]}))
     args = overrides(
         dataset_dir=str(datalist.parent),
         output_dir=str(out),  # no device override: multi_gpu_train.json puts each rank on cuda:LOCAL_RANK

@@ -144,9 +144,10 @@ def _predictor(name: str, workflow: Any) -> tuple[torch.nn.Module, tuple]:
     trainer = parser.get_parsed_content("train#trainer")
     batch = next(iter(trainer.data_loader))
     if name in ("autoencoder_3d", "vqgan_3d"):
-        target = {"autoencoder_3d": "common.autoencoder.networks.AutoencoderKLReconstructor"}
-        target["vqgan_3d"] = "common.vqgan.networks.VQGANReconstructor"
-        parser["network_def"]["_target_"] = target[name]
+        if name == "autoencoder_3d":  # the factory builds the inference view
+            parser["network_def"]["reconstructor"] = True
+        else:
+            parser["network_def"]["_target_"] = "common.vqgan.networks.VQGANReconstructor"
         network = parser.get_parsed_content("network_def", instantiate=True, lazy=False)
         image = trainer.prepare_batch(batch, "cpu", False)[0]
         return network.eval(), (image,)
