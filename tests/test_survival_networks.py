@@ -153,6 +153,52 @@ def test_pretrained_medicalnet_style_dict_with_module_prefix(tmp_path, caplog):
     assert "1 file tensors unused" in caplog.text and "conv_seg.0.weight" in caplog.text
 
 
+@pytest.mark.parametrize("depth", [10, 18])
+def test_medicalnet_release_loads_as_monais_own_loader_loads_it(depth, tmp_path, monkeypatch):
+    """A file in MedicalNet's released layout (``{"state_dict": {"module.<key>": ...}}``, as the publisher's
+    ``resnet_<depth>_23dataset.pth``) gives the same backbone through ``pretrained_path`` as through MONAI's own
+    MedicalNet chain (``resnet<depth>(pretrained=True)``, its download replaced by the local file): the same tensors,
+    and the same features on a real MRI volume (a crop of the MNI152 T1 template)."""
+    import nibabel as nib
+
+    from common.demo.images import mni_template_paths
+
+    stride = 2
+    torch.manual_seed(depth)
+    bias, shortcut = resnet.get_medicalnet_pretrained_resnet_args(depth)
+    publisher = getattr(resnet, f"resnet{depth}")(
+        n_input_channels=1, feed_forward=False, shortcut_type=shortcut, bias_downsample=bias, conv1_t_stride=stride
+    )
+    path = tmp_path / f"resnet_{depth}_23dataset.pth"
+    torch.save({"state_dict": {f"module.{k}": v for k, v in publisher.state_dict().items()}}, path)
+    asked = []
+
+    def local_file(repo_id: str, filename: str) -> str:
+        asked.append((repo_id, filename))
+        return str(path)
+
+    monkeypatch.setattr(resnet, "hf_hub_download", local_file)
+    torch.manual_seed(depth + 1)  # a different initialisation, so the file decides every weight
+    monai_loaded = getattr(resnet, f"resnet{depth}")(
+        pretrained=True,
+        n_input_channels=1,
+        feed_forward=False,
+        shortcut_type=shortcut,
+        bias_downsample=bias,
+        conv1_t_stride=stride,
+    ).eval()
+    assert asked == [(f"TencentMedicalNet/MedicalNet-Resnet{depth}", path.name)]
+    ours = _net(seed=depth + 2, backbone=f"resnet{depth}", conv1_t_stride=stride, pretrained_path=path)
+    for (key, x), y in zip(ours.backbone.state_dict().items(), monai_loaded.state_dict().values(), strict=True):
+        assert torch.equal(x, y), key
+    t1 = np.asarray(nib.load(mni_template_paths()["t1"]).dataobj, dtype=np.float32)[::2, ::2, ::2]
+    centre = [n // 2 for n in t1.shape]
+    crop = t1[tuple(slice(c - SIZE, c + SIZE) for c in centre)]
+    volume = torch.as_tensor((crop - crop.mean()) / crop.std())[None, None]
+    with torch.no_grad():
+        torch.testing.assert_close(ours.backbone(volume), monai_loaded(volume), rtol=0, atol=1e-6)
+
+
 def test_pretrained_whole_survival_net_checkpoint(tmp_path):
     source = _net(seed=5)
     torch.save(source.state_dict(), tmp_path / "model.pt")
