@@ -44,6 +44,6 @@ if __name__ == "__main__":
 
     import fire
 
-    from scripts.harness.bundles import benchmark_command, benchmarks
+    from scripts.harness.commands import benchmark_command, benchmarks
 
     fire.Fire(benchmarks(), command=benchmark_command(sys.argv[1:]), serialize=lambda _: None)

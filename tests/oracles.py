@@ -41,7 +41,8 @@ from monai.transforms import (
 from monai.utils import CommonKeys as Keys
 
 from common.data.dicom import LoadVolumed
-from common.data.pipeline import CaseMetad, cache_problems, cache_size, intensity_transform, partition_for_rank
+from common.data.intensity import intensity_transform
+from common.data.pipeline import CaseMetad, cache_problems, cache_size, partition_for_rank
 from common.diffusion.transforms import CopyChannelsd, EncodeLatentd
 from common.survival.transforms import AboveThreshold
 from common.utils import get_rank

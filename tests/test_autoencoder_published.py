@@ -25,7 +25,7 @@ from common.autoencoder.published import (
     split_problems,
 )
 from common.checkpoint_io import CheckpointError, load_published_weights
-from common.data.pipeline import intensity_transform
+from common.data.intensity import intensity_transform
 from common.demo.images import make_ct_phantom, mni_template_paths
 from common.errors import user_error_in_chain
 from tests.helpers import BUNDLES, bundle_env

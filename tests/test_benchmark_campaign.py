@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from scripts.harness import campaign as bc
-from scripts.harness.bundles import benchmark_command, benchmarks
+from scripts.harness.commands import benchmark_command, benchmarks
 from scripts.harness.tools import KERNEL_KINDS, count_flops, kernel_kind, peak_bf16_tflops
 from tests.helpers import REPO_ROOT
 

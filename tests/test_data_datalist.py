@@ -22,12 +22,12 @@ from common.data.datalist import (
     find_volumes,
     found_inputs,
     inference_entries,
-    is_dicom_file,
     load_datalist,
     no_volumes_error,
     require_inputs,
     write_datalist,
 )
+from common.data.formats import is_dicom_file
 from common.errors import MissingInputError
 
 

@@ -16,6 +16,7 @@ from monai.transforms import Compose
 from common.data.intensity import (
     InvertibleScaleIntensityRangePercentilesd,
     ScaleIntensityModed,
+    intensity_transform,
     inverse_linear_scaling,
 )
 from common.data.io import write_nifti
@@ -23,7 +24,6 @@ from common.data.pipeline import (
     LatentAffined,
     cache_size,
     inference_postprocessing,
-    intensity_transform,
     make_loader,
     partition_for_rank,
 )

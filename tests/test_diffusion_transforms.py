@@ -17,7 +17,8 @@ import torch.nn.functional as F
 from monai.data import MetaTensor
 from torch import nn
 
-from common.data.datalist import DatalistError, file_stem, inference_entries
+from common.data.datalist import DatalistError, inference_entries
+from common.data.formats import file_stem
 from common.data.io import write_nifti
 from common.data.pipeline import CaseMetad, case_name_formatter
 from common.data.preflight import screen_entries

@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 
 from common.bundle_tools.registry import describe
-from scripts.harness.bundles import BUNDLES, FAMILY_MODULES, benchmarks, family, modules
+from scripts.harness.bundles import BUNDLES, FAMILY_MODULES, family, modules
+from scripts.harness.commands import benchmarks
 from scripts.harness.faults import BundleCase
 
 REPO = Path(__file__).resolve().parents[1]
@@ -76,16 +77,20 @@ def test_no_code_edits_the_import_path() -> None:
         str(p.relative_to(REPO))
         for folder in ("common", "scripts", "tests")
         for p in (REPO / folder).rglob("*.py")
-        if edit.search(p.read_text())
+        if edit.search(p.read_text(encoding="utf-8"))
     ]
     offenders += [
         str(p.relative_to(REPO))
         for p in sorted(REPO.glob("bundles/*/docs/*.ipynb"))
-        if any(edit.search("".join(cell["source"])) for cell in json.loads(p.read_text())["cells"])
+        if any(edit.search("".join(cell["source"])) for cell in json.loads(p.read_text(encoding="utf-8"))["cells"])
     ]
-    offenders += [str(p.relative_to(REPO)) for p in (REPO / "scripts").glob("*.sh") if "PYTHONPATH" in p.read_text()]
+    offenders += [
+        str(p.relative_to(REPO))
+        for p in (REPO / "scripts").glob("*.sh")
+        if "PYTHONPATH" in p.read_text(encoding="utf-8")
+    ]
     assert not offenders
-    assert "--editable ." in (REPO / "scripts" / "setup_env.sh").read_text()
+    assert "--editable ." in (REPO / "scripts" / "setup_env.sh").read_text(encoding="utf-8")
 
 
 @pytest.mark.parametrize("script", ["benchmark.py", "reliability.py"])

@@ -9,10 +9,10 @@ from typing import Any
 
 from common.autoencoder.published import network_problems, pretrained_problems, split_problems
 from common.config_checks import CASE_RUN_CHECKS, SettingsChecks, switches
+from common.data.intensity import intensity_problems
 from common.data.pipeline import (
     cache_problems,
     check_output_units,
-    intensity_problems,
     orientation_problems,
     spacing_problems,
 )
@@ -131,7 +131,7 @@ TRAINING = SettingsChecks(
     cache_problems,
 )
 """The checks of an autoencoder training run (``train.json``): an invalid ``intensity``
-(:func:`common.data.pipeline.intensity_problems`), on/off settings that are not booleans, a ``cache_rate`` outside
+(:func:`common.data.intensity.intensity_problems`), on/off settings that are not booleans, a ``cache_rate`` outside
 [0, 1] and a ``replace_rate`` outside (0, 1] (:func:`common.data.pipeline.cache_problems`: MONAI's
 ``SmartCacheDataset`` refuses 0) besides the checks above."""
 

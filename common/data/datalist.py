@@ -12,6 +12,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from common.data.formats import VOLUME_FORMATS, VOLUME_SUFFIXES, file_stem, has_suffix, is_dicom_file
 from common.errors import MissingInputError, UserError
 
 __all__ = [
@@ -19,13 +20,10 @@ __all__ = [
     "DatalistError",
     "MissingSectionError",
     "NoInputs",
-    "file_stem",
     "found_inputs",
-    "VOLUME_FORMATS",
     "find_brats_cases",
     "find_volumes",
     "inference_entries",
-    "is_dicom_file",
     "no_volumes_error",
     "load_datalist",
     "parse_datalist_section",
@@ -40,15 +38,6 @@ IN_MEMORY_SOURCE = "<in-memory datalist>"
 MAX_TEXT_BYTES = 256 * 1024**2  # datalists and cohort tables larger than this are refused before being read
 PathValue = str | list[str]
 BRATS_MODALITIES = ("t1n", "t1c", "t2w", "t2f")
-#: the volume file formats :func:`find_volumes` lists (name -> file suffixes); DICOM series are folders
-VOLUME_FORMATS = {
-    "NIfTI": (".nii", ".nii.gz"),
-    "NRRD": (".nrrd", ".nhdr"),
-    "MetaImage": (".mha", ".mhd"),
-}
-VOLUME_SUFFIXES = tuple(suffix for suffixes in VOLUME_FORMATS.values() for suffix in suffixes)
-DICOM_SUFFIXES = (".dcm",)
-DICOM_MAGIC_OFFSET, DICOM_MAGIC = 128, b"DICM"
 
 
 class DatalistError(UserError, ValueError):
@@ -406,37 +395,6 @@ def find_brats_cases(
     return cases
 
 
-def file_stem(path: Any) -> str:
-    """The file name of ``path`` without its image suffix (``.nii.gz``, ``.nii``, ``.nrrd``, ``.nhdr``, ``.mha``,
-    ``.mhd``, ``.dcm``); the folder name for a folder (a DICOM series)."""
-    name = os.path.basename(str(path).rstrip("/\\"))
-    for suffix in (*VOLUME_SUFFIXES, *DICOM_SUFFIXES):
-        if name.lower().endswith(suffix) and len(name) > len(suffix):
-            return name[: -len(suffix)]
-    return name
-
-
-def _has_suffix(name: str, suffixes: Sequence[str]) -> bool:
-    lower = name.lower()
-    return any(lower.endswith(suffix) and len(lower) > len(suffix) for suffix in suffixes)
-
-
-def is_dicom_file(path: str | os.PathLike) -> bool:
-    """Whether ``path`` is a DICOM file: a ``.dcm`` suffix, or any name that is not another volume format with the
-    ``DICM`` marker at byte 128 (DICOM files are often named without a suffix, or by their UID)."""
-    name = os.path.basename(os.fspath(path))
-    if _has_suffix(name, DICOM_SUFFIXES):
-        return True
-    if _has_suffix(name, VOLUME_SUFFIXES):
-        return False
-    try:
-        with open(path, "rb") as handle:
-            handle.seek(DICOM_MAGIC_OFFSET)
-            return handle.read(len(DICOM_MAGIC)) == DICOM_MAGIC
-    except OSError:
-        return False
-
-
 def _file_or_broken_link(path: str) -> bool:
     """Whether ``path`` is a file, or a symbolic link whose target does not exist (kept, so that the volume it should
     lead to is reported as a broken link instead of being lost)."""
@@ -534,7 +492,7 @@ def find_volumes(
         if dicom_only:
             continue
         for name in names:
-            if pattern is None and _has_suffix(name, VOLUME_SUFFIXES):
+            if pattern is None and has_suffix(name, VOLUME_SUFFIXES):
                 found.append((os.path.join(folder, name),) * 2)
             elif pattern is not None and (Path(os.path.relpath(folder, root)) / name).match(pattern):
                 found.append((os.path.join(folder, name),) * 2)

@@ -25,8 +25,7 @@ from monai.data import ITKReader
 from monai.transforms import LoadImaged
 from monai.utils import ensure_tuple
 
-from common.data.datalist import is_dicom_file
-from common.data.preflight import ITK_LOCK
+from common.data.formats import ITK_LOCK, is_dicom_file
 
 __all__ = [
     "DicomSeries",

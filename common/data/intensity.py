@@ -13,12 +13,24 @@ import numpy as np
 import torch
 from monai.config import DtypeLike, KeysCollection
 from monai.data import MetaTensor, get_track_meta
-from monai.transforms import InvertibleTransform, MapTransform, ScaleIntensityRange
+from monai.transforms import (
+    InvertibleTransform,
+    MapTransform,
+    ScaleIntensityRange,
+    ScaleIntensityRanged,
+    ScaleIntensityRangePercentilesd,
+)
 from monai.transforms.utils_pytorch_numpy_unification import percentile
 from monai.utils import TraceKeys, convert_to_dst_type, convert_to_tensor
 from monai.utils.enums import TransformBackends
 
-__all__ = ["InvertibleScaleIntensityRangePercentilesd", "ScaleIntensityModed", "inverse_linear_scaling"]
+__all__ = [
+    "InvertibleScaleIntensityRangePercentilesd",
+    "ScaleIntensityModed",
+    "intensity_problems",
+    "intensity_transform",
+    "inverse_linear_scaling",
+]
 
 
 def inverse_linear_scaling(
@@ -152,7 +164,7 @@ class InvertibleScaleIntensityRangePercentilesd(MapTransform, InvertibleTransfor
 class ScaleIntensityModed(MapTransform, InvertibleTransform):
     """The intensity normalisation of a config's ``intensity`` setting, as one element of a transform list.
 
-    ``intensity`` is the mapping of :func:`common.data.pipeline.intensity_transform`: ``{"mode": "ct", "a_min",
+    ``intensity`` is the mapping of :func:`intensity_transform`: ``{"mode": "ct", "a_min",
     "a_max"}`` clips a Hounsfield window to [0, 1], ``{"mode": "mri", "lower", "upper"}`` rescales between
     per-volume percentiles, ``{"mode": "none"}`` keeps the values (``None``: MRI percentiles). The values are those
     of the transform that function builds; :meth:`inverse` undoes what that transform recorded (the per-volume
@@ -167,7 +179,7 @@ class ScaleIntensityModed(MapTransform, InvertibleTransform):
         allow_missing_keys: do not raise for absent keys.
 
     Raises:
-        ValueError: for an invalid ``intensity`` (see :func:`common.data.pipeline.intensity_problems`).
+        ValueError: for an invalid ``intensity`` (see :func:`intensity_problems`).
     """
 
     def __init__(
@@ -179,8 +191,6 @@ class ScaleIntensityModed(MapTransform, InvertibleTransform):
         allow_missing_keys: bool = False,
     ) -> None:
         super().__init__(keys, allow_missing_keys)
-        from common.data.pipeline import intensity_transform  # that module builds on this one
-
         #: the transform of the mode (``None`` for ``"none"``)
         self.transform = intensity_transform(
             list(self.keys), intensity or {"mode": "mri"}, channel_wise=channel_wise, invertible=invertible
@@ -196,3 +206,59 @@ class ScaleIntensityModed(MapTransform, InvertibleTransform):
         if isinstance(self.transform, InvertibleTransform):
             return self.transform.inverse(data)
         return dict(data)
+
+
+def intensity_problems(intensity: Mapping[str, Any] | None) -> list[str]:
+    """Why the config ``intensity`` (see :func:`intensity_transform`) is invalid, one line per problem naming the
+    config id: an unknown mode, an inverted or empty CT window, MRI percentiles outside ``0 <= lower < upper <= 100``
+    (empty: it is valid)."""
+    intensity = intensity or {}
+    mode = str(intensity.get("mode", "mri")).lower()
+    if mode == "ct":
+        a_min, a_max = float(intensity.get("a_min", -1000)), float(intensity.get("a_max", 1000))
+        if a_min >= a_max:
+            return [f"'intensity' HU window is inverted or empty: a_min={a_min} must be < a_max={a_max}."]
+    elif mode == "mri":
+        lower, upper = float(intensity.get("lower", 0.5)), float(intensity.get("upper", 99.5))
+        if not 0 <= lower < upper <= 100:
+            return [f"'intensity' percentiles: need 0 <= lower < upper <= 100, got {lower} and {upper}."]
+        if not isinstance(intensity.get("clip", True), bool):
+            return [f"'intensity' clip must be true or false, got {intensity['clip']!r}."]
+    elif mode != "none":
+        return [f"'intensity' mode must be 'ct', 'mri' or 'none', got {mode!r}."]
+    return []
+
+
+def intensity_transform(
+    keys: Sequence[str], intensity: Mapping[str, Any], channel_wise: bool = False, invertible: bool = True
+):
+    """Intensity normalisation to [0, 1] from a config mapping.
+
+    ``{"mode": "ct", "a_min": -1000, "a_max": 1000}`` clips a Hounsfield window (undone by :func:`common.data.pipeline.hu_window_steps`,
+    within the window); ``{"mode": "mri", "lower": 0.5, "upper": 99.5}`` rescales between per-volume percentiles
+    (robust to scanner scaling; clipped to [0, 1] unless ``"clip": false``, as the zoo's BraTS autoencoder), per channel with ``channel_wise`` (e.g. several MRI modalities stacked as
+    channels); ``{"mode": "none"}`` keeps the values.
+
+    With ``invertible`` the percentile scaling is
+    :class:`InvertibleScaleIntensityRangePercentilesd`, which records each volume's
+    percentiles so ``Invertd`` maps a reconstruction back to the input's units; its values are those of
+    ``ScaleIntensityRangePercentilesd``, which is used otherwise (e.g. for inputs whose mapping must not be applied
+    to an output of another modality).
+
+    Raises:
+        ValueError: for an unknown mode, a window with ``a_min >= a_max`` or bad percentiles
+            (:func:`intensity_problems`).
+    """
+    problems = intensity_problems(intensity)
+    if problems:
+        raise ValueError(problems[0])
+    mode = str(intensity.get("mode", "mri")).lower()
+    if mode == "ct":
+        a_min, a_max = float(intensity.get("a_min", -1000)), float(intensity.get("a_max", 1000))
+        return ScaleIntensityRanged(keys, a_min=a_min, a_max=a_max, b_min=0.0, b_max=1.0, clip=True)
+    if mode == "mri":
+        lower, upper = float(intensity.get("lower", 0.5)), float(intensity.get("upper", 99.5))
+        percentiles = InvertibleScaleIntensityRangePercentilesd if invertible else ScaleIntensityRangePercentilesd
+        clip = bool(intensity.get("clip", True))
+        return percentiles(keys, lower=lower, upper=upper, b_min=0.0, b_max=1.0, clip=clip, channel_wise=channel_wise)
+    return None

@@ -23,7 +23,7 @@ from monai.transforms import (
 )
 from monai.utils import CommonKeys as Keys
 
-from common.data.datalist import file_stem
+from common.data.formats import file_stem
 from common.data.intensity import InvertibleScaleIntensityRangePercentilesd, ScaleIntensityModed
 from common.errors import UserError
 from common.utils import get_rank, get_world_size
@@ -41,8 +41,6 @@ __all__ = [
     "case_name_formatter",
     "check_output_units",
     "inference_postprocessing",
-    "intensity_problems",
-    "intensity_transform",
     "orientation_problems",
     "spacing_problems",
     "make_loader",
@@ -56,27 +54,6 @@ logger = logging.getLogger(__name__)
 
 #: ``output_units`` of inference: the input's intensity units where the normalisation can be undone, or [0, 1]
 OUTPUT_UNITS = ("input", "normalised")
-
-
-def intensity_problems(intensity: Mapping[str, Any] | None) -> list[str]:
-    """Why the config ``intensity`` (see :func:`intensity_transform`) is invalid, one line per problem naming the
-    config id: an unknown mode, an inverted or empty CT window, MRI percentiles outside ``0 <= lower < upper <= 100``
-    (empty: it is valid)."""
-    intensity = intensity or {}
-    mode = str(intensity.get("mode", "mri")).lower()
-    if mode == "ct":
-        a_min, a_max = float(intensity.get("a_min", -1000)), float(intensity.get("a_max", 1000))
-        if a_min >= a_max:
-            return [f"'intensity' HU window is inverted or empty: a_min={a_min} must be < a_max={a_max}."]
-    elif mode == "mri":
-        lower, upper = float(intensity.get("lower", 0.5)), float(intensity.get("upper", 99.5))
-        if not 0 <= lower < upper <= 100:
-            return [f"'intensity' percentiles: need 0 <= lower < upper <= 100, got {lower} and {upper}."]
-        if not isinstance(intensity.get("clip", True), bool):
-            return [f"'intensity' clip must be true or false, got {intensity['clip']!r}."]
-    elif mode != "none":
-        return [f"'intensity' mode must be 'ct', 'mri' or 'none', got {mode!r}."]
-    return []
 
 
 def spacing_problems(spacing: Any) -> list[str]:
@@ -125,41 +102,6 @@ def cache_problems(cache_rate: Any, replace_rate: Any, **other_cache_rates: Any)
             f"with cache_rate 1 nothing is replaced), got {replace_rate!r}."
         )
     return problems
-
-
-def intensity_transform(
-    keys: Sequence[str], intensity: Mapping[str, Any], channel_wise: bool = False, invertible: bool = True
-):
-    """Intensity normalisation to [0, 1] from a config mapping.
-
-    ``{"mode": "ct", "a_min": -1000, "a_max": 1000}`` clips a Hounsfield window (undone by :func:`hu_window_steps`,
-    within the window); ``{"mode": "mri", "lower": 0.5, "upper": 99.5}`` rescales between per-volume percentiles
-    (robust to scanner scaling; clipped to [0, 1] unless ``"clip": false``, as the zoo's BraTS autoencoder), per channel with ``channel_wise`` (e.g. several MRI modalities stacked as
-    channels); ``{"mode": "none"}`` keeps the values.
-
-    With ``invertible`` the percentile scaling is
-    :class:`common.data.intensity.InvertibleScaleIntensityRangePercentilesd`, which records each volume's
-    percentiles so ``Invertd`` maps a reconstruction back to the input's units; its values are those of
-    ``ScaleIntensityRangePercentilesd``, which is used otherwise (e.g. for inputs whose mapping must not be applied
-    to an output of another modality).
-
-    Raises:
-        ValueError: for an unknown mode, a window with ``a_min >= a_max`` or bad percentiles
-            (:func:`intensity_problems`).
-    """
-    problems = intensity_problems(intensity)
-    if problems:
-        raise ValueError(problems[0])
-    mode = str(intensity.get("mode", "mri")).lower()
-    if mode == "ct":
-        a_min, a_max = float(intensity.get("a_min", -1000)), float(intensity.get("a_max", 1000))
-        return ScaleIntensityRanged(keys, a_min=a_min, a_max=a_max, b_min=0.0, b_max=1.0, clip=True)
-    if mode == "mri":
-        lower, upper = float(intensity.get("lower", 0.5)), float(intensity.get("upper", 99.5))
-        percentiles = InvertibleScaleIntensityRangePercentilesd if invertible else ScaleIntensityRangePercentilesd
-        clip = bool(intensity.get("clip", True))
-        return percentiles(keys, lower=lower, upper=upper, b_min=0.0, b_max=1.0, clip=clip, channel_wise=channel_wise)
-    return None
 
 
 class CaseMetad(MapTransform):

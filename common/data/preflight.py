@@ -12,7 +12,6 @@ from __future__ import annotations
 import itertools
 import math
 import os
-import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, NamedTuple
@@ -26,6 +25,7 @@ from common.data.datalist import (
     parse_datalist_section,
     read_datalist_json,
 )
+from common.data.formats import ITK_LOCK
 from common.errors import UserError, install_user_error_hook
 
 __all__ = ["PreflightError", "check_volume", "main", "preflight", "screen_entries"]
@@ -33,9 +33,6 @@ __all__ = ["PreflightError", "check_volume", "main", "preflight", "screen_entrie
 NIFTI_SUFFIXES = (".nii", ".nii.gz")
 SLAB_BYTES = 32 * 1024 * 1024
 MAX_VOLUME_BYTES = 16 * 1024**3  # a header declaring more voxel data than this is refused as corrupt or hostile
-#: ITK's lazily loaded Python modules are not safe to initialise from several threads at once (shared with
-#: :mod:`common.data.dicom`)
-ITK_LOCK = threading.Lock()
 
 
 class PreflightError(UserError, ValueError):

@@ -8,7 +8,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from common.config_checks import CASE_RUN_CHECKS, SettingsChecks, choice_problems, switches
-from common.data.pipeline import cache_problems, intensity_problems, orientation_problems, spacing_problems
+from common.data.intensity import intensity_problems
+from common.data.pipeline import cache_problems, orientation_problems, spacing_problems
 from common.diffusion.engines import DIFFUSION_MODES, TASKS, volume_multiple
 from common.diffusion.schedule import GRIDS, PREDICTIONS, fast_ddpm_grid
 from common.networks.wrappers import window_problems

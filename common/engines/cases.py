@@ -61,7 +61,7 @@ from monai.data import Dataset as MonaiDataset
 from monai.data import ThreadDataLoader, decollate_batch, list_data_collate
 from monai.transforms import Compose, LoadImage, LoadImaged, apply_transform
 
-from common.data.datalist import file_stem
+from common.data.formats import file_stem
 from common.data.pipeline import output_stem
 from common.errors import UserError
 from common.utils import (

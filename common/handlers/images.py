@@ -395,7 +395,7 @@ class XrayCTWriter:
         engine.add_event_handler(IterationEvents.MODEL_COMPLETED, self)
 
     def __call__(self, engine: Engine) -> None:
-        from common.data.datalist import file_stem
+        from common.data.formats import file_stem
         from common.data.io import write_nifti
         from common.data.pipeline import batch_case_ids, output_stem
 

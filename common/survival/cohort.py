@@ -29,7 +29,8 @@ from typing import Any
 
 import numpy as np
 
-from common.data.datalist import file_stem, resolve_path, text_size_problem
+from common.data.datalist import resolve_path, text_size_problem
+from common.data.formats import file_stem
 from common.engines.cases import PROBLEMS_KEY
 from common.errors import UserError
 
@@ -422,7 +423,7 @@ def read_cohort_csv(
       It may be a file or a DICOM series folder; whether it exists is checked by the image preflight
       (:func:`load_cohort`), not here.
     - Covariates must be finite numbers. Without an ``id_col`` column the case id is the image file name without
-      its image suffix (:func:`common.data.datalist.file_stem`). Case ids must be unique. The ``split_col`` column
+      its image suffix (:func:`common.data.formats.file_stem`). Case ids must be unique. The ``split_col`` column
       is optional (``split`` is ``None`` without it or for an empty cell); its values are checked by
       :func:`split_cohort`.
 

@@ -8,7 +8,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from common.config_checks import CASE_RUN_CHECKS, SettingsChecks, choice_problems, switches
-from common.data.pipeline import cache_problems, intensity_problems, orientation_problems, spacing_problems
+from common.data.intensity import intensity_problems
+from common.data.pipeline import cache_problems, orientation_problems, spacing_problems
 from common.survival.cohort import SPLIT_NAMES, TIME_UNITS
 from common.survival.networks import BACKBONES, HEADS, widen_factor_problem
 
@@ -147,7 +148,7 @@ TRAINING = SettingsChecks(
 )
 """The checks of a survival training run (``train.json``, and evaluation on top of it): besides the checks above,
 on/off settings that are not booleans (a string ``"false"`` is true) and an invalid ``intensity``
-(:func:`common.data.pipeline.intensity_problems`)."""
+(:func:`common.data.intensity.intensity_problems`)."""
 
 
 def inference_batch_problems(batch_size: int) -> list[str]:

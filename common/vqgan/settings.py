@@ -8,7 +8,8 @@ from collections.abc import Sequence
 
 from common.autoencoder.settings import output_problems
 from common.config_checks import CASE_RUN_CHECKS, SettingsChecks, switches
-from common.data.pipeline import cache_problems, intensity_problems, orientation_problems, spacing_problems
+from common.data.intensity import intensity_problems
+from common.data.pipeline import cache_problems, orientation_problems, spacing_problems
 from common.networks.wrappers import window_problems
 from common.utils import is_positive_int
 from common.vqgan.networks import downsample_levels
@@ -62,7 +63,7 @@ TRAINING = SettingsChecks(
     switches("preflight", "allow_irregular_series"),
 )
 """The checks of a VQ-GAN training run (``train.json``): besides the checks above, an invalid ``intensity``
-(:func:`common.data.pipeline.intensity_problems`: an inverted HU window, bad percentiles, an unknown mode), a
+(:func:`common.data.intensity.intensity_problems`: an inverted HU window, bad percentiles, an unknown mode), a
 ``cache_rate`` outside [0, 1] or a ``replace_rate`` outside (0, 1] (:func:`common.data.pipeline.cache_problems`:
 MONAI's ``SmartCacheDataset`` refuses 0)."""
 
