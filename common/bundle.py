@@ -15,7 +15,9 @@ from pathlib import Path
 from typing import Any
 
 from common.errors import BundleNotFoundError, MissingInputError, SettingsError, UserError, install_user_error_hook
+from common.networks.wrappers import MEMORY_FORMATS
 from common.runs import RUN_ARGUMENTS, command_line, config_being_parsed, config_file_list, is_plain, parsed_config
+from common.utils import check_amp
 
 __all__ = [
     "BUNDLES_DIR",
@@ -345,8 +347,6 @@ def check_run(
     Raises:
         ValueError: listing every problem.
     """
-    from common.networks.wrappers import MEMORY_FORMATS
-    from common.utils import check_amp
 
     install_user_error_hook()
     problems = []

@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from common.bundle import bundle_root
 from common.handlers.images import ORIENTATIONS, comparison_panel, orthogonal_slices
 
 if TYPE_CHECKING:
@@ -307,8 +308,6 @@ def run_parser(
         overrides: config ids to set after the run's settings.
     """
     from monai.bundle import ConfigParser
-
-    from common.bundle import bundle_root
 
     root = Path(bundle) if Path(bundle).is_dir() else Path(bundle_root(str(bundle)))
     configs = root / "configs"

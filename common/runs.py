@@ -386,7 +386,7 @@ class RunRecord:
 
     def write(self) -> Path:
         """Write ``run.json`` atomically; returns its path."""
-        from common.utils import write_text_atomic
+        from common.utils import write_text_atomic  # imported here: common.utils imports torch, this module does not
 
         return write_text_atomic(self.path, json.dumps(self.content(), indent=4) + "\n")
 
@@ -448,7 +448,7 @@ def record_calibration(output_dir: str | os.PathLike, values: Mapping[str, Any])
         ValueError: for an id that is not calibrated.
         RunRecordError: when ``run.json`` is unreadable.
     """
-    from common.utils import write_text_atomic
+    from common.utils import write_text_atomic  # imported here: common.utils imports torch, this module does not
 
     unknown = sorted(set(values) - CALIBRATED_IDS)
     if unknown:

@@ -21,6 +21,7 @@ import nibabel as nib
 import numpy as np
 import pytest
 import torch
+from ignite.engine import Engine, Events
 from monai.engines import SupervisedEvaluator
 from monai.transforms import Compose, EnsureChannelFirstd, Lambdad
 
@@ -502,3 +503,28 @@ def test_settings_changed_by_the_run_itself_are_recorded(tmp_path):
     (folder / "b.nii.gz").write_bytes((tmp_path / "in" / "model.nii.gz").read_bytes())
     run_cases(folder, tmp_path / "batched", batch_size=2)
     assert json.loads((tmp_path / "batched" / DONE_DIR / "a.json").read_text())["effective"] == {"batch_size": 1}
+
+
+def test_ignite_runs_the_iteration_function_the_engine_holds() -> None:
+    """:meth:`CaseRun.attach` wraps ``engine._process_function`` (ignite has no public way to replace a workflow's
+    iteration, and its EXCEPTION_RAISED event comes after the epoch is abandoned): pinned here for the installed
+    ignite and MONAI - a workflow keeps its iteration there, the engine calls what the attribute holds at each
+    iteration, and an exception in it ends the epoch (so an unguarded failed case would end the run)."""
+    evaluator = SupervisedEvaluator(device=torch.device("cpu"), val_data_loader=[0], network=Doubler())
+    assert evaluator._process_function.__func__ is SupervisedEvaluator._iteration
+    calls: list[int] = []
+    engine = Engine(lambda engine, batch: calls.append(-batch))
+    engine._process_function = lambda engine, batch: calls.append(batch) or batch
+    engine.run([1, 2, 3], max_epochs=1)
+    assert calls == [1, 2, 3] and engine.state.output == 3
+
+    def fails(engine, batch):
+        calls.append(batch)
+        if batch == 2:
+            raise RuntimeError("case 2")
+
+    calls.clear()
+    engine = Engine(fails)
+    engine.add_event_handler(Events.EXCEPTION_RAISED, lambda engine, error: None)
+    engine.run([1, 2, 3], max_epochs=1)
+    assert calls == [1, 2]  # the handled exception still ended the run before batch 3

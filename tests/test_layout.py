@@ -87,6 +87,86 @@ def test_imports_only_point_down() -> None:
     assert not upward, "\n".join(upward)
 
 
+def _module_graph(*roots: str) -> dict[str, set[str]]:
+    """Module -> the modules of ``roots`` it imports (at the top or inside a function); ``from a import b`` names the
+    module ``a.b`` when that is one, else ``a``."""
+    paths = {_module_name(p): p for root in roots for p in sorted((REPO / root).rglob("*.py"))}
+    graph: dict[str, set[str]] = {module: set() for module in paths}
+    for module, path in paths.items():
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            if isinstance(node, ast.Import):
+                targets = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+                targets = [
+                    f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in paths else node.module for a in node.names
+                ]
+            else:
+                continue
+            graph[module] |= {target for target in targets if target in paths and target != module}
+    return graph
+
+
+def _circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """One circle per strongly connected group of modules (Tarjan's algorithm), each as a path back to its start."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    groups: list[list[str]] = []
+
+    def visit(module: str) -> None:
+        index[module] = low[module] = len(index)
+        stack.append(module)
+        for target in sorted(graph[module]):
+            if target not in index:
+                visit(target)
+                low[module] = min(low[module], low[target])
+            elif target in stack:
+                low[module] = min(low[module], index[target])
+        if low[module] == index[module]:
+            group = []
+            while not group or group[-1] != module:
+                group.append(stack.pop())
+            if len(group) > 1:
+                groups.append(sorted(group))
+
+    for module in sorted(graph):
+        if module not in index:
+            visit(module)
+    return groups
+
+
+def test_circles_are_found() -> None:
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}, "e": set()}
+    assert _circles(graph) == [["a", "b", "c"]]
+    assert _circles({"a": {"b"}, "b": set()}) == []
+
+
+def test_no_import_circles() -> None:
+    """No module of common/ or scripts/ reaches itself through imports, counting the ones inside functions: shared
+    pieces live a floor below the modules that share them."""
+    circles = _circles(_module_graph("common", "scripts"))
+    assert not circles, "import circles: " + "; ".join(" <-> ".join(group) for group in circles)
+
+
+def test_function_local_imports_say_why() -> None:
+    """common/ imports common modules at the top; one imported inside a function (to keep a torch- or MONAI-free
+    module free of them) says so in an ``imported here:`` comment on its line or the line before."""
+    silent = []
+    for path in sorted(COMMON.rglob("*.py")):
+        lines = path.read_text().splitlines()
+        for function in ast.walk(ast.parse("\n".join(lines), filename=str(path))):
+            if not isinstance(function, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            for node in ast.walk(function):
+                imported = [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+                imported += [a.name for a in node.names] if isinstance(node, ast.Import) else []
+                if any(name.split(".")[0] == "common" for name in imported):
+                    said = " ".join(lines[max(node.lineno - 2, 0) : node.end_lineno])
+                    if "# imported here:" not in said:
+                        silent.append(f"{path.relative_to(REPO)}:{node.lineno}")
+    assert not silent, "function-local imports of common without an 'imported here:' comment: " + ", ".join(silent)
+
+
 @pytest.mark.parametrize("root", ["common", "scripts", "tests"])
 def test_no_private_name_crosses_modules(root: str) -> None:
     crossing = [

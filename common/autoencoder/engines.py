@@ -14,7 +14,7 @@ from monai.utils import CommonKeys as Keys
 from torch import nn
 from torch.optim import Optimizer
 
-from common.autoencoder.adversarial import feature_matching_loss
+from common.autoencoder.adversarial import PatchAdversarialLoss, feature_matching_loss
 from common.autoencoder.losses import kl_divergence
 from common.engines.trainer import StepTrainer, accumulate
 from common.networks.wrappers import split_autoencoder_output, to_memory_format, unwrap
@@ -134,8 +134,6 @@ class AutoencoderGANTrainer(StepTrainer):
         self.discriminator = discriminator
         self.d_optimizer = d_optimizer
         if adv_loss is None and discriminator is not None:
-            from common.autoencoder.adversarial import PatchAdversarialLoss
-
             adv_loss = PatchAdversarialLoss(criterion="least_squares")
         self.adv_loss = adv_loss
         self.adv_weight = dict(adv_weight) if isinstance(adv_weight, Mapping) else float(adv_weight)

@@ -39,7 +39,8 @@ from typing import Any
 
 from common.bundle import resolve_bundle
 from common.bundle_tools.registry import describe
-from common.errors import UserError
+from common.checkpoint_io import CheckpointError, checkpoint_record, load_checkpoint
+from common.errors import UserError, user_error_in_chain
 from common.runs import LOCATION_IDS, check_record_bundle
 
 __all__ = [
@@ -193,7 +194,6 @@ def check_checkpoint(path: str | os.PathLike) -> int:
         common.checkpoint_io.CheckpointError: for a missing, corrupt or pickled (code-carrying) file, or one
             holding no tensors.
     """
-    from common.checkpoint_io import CheckpointError, load_checkpoint
 
     content = load_checkpoint(path)
     count = _count_tensors(content)
@@ -447,7 +447,6 @@ def run_configs(bundle_dir: Path, ckpt: Path) -> dict[str, bytes]:
     Raises:
         common.runs.RunRecordError: when the record belongs to another bundle.
     """
-    from common.checkpoint_io import checkpoint_record
 
     record = checkpoint_record(ckpt)
     if record is None:
@@ -504,8 +503,6 @@ def check_package_weights(
         PackageError: naming the loader's explanation (which settings differ) and the fix.
     """
     from monai.bundle import ConfigParser
-
-    from common.errors import user_error_in_chain
 
     bundle_dir = Path(bundle_dir)
     parser = ConfigParser()

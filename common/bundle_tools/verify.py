@@ -24,6 +24,7 @@ from monai.bundle.scripts import _get_fake_spatial_shape
 from monai.utils import get_equivalent_dtype
 
 from common.bundle import BUNDLES_DIR, ROOT, bundle_names, resolve_bundle
+from common.bundle_tools.package import MODEL_FILE, PackageError, check_package_weights
 from common.bundle_tools.registry import check_description
 from common.errors import BundleNotFoundError
 
@@ -362,7 +363,6 @@ def check_package(
     :func:`common.bundle_tools.package.check_package_weights`), and that network with those weights runs on a small
     generated input checked against the metadata (:func:`check_net_in_out`). Nothing for a bundle without weights.
     """
-    from common.bundle_tools.package import MODEL_FILE, PackageError, check_package_weights
 
     if not (bundle_dir / MODEL_FILE).is_file():
         return []

@@ -440,7 +440,7 @@ def _series_of_folder(folder: str) -> list[tuple[str, str | list[str]]]:
     """``(name, value)`` of the DICOM series in ``folder``: ``(folder, folder)`` for one series (or none GDCM can
     read: the preflight says what is wrong), else one ``(<folder>_series<n>, files)`` per series, ``n`` the
     ``SeriesNumber`` where every series has a distinct one, else 1, 2, ... in GDCM's order."""
-    from common.data.dicom import dicom_series  # imports MONAI: only for folders that hold DICOM files
+    from common.data.dicom import dicom_series  # imported here: it imports MONAI, only folders of DICOM files need it
 
     series = dicom_series(folder)
     if len(series) <= 1:

@@ -334,6 +334,7 @@ def _check_itk(path: str | list[str], reading: _Reading) -> _Inspection:
     try:
         import itk
 
+        # imported here: common.data.dicom imports MONAI, this module does not
         from common.data.dicom import series_files, series_problems
 
         try:  # one listed file is read as it is (LoadVolumed leaves it to MONAI's readers)

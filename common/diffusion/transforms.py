@@ -13,6 +13,7 @@ from monai.data import MetaTensor
 from monai.transforms import Compose, Invertd, MapTransform
 from monai.utils import CommonKeys as Keys
 
+from common.data.datalist import inference_entries
 from common.data.pipeline import (
     case_name_formatter,
     hu_window_steps,
@@ -173,7 +174,6 @@ def inference_inputs(
     the BraTS layout, see :func:`common.data.datalist.inference_entries`); the inference run checks their headers
     before it processes them (:class:`common.engines.cases.CaseRun`).
     """
-    from common.data.datalist import inference_entries
 
     if task == "unconditional":
         return generation_items(num_samples, sample_shape, spacing)

@@ -61,8 +61,10 @@ from monai.data import Dataset as MonaiDataset
 from monai.data import ThreadDataLoader, decollate_batch, list_data_collate
 from monai.transforms import Compose, LoadImage, LoadImaged, apply_transform
 
+from common.data.dicom import is_dicom_input, series_files, series_problems
 from common.data.formats import file_stem
 from common.data.pipeline import output_stem
+from common.data.preflight import PreflightError
 from common.errors import UserError
 from common.utils import (
     OutputWriteError,
@@ -132,6 +134,7 @@ class CaseFailure:
     reason: str
 
     def line(self) -> str:
+        """The failure as one log line: the case, its input, the stage and the reason."""
         return f"case {self.case_id} ({self.input}) failed at {self.stage}: {self.reason}"
 
 
@@ -195,6 +198,8 @@ def _write_reason(error: OSError) -> str:
 
 
 def _is_disk_error(error: OSError | None) -> bool:
+    """Whether ``error`` is one that every next case would hit too (a full disk or quota, a read-only or refusing
+    folder, a file too large): the run stops instead of failing case after case."""
     return error is not None and error.errno in _DISK_ERRNOS
 
 
@@ -237,6 +242,7 @@ def _files_of(value: Any) -> list[str] | None:
 
 
 def _sha256(path: str) -> str:
+    """The sha256 of the bytes of ``path``, read in 4 MiB blocks."""
     sha = hashlib.sha256()
     with open(path, "rb") as handle:
         for block in iter(lambda: handle.read(1 << 22), b""):
@@ -245,6 +251,7 @@ def _sha256(path: str) -> str:
 
 
 def _file_print(path: str) -> dict[str, Any]:
+    """One file of a case's fingerprint: its path, size, ``mtime_ns`` and sha256 (``missing`` when it is gone)."""
     try:
         stat = os.stat(path)
     except OSError:
@@ -253,6 +260,8 @@ def _file_print(path: str) -> dict[str, Any]:
 
 
 def _row_values(entry: Mapping[str, Any], keys: Sequence[str]) -> dict[str, Any]:
+    """The values of a datalist entry or CSV row besides its image keys and bookkeeping (a covariate, a label):
+    part of what the case's output is made from."""
     return {str(k): v for k, v in entry.items() if k not in keys and k not in _NOT_INPUTS}
 
 
@@ -331,7 +340,6 @@ def _non_finite_problem(item: Mapping[str, Any], keys: Sequence[str]) -> str | N
 def _series_problems(entry: Mapping[str, Any], keys: Sequence[str], allow_irregular: bool) -> list[str]:
     """The geometry problems of the DICOM series among the inputs (missing, duplicate or unevenly spaced slices,
     mixed series: :func:`common.data.dicom.series_problems`)."""
-    from common.data.dicom import is_dicom_input, series_files, series_problems
 
     problems = []
     for key in keys:
@@ -377,6 +385,9 @@ class CaseDataset(MonaiDataset):
         self.allow_irregular_series = bool(allow_irregular_series)
 
     def _transform(self, index: int) -> Any:
+        """Case ``index`` screened (a DICOM series), fingerprinted and passed through the transforms one step at a
+        time, so that a failure names its stage (``check``, ``read`` or ``transform``); a failed case is a failure
+        record instead of an exception."""
         entry = self.data[index]
         case = case_id_of(entry, self.keys)
 
@@ -443,6 +454,7 @@ class CaseLoader(ThreadDataLoader):
         self.cases = cases
 
     def __iter__(self):
+        """The batches that hold at least one good case; the failures go to ``cases`` first."""
         for batch, failed in super().__iter__():
             for failure in failed:
                 self.cases.fail(failure)
@@ -608,9 +620,11 @@ class CaseRun:
     # -- records -----------------------------------------------------------------------------------------------------
 
     def _record_path(self, case: str) -> Path:
+        """``.done/<case>.json`` (the case id percent-encoded, so that any id is one file name)."""
         return self.done_dir / f"{urllib.parse.quote(case, safe='')}.json"
 
     def _record(self, case: str) -> dict | None:
+        """The record of ``case``, or ``None`` when it has none or it is unreadable (the case is then redone)."""
         try:
             record = json.loads(self._record_path(case).read_text())
         except (OSError, ValueError):
@@ -679,6 +693,8 @@ class CaseRun:
         return self._without_failed(mine, bad)
 
     def _refuse_names_one_file_system_merges(self, ids: list[str]) -> None:
+        """Refuse case ids whose output names differ only in upper/lower case when the prediction folder's file
+        system does not tell them apart (one case's files would replace the other's)."""
         folded: dict[str, list[str]] = collections.defaultdict(list)
         for case in ids:
             folded[output_stem(case).casefold()].append(case)
@@ -731,8 +747,6 @@ class CaseRun:
             if found:
                 bad[case] = found
         if bad and self.fail_fast:
-            from common.data.preflight import PreflightError
-
             raise PreflightError(
                 [f"case {case} ({self.inputs[case]}): {'; '.join(p)}" for case, p in bad.items()],
                 "the inference inputs",
@@ -781,7 +795,10 @@ class CaseRun:
         """Guard ``engine``'s iteration (see the class description); its epoch ends when the loader runs out, since
         the loader leaves out batches of failed cases."""
         # ignite keeps the iteration function in ``_process_function``; wrapping it is the one way to guard a
-        # MONAI workflow's iteration (model, postprocessing and the MODEL_COMPLETED writers) whatever its class
+        # MONAI workflow's iteration (model, postprocessing and the MODEL_COMPLETED writers) whatever its class:
+        # ignite's public EXCEPTION_RAISED event runs after the epoch has already been abandoned, so a failed case
+        # would end the run. tests/test_inference_cases.py pins that ignite calls the attribute it holds each
+        # iteration and that MONAI's workflows keep their iteration there.
         process = engine._process_function
 
         def guarded(engine: Engine, batch: Any) -> Any:
@@ -794,11 +811,15 @@ class CaseRun:
         engine.add_event_handler(Events.TERMINATE, self._completed)
 
     def _epoch_started(self, engine: Engine) -> None:
+        """At the start of the cases: the epoch runs until the loader is exhausted, the clock starts and Ctrl-C is
+        caught."""
         engine.state.epoch_length = None  # ends when the loader runs out
         self._started = self._last_log = time.monotonic()
         self._catch_interrupts()
 
     def _completed(self, engine: Engine) -> None:
+        """At the end of the cases (or a stop): the elapsed time is kept, the progress bar closed and Ctrl-C's
+        handler put back."""
         self.elapsed = time.monotonic() - self._started
         self._close_bar()
         self._release_interrupts()
@@ -819,11 +840,16 @@ class CaseRun:
         signal.signal(signal.SIGINT, interrupted)
 
     def _release_interrupts(self) -> None:
+        """Put back the SIGINT handler :meth:`_catch_interrupts` replaced (main thread only)."""
         if self._sigint is not None and threading.current_thread() is threading.main_thread():
             signal.signal(signal.SIGINT, self._sigint)
             self._sigint = None
 
     def _run_batch(self, process: Callable, engine: Engine, batch: Any, alone: bool = False) -> Any:
+        """One iteration of the engine's own ``process`` on ``batch``, guarded: its cases are committed when it
+        succeeds; when it fails, a single case (or any case under ``fail_fast``, or a full disk) fails at stage
+        ``model`` or ``write`` and a batch of several is redone case by case (``alone``), so that only the culprit
+        fails. Returns the output, or ``None`` when nothing succeeded."""
         ids = [str(c) for c in (batch.get("case_id") or [])] if isinstance(batch, Mapping) else []
         try:
             output = process(engine, batch)
@@ -852,6 +878,7 @@ class CaseRun:
         return output
 
     def _stop_for_disk(self, case: str, error: OSError) -> None:
+        """Stop the run after a write of ``case`` that every next case would repeat (see :func:`_is_disk_error`)."""
         self._stop(
             OutputWriteError(
                 error.errno,
@@ -862,6 +889,7 @@ class CaseRun:
         )
 
     def _discard_staged(self) -> None:
+        """Remove whatever the writers staged for the current batch (never moved into the prediction folder)."""
         shutil.rmtree(self.staging_dir, ignore_errors=True)
 
     def _effective(self, ids: list[str], alone: bool) -> dict[str, Any]:
@@ -940,6 +968,8 @@ class CaseRun:
     # -- progress ----------------------------------------------------------------------------------------------------
 
     def _tick(self) -> None:
+        """Report progress on rank 0: a tqdm bar on a terminal, else a log line every ``log_every_s`` seconds and at
+        the last case, with the rate and the time left."""
         done = self.written + len(self.failures)
         if self.rank != 0 or not self.progress:
             return
@@ -963,6 +993,7 @@ class CaseRun:
                 logger.info(f"{done}/{self.total} case(s)")
 
     def _close_bar(self) -> None:
+        """Close the progress bar, if one is shown."""
         if self._bar is not None:
             self._bar.close()
             self._bar = None

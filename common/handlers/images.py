@@ -13,6 +13,10 @@ import torch
 from monai.engines.utils import IterationEvents
 from monai.utils import IgniteInfo, min_version, optional_import
 
+from common.data.formats import file_stem
+from common.data.io import write_nifti
+from common.data.pipeline import batch_case_ids, output_stem
+
 Events, _ = optional_import("ignite.engine", IgniteInfo.OPT_IMPORT_VERSION, min_version, "Events")
 Image, _ = optional_import("PIL", name="Image")
 
@@ -395,9 +399,6 @@ class XrayCTWriter:
         engine.add_event_handler(IterationEvents.MODEL_COMPLETED, self)
 
     def __call__(self, engine: Engine) -> None:
-        from common.data.formats import file_stem
-        from common.data.io import write_nifti
-        from common.data.pipeline import batch_case_ids, output_stem
 
         output = engine.state.output
         pred = _to_float_numpy(output["pred"])

@@ -29,8 +29,10 @@ from typing import Any
 
 import numpy as np
 
-from common.data.datalist import resolve_path, text_size_problem
+from common.data.datalist import inference_entries, resolve_path, text_size_problem
 from common.data.formats import file_stem
+from common.data.preflight import PreflightError
+from common.data.preflight import preflight as run_preflight
 from common.engines.cases import PROBLEMS_KEY
 from common.errors import UserError
 
@@ -562,7 +564,6 @@ def inference_cohort(
         MissingInputError: when no CSV is given and no volume is found under ``dataset_dir`` (naming the folder and
             the formats or ``pattern`` looked for).
     """
-    from common.data.datalist import inference_entries
 
     layout = CohortColumns(**columns)
     covariates = list(layout.covariates)
@@ -889,8 +890,6 @@ def _preflight_images(
     preflight_kwargs: Mapping[str, Any],
 ) -> list[tuple[int, str]]:
     """Run the image preflight on every row's image; return ``(row, problem line)`` pairs naming the rows."""
-    from common.data.preflight import PreflightError
-    from common.data.preflight import preflight as run_preflight
 
     if not images:
         return []

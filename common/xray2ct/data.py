@@ -30,7 +30,8 @@ from monai.data import MetaTensor
 from monai.networks.layers import GaussianFilter
 from monai.transforms import Affine, MapTransform
 
-from common.data.preflight import PreflightError
+from common.data.datalist import inference_entries, load_datalist
+from common.data.preflight import PreflightError, screen_entries
 from common.xray2ct.drr import DRRProjector
 
 __all__ = [
@@ -201,7 +202,6 @@ def screen_inputs(entries: Sequence[Mapping[str, Any]], projector: DRRProjector,
     """The problems of each inference entry (:func:`xray_inference_items`), one list per entry: its X-ray files
     (present, 2D grey-scale, ``view_size``) with ``view_files``, else the header of its CT volume (one channel,
     3D: :func:`common.data.preflight.screen_entries`); the check of :class:`common.engines.cases.CaseRun`."""
-    from common.data.preflight import screen_entries
 
     if view_files:
         return [_view_problems(dict(e), view_keys(projector), projector.view_size, None) for e in entries]
@@ -426,7 +426,6 @@ def xray_inference_items(
         ValueError: naming the cases that lack a view, or a datalist mixing X-ray and CT entries.
         MissingInputError: when nothing is found.
     """
-    from common.data.datalist import inference_entries, load_datalist
 
     keys = view_keys(projector)
     base = Path(os.path.expanduser(os.fspath(dataset_dir)))

@@ -21,12 +21,14 @@ from torch import nn
 from torch.optim import Optimizer
 
 from common.diffusion.engines import DiffusionTrainer, case_name, volume_seed
+from common.diffusion.metrics import output_value_handler
 from common.diffusion.schedule import DiffusionSchedule
 from common.engines.evaluator import StepEvaluator
+from common.metrics.image import image_quality_handlers
 from common.networks.wrappers import unwrap
 from common.xray2ct.drr import DRRProjector
 from common.xray2ct.losses import ProjectionLoss, physics_noise_weight
-from common.xray2ct.metrics import UNCERTAINTY_SCORES, uncertainty_scores
+from common.xray2ct.metrics import UNCERTAINTY_SCORES, texture_handlers, uncertainty_scores
 from common.xray2ct.networks import MODES, degrade_to_previous
 
 logger = logging.getLogger(__name__)
@@ -406,10 +408,6 @@ def xray2ct_metric_handlers(
     smoother than any sample, so the texture of what the model generates is the single sample's; and the scores of
     the samples' spread as an uncertainty (:data:`common.xray2ct.metrics.UNCERTAINTY_SCORES`)."""
     from monai.handlers import from_engine
-
-    from common.diffusion.metrics import output_value_handler
-    from common.metrics.image import image_quality_handlers
-    from common.xray2ct.metrics import texture_handlers
 
     metrics = image_quality_handlers(prefix=prefix, save_details=save_details)
     metrics[f"{prefix}proj_error"] = output_value_handler("proj_error", save_details=save_details)

@@ -25,7 +25,7 @@ from monai.networks.nets import DiffusionModelUNet, ViT
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from common.checkpoint_io import CheckpointError
+from common.checkpoint_io import CheckpointError, load_checkpoint, save_weights
 from common.diffusion.schedule import DiffusionSchedule, grid_ddim_sample
 from common.networks.wrappers import InferenceView, clean_state_dict, unwrap
 from common.runs import RUN_FILE, read_record, run_settings
@@ -430,7 +430,6 @@ def load_regressor(
     """
     if not enabled:
         return None
-    from common.checkpoint_io import load_checkpoint
 
     denoiser = unwrap(network)
     if getattr(denoiser, "regressor", None) is None:
@@ -920,7 +919,6 @@ def load_cascade(cascade: XrayCTCascade, checkpoints: str | os.PathLike | Sequen
     Raises:
         CheckpointError: naming the file that is missing, unreadable or belongs to another stage/architecture.
     """
-    from common.checkpoint_io import load_checkpoint
 
     if isinstance(checkpoints, (str, os.PathLike)):
         state = load_checkpoint(checkpoints)
@@ -947,7 +945,6 @@ def save_cascade(cascade: XrayCTCascade, path: str | os.PathLike, record: Mappin
     """Write the combined cascade checkpoint (what a packaged bundle ships as ``models/model.pt``) carrying
     ``record`` (:func:`cascade_record`: the settings of its stages, see :func:`common.checkpoint_io.save_weights`).
     """
-    from common.checkpoint_io import save_weights
 
     return save_weights(cascade.state_dict(), path, record=record)
 
