@@ -29,6 +29,7 @@ import shutil
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -74,6 +75,7 @@ def main(
     max_epochs: int | None = None,
     device: str = "auto",
     num_threads: int | None = None,
+    stage_iterations: Sequence[int] | None = None,
     **extra: Any,
 ) -> dict:
     """Train ``bundle`` on its demo data, evaluate the best checkpoint, print locations and metrics.
@@ -86,6 +88,8 @@ def main(
         max_epochs: override the brief-run epoch count.
         device: ``auto`` (GPU when available), ``cpu`` or ``cuda``.
         num_threads: CPU threads (default: all cores).
+        stage_iterations: the iterations of each stage of a bundle trained stage by stage (default: its
+            description's for the device).
         extra: any other bundle override, e.g. ``--no_random_restart True`` for vqgan_3d.
 
     Returns:
@@ -104,6 +108,19 @@ def main(
     except UserError as e:
         raise SystemExit(f"error: {e}") from None
     bundle = described.name
+    stages = len(described.stage_iterations.get(profile, ()))
+    if stage_iterations is not None and not (
+        described.staged
+        and isinstance(stage_iterations, (list, tuple))
+        and len(stage_iterations) == stages
+        and all(isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in stage_iterations)
+    ):
+        raise SystemExit(
+            f"error: 'stage_iterations' must be {stages} positive integers (one per stage of {bundle}), got "
+            f"{stage_iterations!r}."
+            if described.staged
+            else f"error: {bundle} is not trained stage by stage: 'stage_iterations' does not apply."
+        )
     if max_epochs is not None:
         overrides["max_epochs"] = int(max_epochs)
     overrides.update(extra)
@@ -129,7 +146,7 @@ def main(
     evaluation = {k: overrides[k] for k in ("output_dir", "device", "num_threads") if k in overrides}
     run_dir, eval_dir = out, out / "eval"
     if staged:
-        iterations = described.stage_iterations[profile]
+        iterations = described.stage_iterations[profile] if stage_iterations is None else stage_iterations
         for stage, n in enumerate(iterations, start=1):
             stage_args = {**overrides, "stage": stage, "max_epochs": 1, "epoch_length": int(n)}
             _run(base + ["training", "--config_file", config_arg, *_args(stage_args)])

@@ -62,6 +62,12 @@ class BundleCase:
         host_read_settings: settings of the host-read count (so that every branch of a step is taken).
         splits: the config id of the parsed training and validation lists.
         case_key: the key that names a case in those lists.
+        gpu_brief: the settings of a brief run of the CPU demo on a GPU (``tests/test_gpu.py``: a few epochs,
+            validated twice, the adversarial terms switched on early).
+        optimizer_steps: the optimizer steps of one training iteration (a GAN steps its generator and its
+            discriminator).
+        faults: the faults ``tests/test_reliability.py`` injects in turn into the bundle's fault-test job
+            (``scripts/reliability.py report`` runs every fault on every bundle).
     """
 
     bundle: str
@@ -74,6 +80,9 @@ class BundleCase:
     host_read_settings: dict[str, Any] = field(default_factory=dict)
     splits: str = "datalists"
     case_key: str = "image"
+    gpu_brief: dict[str, Any] = field(default_factory=lambda: {"max_epochs": 4, "val_interval": 2, "log_interval": 1})
+    optimizer_steps: int = 1
+    faults: tuple[str, ...] = ("kill",)
 
     def __str__(self) -> str:
         return self.bundle
@@ -119,6 +128,9 @@ CASES = {
                 lambda data: 2, ("RandSpatialCropSamplesd", "RandGaussianNoised"), (1, 16, 16, 16), (0.0, 1.0)
             ),
             host_read_settings={"adv_warmup_iterations": 0},
+            gpu_brief={"max_epochs": 4, "val_interval": 2, "adv_warmup_iterations": 2, "log_interval": 1},
+            optimizer_steps=2,
+            faults=("disk", "nan", "kill_while_saving", "kill"),
         ),
         BundleCase(
             "vqgan_3d",
@@ -139,6 +151,9 @@ CASES = {
                 lambda data: 4, ("RandSpatialCropSamplesd", "RandGaussianNoised"), (1, 16, 16, 16), (0.0, 1.0)
             ),
             host_read_settings={"discriminator_iter_start": 0},
+            gpu_brief={"max_epochs": 4, "val_interval": 2, "discriminator_iter_start": 2, "log_interval": 1},
+            optimizer_steps=2,
+            faults=("nan",),
         ),
         BundleCase(
             "fast_ddpm_3d",
@@ -161,6 +176,8 @@ CASES = {
                 (-1.0, 1.0),
             ),
             case_key="case_id",
+            gpu_brief={"max_epochs": 6, "val_interval": 3, "log_interval": 1},
+            faults=("kill_while_saving",),
         ),
         BundleCase(
             "mace_survival",
@@ -223,6 +240,8 @@ CASES = {
                 (-1.0, 1.0),
                 sample="[0]['image']",
             ),
+            gpu_brief={"stage_iterations": [4, 4], "val_interval": 1, "log_interval": 1},
+            faults=("disk",),
         ),
     )
 }

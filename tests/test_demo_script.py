@@ -29,3 +29,19 @@ def test_unknown_bundle_is_refused_with_the_available_ones(tmp_path):
     assert result.returncode == 1
     assert result.stderr.startswith("error: unknown bundle 'no_such_bundle'") and "autoencoder_3d" in result.stderr
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize(
+    ("bundle", "iterations", "message"),
+    [
+        ("xray2ct_cascade", "[4]", "error: 'stage_iterations' must be 2 positive integers (one per stage of"),
+        ("xray2ct_cascade", "[4,0]", "error: 'stage_iterations' must be 2 positive integers"),
+        ("autoencoder_3d", "[4,4]", "error: autoencoder_3d is not trained stage by stage"),
+    ],
+)
+def test_stage_iterations_that_do_not_fit_are_refused_before_any_work(bundle, iterations, message, tmp_path):
+    cmd = [sys.executable, str(DEMO), "--bundle", bundle, "--stage_iterations", iterations]
+    result = subprocess.run(cmd + ["--output_dir", str(tmp_path / "run")], cwd=tmp_path, capture_output=True, text=True)
+    assert result.returncode == 1, result.stderr[-2000:]
+    assert result.stderr.startswith(message), result.stderr[-2000:]
+    assert not (tmp_path / "run").exists()

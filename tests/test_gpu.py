@@ -16,20 +16,17 @@ from pathlib import Path
 import pytest
 import torch
 
+from common.bundle_tools.registry import describe
+from tests.bundle_cases import CASES
+
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (none visible)"),
 ]
 
-# Brief runs at the CPU demo sizes (the point is the CUDA code paths, not the model): a few epochs, validated
-# every 2, adversarial/discriminator terms switched on early, the cache on the GPU.
-BRIEF = {
-    "autoencoder_3d": {"max_epochs": 4, "val_interval": 2, "adv_warmup_iterations": 2, "log_interval": 1},
-    "vqgan_3d": {"max_epochs": 4, "val_interval": 2, "discriminator_iter_start": 2, "log_interval": 1},
-    "fast_ddpm_3d": {"max_epochs": 6, "val_interval": 3, "log_interval": 1},
-    "mace_survival": {"max_epochs": 4, "val_interval": 2, "log_interval": 1},
-    "xray2ct_cascade": {"stage_iterations": [4, 4], "val_interval": 1, "log_interval": 1},
-}
+# Brief runs at the CPU demo sizes (the point is the CUDA code paths, not the model): each bundle's
+# ``gpu_brief`` (tests/bundle_cases.py), the cache on the GPU.
+BUNDLES = sorted(CASES)
 
 # Host synchronisations a training iteration is documented to make: the non-finite loss guard reads the loss and
 # gradient check of every optimizer step (one per step; the autoencoder-GAN makes two steps per iteration).
@@ -37,27 +34,32 @@ DOCUMENTED_SYNCS_PER_STEP = 1
 
 
 def _brief_run(bundle: str, tmp_path: Path, **extra) -> dict:
+    """The CPU demo of ``bundle`` (its description's ``cpu`` overrides) on CUDA, briefly."""
     import scripts.demo as demo
 
-    overrides = {**demo.PROFILES[bundle]["cpu"], **BRIEF[bundle], "cache_device": "cuda", **extra}
+    overrides = {**describe(bundle).demo["cpu"], **CASES[bundle].gpu_brief, "cache_device": "cuda", **extra}
     overrides.pop("num_threads", None)
     return demo.main(bundle=bundle, output_dir=str(tmp_path / bundle), device="cuda", **overrides)
 
 
-def _assert_finite(metrics: dict, bundle: str) -> None:
-    import scripts.demo as demo
+def _run_dir(bundle: str, tmp_path: Path) -> Path:
+    """Where the brief run's weights are: its last stage's folder for a bundle trained stage by stage."""
+    stages = CASES[bundle].gpu_brief.get("stage_iterations", ())
+    return tmp_path / bundle / (f"stage{len(stages)}" if describe(bundle).staged else "")
 
-    keys = [k for k in demo.REPORTED.get(bundle, demo.IMAGE_METRICS) if k != "logrank_p"]
+
+def _assert_finite(metrics: dict, bundle: str) -> None:
+    keys = [k for k in describe(bundle).reported_metrics if k != "logrank_p"]
     assert keys and all(k in metrics for k in keys), f"{bundle}: evaluation lacks {keys}: {sorted(metrics)}"
     bad = {k: metrics[k] for k in keys if not math.isfinite(float(metrics[k]))}
     assert not bad, f"{bundle}: non-finite evaluation metrics on CUDA: {bad}"
 
 
-@pytest.mark.parametrize("bundle", sorted(BRIEF))
+@pytest.mark.parametrize("bundle", BUNDLES)
 def test_bundle_trains_and_evaluates_on_cuda(bundle, tmp_path):
     metrics = _brief_run(bundle, tmp_path)
     _assert_finite(metrics, bundle)
-    run = tmp_path / bundle / ("stage2" if bundle == "xray2ct_cascade" else "")
+    run = _run_dir(bundle, tmp_path)
     assert (run / "models" / "model.pt").is_file() and (run / "models" / "last.pt").is_file()
     state = torch.load(run / "models" / "last.pt", map_location="cpu", weights_only=True)
     assert all("cuda" in rank["global"] for rank in state["rng"]), "the CUDA RNG state of a rank is not saved"
@@ -121,15 +123,11 @@ def test_two_gpus_nccl_replicas_stay_identical(tmp_path):
 
 
 @pytest.mark.compile
-@pytest.mark.parametrize("bundle", sorted(BRIEF))
+@pytest.mark.parametrize("bundle", BUNDLES)
 def test_bundle_trains_and_evaluates_compiled(bundle, tmp_path):
     _assert_finite(_brief_run(bundle, tmp_path, compile=True), bundle)
 
 
-# optimizer steps of one training iteration (the GANs step the generator and the discriminator)
-STEPS_PER_ITERATION = {"autoencoder_3d": 2, "vqgan_3d": 2, "fast_ddpm_3d": 1, "mace_survival": 1, "xray2ct_cascade": 1}
-# the adversarial terms from the first iteration, so the counted iterations run the whole GAN step
-GAN_FROM_START = {"autoencoder_3d": {"adv_warmup_iterations": 0}, "vqgan_3d": {"discriminator_iter_start": 0}}
 # settings of the fault-test jobs that the step counter sets itself
 _RUN_ONLY = ("max_epochs", "val_interval", "ckpt_interval", "deterministic", "num_threads")
 
@@ -141,13 +139,13 @@ def sync_trainer(bundle: str, work_dir: Path, iterations: int, device: str = "cu
     from tests.helpers import bundle_trainer
 
     case = make_case(bundle, work_dir / "data")
-    settings = {k: v for k, v in case.args.items() if k not in _RUN_ONLY} | GAN_FROM_START.get(bundle, {})
+    settings = {k: v for k, v in case.args.items() if k not in _RUN_ONLY} | CASES[bundle].host_read_settings
     configs = [c for c in case.configs if c != "train.json"]
     run = {"device": device, "amp": amp, "cache_device": device}
     return bundle_trainer(bundle, configs, work_dir / "run", iterations, **run, **settings)
 
 
-@pytest.mark.parametrize("bundle", sorted(BRIEF))
+@pytest.mark.parametrize("bundle", BUNDLES)
 def test_training_step_host_synchronisations(bundle, tmp_path):
     """Count the synchronising CUDA calls inside training iterations 3-6 (from ``ITERATION_STARTED`` to
     ``ITERATION_COMPLETED``: the step and the per-iteration handlers) with ``torch.cuda.set_sync_debug_mode``: at
@@ -181,7 +179,7 @@ def test_training_step_host_synchronisations(bundle, tmp_path):
     sites = collections.Counter(
         f"{Path(w.filename).name}:{w.lineno}" for w in caught if "called a synchronizing" in str(w.message)
     )
-    total, documented = sum(sites.values()), DOCUMENTED_SYNCS_PER_STEP * STEPS_PER_ITERATION[bundle]
+    total, documented = sum(sites.values()), DOCUMENTED_SYNCS_PER_STEP * CASES[bundle].optimizer_steps
     assert total <= documented * len(counted), (
         f"{bundle}: {total} synchronising calls in {len(counted)} iterations (documented: {documented} per "
         f"iteration), by calling line: {sites.most_common(12)}"

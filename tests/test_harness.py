@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from common.bundle import bundle_names
 from common.bundle_tools.registry import describe
 from scripts.harness.bundles import BUNDLES, FAMILY_MODULES, family, modules
 from scripts.harness.commands import benchmarks
@@ -23,8 +24,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 def test_every_bundle_has_its_family_module() -> None:
     """The modules come from the bundles' descriptions: every bundle folder has one, ``scripts.harness.<family>``."""
-    on_disk = sorted(p.parent.parent.name for p in (REPO / "bundles").glob("*/configs/metadata.json"))
-    assert list(BUNDLES) == on_disk
+    assert list(BUNDLES) == bundle_names()
     assert all(FAMILY_MODULES[b] == f"scripts.harness.{describe(b).family}" for b in BUNDLES)
 
 

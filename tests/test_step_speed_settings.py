@@ -20,53 +20,25 @@ from ignite.engine import Events
 from monai.engines.utils import IterationEvents
 from torch._dynamo.testing import CompileCounter
 
-from tests.helpers import bundle_workflow, shifted_seed
+from tests.bundle_cases import CASES
+from tests.helpers import bundle_workflow
 
-# each case: its bundle (the case's name unless given), its extra configs and its settings
-BUNDLES: dict[str, dict[str, Any]] = {
-    "autoencoder_3d": {"configs": ["tiny.json"], "settings": {"adv_warmup_iterations": 0}},
-    "vqgan_3d": {"configs": ["tiny.json"], "settings": {"discriminator_iter_start": 0}},
-    "fast_ddpm_3d": {"configs": ["brats.json", "tiny.json"], "settings": {}},
-    "mace_survival": {"configs": ["tiny.json"], "settings": {"horizons": [1.0, 2.0]}},
+# each bundle's case (tests/bundle_cases.py), and variants: a name, its bundle and the settings it adds
+VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
     # the Cox loss reads values back: only the network is compiled (SurvivalTrainer.loss_in_graph)
-    "mace_survival[cox]": {
-        "bundle": "mace_survival",
-        "configs": ["tiny.json"],
-        "settings": {"horizons": [1.0, 2.0], "survival_head": "cox"},
-    },
-    "xray2ct_cascade": {"configs": ["tiny.json"], "settings": {}},
+    "mace_survival[cox]": ("mace_survival", {"survival_head": "cox"}),
 }
-
-
-def _write_data(bundle: str, root: Path) -> dict[str, str]:
-    """Tiny generated data for ``bundle`` under ``root``: the settings that point the bundle at it."""
-    from common.demo.images import make_xray2ct_demo, write_brats_phantom_dataset, write_phantom_dataset
-    from common.demo.survival import make_mace_cohort
-
-    seed = shifted_seed(0)
-    if bundle == "autoencoder_3d":
-        write_phantom_dataset(root, n_train=4, n_val=2, shape=(24, 24, 24), seed=seed)
-    elif bundle == "vqgan_3d":
-        write_phantom_dataset(
-            root, n_train=4, n_val=2, shape=(24, 24, 24), kind="ct", spacing=(1.5, 1.5, 2.0), seed=seed
-        )
-    elif bundle == "fast_ddpm_3d":
-        write_brats_phantom_dataset(root, n_train=4, n_val=2, shape=(24, 24, 16), spacing=(1.5, 1.5, 2.0), seed=seed)
-    elif bundle == "xray2ct_cascade":
-        make_xray2ct_demo(root, n_train=4, n_val=2, shape=(24, 24, 24), seed=seed)
-    else:
-        csv = make_mace_cohort(root, n_cases=16, shape=(24, 24, 20), spacing=(14, 14, 16), seed=seed)
-        return {"csv_path": str(csv)}
-    return {"dataset_dir": str(root)}
+BUNDLES: dict[str, tuple[str, dict[str, Any]]] = {name: (name, {}) for name in CASES} | VARIANTS
 
 
 @pytest.fixture(scope="module", params=sorted(BUNDLES))
 def bundle(request, tmp_path_factory) -> tuple[str, dict[str, Any]]:
-    """A case's bundle and the settings of a tiny run of it on generated data."""
-    case = BUNDLES[request.param]
-    name = case.get("bundle", request.param)
-    data = _write_data(name, tmp_path_factory.mktemp(f"{name}_data"))
-    return name, {**case["settings"], **data, "configs": case["configs"]}
+    """A case's bundle and the settings of a tiny run of it on the case's generated data (every branch of the step
+    taken: the case's ``host_read_settings``)."""
+    name, variant = BUNDLES[request.param]
+    case = CASES[name]
+    data = case.write_data(tmp_path_factory.mktemp(f"{name}_data"))
+    return name, {**case.host_read_settings, **variant, **data, "configs": list(case.configs)}
 
 
 def _workflow(bundle: tuple[str, dict[str, Any]], work_dir: Path, iterations: int = 1, **settings: Any):

@@ -15,16 +15,8 @@ import pytest
 from monai.bundle import ConfigWorkflow, create_workflow
 
 from common.errors import SettingsError, UserError, user_error_in_chain
+from tests.bundle_cases import CASES
 from tests.helpers import BUNDLES, REPO_ROOT, bundle_env, overrides
-
-# one invalid setting per bundle, caught by the bundle's settings check, and a phrase of its message
-BAD_SETTINGS = {
-    "autoencoder_3d": ({"kl_weight": -1.0}, "'kl_weight' must be a number >= 0, got -1.0"),
-    "vqgan_3d": ({"n_codes": 1}, "'n_codes' must be >= 2, got 1"),
-    "fast_ddpm_3d": ({"num_grid_steps": 0}, "'num_grid_steps' must be in [1, num_train_timesteps=1000]"),
-    "mace_survival": ({"survival_head": "weibull"}, "'survival_head'"),
-    "xray2ct_cascade": ({"mode": "gan"}, "'mode' must be one of"),
-}
 
 
 def _train_config(bundle: str) -> str:
@@ -41,23 +33,28 @@ def test_user_error_is_a_value_error() -> None:
     assert issubclass(UserError, ValueError) and issubclass(SettingsError, UserError)
 
 
-@pytest.mark.parametrize("bundle", sorted(BAD_SETTINGS))
+@pytest.mark.parametrize("bundle", sorted(CASES))
 def test_config_workflow_and_create_workflow_raise_the_settings_error(bundle: str, tmp_path: Path) -> None:
-    bad, phrase = BAD_SETTINGS[bundle]
+    """The invalid settings of the bundle's case (tests/bundle_cases.py) given to ``ConfigWorkflow`` and
+    ``create_workflow``: one settings error naming each of them, the same from both, before anything is written."""
+    case = CASES[bundle]
+    settings = {**case.write_data(tmp_path / "data"), **case.bad_settings}  # the case's data: every check applies
+    files = [_train_config(bundle), *(str(BUNDLES / bundle / "configs" / name) for name in case.configs)]
     out = tmp_path / "out"
-    workflow = ConfigWorkflow(config_file=_train_config(bundle), workflow_type="train", output_dir=str(out), **bad)
+    workflow = ConfigWorkflow(config_file=files, workflow_type="train", output_dir=str(out), **settings)
     with pytest.raises(Exception) as info:  # noqa: PT011 - MONAI wraps it; the cause is checked below
         workflow.initialize()
     error = _settings_error(info.value)
-    assert phrase in str(error)
+    missing = [phrase for phrase in case.refused if phrase not in str(error)]
+    assert not missing, f"the error does not name {missing}: {error}"
     with pytest.raises(Exception) as again:  # noqa: PT011
-        create_workflow(config_file=_train_config(bundle), workflow_type="train", output_dir=str(out), **bad)
+        create_workflow(config_file=files, workflow_type="train", output_dir=str(out), **settings)
     assert str(_settings_error(again.value)) == str(error)
     assert not out.exists()  # refused before anything was written
 
 
 def test_command_line_prints_the_same_message_and_exits_1(tmp_path: Path) -> None:
-    bad, _ = BAD_SETTINGS["autoencoder_3d"]
+    bad = CASES["autoencoder_3d"].bad_settings
     out = tmp_path / "out"
     with pytest.raises(Exception) as info:  # noqa: PT011
         ConfigWorkflow(

@@ -40,6 +40,7 @@ import torch
 
 from common.bundle import ROOT as REPO_ROOT
 from scripts.harness.bundles import BUNDLES, family
+from scripts.harness.tools import config_file
 
 FSIZE_LIMIT = 64 * 1024  # a process file-size limit below every checkpoint and above every log of a tiny run
 
@@ -184,11 +185,10 @@ class BundleCase:
         return format_overrides({**self.args, self.output_arg: str(output)})
 
     def command(self, output: Path, probe: Path | None = None, multi_gpu: bool = False) -> list[str]:
-        configs = [str(REPO_ROOT / "bundles" / self.bundle / "configs" / c) for c in self.configs]
-        configs += [str(REPO_ROOT / "bundles" / self.bundle / "configs" / "multi_gpu_train.json")] if multi_gpu else []
+        configs = [str(config_file(self.bundle, c)) for c in self.configs]
+        configs += [str(config_file(self.bundle, "multi_gpu_train.json"))] if multi_gpu else []
         configs += [str(probe)] if probe is not None else []
-        config_file = json.dumps(configs)
-        return ["-m", "monai.bundle", "run", "training", "--config_file", config_file, *self.overrides(output)]
+        return ["-m", "monai.bundle", "run", "training", "--config_file", json.dumps(configs), *self.overrides(output)]
 
     def checkpoint(self, output: Path) -> Path:
         return output / self.ckpt

@@ -22,11 +22,10 @@ from typing import Any
 
 import torch
 
-from common.bundle import BUNDLES_DIR
 from common.bundle import ROOT as REPO_ROOT
+from common.bundle import resolve_bundle
 
 __all__ = [
-    "BUNDLES_DIR",
     "GIB",
     "KERNEL_KINDS",
     "PEAK_BF16_TFLOPS",
@@ -34,6 +33,7 @@ __all__ = [
     "alternate",
     "bundle_command",
     "bundle_trainer",
+    "config_file",
     "count_flops",
     "device_name",
     "kernel_kind",
@@ -71,9 +71,14 @@ PEAK_BF16_TFLOPS = {
 }
 
 
+def config_file(bundle: str, name: str = "train.json") -> Path:
+    """The config file ``name`` of ``bundle`` (a name or a folder, :func:`common.bundle.resolve_bundle`)."""
+    return resolve_bundle(bundle) / "configs" / name
+
+
 def train_config(bundle: str) -> dict:
     """The raw ``configs/train.json`` of ``bundle`` (its literal defaults: widths, loss weights, optimizer)."""
-    return json.loads((BUNDLES_DIR / bundle / "configs" / "train.json").read_text())
+    return json.loads(config_file(bundle).read_text())
 
 
 def device_name(device: torch.device) -> str:
@@ -175,8 +180,7 @@ def bundle_trainer(
         "cache_device": str(s["device"]),
         **(extra or {}),
     }
-    config_file = BUNDLES_DIR / bundle / "configs" / "train.json"
-    workflow = ConfigWorkflow(config_file=str(config_file), workflow_type="train", **overrides)
+    workflow = ConfigWorkflow(config_file=str(config_file(bundle)), workflow_type="train", **overrides)
     workflow.initialize()
     trainer = workflow.parser.get_parsed_content("train#trainer")
     monitor = next(
@@ -390,8 +394,7 @@ def bundle_command(bundle: str, run_id: str, configs: Sequence[str], overrides: 
     written so that the command line reads them back exactly."""
     from common.bundle_tools.launch import format_overrides
 
-    files = [str(BUNDLES_DIR / bundle / "configs" / c) for c in configs]
-    config_file = files[0] if len(files) == 1 else json.dumps(files)
+    files = [str(config_file(bundle, c)) for c in configs]
     return [
         sys.executable,
         "-m",
@@ -399,7 +402,7 @@ def bundle_command(bundle: str, run_id: str, configs: Sequence[str], overrides: 
         "run",
         run_id,
         "--config_file",
-        config_file,
+        files[0] if len(files) == 1 else json.dumps(files),
         *format_overrides(overrides),
     ]
 

@@ -43,10 +43,10 @@ import torch
 from common.bundle_tools.registry import describe
 from scripts.harness.faults import RUN_SETTINGS, BundleCase
 from scripts.harness.tools import (
-    BUNDLES_DIR,
     REPO_ROOT,
     alternate,
     bundle_command,
+    config_file,
     device_name,
     print_table,
     print_throughput,
@@ -165,7 +165,7 @@ def _xray_plain_loop(s: dict, data: list[dict], iterations: int, warmup: int, wo
     config = train_config(BUNDLE)
     projector = _projector(s["view_size"])
     parser = ConfigParser()
-    parser.read_config(str(BUNDLES_DIR / BUNDLE / "configs" / "train.json"))
+    parser.read_config(str(config_file(BUNDLE)))
     parser.update({"stage": s["stage"], "stage_sizes": s["stage_sizes"], "view_size": s["view_size"]})
     steps = parser.get_parsed_content("train#deterministic")
     transforms = Compose([*steps, EnsureTyped(["image", "xray"], dtype=torch.float32, track_meta=True)])
