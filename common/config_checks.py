@@ -1,14 +1,16 @@
 # Copyright (c) the 3D MONAI bundle collection contributors.
 # Licensed under the Apache License, Version 2.0.
-"""Settings checks that name each config id once.
+"""Settings checks that name each config id once, run by one preamble per workflow.
 
 A check is a function whose parameters are the config ids it reads and which returns one problem line per invalid
 value (an empty list when all is well). A family groups its checks in a :class:`SettingsChecks`
-(``common/<family>/settings.py``), and a bundle runs them first in its ``initialize`` with one line,
-``"$common.config_checks.check_config(common.<family>.settings.TRAINING)"``: :func:`check_config` hands every check the
-values of its ids from the config being parsed, so the config never lists them again. A check reading an id that
-the config lacks is an error in the check (a ``KeyError`` naming both), which ``tests/test_layout.py`` finds for every
-bundle config.
+(``common/<family>/settings.py``), and every bundle config names them in one item, its preamble,
+``"check_settings": "$common.config_checks.check_config(common.<family>.settings.TRAINING)"``, which its
+``initialize`` runs first: :func:`check_config` checks the run's overrides (unknown ids, values of the wrong kind) and
+hands every check the values of its ids from the config being parsed, so the config never lists them again. Which
+function checks an id is read in ``common/<family>/settings.py`` at the name the preamble gives. A check reading an id
+that the config lacks is an error in the check (a ``KeyError`` naming both), which ``tests/test_layout.py`` finds for
+every bundle config.
 """
 
 from __future__ import annotations
@@ -17,12 +19,19 @@ import inspect
 from collections.abc import Callable
 from typing import Any
 
-from common.errors import SettingsError
-from common.runs import config_being_parsed
+from common.errors import SettingsError, install_user_error_hook
+from common.networks.wrappers import memory_format_problems
+from common.overrides import check_command_line, check_parsed_overrides
+from common.runs import command_line, config_being_parsed
+from common.utils import check_amp
 
 __all__ = [
     "CASE_RUN_CHECKS",
+    "RUN_CHECKS",
+    "TRAINING_RUN_CHECKS",
     "SettingsChecks",
+    "Switches",
+    "amp_problems",
     "check_config",
     "choice_problems",
     "run_problems",
@@ -32,35 +41,49 @@ __all__ = [
 Check = Callable[..., list[str]]
 
 
-def _reads(check: Check) -> list[str]:
-    """The config ids ``check`` reads: its named parameters (``**kwargs`` catch-alls are not ids)."""
-    return [
-        name
-        for name, parameter in inspect.signature(check).parameters.items()
-        if parameter.kind in (parameter.POSITIONAL_OR_KEYWORD, parameter.KEYWORD_ONLY)
-    ]
-
-
-def switches(*ids: str) -> Check:
+class Switches:
     """A check that the on/off settings ``ids`` hold booleans: the command line reads ``true``/``false`` as strings,
-    and the string ``"false"`` is true.
+    and the string ``"false"`` is true. Made by :func:`switches`; it reads the ids it holds (:attr:`ids`).
 
     Args:
         ids: the config ids of the switches.
     """
 
-    def check(**values: Any) -> list[str]:
+    def __init__(self, *ids: str) -> None:
+        self.ids = tuple(ids)
+
+    def __call__(self, **values: Any) -> list[str]:
         return [
             f"{name!r} must be True or False (write True/False on the command line), got {value!r}."
             for name, value in values.items()
             if not isinstance(value, bool)
         ]
 
-    check.__signature__ = inspect.Signature(  # type: ignore[attr-defined]
-        [inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY) for name in ids]
-    )
-    check.__name__ = check.__qualname__ = "switches"
-    return check
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Switches) and other.ids == self.ids
+
+    def __hash__(self) -> int:
+        return hash(self.ids)
+
+    def __repr__(self) -> str:
+        return f"switches{self.ids!r}"
+
+
+def switches(*ids: str) -> Switches:
+    """The check that the on/off settings ``ids`` hold booleans (:class:`Switches`)."""
+    return Switches(*ids)
+
+
+def _reads(check: Check) -> list[str]:
+    """The config ids ``check`` reads: the ids of a :class:`Switches`, the named parameters of a function
+    (``**kwargs`` catch-alls are not ids)."""
+    if isinstance(check, Switches):
+        return list(check.ids)
+    return [
+        name
+        for name, parameter in inspect.signature(check).parameters.items()
+        if parameter.kind in (parameter.POSITIONAL_OR_KEYWORD, parameter.KEYWORD_ONLY)
+    ]
 
 
 def choice_problems(**choices: tuple[Any, Any]) -> list[str]:
@@ -98,12 +121,31 @@ def run_problems(num_workers: int, num_threads: int | None, dist_timeout: float)
     return problems
 
 
+def amp_problems(amp: str, device: Any) -> list[str]:
+    """The mixed precision against the device it runs on (:func:`common.utils.check_amp`): a known mode the device
+    computes in natively."""
+    try:
+        check_amp(amp, device)
+    except ValueError as exc:
+        return [str(exc)]
+    return []
+
+
+RUN_CHECKS = (amp_problems,)
+"""The checks of how any run computes, in every family's checks: the mixed precision against the device."""
+
+TRAINING_RUN_CHECKS = (*RUN_CHECKS, memory_format_problems)
+"""The checks of how a training run computes, in every family's ``TRAINING`` checks: :data:`RUN_CHECKS` and the
+memory layout (:func:`common.networks.wrappers.memory_format_problems`)."""
+
 CASE_RUN_CHECKS = (
+    *RUN_CHECKS,
     run_problems,
     switches("fail_fast", "overwrite", "allow_irregular_series", "progress", "distributed"),
 )
 """The checks every ``inference.json`` runs on the settings of its run over cases (:class:`common.engines.cases.CaseRun`,
-``docs/inference.md``): :func:`run_problems` and its on/off settings; a family's ``INFERENCE`` checks hold them."""
+``docs/inference.md``): :data:`RUN_CHECKS`, :func:`run_problems` and its on/off settings; a family's ``INFERENCE``
+checks hold them."""
 
 
 class SettingsChecks:
@@ -162,21 +204,26 @@ def _values(ids: list[str], config: Any, checks: SettingsChecks) -> dict[str, An
     values = {}
     for name in ids:
         if resolver.normalize_id(name) not in resolver.items:
-            readers = [c.__qualname__ for c in checks.checks if name in _reads(c)]
+            readers = [
+                repr(c) if isinstance(c, Switches) else c.__qualname__ for c in checks.checks if name in _reads(c)
+            ]
             raise KeyError(f"the settings check {', '.join(readers)} reads config id {name!r}, which the config lacks.")
         values[name] = resolver.get_resolved_content(name)
     return values
 
 
 def check_config(checks: SettingsChecks, config: Any = None, **given: Any) -> None:
-    """Run ``checks`` on the values of the ids they read, first thing in ``initialize``, before anything is built or
-    written; a problem becomes a :class:`common.errors.SettingsError` whose message names every invalid id (on the
-    command line: ``error: <message>``, exit status 1).
+    """The settings preamble of a bundle config, first thing in ``initialize``, before anything is built or written:
+    the run's overrides (on the command line :func:`common.overrides.check_command_line`, from Python
+    :func:`common.overrides.check_parsed_overrides`), then ``checks`` on the values of the ids they read. Every problem
+    found goes into one :class:`common.errors.SettingsError` (on the command line: ``error: <message>``, exit
+    status 1, the hook installed here; from Python it can be caught: MONAI raises it as the cause of a
+    ``RuntimeError``).
 
     Args:
         checks: the family's checks, e.g. ``common.autoencoder.settings.TRAINING``.
         config: the ``monai.bundle.ConfigParser`` to read; default: the config being parsed
-            (:func:`config_being_parsed`), i.e. the one whose ``initialize`` runs this.
+            (:func:`common.runs.config_being_parsed`), i.e. the one whose ``initialize`` runs this.
         given: values that replace the config's for these ids.
 
     Raises:
@@ -193,8 +240,19 @@ def check_config(checks: SettingsChecks, config: Any = None, **given: Any) -> No
     unknown = [name for name in given if name not in checks.ids]
     if unknown:
         raise TypeError(f"{unknown} are not read by {checks!r}.")
-    values = {**_values([i for i in checks.ids if i not in given], source, checks), **given}
+    install_user_error_hook()
+    values = {**_values([i for i in checks.ids if i not in given], source, checks), **given}  # parses the config
+    messages = []
+    try:
+        if config is None and command_line() is not None:
+            check_command_line()
+        else:
+            check_parsed_overrides(source)
+    except SettingsError as exc:
+        messages.append(str(exc))
     try:
         checks(**values)
     except ValueError as exc:
-        raise SettingsError(str(exc)) from exc
+        messages.append(str(exc))
+    if messages:
+        raise SettingsError("\n".join(messages))

@@ -355,7 +355,7 @@ def test_gradient_accumulation_steps_at_the_end_of_an_odd_epoch():
 
 
 def test_bad_accumulation_steps():
-    with pytest.raises(ValueError, match="accumulation_steps must be >= 1, got 0"):
+    with pytest.raises(ValueError, match="'accumulation_steps' must be an integer >= 1 .*got 0"):
         make_trainer(ConvNet(), random_batches(1), accumulation_steps=0)
 
 

@@ -4,10 +4,14 @@
 
 from __future__ import annotations
 
+import importlib
+
 import pytest
 import torch
 from monai.bundle import ConfigParser
 
+from common.bundle import bundle_names, resolve_bundle
+from common.bundle_tools.registry import describe
 from common.config_checks import SettingsChecks, check_config, switches
 from common.errors import SettingsError
 
@@ -89,7 +93,10 @@ def test_every_problem_names_its_id_in_one_settings_error(overrides, lines):
 def test_a_check_of_an_id_the_config_lacks_is_an_error_in_the_check():
     parser = parsed()
     parser.get().pop("compile")
-    with pytest.raises(KeyError, match="the settings check switches reads config id 'compile', which the config lacks"):
+    with pytest.raises(
+        KeyError,
+        match=r"the settings check switches\('amp_on', 'compile'\) reads config id 'compile', which the config lacks",
+    ):
         check_config(CHECKS, config=parser)
 
 
@@ -113,27 +120,45 @@ def test_calling_the_checks_needs_every_id():
 # --- the checks of inference runs: shared ones (common/config_checks, common/networks/wrappers, common/data/pipeline)
 # and each family's INFERENCE (common/<family>/settings.py)
 
-BUNDLE_FAMILIES = {
-    "autoencoder_3d": "autoencoder",
-    "vqgan_3d": "vqgan",
-    "fast_ddpm_3d": "diffusion",
-    "mace_survival": "survival",
-    "xray2ct_cascade": "xray2ct",
-}
 
-
-@pytest.mark.parametrize("bundle", sorted(BUNDLE_FAMILIES))
+@pytest.mark.parametrize("bundle", bundle_names())
 def test_the_default_inference_settings_pass_their_checks(bundle):
     """The good case: a bundle's inference.json as shipped (its trained settings: train.json's defaults here)."""
-    import importlib
-    from pathlib import Path
-
-    checks = importlib.import_module(f"common.{BUNDLE_FAMILIES[bundle]}.settings").INFERENCE
+    checks = importlib.import_module(f"{describe(bundle).package}.settings").INFERENCE
     parser = ConfigParser()
-    parser.read_config(str(Path(__file__).resolve().parents[1] / "bundles" / bundle / "configs" / "inference.json"))
+    parser.read_config(str(resolve_bundle(bundle) / "configs" / "inference.json"))
     check_config(checks, config=parser)
     with pytest.raises(SettingsError, match=r"'num_workers' must be an integer >= 0 .*got -1\."):
         check_config(checks, config=parser, num_workers=-1)
+
+
+def test_the_preamble_reports_the_overrides_and_the_settings_in_one_error():
+    """A misspelt id and an invalid value given from Python (``parser.update``, as ``ConfigWorkflow`` merges them),
+    and how the run computes (``amp``, ``memory_format``): one settings error, the overrides first."""
+    from common.autoencoder.settings import TRAINING
+
+    parser = ConfigParser()
+    parser.read_config(str(resolve_bundle("autoencoder_3d") / "configs" / "train.json"))
+    parser.update({"max_epoch": 5, "kl_weight": -1.0, "amp": "fp8", "memory_format": "nhwc"})
+    with pytest.raises(SettingsError) as info:
+        check_config(TRAINING, config=parser)
+    message = str(info.value)
+    assert message.startswith("the overrides have problems:\n  'max_epoch' is not an id of"), message
+    assert "did you mean 'max_epochs'" in message
+    lines = message.split("invalid autoencoder configuration:\n")[1].splitlines()
+    assert [line.strip().split(" ")[0] for line in lines] == ["'kl_weight'", "amp", "'memory_format'"], lines
+    assert "'memory_format' must be one of ('contiguous', 'channels_last_3d'), got 'nhwc'." in message
+
+
+def test_amp_and_memory_format_problems():
+    from common.config_checks import amp_problems
+    from common.networks.wrappers import memory_format_problems
+
+    assert amp_problems("none", "cpu") == [] and memory_format_problems("channels_last_3d") == []
+    assert amp_problems("fp8", "cpu")[0].startswith("amp must be one of")
+    assert memory_format_problems("nhwc") == [
+        "'memory_format' must be one of ('contiguous', 'channels_last_3d'), got 'nhwc'."
+    ]
 
 
 def test_run_problems():

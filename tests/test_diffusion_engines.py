@@ -167,7 +167,7 @@ def test_sampling_grid_errors():
         sampling_grid("ddim")
     with pytest.raises(ValueError, match="num_grid_steps"):  # the grid settings are validated in both modes
         sampling_grid("baseline", "uniform", 0)
-    with pytest.raises(ValueError, match="grid must be one of"):
+    with pytest.raises(ValueError, match="'grid' must be one of"):
         sampling_grid("fast", "linear")
 
 
@@ -545,6 +545,9 @@ VALID = dict(
     preflight=True,
     allow_irregular_series=False,
     oom_backoff=True,
+    amp="none",
+    device="cpu",
+    memory_format="contiguous",
 )
 
 
@@ -574,7 +577,7 @@ def test_check_diffusion_settings_accepts_valid_settings():
         ({"diffusion_mode": "ddim"}, r"'diffusion_mode' must be one of"),
         ({"num_grid_steps": 0}, r"'num_grid_steps' must be in \[1, num_train_timesteps=1000\], got 0"),
         ({"num_grid_steps": 1001}, r"'num_grid_steps' must be in \[1, num_train_timesteps=1000\], got 1001"),
-        ({"num_train_timesteps": 0}, r"'num_train_timesteps' must be >= 1"),
+        ({"num_train_timesteps": 0}, r"'num_train_timesteps' must be an integer >= 1"),
         ({"grid": "linear"}, r"'grid' must be one of .*'linear'"),
         ({"prediction_type": "x0"}, r"'prediction_type' must be one of .*'x0'"),
         ({"eta": 1.5}, r"'eta' must be in \[0, 1\], got 1.5"),
@@ -582,7 +585,7 @@ def test_check_diffusion_settings_accepts_valid_settings():
         ({"ema_decay": 1.0}, r"'ema_decay' must be in \(0, 1\), got 1.0"),
         ({"ema_decay": 0}, r"'ema_decay' must be in \(0, 1\)"),
         ({"batch_size": 0}, r"'batch_size' must be >= 1, got 0"),
-        ({"accumulation_steps": 0}, r"'accumulation_steps' must be >= 1"),
+        ({"accumulation_steps": 0}, r"'accumulation_steps' must be an integer >= 1"),
         ({"val_num_samples": 0}, r"'val_num_samples' must be >= 1"),
         (
             {"task": "unconditional", "image_keys": ["t2"], "val_num_samples": 1},

@@ -43,7 +43,7 @@ def test_grid_values_and_errors():
     for bad in (0, 1001):
         with pytest.raises(ValueError, match="num_grid_steps"):
             fast_ddpm_grid("uniform", bad)
-    with pytest.raises(ValueError, match="grid must be one of"):
+    with pytest.raises(ValueError, match="'grid' must be one of"):
         fast_ddpm_grid("linear", 10)
 
 

@@ -34,6 +34,7 @@ LAYERS = {
     "common.networks": 1,
     "common.metrics": 1,
     "common.checkpoint_io": 2,
+    "common.overrides": 2,
     "common.engines": 2,
     "common.handlers": 3,
     "common.config_checks": 3,
@@ -304,7 +305,7 @@ def test_settings_checks_live_in_the_family_settings_modules() -> None:
                 r"\$common\.config_checks\.check_config\((common\.\w+)\.settings\.(\w+)\)", parser["check_settings"]
             )
             assert found and found.group(1) == description.package, (description.name, names, parser["check_settings"])
-            assert "@check_settings" in parser["initialize"], (description.name, names)
+            assert parser["initialize"][0] == "@check_settings", (description.name, names, parser["initialize"])
             checks = getattr(importlib.import_module(f"{found.group(1)}.settings"), found.group(2))
             assert isinstance(checks, SettingsChecks), (description.name, names)
             missing = [name for name in checks.ids if name not in parser]
@@ -315,8 +316,8 @@ def test_settings_checks_live_in_the_family_settings_modules() -> None:
 
 @pytest.mark.parametrize("names", [["inference.json"], ["inference.json", "multi_gpu_inference.json"]])
 def test_inference_checks_its_settings_first(names: list[str]) -> None:
-    """Every bundle's inference (alone and on several GPUs) runs its own family's ``INFERENCE`` checks right after
-    the run's own checks (``check_run``, which installs the ``error:`` hook), before anything is loaded or written,
+    """Every bundle's inference (alone and on several GPUs) runs its preamble first, its own family's ``INFERENCE``
+    checks (with the overrides' check, and the hook of the ``error:`` line), before anything is loaded or written,
     and every id they read is an id of that config."""
     from monai.bundle import ConfigParser
 
@@ -330,10 +331,29 @@ def test_inference_checks_its_settings_first(names: list[str]) -> None:
         expected = f"$common.config_checks.check_config({description.package}.settings.INFERENCE)"
         assert parser["check_settings"] == expected, (*where, parser["check_settings"])
         initialize = parser["initialize"]
-        assert "common.bundle.check_run" in initialize[0] and initialize[1] == "@check_settings", (*where, initialize)
+        assert initialize[0] == "@check_settings", (*where, initialize)
         checks = importlib.import_module(f"{description.package}.settings").INFERENCE
         assert isinstance(checks, SettingsChecks), where
         missing = [name for name in checks.ids if name not in parser]
         assert not missing, f"{checks!r} reads ids that {description.name}'s {names} lack: {missing}"
         shared = {"num_workers", "num_threads", "dist_timeout", "fail_fast", "overwrite", "progress", "distributed"}
         assert shared <= set(checks.ids), (*where, sorted(shared - set(checks.ids)))
+
+
+def test_the_preamble_is_the_one_check_settings() -> None:
+    """``check_settings`` names one thing, a config's preamble: no function or attribute of ``common/`` has the name,
+    and ``check_config`` (the preamble's function) is called from no other config item, so the JSON alone says which
+    settings checks a workflow runs and where they are."""
+    named = [
+        f"{_module_name(path)}:{node.lineno}"
+        for path in sorted((REPO / "common").rglob("*.py"))
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8")))
+        if isinstance(node, (ast.FunctionDef, ast.ClassDef)) and node.name == "check_settings"
+    ]
+    assert not named, named
+    elsewhere = []
+    for path in sorted(REPO.glob("bundles/*/configs/*.json")):
+        for key, value in json.loads(path.read_text(encoding="utf-8")).items():
+            if key != "check_settings" and "check_config(" in json.dumps(value):
+                elsewhere.append(f"{path.relative_to(REPO)}:{key}")
+    assert not elsewhere, elsewhere

@@ -306,7 +306,7 @@ def test_channels_last_3d_converts_5d_tensors_only_and_keeps_values():
     assert converted["args"][0].is_contiguous(memory_format=torch.channels_last_3d)
     assert torch.equal(converted["args"][0], x) and converted["args"][1] is None and converted["args"][2] is xray
     assert to_memory_format(converted["args"][0], "contiguous").is_contiguous()
-    with pytest.raises(ValueError, match="memory_format must be one of .*got 'nhwc'"):
+    with pytest.raises(ValueError, match="'memory_format' must be one of .*got 'nhwc'"):
         to_memory_format(x, "nhwc")
 
 

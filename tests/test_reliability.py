@@ -22,21 +22,15 @@ import torch
 from common.data.pipeline import EpochSampler, ItemSeededDataset
 from common.data.preflight import SLAB_BYTES
 from scripts.harness import faults as reliability
+from tests.bundle_cases import CASES
 from tests.helpers import BUNDLES, bundle_env, overrides, run_bundle, shifted_seed
 
 ALL_BUNDLES = reliability.BUNDLES
 
 
 # ----------------------------------------------------------------------------------------- a job, interrupted
-# every fault on one bundle, one on each other bundle (``scripts/reliability.py report`` runs all four on every
-# bundle; docs/reliability.md has its tables)
-FAULTS_PER_BUNDLE = {
-    "autoencoder_3d": ["disk", "nan", "kill_while_saving", "kill"],
-    "vqgan_3d": ["nan"],
-    "fast_ddpm_3d": ["kill_while_saving"],
-    "mace_survival": ["kill"],
-    "xray2ct_cascade": ["disk"],
-}
+# every fault on one bundle, one on each other bundle (each case's ``faults``, tests/bundle_cases.py;
+# ``scripts/reliability.py report`` runs all four on every bundle; docs/reliability.md has its tables)
 
 
 @pytest.mark.parametrize("bundle", ALL_BUNDLES)
@@ -45,7 +39,7 @@ def test_faults_in_turn_lose_nothing(bundle, tmp_path):
     keeps the last checkpoint, the next run resumes from it (in the middle of an epoch too), and the job ends
     bit-identical to one never interrupted (every run of the job with one thread)."""
     case = reliability.make_case(bundle, tmp_path / "data", seed=shifted_seed(0))
-    faults = FAULTS_PER_BUNDLE[bundle]
+    faults = list(CASES[bundle].faults)
     result = reliability.fault_sequence(case, tmp_path, seed=shifted_seed(ALL_BUNDLES.index(bundle)), faults=faults)
     steps = {s.fault.split(" at ")[0]: s for s in result["steps"]}
     assert [s.ok for s in result["steps"]] == [True] * (len(faults) + 1), result["steps"]
@@ -204,7 +198,7 @@ AE_TRAIN = str(BUNDLES / "autoencoder_3d" / "configs" / "train.json")
 
 
 def test_command_line_overrides_are_checked_against_the_configs():
-    from common.bundle import check_command_line
+    from common.overrides import check_command_line
     from common.runs import command_line
 
     assert command_line(["pytest"]) is None
@@ -244,9 +238,10 @@ def test_amp_is_checked_against_the_device(monkeypatch):
 
 @pytest.mark.parametrize("bundle", ALL_BUNDLES)
 def test_every_config_checks_its_command_line_first(bundle):
+    """Every workflow's ``initialize`` starts with its preamble, which checks the overrides before the settings."""
     for name in ("train.json", "evaluate.json", "inference.json", "multi_gpu_train.json"):
         first = json.loads((BUNDLES / bundle / "configs" / name).read_text())["initialize"][0]
-        assert first.startswith("$common.bundle.check_settings(common.bundle.check_run,"), (bundle, name)
+        assert first == "@check_settings", (bundle, name)
 
 
 def test_bad_command_line_is_refused_before_anything_is_written(tmp_path):

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 import common.vqgan.networks as vqgan_module
-from common.bundle import check_settings
+from common.bundle import call_with_settings
 from common.checkpoint_io import CheckpointError
 from common.errors import SettingsError
 from common.vqgan.networks import VQGAN, EMAVectorQuantizer, VQGANDecoder, VQGANEncoder, downsample_levels
@@ -373,7 +373,7 @@ def test_embed_and_its_range_check():
 @pytest.mark.parametrize(
     "kwargs, match",
     [
-        ({"n_codes": 1, "embedding_dim": 2}, "n_codes must be >= 2, got 1"),
+        ({"n_codes": 1, "embedding_dim": 2}, "^'n_codes' must be >= 2, got 1"),  # the settings check's message
         ({"n_codes": 4, "embedding_dim": 2, "decay": 1.0}, r"decay must be in \(0, 1\), got 1.0"),
         ({"n_codes": 4, "embedding_dim": 2, "decay": 0.0}, "got 0.0"),
     ],
@@ -533,6 +533,9 @@ VALID = {
     "replace_rate": 0.1,
     "preflight": True,
     "allow_irregular_series": False,
+    "amp": "none",
+    "device": "cpu",
+    "memory_format": "contiguous",
 }
 
 
@@ -588,6 +591,9 @@ def test_every_problem_is_listed_in_one_message():
             replace_rate=0.1,
             preflight=True,
             allow_irregular_series="no",
+            amp="none",
+            device="cpu",
+            memory_format="contiguous",
         )
     lines = str(info.value).splitlines()
     assert len(lines) == 8 and lines[-1].strip().startswith("'allow_irregular_series' must be True or False")
@@ -596,9 +602,9 @@ def test_every_problem_is_listed_in_one_message():
         assert line.strip().startswith(config_id), (config_id, line)
 
 
-def test_check_settings_raises_a_settings_error_with_the_checks_message(capsys):
+def test_call_with_settings_raises_a_settings_error_with_the_checks_message(capsys):
     with pytest.raises(SettingsError) as info:
-        check_settings(TRAINING, **{**VALID, "n_codes": 1, "patches_per_volume": 0})
+        call_with_settings(TRAINING, **{**VALID, "n_codes": 1, "patches_per_volume": 0})
     message = str(info.value)
     assert message.startswith("invalid VQ-GAN configuration:")
     assert "'n_codes' must be >= 2, got 1" in message and "'patches_per_volume' must be >= 1, got 0" in message
@@ -607,23 +613,23 @@ def test_check_settings_raises_a_settings_error_with_the_checks_message(capsys):
     assert capsys.readouterr() == ("", "")  # library code prints nothing and does not end the process
 
 
-def test_check_settings_passes_valid_settings_and_reports_type_errors(capsys):
-    assert check_settings(TRAINING, **VALID) is None
+def test_call_with_settings_passes_valid_settings_and_reports_type_errors(capsys):
+    assert call_with_settings(TRAINING, **VALID) is None
     with pytest.raises(SettingsError, match="missing") as info:
-        check_settings(TRAINING, patch_size=[64, 64, 32])  # required settings missing
+        call_with_settings(TRAINING, patch_size=[64, 64, 32])  # required settings missing
     assert "'n_codes'" in str(info.value) and isinstance(info.value.__cause__, TypeError)
 
     def broken(**_):
         raise RuntimeError("not a settings problem")
 
     with pytest.raises(RuntimeError, match="not a settings problem"):  # only ValueError/TypeError are reported
-        check_settings(broken)
+        call_with_settings(broken)
 
     def bad_weights(**_):
         raise CheckpointError("weights do not fit")
 
     with pytest.raises(CheckpointError) as info:  # a user error passes as it is
-        check_settings(bad_weights)
+        call_with_settings(bad_weights)
     assert info.value.__cause__ is None
     assert capsys.readouterr() == ("", "")
 

@@ -341,6 +341,9 @@ VALID = {
     "save_volumes": False,
     "calibrate": False,
     "record_calibration": True,
+    "amp": "none",
+    "device": "cpu",
+    "memory_format": "contiguous",
 }
 
 

@@ -262,18 +262,28 @@ def test_cascade_samples_condition_on_the_matching_previous_sample():
         cascade.stages[1].draw(xray, torch.zeros(3, 1, 8, 8, 8))
 
 
-@pytest.mark.parametrize("name, value", [("num_samples", 0), ("num_samples", True), ("sample_chunk", 0)])
-def test_sampler_rejects_bad_sample_counts(name, value):
-    with pytest.raises(ValueError, match=f"{name} must be an integer >= 1"):
-        XrayCTSampler(tiny_xray_denoiser(0), (8, 8, 8), **SAMPLER, **{name: value})
-    with pytest.raises(ValueError, match="guidance_scale must be >= 0"):
-        XrayCTSampler(tiny_xray_denoiser(0), (8, 8, 8), **SAMPLER, guidance_scale=-1)
-    with pytest.raises(ValueError, match="refine_steps must be an integer >= 0"):
-        XrayCTSampler(tiny_xray_denoiser(0), (8, 8, 8), **SAMPLER, guidance_scale=1.0, refine_steps=-1)
-    with pytest.raises(ValueError, match="guidance_scale, which is 0"):
-        XrayCTSampler(tiny_xray_denoiser(0), (8, 8, 8), **SAMPLER, refine_steps=2)
-    with pytest.raises(ValueError, match="noise_tolerance must be None or >= 0"):
-        XrayCTSampler(tiny_xray_denoiser(0), (8, 8, 8), **SAMPLER, noise_tolerance=-0.5)
+@pytest.mark.parametrize(
+    "settings, phrase",
+    [
+        ({"num_samples": 0}, "'num_samples' must be an integer >= 1, got 0."),
+        ({"num_samples": True}, "'num_samples' must be an integer >= 1, got True."),
+        ({"sample_chunk": 0}, "'sample_chunk' must be an integer >= 1 or null, got 0."),
+        ({"guidance_scale": -1}, "'guidance_scale' must be a number >= 0"),
+        ({"guidance_scale": 1.0, "refine_steps": -1}, "'refine_steps' must be an integer >= 0"),
+        ({"refine_steps": 2}, "'refine_steps' 2 takes data-consistency steps of weight 'guidance_scale', which is 0"),
+        ({"noise_tolerance": -0.5}, "'noise_tolerance' must be null"),
+    ],
+)
+def test_sampler_rejects_bad_sampling_settings_with_the_settings_checks_message(settings, phrase):
+    """The constructor and the bundle's settings check (``sampling_problems``) refuse a value with one message."""
+    from common.xray2ct.networks import sampling_problems
+
+    given = {"num_samples": 1, "sample_chunk": None, "guidance_scale": 0.0, "refine_steps": 0, "noise_tolerance": None}
+    expected = sampling_problems(**{**given, **settings})
+    assert len(expected) == 1 and phrase in expected[0]
+    with pytest.raises(ValueError) as info:
+        XrayCTSampler(tiny_xray_denoiser(0), (8, 8, 8), **SAMPLER, **settings)
+    assert str(info.value) == expected[0]
 
 
 # ---------------------------------------------------------------------------------------------- residual

@@ -20,7 +20,15 @@ from common.engines.trainer import StepTrainer, accumulate
 from common.networks.wrappers import split_autoencoder_output, to_memory_format, unwrap
 from common.utils import autocast
 
-__all__ = ["AutoencoderGANTrainer", "frozen", "prepare_image_batch"]
+__all__ = ["AutoencoderGANTrainer", "frozen", "prepare_image_batch", "warmup_problems"]
+
+
+def warmup_problems(adv_warmup_iterations: int) -> list[str]:
+    """The adversarial warm-up (iterations before the discriminator trains and its loss counts): an integer >= 0."""
+    if isinstance(adv_warmup_iterations, int) and not isinstance(adv_warmup_iterations, bool):
+        if adv_warmup_iterations >= 0:
+            return []
+    return [f"'adv_warmup_iterations' must be an integer >= 0 (iterations), got {adv_warmup_iterations!r}."]
 
 
 def prepare_image_batch(
@@ -137,9 +145,10 @@ class AutoencoderGANTrainer(StepTrainer):
             adv_loss = PatchAdversarialLoss(criterion="least_squares")
         self.adv_loss = adv_loss
         self.adv_weight = dict(adv_weight) if isinstance(adv_weight, Mapping) else float(adv_weight)
-        self.adv_warmup_iterations = int(adv_warmup_iterations)
-        if self.adv_warmup_iterations < 0:
-            raise ValueError(f"adv_warmup_iterations must be >= 0, got {adv_warmup_iterations!r}.")
+        problems = warmup_problems(adv_warmup_iterations)
+        if problems:
+            raise ValueError(problems[0])
+        self.adv_warmup_iterations = adv_warmup_iterations
         self.feature_matching_weight = float(feature_matching_weight)
         self.recon_weight = float(recon_weight)
         self.kl_weight = float(kl_weight)

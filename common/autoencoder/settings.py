@@ -7,8 +7,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from common.autoencoder.engines import warmup_problems
 from common.autoencoder.published import network_problems, pretrained_problems, split_problems
-from common.config_checks import CASE_RUN_CHECKS, SettingsChecks, switches
+from common.config_checks import CASE_RUN_CHECKS, TRAINING_RUN_CHECKS, SettingsChecks, switches
 from common.data.intensity import intensity_problems
 from common.data.pipeline import (
     cache_problems,
@@ -85,23 +86,14 @@ def count_problems(latent_channels: int, batch_size: int, num_samples: int) -> l
     ]
 
 
-def loss_weight_problems(
-    kl_weight: float, adv_weight: float, perceptual_weight: float, adv_warmup_iterations: int
-) -> list[str]:
-    """The loss weights must be numbers >= 0, the adversarial warm-up an integer number of iterations >= 0."""
+def loss_weight_problems(kl_weight: float, adv_weight: float, perceptual_weight: float) -> list[str]:
+    """The loss weights must be numbers >= 0."""
     weights = {"kl_weight": kl_weight, "adv_weight": adv_weight, "perceptual_weight": perceptual_weight}
-    problems = [
+    return [
         f"{name!r} must be a number >= 0, got {value!r}."
         for name, value in weights.items()
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0
     ]
-    if (
-        isinstance(adv_warmup_iterations, bool)
-        or not isinstance(adv_warmup_iterations, int)
-        or adv_warmup_iterations < 0
-    ):
-        problems.append(f"'adv_warmup_iterations' must be an integer >= 0 (iterations), got {adv_warmup_iterations!r}.")
-    return problems
 
 
 TRAINING = SettingsChecks(
@@ -113,6 +105,7 @@ TRAINING = SettingsChecks(
     patch_problems,
     count_problems,
     loss_weight_problems,
+    warmup_problems,
     intensity_problems,
     switches(
         "distributed",
@@ -129,6 +122,7 @@ TRAINING = SettingsChecks(
         "oom_backoff",
     ),
     cache_problems,
+    *TRAINING_RUN_CHECKS,
 )
 """The checks of an autoencoder training run (``train.json``): an invalid ``intensity``
 (:func:`common.data.intensity.intensity_problems`), on/off settings that are not booleans, a ``cache_rate`` outside

@@ -11,11 +11,12 @@ is an explicit loop over ``alphas_cumprod`` at the grid points: from ``t_i`` to 
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Callable
 
 import torch
 
-__all__ = ["DiffusionSchedule", "antithetic_timesteps", "fast_ddpm_grid", "grid_ddim_sample"]
+__all__ = ["DiffusionSchedule", "antithetic_timesteps", "fast_ddpm_grid", "grid_ddim_sample", "grid_problems"]
 
 GRIDS = ("uniform", "non_uniform")
 PREDICTIONS = ("epsilon", "v_prediction")
@@ -35,31 +36,62 @@ def fast_ddpm_grid(kind: str = "uniform", num_grid_steps: int = 10, num_train_ti
         ValueError: for an unknown ``kind``, ``num_grid_steps`` < 1 or > ``num_train_timesteps``, or a
             non-uniform grid that would repeat points.
     """
+    problems = grid_problems(kind, num_grid_steps, num_train_timesteps)
+    if problems:
+        raise ValueError(" ".join(problems))
     steps, total = int(num_grid_steps), int(num_train_timesteps)
-    if kind not in GRIDS:
-        raise ValueError(f"grid must be one of {GRIDS}, got {kind!r}.")
-    if not 1 <= steps <= total:
-        raise ValueError(f"num_grid_steps must be in [1, num_train_timesteps={total}], got {num_grid_steps!r}.")
     if kind == "uniform":
         if total // steps == 1:  # the full grid (a standard DDPM); Fast-DDPM's formula would repeat 0
             return torch.arange(total)
         grid = torch.arange(-1, total, total // steps)
         grid[0] = 0
         return grid
+    return _non_uniform_grid(steps, total)
+
+
+def _non_uniform_grid(steps: int, total: int) -> torch.Tensor:
+    """Fast-DDPM's non-uniform grid of ``steps`` points out of ``total`` (may be short or repeat points for small
+    ``steps``: :func:`grid_problems` says when)."""
     if steps == 10 and total == 1000:
         return torch.tensor([0, 199, 399, 599, 699, 799, 849, 899, 949, 999])
     knee, last = round(0.7 * total) - 1, total - 1  # 699 and 999 for T = 1000
     n1, n2 = int(steps * 0.4), int(steps * 0.6)
-    if n1 < 1 or n2 < 2:  # no point below the knee, or a grid that does not reach the last step
-        raise ValueError(
-            f"a non_uniform grid needs num_grid_steps >= 4 (40% below and 60% above t={knee}), got {steps}."
-        )
     stage_1 = torch.ceil(torch.linspace(0, knee, n1 + 1)[:-1]).long()
     stage_2 = torch.ceil(torch.linspace(knee, last, n2)).long()
-    grid = torch.cat([stage_1, stage_2])
-    if len(torch.unique(grid)) != len(grid):
-        raise ValueError(f"a non_uniform grid of {steps} points out of {total} repeats points: {grid.tolist()}.")
-    return grid
+    return torch.cat([stage_1, stage_2])
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def grid_problems(grid: str, num_grid_steps: int, num_train_timesteps: int) -> list[str]:
+    """The rules of a Fast-DDPM grid (:func:`fast_ddpm_grid`), one problem line per broken rule, naming the config
+    ids: a known ``grid``, ``num_train_timesteps`` an integer >= 1, ``num_grid_steps`` an integer in
+    [1, ``num_train_timesteps``], and a ``non_uniform`` grid with a point below the knee (``t = 0.7 T``), one more
+    reaching the last step and no point repeated."""
+    problems = [] if grid in GRIDS else [f"'grid' must be one of {GRIDS}, got {grid!r}."]
+    if not (_is_int(num_train_timesteps) and num_train_timesteps >= 1):
+        return [*problems, f"'num_train_timesteps' must be an integer >= 1, got {num_train_timesteps!r}."]
+    total = int(num_train_timesteps)
+    if not (_is_int(num_grid_steps) and 1 <= num_grid_steps <= total):
+        return [*problems, f"'num_grid_steps' must be in [1, num_train_timesteps={total}], got {num_grid_steps!r}."]
+    steps = int(num_grid_steps)
+    if grid != "non_uniform":
+        return problems
+    if int(steps * 0.4) < 1 or int(steps * 0.6) < 2:  # no point below the knee, or none reaching the last step
+        knee = round(0.7 * total) - 1
+        return [
+            *problems,
+            f"'num_grid_steps': a non_uniform grid needs num_grid_steps >= 4 (40% below and 60% above t={knee}), got "
+            f"{steps}.",
+        ]
+    points = _non_uniform_grid(steps, total)
+    if len(torch.unique(points)) != len(points):
+        problems.append(
+            f"'num_grid_steps': a non_uniform grid of {steps} points out of {total} repeats points: {points.tolist()}."
+        )
+    return problems
 
 
 def antithetic_timesteps(grid: torch.Tensor, n: int, generator: torch.Generator | None = None) -> torch.Tensor:

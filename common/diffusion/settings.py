@@ -7,11 +7,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from common.config_checks import CASE_RUN_CHECKS, SettingsChecks, choice_problems, switches
+from common.config_checks import CASE_RUN_CHECKS, TRAINING_RUN_CHECKS, SettingsChecks, choice_problems, switches
 from common.data.intensity import intensity_problems
 from common.data.pipeline import cache_problems, orientation_problems, spacing_problems
 from common.diffusion.engines import DIFFUSION_MODES, TASKS, volume_multiple
-from common.diffusion.schedule import GRIDS, PREDICTIONS, fast_ddpm_grid
+from common.diffusion.schedule import PREDICTIONS, grid_problems
+from common.engines.trainer import accumulation_problems
 from common.networks.wrappers import window_problems
 from common.utils import is_positive_int
 
@@ -49,34 +50,23 @@ def task_problems(task: str, image_keys: Sequence[str], target_key: str) -> list
 def schedule_problems(
     diffusion_mode: str, grid: str, num_grid_steps: int, num_train_timesteps: int, prediction_type: str, eta: float
 ) -> list[str]:
-    """The noise schedule: known modes, a grid of ``num_grid_steps`` in [1, ``num_train_timesteps``] that
-    :func:`common.diffusion.schedule.fast_ddpm_grid` can build, and the DDIM ``eta`` in [0, 1]."""
-    problems = choice_problems(diffusion_mode=(diffusion_mode, DIFFUSION_MODES), grid=(grid, GRIDS))
-    total = int(num_train_timesteps) if not isinstance(num_train_timesteps, bool) else 0
-    if total < 1:
-        problems.append(f"'num_train_timesteps' must be >= 1, got {num_train_timesteps!r}.")
-    elif isinstance(num_grid_steps, bool) or not 1 <= int(num_grid_steps) <= total:
-        problems.append(f"'num_grid_steps' must be in [1, num_train_timesteps={total}], got {num_grid_steps!r}.")
-    elif grid in GRIDS:
-        try:
-            fast_ddpm_grid(grid, num_grid_steps, total)
-        except ValueError as exc:
-            problems.append(f"'num_grid_steps': {exc}")
+    """The noise schedule: known modes, a grid :func:`common.diffusion.schedule.fast_ddpm_grid` can build
+    (:func:`common.diffusion.schedule.grid_problems`), and the DDIM ``eta`` in [0, 1]."""
+    problems = choice_problems(diffusion_mode=(diffusion_mode, DIFFUSION_MODES))
+    problems += grid_problems(grid, num_grid_steps, num_train_timesteps)
     problems += choice_problems(prediction_type=(prediction_type, PREDICTIONS))
     if not 0.0 <= float(eta) <= 1.0:
         problems.append(f"'eta' must be in [0, 1], got {eta!r}.")
     return problems
 
 
-def training_problems(
-    ema_decay: float, batch_size: int, accumulation_steps: int, val_num_samples: int, task: str
-) -> list[str]:
+def training_problems(ema_decay: float, batch_size: int, val_num_samples: int, task: str) -> list[str]:
     """An EMA decay in (0, 1); counts >= 1; at least 2 validation samples of an unconditional model (their
     diversity is measured)."""
     problems = []
     if not 0.0 < float(ema_decay) < 1.0:
         problems.append(f"'ema_decay' must be in (0, 1), got {ema_decay!r}.")
-    counts = {"batch_size": batch_size, "accumulation_steps": accumulation_steps, "val_num_samples": val_num_samples}
+    counts = {"batch_size": batch_size, "val_num_samples": val_num_samples}
     problems += [
         f"{name!r} must be >= 1, got {value!r}."
         for name, value in counts.items()
@@ -151,6 +141,7 @@ TRAINING = SettingsChecks(
     task_problems,
     schedule_problems,
     training_problems,
+    accumulation_problems,
     switches(
         "latent",
         "clip_sample",
@@ -164,6 +155,7 @@ TRAINING = SettingsChecks(
     cache_problems,
     unet_problems,
     patch_problems,
+    *TRAINING_RUN_CHECKS,
 )
 """The checks of a diffusion training run (``train.json``, and evaluation on top of it): besides the checks above,
 on/off settings that are not booleans (a string ``"false"`` is true) and the ``cache_rate``/``replace_rate`` of

@@ -39,6 +39,8 @@ __all__ = [
     "NONFINITE_POLICIES",
     "NonFiniteLossError",
     "StepTrainer",
+    "accumulation_problems",
+    "micro_batch_problems",
     "accumulate",
     "split_step",
 ]
@@ -77,6 +79,24 @@ def split_step(step: Mapping[str, Any], size: int | None) -> list[dict[str, Any]
         return value
 
     return [{k: v if k in ("output", "stats") else part(v, start) for k, v in step.items()} for start in starts]
+
+
+def _is_count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
+def micro_batch_problems(micro_batch_size: int | None) -> list[str]:
+    """The micro-batch a training step is split into: ``null`` (the whole batch at once) or an integer >= 1."""
+    if micro_batch_size is None or _is_count(micro_batch_size):
+        return []
+    return [f"'micro_batch_size' must be an integer >= 1 or null (the whole batch at once), got {micro_batch_size!r}."]
+
+
+def accumulation_problems(accumulation_steps: int) -> list[str]:
+    """The batches whose gradients one optimizer step sums: an integer >= 1."""
+    if _is_count(accumulation_steps):
+        return []
+    return [f"'accumulation_steps' must be an integer >= 1 (batches per optimizer step), got {accumulation_steps!r}."]
 
 
 class StepTrainer(Trainer):
@@ -203,10 +223,9 @@ class StepTrainer(Trainer):
         memory_format: str = "contiguous",
         oom_backoff: bool = True,
     ) -> None:
-        if micro_batch_size is not None and (isinstance(micro_batch_size, bool) or int(micro_batch_size) < 1):
-            raise ValueError(f"micro_batch_size must be >= 1 or None, got {micro_batch_size!r}.")
-        if int(accumulation_steps) < 1:
-            raise ValueError(f"accumulation_steps must be >= 1, got {accumulation_steps!r}.")
+        problems = micro_batch_problems(micro_batch_size) + accumulation_problems(accumulation_steps)
+        if problems:
+            raise ValueError(" ".join(problems))
         if nonfinite not in NONFINITE_POLICIES:
             raise ValueError(f"nonfinite must be one of {NONFINITE_POLICIES}, got {nonfinite!r}.")
         self.amp_mode = str(amp).lower()

@@ -28,6 +28,7 @@ __all__ = [
     "clean_state_dict",
     "enable_gradient_checkpointing",
     "inference_view",
+    "memory_format_problems",
     "out_of_memory_message",
     "prepare_network",
     "redo_after_out_of_memory",
@@ -46,9 +47,17 @@ logger = logging.getLogger(__name__)
 MEMORY_FORMATS = ("contiguous", "channels_last_3d")
 
 
+def memory_format_problems(memory_format: str) -> list[str]:
+    """The memory layout of a step's tensors: one of :data:`MEMORY_FORMATS`."""
+    if memory_format in MEMORY_FORMATS:
+        return []
+    return [f"'memory_format' must be one of {MEMORY_FORMATS}, got {memory_format!r}."]
+
+
 def _memory_format(name: str) -> torch.memory_format:
-    if name not in MEMORY_FORMATS:
-        raise ValueError(f"memory_format must be one of {MEMORY_FORMATS}, got {name!r}.")
+    problems = memory_format_problems(name)
+    if problems:
+        raise ValueError(problems[0])
     return torch.channels_last_3d if name == "channels_last_3d" else torch.contiguous_format
 
 

@@ -7,9 +7,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from common.config_checks import CASE_RUN_CHECKS, SettingsChecks, choice_problems, switches
+from common.config_checks import CASE_RUN_CHECKS, TRAINING_RUN_CHECKS, SettingsChecks, choice_problems, switches
 from common.data.intensity import intensity_problems
 from common.data.pipeline import cache_problems, orientation_problems, spacing_problems
+from common.engines.trainer import accumulation_problems
 from common.survival.cohort import SPLIT_NAMES, TIME_UNITS
 from common.survival.networks import BACKBONES, HEADS, widen_factor_problem
 
@@ -87,17 +88,13 @@ def time_axis_problems(
     return problems + choice_problems(time_unit=(time_unit, TIME_UNITS))
 
 
-def size_problems(
-    batch_size: int, accumulation_steps: int, image_size: Sequence[int], val_fraction: float
-) -> list[str]:
-    """Positive batch and accumulation counts, a 3D ``image_size`` and a validation share in [0, 1)."""
+def size_problems(batch_size: int, image_size: Sequence[int], val_fraction: float) -> list[str]:
+    """A positive batch, a 3D ``image_size`` and a validation share in [0, 1)."""
     problems = []
     if not _positive_int(batch_size):
         problems.append(
             f"'batch_size' (the total batch across all GPUs) must be a positive integer, got {batch_size!r}."
         )
-    if not _positive_int(accumulation_steps):
-        problems.append(f"'accumulation_steps' must be a positive integer, got {accumulation_steps!r}.")
     problems += image_size_problems(image_size)
     if isinstance(val_fraction, bool) or not isinstance(val_fraction, (int, float)) or not 0 <= val_fraction < 1:
         problems.append(f"'val_fraction' must be in [0, 1), got {val_fraction!r}.")
@@ -138,6 +135,7 @@ TRAINING = SettingsChecks(
     network_problems,
     time_axis_problems,
     size_problems,
+    accumulation_problems,
     covariate_problems,
     key_metric_problems,
     switches(
@@ -145,6 +143,7 @@ TRAINING = SettingsChecks(
     ),
     intensity_problems,
     cache_rate_problems,
+    *TRAINING_RUN_CHECKS,
 )
 """The checks of a survival training run (``train.json``, and evaluation on top of it): besides the checks above,
 on/off settings that are not booleans (a string ``"false"`` is true) and an invalid ``intensity``

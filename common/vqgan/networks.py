@@ -31,6 +31,7 @@ __all__ = [
     "VQGANReconstructor",
     "VQGANDecoder",
     "VQGANEncoder",
+    "codebook_problems",
     "downsample_levels",
 ]
 
@@ -187,6 +188,13 @@ class VQGANDecoder(nn.Module):
         return self.conv_last(self.blocks(self.first(self.post_vq_conv(z))))
 
 
+def codebook_problems(n_codes: int) -> list[str]:
+    """The codebook's size: at least 2 codes."""
+    if isinstance(n_codes, bool) or int(n_codes) < 2:
+        return [f"'n_codes' must be >= 2, got {n_codes!r}."]
+    return []
+
+
 class EMAVectorQuantizer(nn.Module):
     """Vector quantizer with an EMA codebook, data-dependent initialisation and dead-code restart.
 
@@ -228,8 +236,9 @@ class EMAVectorQuantizer(nn.Module):
         eps: float = 1e-7,
     ) -> None:
         super().__init__()
-        if int(n_codes) < 2:
-            raise ValueError(f"n_codes must be >= 2, got {n_codes!r}.")
+        problems = codebook_problems(n_codes)
+        if problems:
+            raise ValueError(problems[0])
         if not 0.0 < float(decay) < 1.0:
             raise ValueError(f"decay must be in (0, 1), got {decay!r}.")
         self.n_codes = int(n_codes)

@@ -7,14 +7,15 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from common.autoencoder.settings import output_problems
-from common.config_checks import CASE_RUN_CHECKS, SettingsChecks, switches
+from common.config_checks import CASE_RUN_CHECKS, TRAINING_RUN_CHECKS, SettingsChecks, switches
 from common.data.intensity import intensity_problems
 from common.data.pipeline import cache_problems, orientation_problems, spacing_problems
+from common.engines.trainer import micro_batch_problems
 from common.networks.wrappers import window_problems
 from common.utils import is_positive_int
-from common.vqgan.networks import downsample_levels
+from common.vqgan.networks import codebook_problems, downsample_levels
 
-__all__ = ["INFERENCE", "TRAINING", "codebook_problems", "downsample_problems", "patch_sampling_problems"]
+__all__ = ["INFERENCE", "TRAINING", "discriminator_start_problems", "downsample_problems", "patch_sampling_problems"]
 
 
 def downsample_problems(patch_size: Sequence[int], downsample: Sequence[int] | int) -> list[str]:
@@ -33,34 +34,31 @@ def downsample_problems(patch_size: Sequence[int], downsample: Sequence[int] | i
     return []
 
 
-def codebook_problems(n_codes: int, discriminator_iter_start: int) -> list[str]:
-    """At least 2 codes; the discriminator starts at an iteration >= 0."""
-    problems = []
-    if isinstance(n_codes, bool) or int(n_codes) < 2:
-        problems.append(f"'n_codes' must be >= 2, got {n_codes!r}.")
+def discriminator_start_problems(discriminator_iter_start: int) -> list[str]:
+    """The discriminator starts at an iteration >= 0."""
     if isinstance(discriminator_iter_start, bool) or int(discriminator_iter_start) < 0:
-        problems.append(f"'discriminator_iter_start' must be >= 0 (iterations), got {discriminator_iter_start!r}.")
-    return problems
+        return [f"'discriminator_iter_start' must be >= 0 (iterations), got {discriminator_iter_start!r}."]
+    return []
 
 
-def patch_sampling_problems(patches_per_volume: int, micro_batch_size: int | None) -> list[str]:
-    """At least one patch per volume; a micro-batch of at least one patch, or none (``null``)."""
-    problems = []
+def patch_sampling_problems(patches_per_volume: int) -> list[str]:
+    """At least one patch per volume."""
     if int(patches_per_volume) < 1:
-        problems.append(f"'patches_per_volume' must be >= 1, got {patches_per_volume!r}.")
-    if micro_batch_size is not None and int(micro_batch_size) < 1:
-        problems.append(f"'micro_batch_size' must be >= 1 or null, got {micro_batch_size!r}.")
-    return problems
+        return [f"'patches_per_volume' must be >= 1, got {patches_per_volume!r}."]
+    return []
 
 
 TRAINING = SettingsChecks(
     "VQ-GAN",
     downsample_problems,
     codebook_problems,
+    discriminator_start_problems,
     intensity_problems,
     patch_sampling_problems,
+    micro_batch_problems,
     cache_problems,
     switches("preflight", "allow_irregular_series"),
+    *TRAINING_RUN_CHECKS,
 )
 """The checks of a VQ-GAN training run (``train.json``): besides the checks above, an invalid ``intensity``
 (:func:`common.data.intensity.intensity_problems`: an inverted HU window, bad percentiles, an unknown mode), a

@@ -49,6 +49,7 @@ __all__ = [
     "load_cascade",
     "load_regressor",
     "previous_stages",
+    "sampling_problems",
     "save_cascade",
     "stage_checkpoint",
     "upsample_previous",
@@ -454,6 +455,43 @@ def load_regressor(
     return path
 
 
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def sampling_problems(
+    num_samples: int, sample_chunk: int | None, guidance_scale: float, refine_steps: int, noise_tolerance: float | None
+) -> list[str]:
+    """At least one sample per case, drawn in chunks of at least one (or all at once: ``null``), with a projection
+    guidance scale >= 0 and ``refine_steps`` >= 0 data-consistency steps after sampling, each of weight
+    ``guidance_scale`` (so refinement needs a scale > 0); the discrepancy principle's ``noise_tolerance`` is null
+    (off) or >= 0."""
+    problems = []
+    if not is_positive_int(num_samples):
+        problems.append(f"'num_samples' must be an integer >= 1, got {num_samples!r}.")
+    if sample_chunk is not None and not is_positive_int(sample_chunk):
+        problems.append(f"'sample_chunk' must be an integer >= 1 or null, got {sample_chunk!r}.")
+    scale_ok = _is_number(guidance_scale) and guidance_scale >= 0
+    if not scale_ok:
+        problems.append(f"'guidance_scale' must be a number >= 0 (0: no projection guidance), got {guidance_scale!r}.")
+    if isinstance(refine_steps, bool) or not isinstance(refine_steps, int) or refine_steps < 0:
+        problems.append(
+            f"'refine_steps' must be an integer >= 0 (data-consistency steps after sampling; 0: none), got "
+            f"{refine_steps!r}."
+        )
+    elif refine_steps and scale_ok and not guidance_scale:
+        problems.append(
+            f"'refine_steps' {refine_steps} takes data-consistency steps of weight 'guidance_scale', which is 0: "
+            "give guidance_scale > 0 (1 is a full step) or refine_steps 0."
+        )
+    if noise_tolerance is not None and not (_is_number(noise_tolerance) and noise_tolerance >= 0):
+        problems.append(
+            "'noise_tolerance' must be null (every consistency step corrects) or a number >= 0 (a view within this "
+            f"many times its X-ray's noise level is left alone), got {noise_tolerance!r}."
+        )
+    return problems
+
+
 class XrayCTSampler(InferenceView):
     """``forward(xray, previous=None)`` -> a CT volume in ``[-1, 1]`` of ``volume_size``: the mean of
     ``num_samples`` samples (:meth:`draw` gives the samples themselves).
@@ -541,17 +579,9 @@ class XrayCTSampler(InferenceView):
                 f"(XrayCTDenoiser(residual={mode == 'residual'})); this one has residual="
                 f"{bool(getattr(unwrap(network), 'residual', False))}."
             )
-        for name, value in (("num_samples", num_samples), ("sample_chunk", sample_chunk)):
-            if (value is not None or name == "num_samples") and not is_positive_int(value):
-                raise ValueError(f"{name} must be an integer >= 1, got {value!r}.")
-        if not float(guidance_scale) >= 0:
-            raise ValueError(f"guidance_scale must be >= 0, got {guidance_scale!r}.")
-        if isinstance(refine_steps, bool) or not isinstance(refine_steps, int) or refine_steps < 0:
-            raise ValueError(f"refine_steps must be an integer >= 0, got {refine_steps!r}.")
-        if refine_steps and not float(guidance_scale):
-            raise ValueError("refine_steps takes steps of weight guidance_scale, which is 0.")
-        if noise_tolerance is not None and not float(noise_tolerance) >= 0:
-            raise ValueError(f"noise_tolerance must be None or >= 0, got {noise_tolerance!r}.")
+        problems = sampling_problems(num_samples, sample_chunk, guidance_scale, refine_steps, noise_tolerance)
+        if problems:
+            raise ValueError(" ".join(problems))
         self.volume_size = [int(s) for s in volume_size]
         self.mode = mode
         self.timesteps = torch.as_tensor(timesteps, dtype=torch.long).cpu()

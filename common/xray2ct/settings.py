@@ -9,15 +9,15 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from common.config_checks import CASE_RUN_CHECKS, SettingsChecks, choice_problems, switches
+from common.config_checks import CASE_RUN_CHECKS, TRAINING_RUN_CHECKS, SettingsChecks, choice_problems, switches
 from common.data.pipeline import cache_problems, orientation_problems
-from common.diffusion.schedule import GRIDS, PREDICTIONS, fast_ddpm_grid
+from common.diffusion.schedule import PREDICTIONS, grid_problems
 from common.utils import is_positive_int
 from common.xray2ct.data import condition_problems
 from common.xray2ct.drr import GEOMETRIES, VIEW_AXES, view_plane
 from common.xray2ct.engines import DIRECT_LOSSES, LOSS_WEIGHTINGS
 from common.xray2ct.losses import PHYSICS_WEIGHTINGS
-from common.xray2ct.networks import MODES, SAMPLER_MODES, stage_checkpoint
+from common.xray2ct.networks import MODES, SAMPLER_MODES, sampling_problems, stage_checkpoint
 
 __all__ = [
     "EVALUATION",
@@ -30,7 +30,6 @@ __all__ = [
     "projection_problems",
     "regressor_problems",
     "residual_scale_problems",
-    "sampling_problems",
     "schedule_problems",
     "stage_problems",
     "trained_network_problems",
@@ -165,14 +164,10 @@ def evaluation_mode_problems(mode: str) -> list[str]:
 
 
 def schedule_problems(prediction_type: str, grid: str, num_grid_steps: int, num_train_timesteps: int) -> list[str]:
-    """A known prediction and a grid :func:`common.diffusion.schedule.fast_ddpm_grid` can build."""
-    problems = choice_problems(prediction_type=(prediction_type, PREDICTIONS), grid=(grid, GRIDS))
-    if grid in GRIDS:
-        try:
-            fast_ddpm_grid(grid, int(num_grid_steps), int(num_train_timesteps))
-        except (TypeError, ValueError) as exc:
-            problems.append(f"'num_grid_steps'/'num_train_timesteps': {exc}")
-    return problems
+    """A known prediction and a grid :func:`common.diffusion.schedule.fast_ddpm_grid` can build
+    (:func:`common.diffusion.schedule.grid_problems`)."""
+    problems = choice_problems(prediction_type=(prediction_type, PREDICTIONS))
+    return problems + grid_problems(grid, num_grid_steps, num_train_timesteps)
 
 
 def unet_problems(
@@ -300,39 +295,6 @@ def consistency_problems(
     return problems
 
 
-def sampling_problems(
-    num_samples: int, sample_chunk: int | None, guidance_scale: float, refine_steps: int, noise_tolerance: float | None
-) -> list[str]:
-    """At least one sample per case, drawn in chunks of at least one (or all at once: ``null``), with a projection
-    guidance scale >= 0 and ``refine_steps`` >= 0 data-consistency steps after sampling, each of weight
-    ``guidance_scale`` (so refinement needs a scale > 0); the discrepancy principle's ``noise_tolerance`` is null
-    (off) or >= 0."""
-    problems = []
-    if not is_positive_int(num_samples):
-        problems.append(f"'num_samples' must be an integer >= 1, got {num_samples!r}.")
-    if sample_chunk is not None and not is_positive_int(sample_chunk):
-        problems.append(f"'sample_chunk' must be an integer >= 1 or null, got {sample_chunk!r}.")
-    scale_ok = _number(guidance_scale) and guidance_scale >= 0
-    if not scale_ok:
-        problems.append(f"'guidance_scale' must be a number >= 0 (0: no projection guidance), got {guidance_scale!r}.")
-    if isinstance(refine_steps, bool) or not isinstance(refine_steps, int) or refine_steps < 0:
-        problems.append(
-            f"'refine_steps' must be an integer >= 0 (data-consistency steps after sampling; 0: none), got "
-            f"{refine_steps!r}."
-        )
-    elif refine_steps and scale_ok and not guidance_scale:
-        problems.append(
-            f"'refine_steps' {refine_steps} takes data-consistency steps of weight 'guidance_scale', which is 0: "
-            "give guidance_scale > 0 (1 is a full step) or refine_steps 0."
-        )
-    if noise_tolerance is not None and not (_number(noise_tolerance) and noise_tolerance >= 0):
-        problems.append(
-            "'noise_tolerance' must be null (every consistency step corrects) or a number >= 0 (a view within this "
-            f"many times its X-ray's noise level is left alone), got {noise_tolerance!r}."
-        )
-    return problems
-
-
 def projection_problems(
     hu_window: Sequence[float],
     fov_mm: float | Sequence[float],
@@ -412,6 +374,7 @@ TRAINING = SettingsChecks(
     consistency_problems,
     cache_problems,
     _TRAINING_SWITCHES,
+    *TRAINING_RUN_CHECKS,
 )
 """The checks of a training run (``train.json``): besides the checks above, the ``cache_rate``/``replace_rate`` of
 :func:`common.data.pipeline.cache_problems` and on/off settings that are not booleans."""
