@@ -659,19 +659,25 @@ def fuzz(cases: int = 200, seed: int = 0, workdir: str | None = None) -> list[Fu
     (it must be refused), whatever the draws (see :class:`FuzzOutcome`). ``seed`` seeds the draws and the valid
     files the inputs are made from.
     """
-    from hypothesis import strategies as st
-
-    from common.data.datalist import DatalistError, parse_datalist_section
-    from common.survival.cohort import CohortError, read_cohort_csv
-
     root = Path(workdir or tempfile.mkdtemp(prefix="fuzz_"))
     root.mkdir(parents=True, exist_ok=True)
-    outcomes = []
-    raw, packed = _nifti_bytes(seed=seed), _nifti_bytes(compressed=True, seed=seed)
-    fields = ["dim", "datatype", "bitpix", "vox_offset", "scl_slope", "sizeof_hdr", "pixdim"]
+    return [fuzz_family(root, cases, seed) for fuzz_family in (_fuzz_nifti, _fuzz_dicom, _fuzz_csv, _fuzz_json)]
 
-    def new_folder() -> Path:
-        return Path(tempfile.mkdtemp(dir=root))
+
+def _new_folder(root: Path) -> Path:
+    """A new empty folder under ``root`` for one fuzz case."""
+    return Path(tempfile.mkdtemp(dir=root))
+
+
+_NIFTI_FIELDS = ["dim", "datatype", "bitpix", "vox_offset", "scl_slope", "sizeof_hdr", "pixdim"]
+
+
+def _fuzz_nifti(root: Path, cases: int, seed: int) -> FuzzOutcome:
+    """NIfTI volumes through :func:`preflight`: random bytes, valid files truncated anywhere, header fields set to
+    arbitrary values, ``.nii`` and ``.nii.gz``."""
+    from hypothesis import strategies as st
+
+    raw, packed = _nifti_bytes(seed=seed), _nifti_bytes(compressed=True, seed=seed)
 
     def nifti(data: Any) -> Callable[[], tuple[str, str]]:
         kind = data.draw(st.sampled_from(["random", "truncated", "header", "header+gz"]))
@@ -681,44 +687,50 @@ def fuzz(cases: int = 200, seed: int = 0, workdir: str | None = None) -> list[Fu
             source = data.draw(st.sampled_from([raw, packed]))
             content = source[: data.draw(st.integers(0, len(source) - 1))]
         else:
-            name = data.draw(st.sampled_from(fields))
+            name = data.draw(st.sampled_from(_NIFTI_FIELDS))
             value = data.draw(st.one_of(st.integers(-(2**31), 2**31 - 1), st.sampled_from([0, -1, 2**15, 30000])))
             content = _mutated_header(raw, name, value)
             if kind == "header+gz":
                 content = gzip.compress(content, mtime=0)
         suffix = ".nii.gz" if kind in ("header+gz",) or content[:2] == b"\x1f\x8b" else ".nii"
-        return _volume_case(new_folder(), f"case{suffix}", content)
+        return _volume_case(_new_folder(root), f"case{suffix}", content)
 
-    outcomes.append(
-        _run_family(
-            "nifti",
-            cases,
-            seed,
-            nifti,
-            valid=lambda: _volume_case(new_folder(), "case.nii.gz", packed),
-            known_bad=lambda: _volume_case(new_folder(), "case.nii", raw[: len(raw) // 2]),  # truncated
-        )
+    return _run_family(
+        "nifti",
+        cases,
+        seed,
+        nifti,
+        valid=lambda: _volume_case(_new_folder(root), "case.nii.gz", packed),
+        known_bad=lambda: _volume_case(_new_folder(root), "case.nii", raw[: len(raw) // 2]),  # truncated
     )
 
+
+def _dicom_case(root: Path, contents: Sequence[bytes]) -> Callable[[], tuple[str, str]]:
+    """A series of ``contents`` (one file each) and its check through :func:`preflight`."""
+    from common.data.preflight import PreflightError, preflight
+
+    folder = _new_folder(root)
+    series = folder / "series"
+    series.mkdir()
+    for i, content in enumerate(contents):
+        (series / f"{i:03d}.dcm").write_bytes(content)
+
+    def check() -> tuple[str, str]:
+        try:
+            preflight({"training": [{"image": "series"}]}, base_dir=str(folder), num_workers=1)
+        except PreflightError as exc:
+            return ("refused", str(exc)) if "series" in str(exc) else ("crash", str(exc))
+        return "accepted", ""
+
+    return check
+
+
+def _fuzz_dicom(root: Path, cases: int, seed: int) -> FuzzOutcome:
+    """DICOM series (a quarter of ``cases``, at least one) whose files are kept, random bytes, truncated or
+    byte-flipped real DICOM files."""
+    from hypothesis import strategies as st
+
     seeds = _dicom_seed(root / "dicom_seed", seed=seed)
-
-    def dicom_case(contents: Sequence[bytes]) -> Callable[[], tuple[str, str]]:
-        from common.data.preflight import PreflightError, preflight
-
-        folder = new_folder()
-        series = folder / "series"
-        series.mkdir()
-        for i, content in enumerate(contents):
-            (series / f"{i:03d}.dcm").write_bytes(content)
-
-        def check() -> tuple[str, str]:
-            try:
-                preflight({"training": [{"image": "series"}]}, base_dir=str(folder), num_workers=1)
-            except PreflightError as exc:
-                return ("refused", str(exc)) if "series" in str(exc) else ("crash", str(exc))
-            return "accepted", ""
-
-        return check
 
     def dicom(data: Any) -> Callable[[], tuple[str, str]]:
         contents = []
@@ -734,18 +746,44 @@ def fuzz(cases: int = 200, seed: int = 0, workdir: str | None = None) -> list[Fu
             else:
                 content = original
             contents.append(content)
-        return dicom_case(contents)
+        return _dicom_case(root, contents)
 
-    outcomes.append(
-        _run_family(
-            "dicom",
-            max(1, cases // 4),
-            seed,
-            dicom,
-            valid=lambda: dicom_case(seeds),
-            known_bad=lambda: dicom_case([b"not a DICOM file"] * len(seeds)),
-        )
+    return _run_family(
+        "dicom",
+        max(1, cases // 4),
+        seed,
+        dicom,
+        valid=lambda: _dicom_case(root, seeds),
+        known_bad=lambda: _dicom_case(root, [b"not a DICOM file"] * len(seeds)),
     )
+
+
+def _table_case(root: Path, header: Sequence[str], rows: Sequence[Sequence[str]]) -> Callable[[], tuple[str, str]]:
+    """A cohort CSV of ``header`` and ``rows`` and its check through :func:`read_cohort_csv`: accepted rows must
+    hold valid times and events."""
+    from common.survival.cohort import CohortError, read_cohort_csv
+
+    buffer = io.StringIO()
+    writer = __import__("csv").writer(buffer)
+    writer.writerow(header)
+    writer.writerows(rows)
+    path = _new_folder(root) / "cohort.csv"
+    path.write_text(buffer.getvalue(), encoding="utf-8")
+
+    def check() -> tuple[str, str]:
+        try:
+            entries = read_cohort_csv(path, covariates=["age"] if "age" in header else ())
+        except CohortError as exc:
+            return ("refused", str(exc)) if "cohort.csv" in str(exc) else ("crash", str(exc))
+        bad = [e for e in entries if not (np.isfinite(e["time"]) and e["time"] >= 0 and e["event"] in (0, 1))]
+        return ("crash", f"accepted invalid rows {bad[:2]}") if bad else ("accepted", "")
+
+    return check
+
+
+def _fuzz_csv(root: Path, cases: int, seed: int) -> FuzzOutcome:
+    """Cohort tables with random cells of mixed types (text, numbers, NaN/inf, quotes, empty, unicode)."""
+    from hypothesis import strategies as st
 
     cell = st.one_of(
         st.text(max_size=12),
@@ -754,24 +792,6 @@ def fuzz(cases: int = 200, seed: int = 0, workdir: str | None = None) -> list[Fu
         st.sampled_from(["", " ", "nan", "inf", "-1", "1e309", '"', "1,5", "0x10", "True", "NULL", "1.0", "0"]),
     )
 
-    def table_case(header: Sequence[str], rows: Sequence[Sequence[str]]) -> Callable[[], tuple[str, str]]:
-        buffer = io.StringIO()
-        writer = __import__("csv").writer(buffer)
-        writer.writerow(header)
-        writer.writerows(rows)
-        path = new_folder() / "cohort.csv"
-        path.write_text(buffer.getvalue(), encoding="utf-8")
-
-        def check() -> tuple[str, str]:
-            try:
-                entries = read_cohort_csv(path, covariates=["age"] if "age" in header else ())
-            except CohortError as exc:
-                return ("refused", str(exc)) if "cohort.csv" in str(exc) else ("crash", str(exc))
-            bad = [e for e in entries if not (np.isfinite(e["time"]) and e["time"] >= 0 and e["event"] in (0, 1))]
-            return ("crash", f"accepted invalid rows {bad[:2]}") if bad else ("accepted", "")
-
-        return check
-
     def table(data: Any) -> Callable[[], tuple[str, str]]:
         header = data.draw(
             st.sampled_from(
@@ -779,45 +799,53 @@ def fuzz(cases: int = 200, seed: int = 0, workdir: str | None = None) -> list[Fu
             )
         )
         rows = data.draw(st.lists(st.lists(cell, min_size=len(header) - 1, max_size=len(header) + 1), max_size=6))
-        return table_case(header, rows)
+        return _table_case(root, header, rows)
 
     columns = ["case_id", "image", "time", "event"]
-    outcomes.append(
-        _run_family(
-            "csv",
-            cases,
-            seed,
-            table,
-            valid=lambda: table_case(columns, [["a", "a.nii.gz", "100", "1"], ["b", "b.nii.gz", "200", "0"]]),
-            known_bad=lambda: table_case(columns, [["a", "a.nii.gz", "-100", "1"], ["b", "b.nii.gz", "200", "2"]]),
-        )
+    return _run_family(
+        "csv",
+        cases,
+        seed,
+        table,
+        valid=lambda: _table_case(root, columns, [["a", "a.nii.gz", "100", "1"], ["b", "b.nii.gz", "200", "0"]]),
+        known_bad=lambda: _table_case(root, columns, [["a", "a.nii.gz", "-100", "1"], ["b", "b.nii.gz", "200", "2"]]),
     )
+
+
+def _datalist_case(root: Path, content: Any) -> Callable[[], tuple[str, str]]:
+    """A datalist file of ``content`` beside a link out of its folder, and its check through
+    :func:`parse_datalist_section`: no accepted path may leave the folder."""
+    from common.data.datalist import DatalistError, parse_datalist_section
+
+    folder = _new_folder(root)
+    (folder / "link").symlink_to(root)
+    file = folder / "datalist.json"
+    file.write_text(json.dumps(content))
+
+    def check() -> tuple[str, str]:
+        try:
+            entries, problems, _ = parse_datalist_section(file, "training", base_dir=str(folder))
+        except DatalistError as exc:
+            return ("refused", str(exc)) if "datalist.json" in str(exc) else ("crash", str(exc))
+        if problems:
+            return "refused", str(problems)
+        escaped = [e for e in entries if e and not str(e["image"]).startswith(str(folder))]
+        return ("crash", f"path outside the root accepted: {escaped}") if escaped else ("accepted", "")
+
+    return check
+
+
+def _fuzz_json(root: Path, cases: int, seed: int) -> FuzzOutcome:
+    """Datalists of random JSON values and wrong types, and path entries with ``..`` and symbolic links leaving the
+    dataset root."""
+    from hypothesis import strategies as st
 
     json_value = st.recursive(
         st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=8),
         lambda children: st.lists(children, max_size=3) | st.dictionaries(st.text(max_size=6), children, max_size=3),
         max_leaves=8,
     )
-    outside = root / "outside.nii"
-    outside.write_bytes(raw)
-
-    def datalist_case(content: Any) -> Callable[[], tuple[str, str]]:
-        folder = new_folder()
-        (folder / "link").symlink_to(root)
-        file = folder / "datalist.json"
-        file.write_text(json.dumps(content))
-
-        def check() -> tuple[str, str]:
-            try:
-                entries, problems, _ = parse_datalist_section(file, "training", base_dir=str(folder))
-            except DatalistError as exc:
-                return ("refused", str(exc)) if "datalist.json" in str(exc) else ("crash", str(exc))
-            if problems:
-                return "refused", str(problems)
-            escaped = [e for e in entries if e and not str(e["image"]).startswith(str(folder))]
-            return ("crash", f"path outside the root accepted: {escaped}") if escaped else ("accepted", "")
-
-        return check
+    (root / "outside.nii").write_bytes(_nifti_bytes(seed=seed))
 
     def datalist(data: Any) -> Callable[[], tuple[str, str]]:
         kind = data.draw(st.sampled_from(["random", "entries", "paths"]))
@@ -830,19 +858,16 @@ def fuzz(cases: int = 200, seed: int = 0, workdir: str | None = None) -> list[Fu
                 st.sampled_from(["../outside.nii", "link/outside.nii", "a/../../outside.nii", "./x/../.."])
             )
             content = {"training": [{"image": path}]}
-        return datalist_case(content)
+        return _datalist_case(root, content)
 
-    outcomes.append(
-        _run_family(
-            "json",
-            cases,
-            seed,
-            datalist,
-            valid=lambda: datalist_case({"training": [{"image": "a.nii.gz"}, {"image": "sub/b.nii.gz"}]}),
-            known_bad=lambda: datalist_case({"training": [{"image": "link/outside.nii"}]}),
-        )
+    return _run_family(
+        "json",
+        cases,
+        seed,
+        datalist,
+        valid=lambda: _datalist_case(root, {"training": [{"image": "a.nii.gz"}, {"image": "sub/b.nii.gz"}]}),
+        known_bad=lambda: _datalist_case(root, {"training": [{"image": "link/outside.nii"}]}),
     )
-    return outcomes
 
 
 # ----------------------------------------------------------------------------------------- long run

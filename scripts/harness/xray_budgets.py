@@ -179,6 +179,45 @@ def xray_budgets(
         ValueError: for unknown methods, ``residual`` without ``direct``, or budgets that are not multiples.
     """
     budgets = sorted(int(b) for b in budgets)
+    conditions = [conditions] if isinstance(conditions, str) else list(conditions)
+    _check_budget_arguments(budgets, methods, stages, conditions, stage2_ratio)
+    comparison = _BudgetRun(
+        run,
+        command,
+        settings,
+        budgets,
+        work,
+        methods,
+        stages,
+        stage2_ratio,
+        num_samples,
+        guidance_scale,
+        refine_steps,
+        conditions,
+        noise_tolerance,
+        output,
+    )
+    start = time.perf_counter()
+    comparison.plan(parallel).run()
+    comparison.summary["wall_seconds"] = time.perf_counter() - start
+    comparison.save()
+    return comparison.summary
+
+
+def _stage2_iterations(budgets: Sequence[int], stage2_ratio: float) -> dict[int, int]:
+    """The stage-2 iterations of each budget."""
+    return {b: int(round(b * stage2_ratio)) for b in budgets}
+
+
+def _check_budget_arguments(
+    budgets: Sequence[int], methods: Sequence[str], stages: int, conditions: Sequence[str], stage2_ratio: float
+) -> None:
+    """Refuse unknown methods or conditions, ``residual`` without ``direct``, a stage count other than 1 or 2 and
+    budgets (or their stage-2 shares) that are not positive, or not even with ``residual``.
+
+    Raises:
+        ValueError: naming what is wrong.
+    """
     bad = [m for m in methods if m not in BUDGET_METHODS]
     if bad or not methods:
         raise ValueError(f"methods must be out of {sorted(BUDGET_METHODS)}, got {list(methods)!r}.")
@@ -186,11 +225,10 @@ def xray_budgets(
         raise ValueError("the residual method refines the direct regressor: list 'direct' too.")
     if stages not in (1, 2):
         raise ValueError(f"stages must be 1 or 2, got {stages!r}.")
-    conditions = [conditions] if isinstance(conditions, str) else list(conditions)
     unknown = [c for c in conditions if c not in CONDITIONS]
     if unknown:
         raise ValueError(f"conditions must be out of {sorted(CONDITIONS)}, got {unknown}.")
-    iters2 = {b: int(round(b * stage2_ratio)) for b in budgets}
+    iters2 = _stage2_iterations(budgets, stage2_ratio)
     halves = "residual" in methods  # the residual method's regressors are direct snapshots at half the budgets
     odd = [b for b in budgets if b < 1 or (halves and b % 2)]
     odd += [i for i in iters2.values() if stages > 1 and (i < 1 or (halves and i % 2))]
@@ -199,35 +237,73 @@ def xray_budgets(
         raise ValueError(
             f"budgets and their stage-2 shares {iters2} must be positive{why if halves else ''}, got {budgets}."
         )
-    points1 = sorted({*budgets, *(b // 2 for b in budgets if halves)})
-    points2 = sorted({*iters2.values(), *(i // 2 for i in iters2.values() if halves)})
-    unit1, unit2 = math.gcd(*points1), math.gcd(*points2)  # every snapshot at the end of an epoch
-    lock = threading.Lock()
-    summary: dict[str, Any] = {
-        "budgets": budgets,
-        "stage2_iterations": {str(b): i for b, i in iters2.items()} if stages > 1 else None,
-        "methods": list(methods),
-        "num_samples": int(num_samples),
-        "guidance_scale": float(guidance_scale),
-        "refine_steps": int(refine_steps),
-        "conditions": {name: _condition(name, settings) for name in conditions},
-        "noise_tolerance": float(noise_tolerance),
-        "settings": settings,
-        "train_seconds": {},
-        "results": [],
-    }
 
-    def save() -> None:
-        if output:
-            with lock:
-                Path(output).write_text(json.dumps(summary, indent=2))
+
+def _eval_name(k: int, guidance: float, refine: int, tolerance: float | None, condition: str) -> str:
+    """The folder name of one evaluation: samples, guidance, refinement, tolerance and condition."""
+    name = f"eval_k{k}_g{guidance:g}" + (f"_r{refine}" if refine else "")
+    name += "" if tolerance is None else f"_t{tolerance:g}"
+    return name + ("" if condition == "clean" else f"_{condition}")
+
+
+class _BudgetRun:
+    """One budget comparison of :func:`xray_budgets`: its settings, its ``summary`` (rewritten to ``output`` as
+    results come) and the tasks that train and evaluate each method (:meth:`plan`)."""
+
+    def __init__(
+        self,
+        run: Callable[[list[str]], float],
+        command: Callable[[str, Sequence[str], dict], list[str]],
+        settings: dict,
+        budgets: list[int],
+        work: Path,
+        methods: Sequence[str],
+        stages: int,
+        stage2_ratio: float,
+        num_samples: int,
+        guidance_scale: float,
+        refine_steps: int,
+        conditions: list[str],
+        noise_tolerance: float,
+        output: str | None,
+    ) -> None:
+        self.run, self.command, self.settings, self.work = run, command, settings, work
+        self.budgets, self.methods, self.stages, self.stage2_ratio = budgets, list(methods), stages, stage2_ratio
+        self.num_samples, self.guidance_scale, self.refine_steps = int(num_samples), guidance_scale, refine_steps
+        self.conditions, self.noise_tolerance, self.output = conditions, noise_tolerance, output
+        self.iters2 = _stage2_iterations(budgets, stage2_ratio)
+        halves = "residual" in methods
+        self.points1 = sorted({*budgets, *(b // 2 for b in budgets if halves)})
+        self.points2 = sorted({*self.iters2.values(), *(i // 2 for i in self.iters2.values() if halves)})
+        self.unit1, self.unit2 = math.gcd(*self.points1), math.gcd(*self.points2)  # snapshots at epoch ends
+        self.lock = threading.Lock()
+        self.summary: dict[str, Any] = {
+            "budgets": budgets,
+            "stage2_iterations": {str(b): i for b, i in self.iters2.items()} if stages > 1 else None,
+            "methods": list(methods),
+            "num_samples": int(num_samples),
+            "guidance_scale": float(guidance_scale),
+            "refine_steps": int(refine_steps),
+            "conditions": {name: _condition(name, settings) for name in conditions},
+            "noise_tolerance": float(noise_tolerance),
+            "settings": settings,
+            "train_seconds": {},
+            "results": [],
+        }
+
+    def save(self) -> None:
+        """Write the summary so far to ``output``."""
+        if self.output:
+            with self.lock:
+                Path(self.output).write_text(json.dumps(self.summary, indent=2))
 
     def train(
-        method: str, stage: int, out: Path, iterations: int, extra: dict | None = None, resume: bool = False
+        self, method: str, stage: int, out: Path, iterations: int, extra: dict | None = None, resume: bool = False
     ) -> float:
-        epoch = unit1 if stage == 1 else unit2
+        """Train ``method`` at ``stage`` in ``out`` up to ``iterations``; the command's seconds."""
+        epoch = self.unit1 if stage == 1 else self.unit2
         overrides = {
-            **settings,
+            **self.settings,
             **BUDGET_METHODS[method],
             **(extra or {}),
             "stage": stage,
@@ -240,128 +316,127 @@ def xray_budgets(
             "init_from_previous": False,
             "deterministic": True,
         }
-        return run(command("training", ["train.json"], overrides))
+        return self.run(self.command("training", ["train.json"], overrides))
 
-    def segments(method: str, stage: int, points: Sequence[int]) -> Callable[[], None]:
+    def stage1_budget(self, stage2_iterations: int) -> int:
+        """The budget whose stage-2 share is ``stage2_iterations``."""
+        return int(round(stage2_iterations / self.stage2_ratio))
+
+    def segments(self, method: str, stage: int, points: Sequence[int]) -> Callable[[], None]:
         """One run of ``method`` at ``stage`` up to the largest of ``points``, a snapshot at each."""
 
         def task() -> None:
-            out = work / method / f"train{stage}"
+            out = self.work / method / f"train{stage}"
             if stage > 1:  # the stage-2 config needs stage-1 weights (unused: no validation, no initialisation)
-                top = _budget_dir(work, method, budgets[-1])
-                _copy_stage(top, out, 1)
+                _copy_stage(_budget_dir(self.work, method, self.budgets[-1]), out, 1)
             seconds = 0.0
             for i, point in enumerate(sorted(points)):
-                seconds += train(method, stage, out, point, resume=i > 0)
-                budget = point if stage == 1 else _stage1_budget(point)
-                _snapshot(out, stage, _budget_dir(work, method, budget))
-                with lock:
-                    summary["train_seconds"][f"{method}/stage{stage}/{point}"] = seconds
-            save()
+                seconds += self.train(method, stage, out, point, resume=i > 0)
+                budget = point if stage == 1 else self.stage1_budget(point)
+                _snapshot(out, stage, _budget_dir(self.work, method, budget))
+                with self.lock:
+                    self.summary["train_seconds"][f"{method}/stage{stage}/{point}"] = seconds
+            self.save()
 
         return task
 
-    def _stage1_budget(stage2_iterations: int) -> int:
-        return int(round(stage2_iterations / stage2_ratio))
+    def residual(self, budget: int, stage: int) -> Callable[[], None]:
+        """The residual method at ``budget``: half of it over the direct snapshot at the other half."""
 
-    def residual(budget: int, stage: int) -> Callable[[], None]:
         def task() -> None:
-            out = _budget_dir(work, "residual", budget)
+            out = _budget_dir(self.work, "residual", budget)
             half = budget // 2
-            iterations = half if stage == 1 else iters2[budget] // 2
-            regressor = _budget_dir(work, "direct", half if stage == 1 else _stage1_budget(iters2[budget] // 2))
-            seconds = train("residual", stage, out, iterations, {"regressor_dir": str(regressor)})
-            with lock:
-                summary["train_seconds"][f"residual/stage{stage}/{budget}"] = seconds
+            iterations = half if stage == 1 else self.iters2[budget] // 2
+            regressor_budget = half if stage == 1 else self.stage1_budget(self.iters2[budget] // 2)
+            regressor = _budget_dir(self.work, "direct", regressor_budget)
+            seconds = self.train("residual", stage, out, iterations, {"regressor_dir": str(regressor)})
+            with self.lock:
+                self.summary["train_seconds"][f"residual/stage{stage}/{budget}"] = seconds
             _snapshot(out, stage, out)
-            save()
+            self.save()
 
         return task
 
-    def evaluations(stochastic: bool, condition: str) -> list[dict[str, Any]]:
+    def evaluations(self, stochastic: bool, condition: str) -> list[dict[str, Any]]:
         """The sampler settings of a method's evaluations: plain, guided (stochastic methods), refined; under a
         realistic condition the guided and refined ones with the discrepancy principle too."""
-        g, r = float(guidance_scale), int(refine_steps) if guidance_scale else 0
+        g, r = float(self.guidance_scale), int(self.refine_steps) if self.guidance_scale else 0
         chosen = [(0.0, 0), (g, 0)] if stochastic and g else [(0.0, 0)]
         chosen += [(g, r)] if r else []
         found = [{"guidance_scale": a, "refine_steps": b, "noise_tolerance": None} for a, b in dict.fromkeys(chosen)]
         if condition != "clean":
-            found += [{**e, "noise_tolerance": float(noise_tolerance)} for e in found if e["guidance_scale"]]
+            found += [{**e, "noise_tolerance": float(self.noise_tolerance)} for e in found if e["guidance_scale"]]
         return found
 
-    def evaluate(method: str, budget: int | None, stage: int, condition: str = "clean") -> Callable[[], None]:
+    def evaluate(self, method: str, budget: int | None, stage: int, condition: str = "clean") -> Callable[[], None]:
+        """Every evaluation of ``method``'s snapshot at ``budget`` (``None``: the untrained back-projection)."""
+
         def task() -> None:
             mode = "backprojection" if method == "backprojection" else BUDGET_METHODS[method]["mode"]
-            out = work / "backprojection" if budget is None else _budget_dir(work, method, budget)
+            out = self.work / "backprojection" if budget is None else _budget_dir(self.work, method, budget)
             stochastic = mode in ("diffusion", "residual")
-            for sampler in evaluations(stochastic, condition):
-                k = num_samples if stochastic else 1
-                guidance, refine, tolerance = (
-                    sampler[n] for n in ("guidance_scale", "refine_steps", "noise_tolerance")
-                )
-                name = f"eval_k{k}_g{guidance:g}" + (f"_r{refine}" if refine else "")
-                name += ("" if tolerance is None else f"_t{tolerance:g}") + (
-                    "" if condition == "clean" else f"_{condition}"
-                )
+            for sampler in self.evaluations(stochastic, condition):
+                k = self.num_samples if stochastic else 1
+                refine = sampler["refine_steps"]
+                name = _eval_name(k, sampler["guidance_scale"], refine, sampler["noise_tolerance"], condition)
                 eval_dir = out / f"stage{stage}" / name
                 overrides = {
-                    **settings,
-                    **summary["conditions"].get(condition, {}),
+                    **self.settings,
+                    **self.summary["conditions"].get(condition, {}),
                     "stage": stage,
                     "mode": mode,
                     "output_dir": str(out),
                     "eval_dir": str(eval_dir),
-                    "num_samples": int(num_samples) if stochastic else 1,
+                    "num_samples": k,
                     **sampler,
                 }
-                seconds = run(command("run", ["train.json", "evaluate.json"], overrides))
+                seconds = self.run(self.command("run", ["train.json", "evaluate.json"], overrides))
                 latest = json.loads((eval_dir / "metrics.json").read_text())["latest"]
                 row = {
                     "method": f"{method}_refined" if refine and not stochastic else method,
                     "stage": stage,
                     "budget": budget,
                     "condition": condition,
-                    "num_samples": overrides["num_samples"],
+                    "num_samples": k,
                     **sampler,
                     "eval_seconds": seconds,
                     **{m: latest.get(f"val_{m}") for m in METRICS},
                     **{f"sample_{m}": latest.get(f"val_sample_{m}") for m in METRICS},
                 }
-                with lock:
-                    summary["results"].append(row)
-                save()
+                with self.lock:
+                    self.summary["results"].append(row)
+                self.save()
 
         return task
 
-    jobs = _Work(parallel)
-    for method in methods:
-        if method == "residual":
-            continue
-        only_stage1 = method == "min_snr"
-        jobs.add(f"{method}/train1", segments(method, 1, points1 if method == "direct" else budgets))
-        if stages > 1 and not only_stage1:
-            points = points2 if method == "direct" else sorted(iters2.values())
-            jobs.add(f"{method}/train2", segments(method, 2, points), after=[f"{method}/train1"])
-    if "residual" in methods:
-        for b in budgets:
-            jobs.add(f"residual/train1/{b}", residual(b, 1), after=["direct/train1"])
-            if stages > 1:
-                jobs.add(f"residual/train2/{b}", residual(b, 2), after=["direct/train2", f"residual/train1/{b}"])
-    for stage in range(1, stages + 1):
-        for condition in ["clean", *conditions]:
-            tag = "" if condition == "clean" else f"/{condition}"
-            jobs.add(f"backprojection/eval{stage}{tag}", evaluate("backprojection", None, stage, condition))
-            for method in methods:
-                if method == "min_snr" and stage > 1:
-                    continue
-                for b in budgets if condition == "clean" else budgets[-2:]:
-                    trained = f"residual/train{stage}/{b}" if method == "residual" else f"{method}/train{stage}"
-                    jobs.add(f"{method}/eval{stage}/{b}{tag}", evaluate(method, b, stage, condition), after=[trained])
-    start = time.perf_counter()
-    jobs.run()
-    summary["wall_seconds"] = time.perf_counter() - start
-    save()
-    return summary
+    def plan(self, parallel: int) -> _Work:
+        """The trainings and evaluations, each after what it needs, run ``parallel`` at a time."""
+        jobs = _Work(parallel)
+        for method in self.methods:
+            if method == "residual":
+                continue
+            jobs.add(f"{method}/train1", self.segments(method, 1, self.points1 if method == "direct" else self.budgets))
+            if self.stages > 1 and method != "min_snr":  # min_snr: stage 1 only
+                points = self.points2 if method == "direct" else sorted(self.iters2.values())
+                jobs.add(f"{method}/train2", self.segments(method, 2, points), after=[f"{method}/train1"])
+        if "residual" in self.methods:
+            for b in self.budgets:
+                jobs.add(f"residual/train1/{b}", self.residual(b, 1), after=["direct/train1"])
+                if self.stages > 1:
+                    after = ["direct/train2", f"residual/train1/{b}"]
+                    jobs.add(f"residual/train2/{b}", self.residual(b, 2), after=after)
+        for stage in range(1, self.stages + 1):
+            for condition in ["clean", *self.conditions]:
+                tag = "" if condition == "clean" else f"/{condition}"
+                jobs.add(f"backprojection/eval{stage}{tag}", self.evaluate("backprojection", None, stage, condition))
+                for method in self.methods:
+                    if method == "min_snr" and stage > 1:
+                        continue
+                    for b in self.budgets if condition == "clean" else self.budgets[-2:]:
+                        trained = f"residual/train{stage}/{b}" if method == "residual" else f"{method}/train{stage}"
+                        task = self.evaluate(method, b, stage, condition)
+                        jobs.add(f"{method}/eval{stage}/{b}{tag}", task, after=[trained])
+        return jobs
 
 
 def _condition(name: str, settings: dict) -> dict[str, Any]:
