@@ -31,13 +31,16 @@ import torch
 from common.demo.images import make_diffusion_demo
 from scripts.harness.faults import RUN_SETTINGS, BundleCase
 from scripts.harness.tools import (
+    NO_VALIDATION,
     alternate,
     bundle_command,
     device_name,
     print_table,
     print_throughput,
     run_command,
+    save_summary,
     setup,
+    shape_label,
     sync,
     timed_loop,
     train_config,
@@ -127,9 +130,8 @@ def ddpm_sampling(
         seed: seed of the network's weights and the input volume.
         output: JSON file for the results.
     """
-    from common.diffusion.engines import DIFFUSION_MODES, sampling_grid
-    from common.diffusion.networks import DiffusionSampler
-    from common.utils import autocast, default_amp
+    from common.diffusion.engines import DIFFUSION_MODES
+    from common.utils import default_amp
 
     dev, _ = setup(device, num_threads, 0)
     amp = amp or default_amp(dev)
@@ -146,36 +148,15 @@ def ddpm_sampling(
     network = _unet(settings, int(in_channels), 1, dev).eval()
     counter = _CallCounter(network)
     image = torch.randn(1, int(in_channels), *[int(s) for s in shape], device=dev)
-    rows, results = [], {}
-    for mode in modes:
-        steps = sampling_grid(mode, grid, num_grid_steps, num_train_timesteps)
-        sampler = DiffusionSampler(
-            network,
-            target_channels=[int(in_channels) - 1],
-            in_channels=int(in_channels),
-            timesteps=steps,
-            num_train_timesteps=num_train_timesteps,
-            roi_size=roi_size,
-            sw_batch_size=sw_batch_size,
-            overlap=overlap,
-        )
-        with torch.no_grad(), autocast(dev, amp):  # warm-up (CUDA kernels, cuDNN plans), untimed
-            sampler._denoise(image, int(steps[-1]))
-        counter.calls = counter.items = 0
-        sync(dev)
-        start = time.perf_counter()
-        with torch.no_grad(), autocast(dev, amp):
-            sample = sampler(image)
-        sync(dev)
-        seconds = time.perf_counter() - start
-        assert torch.isfinite(sample).all()
-        results[mode] = {
-            "time_steps": len(steps),
-            "seconds": seconds,
-            "network_calls": counter.calls,
-            "window_forwards": counter.items,
-        }
-        rows.append([mode, len(steps), counter.calls, counter.items, f"{seconds:.1f}"])
+    sampler = {
+        "in_channels": int(in_channels),
+        "num_train_timesteps": num_train_timesteps,
+        "roi_size": roi_size,
+        "sw_batch_size": sw_batch_size,
+        "overlap": overlap,
+    }
+    grid_of = {"grid": grid, "num_grid_steps": num_grid_steps, "num_train_timesteps": num_train_timesteps}
+    results = {mode: _time_sampling(network, counter, image, mode, grid_of, sampler, amp) for mode in modes}
     counter.handle.remove()
     summary = {
         "device": device_name(dev),
@@ -189,18 +170,67 @@ def ddpm_sampling(
     }
     if dev.type == "cuda":
         summary["peak_mem_gib"] = torch.cuda.max_memory_allocated(dev) / 2**30
-    print_table(["sampler", "time steps", "network calls", "window forwards", "seconds / volume"], rows)
     if "fast" in results and "baseline" in results:
         fast, base = results["fast"], results["baseline"]
         summary["time_ratio_fast_over_baseline"] = fast["seconds"] / base["seconds"]
         summary["evaluation_ratio_fast_over_baseline"] = fast["window_forwards"] / base["window_forwards"]
+    _print_sampling(summary, modes)
+    return save_summary(summary, output)
+
+
+def _time_sampling(
+    network: torch.nn.Module,
+    counter: _CallCounter,
+    image: torch.Tensor,
+    mode: str,
+    grid: dict,
+    sampler: dict,
+    amp: str,
+) -> dict:
+    """Sample ``image``'s target once with ``mode``'s sampler after one untimed denoising call (CUDA kernels,
+    cuDNN plans): its time steps, seconds and network evaluations (calls and window forwards, from ``counter``)."""
+    from common.diffusion.engines import sampling_grid
+    from common.diffusion.networks import DiffusionSampler
+    from common.utils import autocast
+
+    steps = sampling_grid(mode, grid["grid"], grid["num_grid_steps"], grid["num_train_timesteps"])
+    run = DiffusionSampler(network, target_channels=[sampler["in_channels"] - 1], timesteps=steps, **sampler)
+    dev = image.device
+    with torch.no_grad(), autocast(dev, amp):
+        run._denoise(image, int(steps[-1]))
+    counter.calls = counter.items = 0
+    sync(dev)
+    start = time.perf_counter()
+    with torch.no_grad(), autocast(dev, amp):
+        sample = run(image)
+    sync(dev)
+    seconds = time.perf_counter() - start
+    if not torch.isfinite(sample).all():
+        raise RuntimeError(f"the {mode} sampler gave non-finite values")
+    return {
+        "time_steps": len(steps),
+        "seconds": seconds,
+        "network_calls": counter.calls,
+        "window_forwards": counter.items,
+    }
+
+
+def _print_sampling(summary: dict, modes: Sequence[str]) -> None:
+    """The report of ``ddpm_sampling``: one Markdown row per sampler, then the fast / baseline ratios."""
+    print_table(
+        ["sampler", "time steps", "network calls", "window forwards", "seconds / volume"],
+        [
+            [m, summary[m]["time_steps"], summary[m]["network_calls"], summary[m]["window_forwards"]]
+            + [f"{summary[m]['seconds']:.1f}"]
+            for m in modes
+        ],
+    )
+    if "time_ratio_fast_over_baseline" in summary:
         print(
             f"\nfast / baseline: time {summary['time_ratio_fast_over_baseline']:.4f}, network evaluations "
-            f"{summary['evaluation_ratio_fast_over_baseline']:.4f} ({device_name(dev)}, {'x'.join(map(str, shape))})"
+            f"{summary['evaluation_ratio_fast_over_baseline']:.4f} ({summary['device']}, "
+            f"{shape_label(summary['shape'])})"
         )
-    if output:
-        Path(output).write_text(json.dumps(summary, indent=2))
-    return summary
 
 
 def _bundle_cmd(run_id: str, configs: Sequence[str], overrides: dict) -> list[str]:
@@ -281,7 +311,7 @@ def ddpm_quality(
     rows = []
     for mode in ("fast", "baseline"):
         run = {**common, "diffusion_mode": mode, "output_dir": str(work / mode)}
-        train = {**run, "max_epochs": 1, "epoch_length": iterations, "val_interval": 10**6, "ckpt_interval": 10**6}
+        train = {**run, "max_epochs": 1, "epoch_length": iterations, **NO_VALIDATION}
         train_seconds = _run(_bundle_cmd("training", configs, train))
         # no validation during training: the final EMA weights (what model.pt holds) are evaluated once
         models = work / mode / "models"
@@ -290,8 +320,7 @@ def ddpm_quality(
         eval_seconds = _run(_bundle_cmd("run", [*configs, "evaluate.json"], run))
         metrics = json.loads((work / mode / "eval" / "metrics.json").read_text())["latest"]
         summary["modes"][mode] = {"train_seconds": train_seconds, "eval_seconds": eval_seconds, **metrics}
-        if output:  # after each mode: a run cut short keeps what it measured
-            Path(output).write_text(json.dumps(summary, indent=2))
+        save_summary(summary, output)  # after each mode: a run cut short keeps what it measured
         rows.append(
             [
                 mode,
@@ -465,20 +494,15 @@ def ddpm_throughput(
             profile=profile,
         ),
     }
-    print_throughput(
-        summary,
-        {
-            "device": summary["device"],
-            "patch": "x".join(map(str, patch_size)),
-            "U-Net channels": unet["unet_channels"],
-            "batch": summary["batch"],
-            "amp": s["amp"],
-            "compile": bool(compile),
-        },
-    )
-    if output:
-        Path(output).write_text(json.dumps(summary, indent=2))
-    return summary
+    _print_throughput(summary)
+    return save_summary(summary, output)
+
+
+def _print_throughput(summary: dict) -> None:
+    """The report of ``ddpm_throughput``: one Markdown row, the run's sizes and then the measured rates."""
+    leading = {"device": summary["device"], "patch": shape_label(summary["patch_size"])}
+    leading |= {"U-Net channels": summary["unet"]["unet_channels"], "batch": summary["batch"]}
+    print_throughput(summary, leading | {"amp": summary["amp"], "compile": summary["compile"]})
 
 
 def fault_case(root: Path, seed: int) -> BundleCase:

@@ -23,7 +23,6 @@ give: tied quantiles are merged). Both are in the results.
 from __future__ import annotations
 
 import functools
-import json
 import os
 import statistics
 import tempfile
@@ -40,7 +39,9 @@ from scripts.harness.tools import (
     device_name,
     print_table,
     print_throughput,
+    save_summary,
     setup,
+    shape_label,
     sync,
     timed_loop,
     train_config,
@@ -286,20 +287,15 @@ def mace_throughput(
         **chosen,
         **results,
     }
-    print_throughput(
-        summary,
-        {
-            "device": summary["device"],
-            "image": "x".join(map(str, size)),
-            "backbone": backbone,
-            "batch": batch_size,
-            "amp": s["amp"],
-            "compile": bool(compile),
-        },
-    )
-    if output:
-        Path(output).write_text(json.dumps(summary, indent=2))
-    return summary
+    _print_throughput(summary)
+    return save_summary(summary, output)
+
+
+def _print_throughput(summary: dict) -> None:
+    """The report of ``mace_throughput``: one Markdown row, the run's sizes and then the measured rates."""
+    leading = {"device": summary["device"], "image": shape_label(summary["image_size"])}
+    leading |= {"backbone": summary["backbone"], "batch": summary["batch"]}
+    print_throughput(summary, leading | {"amp": summary["amp"], "compile": summary["compile"]})
 
 
 #: the ``train#dataset`` of the reference run: every training case cached once, nothing replaced
@@ -411,40 +407,21 @@ def mace_smartcache(
     file_spacing = [sp * s_ / f for sp, s_, f in zip(DEMO_SPACING, size, files)]
     if files != size:
         base["spacing"] = list(DEMO_SPACING)
-    rows, runs = [], []
     with tempfile.TemporaryDirectory() as tmp:
         start = time.perf_counter()
         csv = _make_cohort(Path(tmp) / "cohort", n_cases, files, file_spacing, seed=seed, censoring=censoring)
-        print(
-            f"cohort of {n_cases} volumes of {'x'.join(map(str, files))} written in {time.perf_counter() - start:.0f} s"
-        )
+        print(f"cohort of {n_cases} volumes of {shape_label(files)} written in {time.perf_counter() - start:.0f} s")
         chosen = {
             "horizons": followup_horizons(csv, horizons),
             "num_intervals": cohort_intervals(csv, train_config(BUNDLE)["num_intervals"]),
         }
         base.update(chosen)
+        # replace_rate 0: the reference, a CacheDataset of every case in place of train.json's SmartCacheDataset
         settings = [(1.0, 0.0)] + [(float(cache_rate), float(r)) for r in replace_rates]
-        for i, (cache, replace) in enumerate(settings):
-            # replace_rate 0: the reference, a CacheDataset of every case in place of train.json's SmartCacheDataset
-            dataset = {"train#dataset": CACHE_DATASET} if replace == 0 else {"replace_rate": replace}
-            overrides = {**base, "cache_rate": cache, **dataset}
-            run = _smartcache_run(csv, Path(tmp) / f"run{i}", s, overrides, epochs)
-            run.update({"cache_rate": cache, "replace_rate": replace})
-            runs.append(run)
-            kind = "CacheDataset" if replace == 0 else "SmartCacheDataset"
-            rows.append(
-                [
-                    kind,
-                    f"{cache:g}",
-                    f"{replace:g}",
-                    run["cached_cases"],
-                    f"{run['epoch_s']:.2f}",
-                    f"{run['epoch_s'] / max(run['iterations_per_epoch'], 1):.3f}",
-                    f"{run['replacement_wait_s']:.3f}",
-                    f"{run['stall_fraction']:.1%}",
-                    f"{run['data_wait']:.1%}",
-                ]
-            )
+        runs = [
+            _smartcache_setting(csv, Path(tmp) / f"run{i}", s, base, cache, replace, epochs)
+            for i, (cache, replace) in enumerate(settings)
+        ]
     summary = {
         "device": device_name(dev),
         "image_size": size,
@@ -455,6 +432,20 @@ def mace_smartcache(
         **chosen,
         "runs": runs,
     }
+    _print_smartcache(runs)
+    return save_summary(summary, output)
+
+
+def _smartcache_setting(csv: Path, work: Path, s: dict, base: dict, cache: float, replace: float, epochs: int) -> dict:
+    """One run of ``mace_smartcache``: a SmartCacheDataset holding ``cache`` of the cases and replacing ``replace``
+    of them per epoch, or with ``replace`` 0 the reference CacheDataset of every case."""
+    dataset = {"train#dataset": CACHE_DATASET} if replace == 0 else {"replace_rate": replace}
+    run = _smartcache_run(csv, work, s, {**base, "cache_rate": cache, **dataset}, epochs)
+    return {**run, "cache_rate": cache, "replace_rate": replace}
+
+
+def _print_smartcache(runs: list[dict]) -> None:
+    """The report of ``mace_smartcache``: one Markdown row per run, the reference first."""
     print_table(
         [
             "dataset",
@@ -467,11 +458,21 @@ def mace_smartcache(
             "stall",
             "data wait",
         ],
-        rows,
+        [
+            [
+                "CacheDataset" if run["replace_rate"] == 0 else "SmartCacheDataset",
+                f"{run['cache_rate']:g}",
+                f"{run['replace_rate']:g}",
+                run["cached_cases"],
+                f"{run['epoch_s']:.2f}",
+                f"{run['epoch_s'] / max(run['iterations_per_epoch'], 1):.3f}",
+                f"{run['replacement_wait_s']:.3f}",
+                f"{run['stall_fraction']:.1%}",
+                f"{run['data_wait']:.1%}",
+            ]
+            for run in runs
+        ],
     )
-    if output:
-        Path(output).write_text(json.dumps(summary, indent=2))
-    return summary
 
 
 MACE_HORIZONS = (1.0, 2.0)  # years: the evaluation horizons of the small mace_survival job

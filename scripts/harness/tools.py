@@ -28,6 +28,7 @@ from common.bundle import resolve_bundle
 __all__ = [
     "GIB",
     "KERNEL_KINDS",
+    "NO_VALIDATION",
     "PEAK_BF16_TFLOPS",
     "REPO_ROOT",
     "alternate",
@@ -43,7 +44,9 @@ __all__ = [
     "print_throughput",
     "run_probe",
     "run_command",
+    "save_summary",
     "setup",
+    "shape_label",
     "step_flops",
     "sync",
     "time_engine",
@@ -52,6 +55,8 @@ __all__ = [
 ]
 
 GIB = 2**30
+#: what turns validation and periodic checkpoints off in a timed training run (its final weights are evaluated once)
+NO_VALIDATION = {"val_interval": 10**6, "ckpt_interval": 10**6}
 
 # Dense (no sparsity) bf16 tensor-core peak in TFLOP/s from the vendors' data sheets, matched in order against the
 # CUDA device name; the first key contained in the name wins, so the specific variants come first.
@@ -138,6 +143,18 @@ def print_table(header: Sequence[str], rows: Sequence[Sequence]) -> None:
         print("| " + " | ".join(str(cell) for cell in row) + " |")
 
 
+def save_summary(summary: dict, output: str | None) -> dict:
+    """Write a benchmark's result as JSON to ``output`` (when given) and return it."""
+    if output:
+        Path(output).write_text(json.dumps(summary, indent=2))
+    return summary
+
+
+def shape_label(shape: Sequence[int]) -> str:
+    """A volume or patch size as it is printed in the tables: ``64x64x64``."""
+    return "x".join(str(int(v)) for v in shape)
+
+
 def _fixed(value: float | None, spec: str) -> str:
     return "-" if value is None else format(value, spec)
 
@@ -170,8 +187,7 @@ def bundle_trainer(
         "output_dir": output_dir,
         "max_epochs": 1,
         "epoch_length": iterations,
-        "val_interval": 10**6,
-        "ckpt_interval": 10**6,
+        **NO_VALIDATION,
         "log_interval": 10**6,
         "resume": False,
         "device": str(s["device"]),

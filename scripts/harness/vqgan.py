@@ -21,7 +21,6 @@ measurement in a fresh subprocess. Results are printed as a Markdown table and w
 
 from __future__ import annotations
 
-import json
 import math
 import statistics
 import sys
@@ -42,7 +41,9 @@ from scripts.harness.tools import (
     print_table,
     print_throughput,
     run_probe,
+    save_summary,
     setup,
+    shape_label,
     sync,
     timed_loop,
     train_config,
@@ -314,22 +315,30 @@ def vqgan_throughput(
             profile=profile,
         ),
     }
+    _print_throughput(summary)
+    return save_summary(summary, output)
+
+
+def _network_label(network: dict) -> str:
+    return f"{network['n_hiddens']}, {network['n_codes']}x{network['embedding_dim']}"
+
+
+def _print_throughput(summary: dict) -> None:
+    """The report of ``vqgan_throughput``: one Markdown row, the run's sizes and then the measured rates."""
+    disc = summary["discriminator"]
     print_throughput(
         summary,
         {
             "device": summary["device"],
-            "patch": "x".join(map(str, patch_size)),
-            "VQGAN (hiddens, codes x dim)": f"{network['n_hiddens']}, {network['n_codes']}x{network['embedding_dim']}",
-            "disc (channels x layers)": f"{s['disc_channels']}x{s['disc_layers']}",
+            "patch": shape_label(summary["patch_size"]),
+            "VQGAN (hiddens, codes x dim)": _network_label(summary["network"]),
+            "disc (channels x layers)": f"{disc['channels']}x{disc['num_layers']}",
             "batch": summary["batch"],
-            "micro-batch": s["micro_batch_size"],
-            "amp": s["amp"],
-            "compile": s["compile"],
+            "micro-batch": summary["micro_batch_size"],
+            "amp": summary["amp"],
+            "compile": summary["compile"],
         },
     )
-    if output:
-        Path(output).write_text(json.dumps(summary, indent=2))
-    return summary
 
 
 def _memory_volume_shape(patch_size: Sequence[int], downsample: Sequence[int] | int) -> list[int]:
@@ -528,33 +537,43 @@ def vqgan_memory(
         "channels": int(config["disc_channels"] if disc_channels is None else disc_channels),
         "num_layers": int(config["disc_layers"] if disc_layers is None else disc_layers),
     }
-    rows = []
-    for run in _vqgan_memory_runs(patch_sizes, micro_batch_sizes, batch_size, patches_per_volume, extra_runs):
-        label = f"{'x'.join(map(str, run['patch_size']))}, micro-batch {run['micro_batch_size']}"
-        print(f"measuring {label}, {run['batch_size']}x{run['patches_per_volume']} patches/step ...", file=sys.stderr)
-        start = time.perf_counter()
-        try:
-            row = run_probe(
-                __name__,
-                "vqgan_memory_probe",
-                **run,
-                network=network,
-                disc_channels=disc["channels"],
-                disc_layers=disc["num_layers"],
-                device=device,
-                amp=amp,
-                steps=int(steps),
-                warmup=int(warmup),
-                num_threads=num_threads,
-            )
-        except RuntimeError as exc:  # e.g. out of memory: keep the other rows
-            row = {**run, "patches_per_step": run["batch_size"] * run["patches_per_volume"], "error": str(exc)[-500:]}
-        print(f"  done in {time.perf_counter() - start:.0f} s", file=sys.stderr)
-        rows.append(row)
+    runs = _vqgan_memory_runs(patch_sizes, micro_batch_sizes, batch_size, patches_per_volume, extra_runs)
+    probe = {
+        "network": network,
+        "disc_channels": disc["channels"],
+        "disc_layers": disc["num_layers"],
+        "device": device,
+        "amp": amp,
+        "steps": int(steps),
+        "warmup": int(warmup),
+        "num_threads": num_threads,
+    }
+    rows = [_measure_memory_run(run, probe) for run in runs]
+    _print_memory(rows, device, amp)
+    summary = {"network": network, "discriminator": disc, "steps": int(steps), "warmup": int(warmup), "rows": rows}
+    return save_summary(summary, output)
 
-    def gib(value) -> str:
-        return "-" if value is None else f"{value:.2f}"
 
+def _measure_memory_run(run: dict, probe: dict) -> dict:
+    """One row of ``vqgan_memory``: ``vqgan_memory_probe`` in a fresh process; a failed probe (out of memory, for
+    example) is a row with its ``error``, so the other rows are kept."""
+    label = f"{shape_label(run['patch_size'])}, micro-batch {run['micro_batch_size']}"
+    print(f"measuring {label}, {run['batch_size']}x{run['patches_per_volume']} patches/step ...", file=sys.stderr)
+    start = time.perf_counter()
+    try:
+        row = run_probe(__name__, "vqgan_memory_probe", **run, **probe)
+    except RuntimeError as exc:
+        row = {**run, "patches_per_step": run["batch_size"] * run["patches_per_volume"], "error": str(exc)[-500:]}
+    print(f"  done in {time.perf_counter() - start:.0f} s", file=sys.stderr)
+    return row
+
+
+def _gib(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}"
+
+
+def _print_memory(rows: list[dict], device: str, amp: str) -> None:
+    """The report of ``vqgan_memory``: one Markdown row per run (a failed run shows its last error line)."""
     print_table(
         [
             "device",
@@ -570,7 +589,7 @@ def vqgan_memory(
         [
             [
                 r.get("device", device),
-                "x".join(map(str, r["patch_size"])),
+                shape_label(r["patch_size"]),
                 r["patches_per_step"],
                 r["micro_batch_size"],
                 r.get("amp", amp),
@@ -578,9 +597,9 @@ def vqgan_memory(
                     ["failed: " + r["error"].strip().splitlines()[-1][:80], "-", "-", "-"]
                     if "error" in r
                     else [
-                        gib(r["peak_mem_gib"]),
-                        gib(r["steady_peak_mem_gib"]),
-                        gib(r["start_mem_gib"]),
+                        _gib(r["peak_mem_gib"]),
+                        _gib(r["steady_peak_mem_gib"]),
+                        _gib(r["start_mem_gib"]),
                         f"{r['seconds_per_step']:.2f}",
                     ]
                 ),
@@ -588,10 +607,6 @@ def vqgan_memory(
             for r in rows
         ],
     )
-    summary = {"network": network, "discriminator": disc, "steps": int(steps), "warmup": int(warmup), "rows": rows}
-    if output:
-        Path(output).write_text(json.dumps(summary, indent=2))
-    return summary
 
 
 def _n_windows(shape: Sequence[int], roi: Sequence[int], overlap: float) -> int:
@@ -824,10 +839,33 @@ def vqgan_reconstruction(
         )
         for sw in sw_batch_sizes
     ]
+    _print_reconstruction(rows, roi, network)
+    summary = {
+        "network": network,
+        "patch_size": roi,
+        "overlap": float(overlap),
+        "measurements": rows,
+        "volume_bytes": {
+            shape_label(shape): _volume_bytes(shape, roi),
+            shape_label(target_shape): _volume_bytes(target_shape, roi),
+        },
+    }
+    model = _memory_model(rows)
+    if model is None:
+        print("\nmemory model: needs two distinct effective sw_batch_size values (at most the number of windows).")
+    else:
+        summary["fit"] = {name: {"a_gib": a, "b_gib_per_window": b} for name, (a, b) in model.items()}
+        summary["predictions"] = _predictions(rows, model, shape, target_shape, roi, overlap, predict_sw_batch_sizes)
+        _print_predictions(rows, model, shape, target_shape, roi, summary["predictions"])
+    return save_summary(summary, output)
+
+
+def _print_reconstruction(rows: list[dict], roi: Sequence[int], network: dict) -> None:
+    """The measurements of ``vqgan_reconstruction`` as a Markdown table, one row per ``sw_batch_size``."""
 
     def stage_peaks(r: dict) -> str:
         peaks = r["stage_peak_mem_gib"]
-        return " / ".join("-" if peaks[n] is None else f"{peaks[n]:.2f}" for n in STAGES)
+        return " / ".join(_gib(peaks[n]) for n in STAGES)
 
     print_table(
         [
@@ -847,9 +885,9 @@ def vqgan_reconstruction(
         [
             [
                 r["device"],
-                "x".join(map(str, r["shape"])),
-                "x".join(map(str, roi)),
-                f"{network['n_hiddens']}, {network['n_codes']}x{network['embedding_dim']}",
+                shape_label(r["shape"]),
+                shape_label(roi),
+                _network_label(network),
                 r["amp"],
                 r["sw_batch_size"]
                 if r["sw_batch_size"] == r["effective_sw_batch_size"]
@@ -864,67 +902,77 @@ def vqgan_reconstruction(
             for r in rows
         ],
     )
-    measured, target = _volume_bytes(shape, roi), _volume_bytes(target_shape, roi)
-    target_windows = _n_windows(target_shape, roi, overlap)
-    summary = {
-        "network": network,
-        "patch_size": roi,
-        "overlap": float(overlap),
-        "measurements": rows,
-        "volume_bytes": {"x".join(map(str, shape)): measured, "x".join(map(str, target_shape)): target},
-    }
-    model = _memory_model(rows)
-    if model is None:
-        print("\nmemory model: needs two distinct effective sw_batch_size values (at most the number of windows).")
-    else:
-        extra = (target["total"] - measured["total"]) / GIB
-        predictions = []
-        for sw in predict_sw_batch_sizes:
-            effective = min(int(sw), target_windows)
-            nearest = min(rows, key=lambda r: abs(r["effective_sw_batch_size"] - effective))
-            predictions.append(
-                {
-                    "sw_batch_size": int(sw),
-                    **_predict_peak(model, effective, extra),
-                    "seconds_per_volume": nearest["seconds_per_window"] * target_windows,
-                    "seconds_per_window_from_sw_batch_size": nearest["sw_batch_size"],
-                }
-            )
-        summary["fit"] = {name: {"a_gib": a, "b_gib_per_window": b} for name, (a, b) in model.items()}
-        summary["predictions"] = {"shape": list(target_shape), "windows": target_windows, "rows": predictions}
-        fits = ", ".join(f"{name} {a:.2f} + {b:.2f} x sw" for name, (a, b) in model.items())
-        print(
-            f"\nmemory model ({rows[0]['device']}, {rows[0]['amp']}, {'x'.join(map(str, shape))}, GiB): {fits}. "
-            f"Whole-volume float32 tensors: {'x'.join(map(str, shape))} input {measured['input'] / GIB:.2f} + "
-            f"output/count {measured['output_buffers'] / GIB:.2f} GiB; {'x'.join(map(str, target_shape))} input "
-            f"{target['input'] / GIB:.2f} + output/count {target['output_buffers'] / GIB:.2f} GiB."
+
+
+def _predictions(
+    rows: list[dict],
+    model: dict,
+    shape: Sequence[int],
+    target_shape: Sequence[int],
+    roi: Sequence[int],
+    overlap: float,
+    sw_batch_sizes: Sequence[int],
+) -> dict:
+    """Peak memory and time of a ``target_shape`` reconstruction per ``sw_batch_size``, from the memory model plus
+    the growth of the whole-volume tensors, and the measured time per window at the nearest measured batch."""
+    extra = (_volume_bytes(target_shape, roi)["total"] - _volume_bytes(shape, roi)["total"]) / GIB
+    windows = _n_windows(target_shape, roi, overlap)
+    predictions = []
+    for sw in sw_batch_sizes:
+        effective = min(int(sw), windows)
+        nearest = min(rows, key=lambda r: abs(r["effective_sw_batch_size"] - effective))
+        predictions.append(
+            {
+                "sw_batch_size": int(sw),
+                **_predict_peak(model, effective, extra),
+                "seconds_per_volume": nearest["seconds_per_window"] * windows,
+                "seconds_per_window_from_sw_batch_size": nearest["sw_batch_size"],
+            }
         )
-        print_table(
+    return {"shape": list(target_shape), "windows": windows, "rows": predictions}
+
+
+def _print_predictions(
+    rows: list[dict],
+    model: dict,
+    shape: Sequence[int],
+    target_shape: Sequence[int],
+    roi: Sequence[int],
+    predictions: dict,
+) -> None:
+    """The memory model of ``vqgan_reconstruction`` in one line and its predictions as a Markdown table."""
+    measured_label, measured = shape_label(shape), _volume_bytes(shape, roi)
+    target_label, target = shape_label(target_shape), _volume_bytes(target_shape, roi)
+    fits = ", ".join(f"{name} {a:.2f} + {b:.2f} x sw" for name, (a, b) in model.items())
+    print(
+        f"\nmemory model ({rows[0]['device']}, {rows[0]['amp']}, {measured_label}, GiB): {fits}. "
+        f"Whole-volume float32 tensors: {measured_label} input {measured['input'] / GIB:.2f} + "
+        f"output/count {measured['output_buffers'] / GIB:.2f} GiB; {target_label} input "
+        f"{target['input'] / GIB:.2f} + output/count {target['output_buffers'] / GIB:.2f} GiB."
+    )
+    print_table(
+        [
+            "volume",
+            "windows",
+            "sw batch",
+            "predicted peak, linear fit (GiB)",
+            "predicted peak, largest stage (GiB)",
+            "output + count buffers (GiB)",
+            "est. time / volume (s)",
+        ],
+        [
             [
-                "volume",
-                "windows",
-                "sw batch",
-                "predicted peak, linear fit (GiB)",
-                "predicted peak, largest stage (GiB)",
-                "output + count buffers (GiB)",
-                "est. time / volume (s)",
-            ],
-            [
-                [
-                    "x".join(map(str, target_shape)),
-                    target_windows,
-                    p["sw_batch_size"],
-                    f"{p['linear_fit_gib']:.2f}",
-                    f"{p['max_of_stages_gib']:.2f}",
-                    f"{target['output_buffers'] / GIB:.2f}",
-                    f"{p['seconds_per_volume']:.0f} (s/window at sw {p['seconds_per_window_from_sw_batch_size']})",
-                ]
-                for p in predictions
-            ],
-        )
-    if output:
-        Path(output).write_text(json.dumps(summary, indent=2))
-    return summary
+                target_label,
+                predictions["windows"],
+                p["sw_batch_size"],
+                f"{p['linear_fit_gib']:.2f}",
+                f"{p['max_of_stages_gib']:.2f}",
+                f"{target['output_buffers'] / GIB:.2f}",
+                f"{p['seconds_per_volume']:.0f} (s/window at sw {p['seconds_per_window_from_sw_batch_size']})",
+            ]
+            for p in predictions["rows"]
+        ],
+    )
 
 
 def fault_case(root: Path, seed: int) -> BundleCase:

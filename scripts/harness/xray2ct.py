@@ -43,6 +43,7 @@ import torch
 from common.bundle_tools.registry import describe
 from scripts.harness.faults import RUN_SETTINGS, BundleCase
 from scripts.harness.tools import (
+    NO_VALIDATION,
     REPO_ROOT,
     alternate,
     bundle_command,
@@ -51,7 +52,9 @@ from scripts.harness.tools import (
     print_table,
     print_throughput,
     run_command,
+    save_summary,
     setup,
+    shape_label,
     timed_loop,
     train_config,
 )
@@ -233,15 +236,6 @@ def xray_throughput(
     view_size=None,
     stage_sizes=None,
     n_cases: int = 8,
-    unet_channels=None,
-    attention_levels=None,
-    norm_num_groups: int | None = None,
-    num_head_channels: int | None = None,
-    vit_patch_size: int | None = None,
-    vit_hidden_size: int | None = None,
-    vit_mlp_dim: int | None = None,
-    vit_layers: int | None = None,
-    vit_heads: int | None = None,
     amp: str | None = None,
     compile: bool = False,
     profile: bool = False,
@@ -251,6 +245,7 @@ def xray_throughput(
     baseline_workers: int | None = None,
     seed: int = 0,
     output: str | None = None,
+    **network,
 ) -> dict:
     """``xray2ct_cascade`` trainer of one stage vs a plain loop, same network, batch, data and loss, alternating in
     one process, on chest CT phantoms.
@@ -272,8 +267,6 @@ def xray_throughput(
         view_size: ``(H, W)`` of the X-rays.
         stage_sizes: the volume size of every stage (replaces the device's default list).
         n_cases: training phantoms (one more for the validation set the bundle builds).
-        unet_channels, attention_levels, norm_num_groups, num_head_channels, vit_patch_size, vit_hidden_size,
-            vit_mlp_dim, vit_layers, vit_heads: the network (the device's default by default).
         amp: the bundle's autocast, ``bf16``/``fp16``/``none`` (default: bf16 on GPUs, none on CPUs); the plain
             loop always runs in fp32, as the public scripts do.
         compile: ``torch.compile`` the bundle's denoiser (its ``compile`` id).
@@ -286,107 +279,41 @@ def xray_throughput(
         baseline_workers: DataLoader workers of the plain loop (default: 4 on GPU machines, 0 on CPUs).
         seed: seed of the phantoms, the earlier stages' random weights, the plain loop and the bundle's runs.
         output: JSON file for the results.
+        network: the network's ``train.json`` ids (:data:`NETWORK_KEYS`: ``unet_channels``, ``attention_levels``,
+            ``norm_num_groups``, ``num_head_channels``, ``vit_patch_size``, ``vit_hidden_size``, ``vit_mlp_dim``,
+            ``vit_layers``, ``vit_heads``, ...; the device's default network by default).
 
     The phantoms are written at the stage's volume size; both sides resample them to the last stage's size
     (``source_size``), make the X-rays there and average the CT down to the stage's size, as the bundle does.
+
+    Raises:
+        ValueError: for a keyword that is not an argument or a network id, or a stage without a size.
     """
     from common.demo.images import make_xray2ct_demo
-    from common.utils import default_amp
-    from common.xray2ct.engines import stage_value
 
+    unknown = sorted(set(network) - set(NETWORK_KEYS))
+    if unknown:
+        raise ValueError(f"xray_throughput takes no {unknown}; its network ids are {list(NETWORK_KEYS)}.")
     dev, workers = setup(device, num_threads, baseline_workers)
     torch.manual_seed(int(seed))
-    stage = int(stage)
-    settings = _defaults(
-        dev,
-        stage_sizes=stage_sizes,
-        view_size=view_size,
-        unet_channels=unet_channels,
-        attention_levels=attention_levels,
-        norm_num_groups=norm_num_groups,
-        num_head_channels=num_head_channels,
-        vit_patch_size=vit_patch_size,
-        vit_hidden_size=vit_hidden_size,
-        vit_mlp_dim=vit_mlp_dim,
-        vit_layers=vit_layers,
-        vit_heads=vit_heads,
-    )
-    sizes = [list(size) for size in settings["stage_sizes"]]
-    stage_value(sizes, stage, "stage_sizes")  # raises for a stage without a size
-    if volume_size is not None:
-        sizes = _with_stage_size(sizes, stage, volume_size)
-    config = train_config(BUNDLE)
-    runs = GPU_THROUGHPUT_RUNS if dev.type == "cuda" else CPU_THROUGHPUT_RUNS.get(stage, CPU_THROUGHPUT_RUNS[2])
-    iterations = runs[0] if iterations is None else int(iterations)
-    warmup = runs[1] if warmup is None else int(warmup)
-    repeats = runs[2] if repeats is None else int(repeats)
-    per_stage = config["stage_batch_size"]
-    batch = int(batch_size or stage_value(per_stage, min(stage, len(per_stage)), "stage_batch_size"))
-    lr = float(stage_value(config["stage_lr"], min(stage, len(config["stage_lr"])), "stage_lr"))
-    view = [int(v) for v in settings["view_size"]]
+    settings = _defaults(dev, stage_sizes=stage_sizes, view_size=view_size, **network)
+    s = _stage_settings(dev, int(stage), settings, volume_size, batch_size, amp)
+    iterations, warmup, repeats = _throughput_runs(dev, s["stage"], iterations, warmup, repeats)
     network = {k: settings[k] for k in NETWORK_KEYS}
-    network_settings = {**network, "use_flash_attention": dev.type == "cuda"}  # train.json's choice
-    s = {
-        "device": dev,
-        "amp": amp or default_amp(dev),
-        "batch_size": batch,
-        "num_samples": 1,
-        "volume_size": sizes[stage - 1],
-        "source_size": sizes[-1],  # train.json's: the X-rays of every stage are made from the CT at the last size
-        "stage": stage,
-        "stage_sizes": sizes,
-        "previous_size": sizes[stage - 2] if stage > 1 else None,
-        "view_size": view,
-        "network": network_settings,
-        "lr": lr,
-    }
+    fov = train_config(BUNDLE)["fov_mm"]
+    make_data = functools.partial(
+        make_xray2ct_demo, n_train=int(n_cases), n_val=1, shape=s["volume_size"], fov_mm=fov, seed=int(seed)
+    )
     with tempfile.TemporaryDirectory() as tmp:
-        extra = {
-            **network,
-            "stage": stage,
-            "stage_sizes": sizes,
-            "view_size": view,
-            "mode": "diffusion",
-            "batch_size": batch,
-            "lr": lr,
-            "lr_scaling": "none",
-            "compile": bool(compile),
-            "gradient_checkpointing": bool(gradient_checkpointing),
-            "output_dir": tmp,
-            "init_from_previous": False,
-            "previous_ckpts": _random_previous_stages(Path(tmp), stage, view, network_settings, int(seed)) or None,
-            "seed": int(seed),
-        }
-        make_data = functools.partial(
-            make_xray2ct_demo,
-            n_train=int(n_cases),
-            n_val=1,
-            shape=s["volume_size"],
-            fov_mm=config["fov_mm"],
-            seed=int(seed),
-        )
-        result = alternate(
-            s,
-            BUNDLE,
-            _xray_plain_loop if plain else None,
-            iterations,
-            warmup,
-            repeats,
-            workers,
-            make_data,
-            ("image",),
-            extra,
-            profile=profile,
-        )
+        extra = _throughput_overrides(s, network, Path(tmp), compile, gradient_checkpointing, int(seed))
+        plain_loop = _xray_plain_loop if plain else None
+        args = (iterations, warmup, repeats, workers, make_data, ("image",), extra)
+        result = alternate(s, BUNDLE, plain_loop, *args, profile=profile)
     summary = {
         "device": device_name(dev),
-        "stage": stage,
-        "volume_size": s["volume_size"],
-        "previous_size": s["previous_size"],
-        "source_size": s["source_size"],
-        "view_size": view,
+        **{k: s[k] for k in ("stage", "volume_size", "previous_size", "source_size", "view_size")},
         "network": network,
-        "batch": batch,
+        "batch": s["batch_size"],
         "amp": s["amp"],
         "compile": bool(compile),
         "gradient_checkpointing": bool(gradient_checkpointing),
@@ -395,22 +322,81 @@ def xray_throughput(
         "repeats": repeats,
         **result,
     }
-    print_throughput(
-        summary,
-        {
-            "device": summary["device"],
-            "stage": stage,
-            "volume": "x".join(map(str, s["volume_size"])),
-            "views": f"{len(config['views'])}x" + "x".join(map(str, view)),
-            "U-Net channels": network["unet_channels"],
-            "batch": batch,
-            "amp": s["amp"],
-            "compile": bool(compile),
-        },
-    )
-    if output:
-        Path(output).write_text(json.dumps(summary, indent=2))
-    return summary
+    _print_throughput(summary)
+    return save_summary(summary, output)
+
+
+def _throughput_runs(
+    device: torch.device, stage: int, iterations: int | None, warmup: int | None, repeats: int | None
+) -> tuple[int, int, int]:
+    """The timed iterations, warm-up steps and repeats of ``xray_throughput``: the device's and stage's defaults
+    (:data:`CPU_THROUGHPUT_RUNS`, :data:`GPU_THROUGHPUT_RUNS`) where not given."""
+    runs = GPU_THROUGHPUT_RUNS if device.type == "cuda" else CPU_THROUGHPUT_RUNS.get(stage, CPU_THROUGHPUT_RUNS[2])
+    given = (iterations, warmup, repeats)
+    return tuple(default if value is None else int(value) for value, default in zip(given, runs))
+
+
+def _stage_settings(
+    device: torch.device, stage: int, settings: dict, volume_size, batch_size: int | None, amp: str | None
+) -> dict:
+    """The settings both sides of ``xray_throughput`` train ``stage`` with: sizes (``volume_size`` replacing the
+    stage's), ``train.json``'s batch and learning rate of the stage, the network as ``train.json`` builds it."""
+    from common.utils import default_amp
+    from common.xray2ct.engines import stage_value
+
+    sizes = [list(size) for size in settings["stage_sizes"]]
+    stage_value(sizes, stage, "stage_sizes")  # raises for a stage without a size
+    if volume_size is not None:
+        sizes = _with_stage_size(sizes, stage, volume_size)
+    config = train_config(BUNDLE)
+    per_stage = config["stage_batch_size"]
+    batch = int(batch_size or stage_value(per_stage, min(stage, len(per_stage)), "stage_batch_size"))
+    lr = float(stage_value(config["stage_lr"], min(stage, len(config["stage_lr"])), "stage_lr"))
+    network = {k: settings[k] for k in NETWORK_KEYS}
+    return {
+        "device": device,
+        "amp": amp or default_amp(device),
+        "batch_size": batch,
+        "num_samples": 1,
+        "volume_size": sizes[stage - 1],
+        "source_size": sizes[-1],  # train.json's: the X-rays of every stage are made from the CT at the last size
+        "stage": stage,
+        "stage_sizes": sizes,
+        "previous_size": sizes[stage - 2] if stage > 1 else None,
+        "view_size": [int(v) for v in settings["view_size"]],
+        "network": {**network, "use_flash_attention": device.type == "cuda"},  # train.json's choice
+        "lr": lr,
+    }
+
+
+def _throughput_overrides(
+    s: dict, network: dict, folder: Path, compile: bool, gradient_checkpointing: bool, seed: int
+) -> dict:
+    """The bundle side's overrides of ``xray_throughput``: the plain side's settings, validation off and the
+    earlier stages' weights random (saved under ``folder``), not used to initialise the stage."""
+    previous = _random_previous_stages(folder, s["stage"], s["view_size"], s["network"], seed)
+    return {
+        **network,
+        **{k: s[k] for k in ("stage", "stage_sizes", "view_size", "lr")},
+        "mode": "diffusion",
+        "batch_size": s["batch_size"],
+        "lr_scaling": "none",
+        "compile": bool(compile),
+        "gradient_checkpointing": bool(gradient_checkpointing),
+        "output_dir": str(folder),
+        "init_from_previous": False,
+        "previous_ckpts": previous or None,
+        "seed": seed,
+    }
+
+
+def _print_throughput(summary: dict) -> None:
+    """The report of ``xray_throughput``: one Markdown row, the run's sizes and then the measured rates."""
+    views = len(train_config(BUNDLE)["views"])
+    leading = {"device": summary["device"], "stage": summary["stage"], "volume": shape_label(summary["volume_size"])}
+    leading |= {"views": f"{views}x{shape_label(summary['view_size'])}"}
+    leading |= {"U-Net channels": summary["network"]["unet_channels"], "batch": summary["batch"]}
+    print_throughput(summary, leading | {"amp": summary["amp"], "compile": summary["compile"]})
 
 
 def _bundle_cmd(run_id: str, configs: Sequence[str], overrides: dict) -> list[str]:
@@ -492,31 +478,11 @@ def xray_quality(
         ValueError: for an unknown mode, ``stages``/``iterations`` below 1, or an override the benchmark sets itself.
     """
     if budgets is not None:
-        return _quality_budgets(
-            device,
-            stages,
-            output,
-            work_dir,
-            seed,
-            budgets,
-            methods,
-            num_samples,
-            guidance_scale,
-            refine_steps,
-            conditions,
-            parallel,
-            plot,
-            overrides,
-        )
+        comparison = (num_samples, guidance_scale, refine_steps, conditions, parallel, plot)
+        return _quality_budgets(device, stages, output, work_dir, seed, budgets, methods, *comparison, overrides)
     from common.utils import resolve_device
-    from common.xray2ct.networks import MODES
 
-    modes = [modes] if isinstance(modes, str) else list(modes)
-    if not modes or any(m not in MODES for m in modes) or len(set(modes)) != len(modes):
-        raise ValueError(
-            f"modes must be a non-empty list of distinct modes out of {MODES} (the 'backprojection' baseline, which "
-            f"has nothing to train, is always evaluated), got {modes!r}."
-        )
+    modes = _quality_modes(modes)
     reserved = sorted(set(overrides) & set(QUALITY_RESERVED))
     if reserved:
         raise ValueError(f"xray_quality sets {reserved} itself for every run; leave them out of the overrides.")
@@ -527,16 +493,7 @@ def xray_quality(
     iterations = int(iterations)
     if stages < 1 or iterations < 1:
         raise ValueError(f"stages and iterations must be >= 1, got stages={stages}, iterations={iterations}.")
-    defaults = _defaults(dev)
-    settings = {**defaults, **overrides, "seed": int(seed)}
-    if not isinstance(settings["stage_sizes"], (list, tuple)) or len(settings["stage_sizes"]) < stages:
-        raise ValueError(f"{stages} stages need {stages} stage sizes, got {settings['stage_sizes']!r}.")
-    settings["stage_sizes"] = [list(size) for size in settings["stage_sizes"][:stages]]
-    if "stage_sizes" not in overrides and "source_size" not in overrides:
-        # as in train.json, the X-rays of every stage are made from the CT at the last default stage's size
-        settings["source_size"] = defaults["stage_sizes"][-1]
-    if device != "auto":
-        settings["device"] = device
+    settings = _quality_settings(dev, device, stages, overrides, int(seed))
     work = Path(work_dir) if work_dir else Path(tempfile.mkdtemp(prefix="xray_quality_"))
     print(f"runs under {work}", flush=True)
     summary: dict = {
@@ -547,67 +504,78 @@ def xray_quality(
         "settings": settings,
         "modes": {},
     }
-    rows = []
     for mode in [*modes, "backprojection"]:
-        root = work / mode
-        results = summary["modes"][mode] = {}
-        for k in range(1, stages + 1):
-            run = {**settings, "stage": k, "mode": mode, "output_dir": str(root)}
-            train_seconds, trained = None, 0
-            if mode != "backprojection":
-                train = {
-                    **run,
-                    "max_epochs": 1,
-                    "epoch_length": iterations,
-                    "resume": False,
-                    "val_interval": 10**6,
-                    "ckpt_interval": 10**6,
-                }
-                train_seconds = _run(_bundle_cmd("training", ["train.json"], train))
-                # no validation during training: the final EMA weights are the stage's model, evaluated once
-                trained = _final_ema_as_model(root / f"stage{k}" / "models")
-            eval_seconds = _run(_bundle_cmd("run", ["train.json", "evaluate.json"], run))
-            metrics = json.loads((root / f"stage{k}" / f"eval_{mode}" / "metrics.json").read_text())["latest"]
-            results[f"stage{k}"] = {
-                "volume_size": settings["stage_sizes"][k - 1],
-                "iterations": trained,
-                "train_seconds": train_seconds,
-                "eval_seconds": eval_seconds,
-                **{key: metrics.get(key) for key in ("val_psnr", "val_ssim", "val_ms_ssim", "val_proj_error")},
-            }
-            r = results[f"stage{k}"]
-            rows.append(
-                [
-                    mode,
-                    k,
-                    "x".join(map(str, r["volume_size"])),
-                    trained,
-                    _fmt(None if train_seconds is None else train_seconds / 60, ".1f"),
-                    f"{eval_seconds:.0f}",
-                    _fmt(r["val_psnr"], ".2f"),
-                    _fmt(r["val_ssim"], ".4f"),
-                    _fmt(r["val_ms_ssim"], ".4f"),
-                    _fmt(r["val_proj_error"], ".4f"),
-                ]
-            )
-        if output:  # after each mode: a run cut short keeps what it measured
-            Path(output).write_text(json.dumps(summary, indent=2))
-    print_table(
-        [
-            "mode",
-            "stage",
-            "volume",
-            "iterations",
-            "training (min)",
-            "evaluation (s)",
-            "PSNR (dB)",
-            "SSIM",
-            "MS-SSIM",
-            "projection error",
-        ],
-        rows,
-    )
+        summary["modes"][mode] = {
+            f"stage{k}": _quality_stage(settings, mode, k, work / mode, iterations) for k in range(1, stages + 1)
+        }
+        save_summary(summary, output)  # after each mode: a run cut short keeps what it measured
+    _print_quality(summary)
     return summary
+
+
+def _quality_modes(modes) -> list[str]:
+    """The trained modes of ``xray_quality``: distinct modes of the bundle, at least one."""
+    from common.xray2ct.networks import MODES
+
+    modes = [modes] if isinstance(modes, str) else list(modes)
+    if not modes or any(m not in MODES for m in modes) or len(set(modes)) != len(modes):
+        raise ValueError(
+            f"modes must be a non-empty list of distinct modes out of {MODES} (the 'backprojection' baseline, which "
+            f"has nothing to train, is always evaluated), got {modes!r}."
+        )
+    return modes
+
+
+def _quality_settings(dev: torch.device, device: str, stages: int, overrides: dict, seed: int) -> dict:
+    """The overrides every command of ``xray_quality`` gets: the device's defaults (the first ``stages`` stage
+    sizes), the user's ``overrides`` over them, the seed."""
+    defaults = _defaults(dev)
+    settings = {**defaults, **overrides, "seed": seed}
+    if not isinstance(settings["stage_sizes"], (list, tuple)) or len(settings["stage_sizes"]) < stages:
+        raise ValueError(f"{stages} stages need {stages} stage sizes, got {settings['stage_sizes']!r}.")
+    settings["stage_sizes"] = [list(size) for size in settings["stage_sizes"][:stages]]
+    if "stage_sizes" not in overrides and "source_size" not in overrides:
+        # as in train.json, the X-rays of every stage are made from the CT at the last default stage's size
+        settings["source_size"] = defaults["stage_sizes"][-1]
+    if device != "auto":
+        settings["device"] = device
+    return settings
+
+
+def _quality_stage(settings: dict, mode: str, k: int, root: Path, iterations: int) -> dict:
+    """Stage ``k`` of ``mode`` in ``xray_quality``: trained for ``iterations`` (nothing for the back-projection
+    baseline) with its final EMA weights as its model, then evaluated once with ``evaluate.json``."""
+    run = {**settings, "stage": k, "mode": mode, "output_dir": str(root)}
+    train_seconds, trained = None, 0
+    if mode != "backprojection":
+        train = {**run, "max_epochs": 1, "epoch_length": iterations, "resume": False}
+        train_seconds = _run(_bundle_cmd("training", ["train.json"], {**train, **NO_VALIDATION}))
+        # no validation during training: the final EMA weights are the stage's model, evaluated once
+        trained = _final_ema_as_model(root / f"stage{k}" / "models")
+    eval_seconds = _run(_bundle_cmd("run", ["train.json", "evaluate.json"], run))
+    metrics = json.loads((root / f"stage{k}" / f"eval_{mode}" / "metrics.json").read_text())["latest"]
+    return {
+        "volume_size": settings["stage_sizes"][k - 1],
+        "iterations": trained,
+        "train_seconds": train_seconds,
+        "eval_seconds": eval_seconds,
+        **{key: metrics.get(key) for key in ("val_psnr", "val_ssim", "val_ms_ssim", "val_proj_error")},
+    }
+
+
+def _print_quality(summary: dict) -> None:
+    """The report of ``xray_quality``: one Markdown row per mode and stage."""
+    rows = []
+    for mode, results in summary["modes"].items():
+        for stage, r in results.items():
+            minutes = None if r["train_seconds"] is None else r["train_seconds"] / 60
+            rows.append(
+                [mode, int(stage.removeprefix("stage")), shape_label(r["volume_size"]), r["iterations"]]
+                + [_fmt(minutes, ".1f"), f"{r['eval_seconds']:.0f}", _fmt(r["val_psnr"], ".2f")]
+                + [_fmt(r["val_ssim"], ".4f"), _fmt(r["val_ms_ssim"], ".4f"), _fmt(r["val_proj_error"], ".4f")]
+            )
+    header = ["mode", "stage", "volume", "iterations", "training (min)", "evaluation (s)", "PSNR (dB)", "SSIM"]
+    print_table([*header, "MS-SSIM", "projection error"], rows)
 
 
 def _quality_budgets(

@@ -48,6 +48,7 @@ from pathlib import Path
 from typing import Any
 
 from common.xray2ct.metrics import UNCERTAINTY_SCORES
+from scripts.harness.tools import NO_VALIDATION
 
 __all__ = [
     "BUDGET_METHODS",
@@ -311,8 +312,7 @@ class _BudgetRun:
             "epoch_length": epoch,
             "max_epochs": iterations // epoch,
             "resume": resume,
-            "val_interval": 10**6,
-            "ckpt_interval": 10**6,
+            **NO_VALIDATION,
             "init_from_previous": False,
             "deterministic": True,
         }
