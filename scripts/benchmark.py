@@ -4,14 +4,10 @@
 reconstruction and sampling cost, quality at equal budgets, and the GPU campaign that runs them all.
 
     python scripts/benchmark.py throughput                         # autoencoder_3d, CPU or GPU
-    python scripts/benchmark.py throughput --patch_size "[64,64,64]" --iterations 40
     python scripts/benchmark.py memory --patch_sizes "[[32,32,32],[64,64,64]]"
     python scripts/benchmark.py vqgan_throughput                   # vqgan_3d, CPU or GPU
-    python scripts/benchmark.py vqgan_throughput --patch_size "[64,64,64]" --n_hiddens 16 --iterations 20
     python scripts/benchmark.py vqgan_memory                       # train.json network, 64^3 and 128^3 patches
-    python scripts/benchmark.py vqgan_memory --device cuda --amp bf16 --micro_batch_sizes "[1,2,4]"
     python scripts/benchmark.py vqgan_reconstruction               # reduced volume (128x128x151) on the CPU
-    python scripts/benchmark.py vqgan_reconstruction --shape "[512,512,604]" --sw_batch_sizes "[1,2,4]" --device cuda
     python scripts/benchmark.py ddpm_sampling                      # fast_ddpm_3d: 10-step grid vs 1000 steps
     python scripts/benchmark.py ddpm_quality                       # equal training budgets, fast vs baseline
     python scripts/benchmark.py ddpm_throughput                    # fast_ddpm_3d trainer vs a plain loop

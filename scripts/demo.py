@@ -108,19 +108,8 @@ def main(
     except UserError as e:
         raise SystemExit(f"error: {e}") from None
     bundle = described.name
-    stages = len(described.stage_iterations.get(profile, ()))
-    if stage_iterations is not None and not (
-        described.staged
-        and isinstance(stage_iterations, (list, tuple))
-        and len(stage_iterations) == stages
-        and all(isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in stage_iterations)
-    ):
-        raise SystemExit(
-            f"error: 'stage_iterations' must be {stages} positive integers (one per stage of {bundle}), got "
-            f"{stage_iterations!r}."
-            if described.staged
-            else f"error: {bundle} is not trained stage by stage: 'stage_iterations' does not apply."
-        )
+    if problem := _stage_iterations_problem(described, profile, stage_iterations):
+        raise SystemExit(f"error: {problem}")
     if max_epochs is not None:
         overrides["max_epochs"] = int(max_epochs)
     overrides.update(extra)
@@ -160,11 +149,38 @@ def main(
         base + ["run", "--config_file", json.dumps([*train_files, str(configs / "evaluate.json")]), *_args(evaluation)]
     )
     metrics = json.loads((eval_dir / "metrics.json").read_text())["latest"]
+    print(f"\n{bundle}: trained in {trained / 60:.1f} min on {'GPU' if use_gpu else 'CPU'}")
+    _print_report(described, metrics, out, run_dir, eval_dir)
+    return metrics
+
+
+def _stage_iterations_problem(described, profile: str, stage_iterations: Sequence[int] | None) -> str | None:
+    """What is wrong with ``--stage_iterations`` for the bundle (one positive integer per stage of a bundle trained
+    stage by stage), or None."""
+    stages = len(described.stage_iterations.get(profile, ()))
+    if stage_iterations is None:
+        return None
+    if not described.staged:
+        return f"{described.name} is not trained stage by stage: 'stage_iterations' does not apply."
+    if not (
+        isinstance(stage_iterations, (list, tuple))
+        and len(stage_iterations) == stages
+        and all(isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in stage_iterations)
+    ):
+        return (
+            f"'stage_iterations' must be {stages} positive integers (one per stage of {described.name}), got "
+            f"{stage_iterations!r}."
+        )
+    return None
+
+
+def _print_report(described, metrics: dict, out: Path, run_dir: Path, eval_dir: Path) -> None:
+    """Print the demo's figures (validation during training, the best checkpoint's evaluation, the survival
+    oracle) and where everything is, ending with the inference command as it is typed."""
     training = json.loads((run_dir / "metrics.json").read_text())
     keys = list(described.reported_metrics)
     if "val_codebook_usage" in metrics:
         keys.append("val_codebook_usage")
-    print(f"\n{bundle}: trained in {trained / 60:.1f} min on {'GPU' if use_gpu else 'CPU'}")
     print(f"  validation during training (step: {' / '.join(keys)}):")
     for h in training["history"]:
         print(f"    {h['step']:>6}: " + " / ".join(f"{h[k]:.4g}" for k in keys if k in h))
@@ -181,14 +197,14 @@ def main(
     print(f"  best model:     {run_dir / 'models' / 'model.pt'}  (resumable state: {run_dir / 'models' / 'last.pt'})")
     per_case = "predictions.csv" if described.family == "survival" else "metrics_per_volume.csv"
     print(f"  metrics:        {run_dir / 'metrics.json'}, {run_dir / 'metrics.csv'}, {eval_dir / per_case}")
-    if staged:
+    if described.staged:
         print(f"  predictions:    {eval_dir / 'predictions'} (input vs predicted X-rays as PNG per case)")
     print(f"  TensorBoard:    tensorboard --logdir {run_dir / 'tensorboard'}")
     print(f"  training log:   {run_dir / 'train.log'}")
-    infer = [*base, "--config_file", os.path.relpath(configs / "inference.json", REPO_ROOT), "--output_dir", str(out)]
+    inference = os.path.relpath(described.folder / "configs" / "inference.json", REPO_ROOT)
+    infer = [sys.executable, "-m", "monai.bundle", "run", "--config_file", inference, "--output_dir", str(out)]
     print("  inference (the run's settings come from its configs/run.json; add --dataset_dir <folder of volumes>):")
     print("    " + " ".join(shlex.quote(c if c != sys.executable else "python") for c in infer))
-    return metrics
 
 
 if __name__ == "__main__":

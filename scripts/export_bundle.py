@@ -88,16 +88,11 @@ def onnx(
     """Export to ONNX (``torch.export``-based exporter, else the TorchScript-based one), checked in onnxruntime.
 
     Args:
-        bundle: bundle name (a folder under ``bundles/``) or bundle folder.
-        ckpt: checkpoint with the network's state dict.
         output: destination ``.onnx`` file.
-        net_id: id of the network in ``inference.json``.
-        input_shape: example input shape, e.g. ``"[1,1,64,64,64]"``.
-        overrides: config overrides: a dict, a config file or a list of them.
+        bundle, ckpt, net_id, input_shape, overrides, ckpt_key: as for :func:`torchscript`.
         opset: ONNX opset (default: the exporter's).
         dynamic_batch: symbolic batch dimension.
         exporter: ``auto``, ``dynamo`` or ``legacy``.
-        ckpt_key: key of the state dict inside a nested checkpoint.
         dynamic_spatial: symbolic spatial dimensions (verified on a second, larger size).
         atol: parity tolerance relative to the output scale (``atol * max(1, max|output|)``).
     """
@@ -136,17 +131,10 @@ def all_formats(
     """Export to every format (``model.ts``, ``model.onnx`` in ``output_dir``) and print a table.
 
     Args:
-        bundle: bundle name (a folder under ``bundles/``) or bundle folder.
-        ckpt: checkpoint with the network's state dict.
         output_dir: destination folder.
-        net_id: id of the network in ``inference.json``.
-        input_shape: example input shape, e.g. ``"[1,1,64,64,64]"``.
-        overrides: config overrides: a dict, a config file or a list of them.
+        bundle, ckpt, net_id, input_shape, overrides, ckpt_key: as for :func:`torchscript`.
         formats: a subset of ``torchscript``, ``onnx``.
-        opset: ONNX opset.
-        dynamic_batch: symbolic ONNX batch dimension.
-        ckpt_key: key of the state dict inside a nested checkpoint.
-        dynamic_spatial: symbolic ONNX spatial dimensions.
+        opset, dynamic_batch, dynamic_spatial: as for :func:`onnx`.
     """
     _setup()
     formats = [formats] if isinstance(formats, str) else list(formats)
@@ -170,8 +158,7 @@ def shape(bundle: str, overrides: Any = None) -> None:
     """Print the default export input shape of a bundle (from its metadata and ``patch_size``).
 
     Args:
-        bundle: bundle name (a folder under ``bundles/``) or bundle folder.
-        overrides: config overrides: a dict, a config file or a list of them.
+        bundle, overrides: as for :func:`torchscript`.
     """
     print(default_input_shape(bundle, overrides))
 

@@ -26,7 +26,7 @@ from common.data.datalist import (
     write_datalist,
 )
 
-__all__ = ["main", "make_datalist", "split_items"]
+__all__ = ["make_datalist", "split_items"]
 
 
 def split_items(items: list, val_fraction: float, seed: int) -> tuple[list, list]:
@@ -128,25 +128,6 @@ def make_datalist(
     return out
 
 
-def main(
-    data_dir: str,
-    output: str | None = None,
-    pattern: str | None = None,
-    val_fraction: float = 0.2,
-    seed: int = 0,
-    dicom: bool = False,
-    brats: bool = False,
-) -> None:
-    """Command-line entry for :func:`make_datalist` (same arguments); exits with status 1 on errors."""
-    try:
-        make_datalist(
-            data_dir, output=output, pattern=pattern, val_fraction=val_fraction, seed=seed, dicom=dicom, brats=brats
-        )
-    except (OSError, ValueError) as exc:
-        print(f"make_datalist: {exc}", file=sys.stderr)
-        sys.exit(1)
-
-
 if __name__ == "__main__":
     from common.bundle import checkout_problem
 
@@ -154,4 +135,8 @@ if __name__ == "__main__":
         raise SystemExit(f"error: {problem}")
     import fire
 
-    fire.Fire(main)
+    try:  # the command line's errors: one line, exit status 1
+        fire.Fire(make_datalist, serialize=lambda _: None)
+    except (OSError, ValueError) as exc:
+        print(f"make_datalist: {exc}", file=sys.stderr)
+        sys.exit(1)

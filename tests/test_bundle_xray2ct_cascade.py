@@ -131,6 +131,21 @@ def _validation_inputs(phantoms: Path, stage: int = 2) -> tuple[object, list[tup
     return projector, cases
 
 
+def test_evaluation_in_another_mode_than_the_weights_is_refused(cascade, phantoms):
+    """Diffusion weights read as a direct regressor would be scored as if they were one: evaluate.json refuses a
+    ``mode`` other than the run record's (the back-projection baseline needs no weights and stays allowed)."""
+    result = run_bundle(
+        BUNDLE,
+        [*TASK, "evaluate.json"],
+        run_id="run",
+        check=False,
+        args=overrides(dataset_dir=str(phantoms), output_dir=str(cascade), stage=2, mode="direct"),
+    )
+    assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr[-3000:]
+    assert "'mode' 'direct' is not the mode the trained network was trained in, 'diffusion'" in result.stderr
+    assert not (cascade / "stage2" / "eval_direct").exists()
+
+
 def test_backprojection_baseline_needs_no_weights(phantoms, tmp_path):
     """The untrained baseline's metrics are those of the mean back-projection of the validation X-rays, recomputed
     here from the same inputs with the bundle's metrics."""

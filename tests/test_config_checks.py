@@ -278,24 +278,34 @@ def test_survival_inference_checks():
 
 
 def test_xray2ct_inference_checks():
-    from common.xray2ct.settings import INFERENCE, noise_problems, projection_problems, trained_network_problems
+    from common.xray2ct.settings import (
+        EVALUATION,
+        INFERENCE,
+        noise_problems,
+        projection_problems,
+        trained_mode_problems,
+        trained_network_problems,
+    )
 
     trained = {"view_size": [64, 64], "views": ["ap", "lateral"], "mode": "diffusion"}
-    assert trained_network_problems("diffusion", ["ap", "lateral"], [64, 64], trained) == []
-    assert trained_network_problems("backprojection", ["ap", "lateral"], [64, 64], trained) == []
-    assert trained_network_problems("direct", ["lateral", "ap"], [32, 32], trained) == [
+    assert trained_network_problems(["ap", "lateral"], [64, 64], trained) == []
+    assert trained_network_problems(["lateral", "ap"], [32, 32], trained) == [
         "'view_size' [32, 32] is not the view size the trained network was built for, [64, 64] ('view_size' of its "
         "run record, 'trained'): its X-ray encoder's patches and position embeddings fit that size only; leave "
         "view_size out or pass [64, 64].",
         "'views' ['lateral', 'ap'] are not the views the trained network was built for, ['ap', 'lateral'] ('views' "
         "of its run record, 'trained'), in that order.",
-        "'mode' 'direct' is not the mode the trained network was trained in, 'diffusion' ('mode' of its run record, "
-        "'trained'): run it in that mode, or 'backprojection' (no network).",
     ]
-    assert (
-        trained_network_problems("gan", ["ap"], [64], trained)[0]
-        == "'view_size' must be 2 positive integers, got [64]."
-    )
+    assert trained_network_problems(["ap"], [64], trained)[0] == "'view_size' must be 2 positive integers, got [64]."
+    # evaluation and inference: the weights run in their own mode, or the network-free baseline
+    assert trained_mode_problems("diffusion", trained) == trained_mode_problems("backprojection", trained) == []
+    assert trained_mode_problems("direct", {}) == []  # no record of the mode: nothing to compare with
+    assert trained_mode_problems("direct", trained) == [
+        "'mode' 'direct' is not the mode the trained network was trained in, 'diffusion' ('mode' of its run record, "
+        "'trained'): run it in that mode, or 'backprojection' (no network)."
+    ]
+    assert trained_mode_problems("gan", trained)[0].startswith("'mode' must be one of")
+    assert trained_mode_problems in EVALUATION.checks and trained_mode_problems in INFERENCE.checks
     parallel = ("parallel", 1000.0, 1500.0)
     assert projection_problems([-1000, 1000], 350.0, 0.2, *parallel) == []
     assert projection_problems([-500, 500], [350, 350, 300], 1, "cone", 400.0, 600.0) == []

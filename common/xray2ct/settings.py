@@ -32,6 +32,7 @@ __all__ = [
     "residual_scale_problems",
     "schedule_problems",
     "stage_problems",
+    "trained_mode_problems",
     "trained_network_problems",
     "training_mode_problems",
     "unet_problems",
@@ -379,19 +380,10 @@ TRAINING = SettingsChecks(
 """The checks of a training run (``train.json``): besides the checks above, the ``cache_rate``/``replace_rate`` of
 :func:`common.data.pipeline.cache_problems` and on/off settings that are not booleans."""
 
-EVALUATION = TRAINING.with_checks(
-    evaluation_mode_problems,
-    switches(*SWITCHES, "save_volumes", "calibrate", "record_calibration"),
-    without=(training_mode_problems, regressor_problems, _TRAINING_SWITCHES),
-)
-"""The checks of an evaluation (``evaluate.json`` on ``train.json``): ``mode`` may also be the ``backprojection``
-baseline, no regressor run is needed, and ``save_volumes``, ``calibrate`` and ``record_calibration`` are switches too."""
 
-
-def trained_network_problems(mode: str, views: Sequence[str], view_size: Sequence[int], trained: dict) -> list[str]:
+def trained_network_problems(views: Sequence[str], view_size: Sequence[int], trained: dict) -> list[str]:
     """Inference runs the network of the run record (``trained``, the settings it was trained with): its X-ray
-    encoder was built for its ``views`` and ``view_size`` (the patch grid and position embeddings of its ViT), and
-    its weights sample in its ``mode`` (or the network-free ``backprojection`` baseline)."""
+    encoder was built for its ``views`` and ``view_size`` (the patch grid and position embeddings of its ViT)."""
     problems = _size_problem("view_size", view_size, dims=2)
     view = _sizes(view_size, dims=2)
     built = _sizes(trained.get("view_size"), dims=2)
@@ -409,7 +401,14 @@ def trained_network_problems(mode: str, views: Sequence[str], view_size: Sequenc
             f"'views' {listed} are not the views the trained network was built for, {list(trained['views'])} "
             "('views' of its run record, 'trained'), in that order."
         )
-    problems += evaluation_mode_problems(mode)
+    return problems
+
+
+def trained_mode_problems(mode: str, trained: dict) -> list[str]:
+    """Evaluation and inference run the weights of the run record (``trained``) in the ``mode`` they were trained in
+    (another mode would read a regressor as a denoiser, or the reverse, and score what it wrote), or the network-free
+    ``backprojection`` baseline; and ``mode`` is one of :data:`SAMPLER_MODES`."""
+    problems = evaluation_mode_problems(mode)
     trained_mode = trained.get("mode")
     if mode in SAMPLER_MODES and trained_mode is not None and mode not in (trained_mode, "backprojection"):
         problems.append(
@@ -417,6 +416,16 @@ def trained_network_problems(mode: str, views: Sequence[str], view_size: Sequenc
             "run record, 'trained'): run it in that mode, or 'backprojection' (no network)."
         )
     return problems
+
+
+EVALUATION = TRAINING.with_checks(
+    trained_mode_problems,
+    switches(*SWITCHES, "save_volumes", "calibrate", "record_calibration"),
+    without=(training_mode_problems, regressor_problems, _TRAINING_SWITCHES),
+)
+"""The checks of an evaluation (``evaluate.json`` on ``train.json``): ``mode`` is the mode the run's weights were
+trained in or the ``backprojection`` baseline (:func:`trained_mode_problems`), no regressor run is needed, and
+``save_volumes``, ``calibrate`` and ``record_calibration`` are switches too."""
 
 
 def noise_problems(eta: float, seed: int) -> list[str]:
@@ -433,6 +442,7 @@ INFERENCE = SettingsChecks(
     "X-ray -> CT inference",
     stage_problems,
     trained_network_problems,
+    trained_mode_problems,
     vit_problems,
     schedule_problems,
     unet_problems,

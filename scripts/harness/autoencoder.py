@@ -34,6 +34,7 @@ from scripts.harness.faults import RUN_SETTINGS, BundleCase
 from scripts.harness.tools import (
     alternate,
     device_name,
+    plain_loader,
     print_table,
     print_throughput,
     run_probe,
@@ -49,7 +50,6 @@ __all__ = [
     "inference",
     "memory",
     "memory_probe",
-    "plain_loader",
     "published_probe",
     "published_reconstruction",
     "throughput",
@@ -110,37 +110,6 @@ def _autoencoder_overrides(s: dict) -> dict:
         "adv_warmup_iterations": 0,
         "compile": s.get("compile", False),
     }
-
-
-def plain_loader(s: dict, data: list[dict], workers: int):
-    """The tutorial's data path: CPU ``CacheDataset`` of whole volumes + ``DataLoader`` with random patches."""
-    from monai.data import CacheDataset, DataLoader
-    from monai.transforms import (
-        Compose,
-        EnsureChannelFirstd,
-        EnsureTyped,
-        LoadImaged,
-        Orientationd,
-        RandSpatialCropSamplesd,
-        ScaleIntensityRangePercentilesd,
-        SpatialPadd,
-    )
-
-    transforms = Compose(
-        [
-            LoadImaged("image"),
-            EnsureChannelFirstd("image"),
-            Orientationd("image", axcodes="RAS", labels=(("L", "R"), ("P", "A"), ("I", "S"))),
-            ScaleIntensityRangePercentilesd("image", lower=0.5, upper=99.5, b_min=0.0, b_max=1.0, clip=True),
-            SpatialPadd("image", spatial_size=s["patch_size"]),
-            EnsureTyped("image", dtype=torch.float32),
-            RandSpatialCropSamplesd("image", roi_size=s["patch_size"], num_samples=s["num_samples"], random_size=False),
-        ]
-    )
-    dataset = CacheDataset(data, transform=transforms, cache_rate=1.0, progress=False)
-    return DataLoader(
-        dataset, batch_size=s["batch_size"], shuffle=True, num_workers=workers, persistent_workers=workers > 0
-    )
 
 
 def _plain_loop(s: dict, data: list[dict], iterations: int, warmup: int, workers: int) -> float:

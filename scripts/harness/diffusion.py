@@ -35,6 +35,7 @@ from scripts.harness.tools import (
     alternate,
     bundle_command,
     device_name,
+    plain_loader,
     print_table,
     print_throughput,
     run_command,
@@ -343,40 +344,9 @@ def ddpm_quality(
 def _ddpm_plain_loop(s: dict, data: list[dict], iterations: int, warmup: int, workers: int) -> float:
     """A plain Fast-DDPM training loop: CPU ``CacheDataset`` + ``DataLoader`` of (T1, GM) pairs, grid time steps,
     epsilon MSE, Adam, clipping and an EMA of the weights, fp32."""
-    from monai.data import CacheDataset, DataLoader
-    from monai.transforms import (
-        Compose,
-        ConcatItemsd,
-        EnsureChannelFirstd,
-        EnsureTyped,
-        LoadImaged,
-        Orientationd,
-        RandSpatialCropSamplesd,
-        ScaleIntensityRangePercentilesd,
-        SpatialPadd,
-    )
-
     from common.diffusion.schedule import DiffusionSchedule, fast_ddpm_grid
 
-    keys = ["t1", "gm"]
-    transforms = Compose(
-        [
-            LoadImaged(keys),
-            EnsureChannelFirstd(keys),
-            ConcatItemsd(keys, "image"),
-            Orientationd("image", axcodes="RAS", labels=(("L", "R"), ("P", "A"), ("I", "S"))),
-            ScaleIntensityRangePercentilesd(
-                "image", lower=0.5, upper=99.5, b_min=-1.0, b_max=1.0, clip=True, channel_wise=True
-            ),
-            SpatialPadd("image", spatial_size=s["patch_size"], value=-1.0),
-            EnsureTyped("image", dtype=torch.float32),
-            RandSpatialCropSamplesd("image", roi_size=s["patch_size"], num_samples=s["num_samples"], random_size=False),
-        ]
-    )
-    dataset = CacheDataset(data, transform=transforms, cache_rate=1.0, progress=False)
-    loader = DataLoader(
-        dataset, batch_size=s["batch_size"], shuffle=True, num_workers=workers, persistent_workers=workers > 0
-    )
+    loader = plain_loader(s, data, workers, keys=("t1", "gm"), value_range=(-1, 1))
     device = s["device"]
     net = _unet(s["unet"], 2, 1, device, flash_attention=False)
     ema = [p.detach().clone() for p in net.parameters()]

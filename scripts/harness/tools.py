@@ -40,6 +40,7 @@ __all__ = [
     "kernel_kind",
     "kernel_profile",
     "peak_bf16_tflops",
+    "plain_loader",
     "print_table",
     "print_throughput",
     "run_probe",
@@ -312,6 +313,48 @@ def timed_loop(
     sync(device)
     samples = (iterations - warmup) * s["batch_size"] * s["num_samples"]
     return samples / (time.perf_counter() - start)
+
+
+def plain_loader(
+    s: dict, data: list[dict], workers: int, keys: Sequence[str] = ("image",), value_range: Sequence[float] = (0, 1)
+):
+    """The public scripts' data path of the plain loops: a CPU ``CacheDataset`` of whole volumes (``keys``, stacked
+    as the channels of ``image``; RAS; each channel's 0.5-99.5 percentiles scaled to ``value_range`` and clipped;
+    padded with its low end to the patch) + a ``DataLoader`` of ``s["num_samples"]`` random patches per volume."""
+    from monai.data import CacheDataset, DataLoader
+    from monai.transforms import (
+        Compose,
+        ConcatItemsd,
+        EnsureChannelFirstd,
+        EnsureTyped,
+        LoadImaged,
+        Orientationd,
+        RandSpatialCropSamplesd,
+        ScaleIntensityRangePercentilesd,
+        SpatialPadd,
+    )
+
+    keys = list(keys)
+    low, high = (float(v) for v in value_range)
+    stack = [] if keys == ["image"] else [ConcatItemsd(keys, "image")]
+    transforms = Compose(
+        [
+            LoadImaged(keys),
+            EnsureChannelFirstd(keys),
+            *stack,
+            Orientationd("image", axcodes="RAS", labels=(("L", "R"), ("P", "A"), ("I", "S"))),
+            ScaleIntensityRangePercentilesd(
+                "image", lower=0.5, upper=99.5, b_min=low, b_max=high, clip=True, channel_wise=True
+            ),
+            SpatialPadd("image", spatial_size=s["patch_size"], value=low),
+            EnsureTyped("image", dtype=torch.float32),
+            RandSpatialCropSamplesd("image", roi_size=s["patch_size"], num_samples=s["num_samples"], random_size=False),
+        ]
+    )
+    dataset = CacheDataset(data, transform=transforms, cache_rate=1.0, progress=False)
+    return DataLoader(
+        dataset, batch_size=s["batch_size"], shuffle=True, num_workers=workers, persistent_workers=workers > 0
+    )
 
 
 def alternate(

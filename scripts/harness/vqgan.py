@@ -31,13 +31,13 @@ from pathlib import Path
 
 import torch
 
-from scripts.harness.autoencoder import plain_loader
 from scripts.harness.faults import RUN_SETTINGS, BundleCase
 from scripts.harness.tools import (
     GIB,
     alternate,
     bundle_trainer,
     device_name,
+    plain_loader,
     print_table,
     print_throughput,
     run_probe,
