@@ -356,7 +356,7 @@ def settings_error(**changes) -> str:
 def test_valid_settings_pass():
     TRAINING(**VALID)
     TRAINING(**{**VALID, "stage": 1, "mode": "direct"})
-    EVALUATION(**{**VALID, "mode": "backprojection"})
+    EVALUATION(**{**VALID, "mode": "backprojection", "trained": {"mode": "diffusion"}})
 
 
 def test_dataset_rates_are_checked():

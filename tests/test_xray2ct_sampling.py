@@ -618,12 +618,14 @@ def test_metric_handlers_add_texture_and_single_sample_metrics():
 
 # ---------------------------------------------------------------------------------------------- settings
 VALID = {**ENGINE_SETTINGS, "stage": 1, "mode": "residual"}
+#: an evaluation of a run that recorded its mode (evaluate.json reads it from the run record, ``trained``)
+EVALUATED = {**VALID, "trained": {"mode": "residual"}}
 
 
 def test_residual_and_sampling_settings_are_checked(tmp_path):
     save_checkpoint({}, tmp_path / "stage1" / "models" / "model.pt")
     TRAINING(**{**VALID, "regressor_dir": str(tmp_path), "num_samples": 8, "sample_chunk": 2, "guidance_scale": 0.5})
-    EVALUATION(**VALID)  # evaluation does not need the regressor run
+    EVALUATION(**EVALUATED)  # evaluation does not need the regressor run
     with pytest.raises(ValueError) as info:
         TRAINING(
             **{
@@ -638,16 +640,16 @@ def test_residual_and_sampling_settings_are_checked(tmp_path):
     assert "pass --regressor_dir" in text
     for steps, why in ((-1, "must be an integer >= 0"), (1.5, "must be an integer >= 0"), (2, "which is 0")):
         with pytest.raises(ValueError, match=f"'refine_steps' .*{why}"):
-            EVALUATION(**{**VALID, "refine_steps": steps, "guidance_scale": 0.0})
-    EVALUATION(**{**VALID, "refine_steps": 5, "guidance_scale": 1.0, "noise_tolerance": 1.5})
+            EVALUATION(**{**EVALUATED, "refine_steps": steps, "guidance_scale": 0.0})
+    EVALUATION(**{**EVALUATED, "refine_steps": 5, "guidance_scale": 1.0, "noise_tolerance": 1.5})
     with pytest.raises(ValueError, match="'noise_tolerance' must be null .* got -1"):
-        EVALUATION(**{**VALID, "noise_tolerance": -1})
-    EVALUATION(**{**VALID, "consistency_reference": [0.01, 0.02], "mismatch_tolerance": 1.5})
+        EVALUATION(**{**EVALUATED, "noise_tolerance": -1})
+    EVALUATION(**{**EVALUATED, "consistency_reference": [0.01, 0.02], "mismatch_tolerance": 1.5})
     for reference in ([0.01], [0.01, 0], "0.01", [0.01, True]):
         with pytest.raises(ValueError, match=r"'consistency_reference' must be null \(no check\) or 2 numbers > 0"):
-            EVALUATION(**{**VALID, "consistency_reference": reference})
+            EVALUATION(**{**EVALUATED, "consistency_reference": reference})
     for tolerance in (0, -1, float("inf"), None):
         with pytest.raises(ValueError, match="'mismatch_tolerance' must be a number > 0"):
-            EVALUATION(**{**VALID, "mismatch_tolerance": tolerance})
+            EVALUATION(**{**EVALUATED, "mismatch_tolerance": tolerance})
     with pytest.raises(ValueError, match="has no trained stage 2 regressor"):
         TRAINING(**{**VALID, "stage": 2, "regressor_dir": str(tmp_path)})
