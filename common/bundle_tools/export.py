@@ -757,70 +757,81 @@ def export_module_onnx(
     shapes = [[shape[0] + 1, *shape[1:]] if dynamic_batch else shape, *(_normalise_shape(c) for c in check_shapes)]
     checks = [random_input(c, dtype, value_range, seed=seed + 1 + i, device=device) for i, c in enumerate(shapes)]
     expected = [_reference(network, c) for c in checks]
-    names = list(output_names or [])
-    if len(names) != len(expected[0]):  # e.g. metadata outputs that do not describe every tensor returned
-        names = ["pred"] if len(expected[0]) == 1 else [f"pred_{i}" for i in range(len(expected[0]))]
+    names = _graph_output_names(output_names, len(expected[0]))
     dynamic = ({0: "batch"} if dynamic_batch else {}) | (
         {i: f"spatial_{i - 2}" for i in range(2, len(shape))} if dynamic_spatial else {}
     )
-    if external_data is None:
-        weight_bytes = sum(t.numel() * t.element_size() for t in network.state_dict().values())
-        external_data = weight_bytes > _ONNX_EXTERNAL_DATA_BYTES
+    weight_bytes = sum(t.numel() * t.element_size() for t in network.state_dict().values())
+    external_data = weight_bytes > _ONNX_EXTERNAL_DATA_BYTES if external_data is None else external_data
     properties = {"metadata.json": dict(metadata or {}), **dict(extra_metadata or {})}
     output.parent.mkdir(parents=True, exist_ok=True)
     errors: list[str] = []
     for candidate in order:
         info = {**properties.get("export.json", {}), "exporter": candidate, "input_shape": shape}
         info.update(dynamic_axes={str(k): v for k, v in dynamic.items()}, verified_shapes=shapes)
+        graph = (candidate, opset, dynamic, input_name, names, {**properties, "export.json": info}, external_data)
         with tempfile.TemporaryDirectory(dir=output.parent, prefix=f".{output.name}.") as tmp:
             try:
-                model_file, opset_used, notes = _onnx_candidate(
-                    network,
-                    example,
-                    Path(tmp),
-                    output.name,
-                    candidate,
-                    opset,
-                    dynamic,
-                    input_name,
-                    names,
-                    {**properties, "export.json": info},
-                    external_data,
-                )
-                session = _ort_session(model_file)
-                max_diff = scale = 0.0
-                for check, reference in zip(checks, expected):
-                    feeds = {input_name: check.detach().cpu().numpy()}
-                    actual = [torch.from_numpy(a) for a in session.run(None, feeds)]
-                    what = f"ONNX ({candidate}) of {output.name} in onnxruntime, input {list(check.shape)}"
-                    diff, out_scale = compare_outputs(reference, actual, what, 0.0, atol, True)
-                    max_diff, scale = max(max_diff, diff), max(scale, out_scale)
+                model_file, opset_used, notes = _onnx_candidate(network, example, Path(tmp), output.name, *graph)
+                what = f"ONNX ({candidate}) of {output.name} in onnxruntime"
+                max_diff, scale = _onnx_parity(model_file, input_name, checks, expected, what, atol)
             except ExportError as e:
                 errors.append(str(e))
                 continue
             except Exception as e:  # onnxruntime cannot load the model or run a verification input
                 errors.append(f"{candidate} exporter: onnxruntime cannot run the model: {_first_line(e)}")
                 continue
-            written = [output]
-            os.replace(model_file, output)
-            if external_data:
-                os.replace(Path(tmp) / f"{output.name}.data", output.parent / f"{output.name}.data")
-                written.append(output.parent / f"{output.name}.data")
+            written = _move_onnx(model_file, output, external_data)
+        elapsed = time.perf_counter() - start
         result = ExportResult(
-            "onnx",
-            output,
-            candidate,
-            shape,
-            max_diff,
-            scale,
-            time.perf_counter() - start,
-            opset_used,
-            written,
-            errors + notes,
+            "onnx", output, candidate, shape, max_diff, scale, elapsed, opset_used, written, errors + notes
         )
         logger.info(result.summary())
         return result
     raise ExportError(f"ONNX export of {output.name} failed: " + " ; ".join(errors))
+
+
+def _move_onnx(model_file: Path, output: Path, external_data: bool) -> list[Path]:
+    """Move a verified model (and its external weights, ``<name>.data`` beside it) to ``output``; the files
+    written."""
+    os.replace(model_file, output)
+    if not external_data:
+        return [output]
+    data = output.parent / f"{output.name}.data"
+    os.replace(model_file.parent / data.name, data)
+    return [output, data]
+
+
+def _graph_output_names(given: Sequence[str] | None, count: int) -> list[str]:
+    """The graph's output names: ``given`` when it names each of the ``count`` outputs (metadata outputs may not
+    describe every tensor returned), else ``pred`` (``pred_<i>`` for several)."""
+    names = list(given or [])
+    if len(names) == count:
+        return names
+    return ["pred"] if count == 1 else [f"pred_{i}" for i in range(count)]
+
+
+def _onnx_parity(
+    model_file: Path,
+    input_name: str,
+    checks: Sequence[torch.Tensor],
+    expected: Sequence[Sequence[torch.Tensor]],
+    what: str,
+    atol: float,
+) -> tuple[float, float]:
+    """Run ``model_file`` in onnxruntime on each verification input and compare with PyTorch's outputs
+    (:func:`compare_outputs`): the largest difference and output scale over the inputs.
+
+    Raises:
+        ExportError: when an output does not match.
+    """
+    session = _ort_session(model_file)
+    max_diff = scale = 0.0
+    for check, reference in zip(checks, expected):
+        actual = [torch.from_numpy(a) for a in session.run(None, {input_name: check.detach().cpu().numpy()})]
+        diff, out_scale = compare_outputs(reference, actual, f"{what}, input {list(check.shape)}", 0.0, atol, True)
+        max_diff, scale = max(max_diff, diff), max(scale, out_scale)
+    return max_diff, scale
 
 
 def _onnx_candidate(

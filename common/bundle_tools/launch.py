@@ -457,10 +457,7 @@ def build_plan(
     max_restarts = _as_int("max_restarts", max_restarts, 0)
     rdzv_port = _as_int("rdzv_port", rdzv_port, 1)
 
-    use_slurm = _as_flag("slurm", slurm, allow_auto=True)
-    if use_slurm is None:
-        use_slurm = bool(env.get("SLURM_JOB_ID")) and bool(env.get("SLURM_NNODES") or env.get("SLURM_JOB_NUM_NODES"))
-    allocation = slurm_topology(env) if use_slurm else None
+    allocation = _slurm_allocation(slurm, env)
     nnodes, node_rank = _node_position(nnodes, node_rank, allocation)
     nproc = _processes_per_node(nproc_per_node, cpu)
     endpoint = _rendezvous_endpoint(rdzv_endpoint, rdzv_port, nnodes, allocation)
@@ -480,21 +477,50 @@ def build_plan(
     torchrun = nnodes * nproc > 1 or max_restarts > 0 or log_dir is not None
     argv = [python or sys.executable]
     if torchrun:
-        argv += ["-m", "torch.distributed.run", "--nnodes", str(nnodes), "--nproc_per_node", str(nproc)]
-        argv += _rendezvous_options(nnodes, node_rank, endpoint, str(rdzv_id))
-        if max_restarts > 0:
-            argv += ["--max_restarts", str(max_restarts)]
-        if log_dir is not None:
-            argv += ["--log_dir", _display(Path(log_dir)), "--tee", "3"]
+        argv += _torchrun_options(nnodes, nproc, node_rank, endpoint, str(rdzv_id), max_restarts, log_dir)
     argv += bundle_args
+    extra_env = _launch_env(cpu, torchrun and max_restarts > 0, env)
+    return LaunchPlan(argv, extra_env, ROOT, nnodes, nproc, node_rank, torchrun, notes)
 
+
+def _launch_env(cpu: bool, restarts: bool, env: Mapping[str, str]) -> dict[str, str]:
+    """The variables ``build_plan``'s command runs with beyond ``env``: no visible GPU with ``cpu``; with torchrun
+    ``restarts``, a fresh rendezvous store per attempt (unless ``env`` sets the switch itself)."""
     extra_env = {"CUDA_VISIBLE_DEVICES": ""} if cpu else {}
-    if torchrun and max_restarts > 0 and SHARED_STORE_SWITCH not in env:
+    if restarts and SHARED_STORE_SWITCH not in env:
         # torchrun's agent-shared TCPStore keeps the previous attempt's process-group keys: a restarted rank can
         # read a dead peer's address and fail to connect (pytorch/pytorch#135712, #167288). A fresh store per
         # attempt avoids it.
         extra_env[SHARED_STORE_SWITCH] = "1"
-    return LaunchPlan(argv, extra_env, ROOT, nnodes, nproc, node_rank, torchrun, notes)
+    return extra_env
+
+
+def _slurm_allocation(slurm: bool | str, env: Mapping[str, str]) -> SlurmTopology | None:
+    """The SLURM allocation ``build_plan`` reads its topology from: with ``slurm`` ``"auto"``, when ``env`` holds a
+    job id and a node count; ``None`` when SLURM is not used."""
+    use_slurm = _as_flag("slurm", slurm, allow_auto=True)
+    if use_slurm is None:
+        use_slurm = bool(env.get("SLURM_JOB_ID")) and bool(env.get("SLURM_NNODES") or env.get("SLURM_JOB_NUM_NODES"))
+    return slurm_topology(env) if use_slurm else None
+
+
+def _torchrun_options(
+    nnodes: int,
+    nproc: int,
+    node_rank: int,
+    endpoint: str | None,
+    rdzv_id: str,
+    max_restarts: int,
+    log_dir: str | os.PathLike | None,
+) -> list[str]:
+    """``-m torch.distributed.run`` and its options for this node: topology, rendezvous, restarts, logs."""
+    argv = ["-m", "torch.distributed.run", "--nnodes", str(nnodes), "--nproc_per_node", str(nproc)]
+    argv += _rendezvous_options(nnodes, node_rank, endpoint, rdzv_id)
+    if max_restarts > 0:
+        argv += ["--max_restarts", str(max_restarts)]
+    if log_dir is not None:
+        argv += ["--log_dir", _display(Path(log_dir)), "--tee", "3"]
+    return argv
 
 
 def _check_total_batch(configs: Sequence[Path], overrides: Mapping[str, Any], world: int) -> None:

@@ -318,7 +318,12 @@ def _finished(out: Path, params: dict[str, Any]) -> bool:
 
 
 def _validate_cohort_args(
-    n_cases: int, censoring: str, median_followup_years: float, event_fraction: float, dropout_rate: float
+    n_cases: int,
+    censoring: str,
+    median_followup_years: float,
+    event_fraction: float,
+    dropout_rate: float,
+    val_fraction: float,
 ) -> None:
     if isinstance(n_cases, bool) or not isinstance(n_cases, (int, np.integer)) or n_cases < 4:
         raise ValueError(f"n_cases must be an integer of at least 4, got {n_cases!r}")
@@ -330,6 +335,8 @@ def _validate_cohort_args(
         raise ValueError(f"event_fraction must be a number in [0.05, 0.95], got {event_fraction!r}")
     if not isinstance(dropout_rate, (int, float)) or not 0 <= dropout_rate < 10:
         raise ValueError(f"dropout_rate must be a number in [0, 10), got {dropout_rate!r}")
+    if isinstance(val_fraction, bool) or not isinstance(val_fraction, (int, float)) or not 0 < val_fraction < 1:
+        raise ValueError(f"val_fraction must be a number in (0, 1), got {val_fraction!r}")
 
 
 def make_mace_cohort(
@@ -393,9 +400,7 @@ def make_mace_cohort(
     """
     shape = _validate_shape(shape)
     spacing = validate_triple("spacing", spacing)
-    _validate_cohort_args(n_cases, censoring, median_followup_years, event_fraction, dropout_rate)
-    if isinstance(val_fraction, bool) or not isinstance(val_fraction, (int, float)) or not 0 < val_fraction < 1:
-        raise ValueError(f"val_fraction must be a number in (0, 1), got {val_fraction!r}")
+    _validate_cohort_args(n_cases, censoring, median_followup_years, event_fraction, dropout_rate, val_fraction)
     params = _params(
         n_cases=int(n_cases),
         shape=list(shape),
@@ -419,43 +424,54 @@ def make_mace_cohort(
     n = int(n_cases)
     draws = _draw_cases(rng, n)
     eta = true_log_hazard(draws["burden"], draws["intensity"], draws["age"], draws["sex"])
+    days, event = _outcomes(rng, eta, censoring, median_followup_years, dropout_rate, event_fraction)
+    case_seeds = image_seq.generate_state(n)
+    rows = [
+        {"case_id": f"mace_{i:04d}", "image": f"images/mace_{i:04d}.nii.gz", "time": int(days[i])}
+        | {"event": int(event[i]), "age": int(draws["age"][i]), "sex": int(draws["sex"][i])}
+        | {"true_risk": f"{eta[i]:.6f}"}
+        for i in range(n)
+    ]
+    for row, case_seed, burden, intensity in zip(rows, case_seeds, draws["burden"], draws["intensity"]):
+        volume = make_cardiac_phantom(shape, int(case_seed), float(burden), float(intensity), noise_hu=noise_hu)
+        write_nifti(out / row["image"], volume, np.diag([*spacing, 1.0]))
+    _write_cohort_table(csv_path, rows, params)
+    return csv_path
+
+
+def _outcomes(
+    rng: np.random.Generator,
+    eta: np.ndarray,
+    censoring: str,
+    median_followup_years: float,
+    dropout_rate: float,
+    event_fraction: float,
+) -> tuple[np.ndarray, np.ndarray]:
+    """The observed follow-up in days (at least 1) and the event indicators of cases of true log-hazard ``eta``
+    (see :func:`make_mace_cohort`): the earlier of the Weibull event time and the censoring time."""
     scale = _baseline_scale(median_followup_years, dropout_rate, event_fraction)
     event_time = _draw_event_times(rng, eta, scale)
+    n = len(eta)
     censor = _draw_censoring(rng, n, median_followup_years, dropout_rate) if censoring == "uniform" else None
     years = event_time if censor is None else np.minimum(event_time, censor)
     event = np.ones(n) if censor is None else (event_time <= censor).astype(np.float64)
-    days = np.maximum(np.round(years * 365.25), 1).astype(int)
-    affine = np.diag([*spacing, 1.0])
-    rows = []
-    for i, case_seed in enumerate(image_seq.generate_state(n)):
-        case_id = f"mace_{i:04d}"
-        volume = make_cardiac_phantom(
-            shape, int(case_seed), float(draws["burden"][i]), float(draws["intensity"][i]), noise_hu=noise_hu
-        )
-        write_nifti(out / "images" / f"{case_id}.nii.gz", volume, affine)
-        rows.append(
-            {
-                "case_id": case_id,
-                "image": f"images/{case_id}.nii.gz",
-                "time": int(days[i]),
-                "event": int(event[i]),
-                "age": int(draws["age"][i]),
-                "sex": int(draws["sex"][i]),
-                "true_risk": f"{eta[i]:.6f}",
-            }
-        )
+    return np.maximum(np.round(years * 365.25), 1).astype(int), event
+
+
+def _write_cohort_table(csv_path: Path, rows: list[dict], params: dict) -> None:
+    """Give every row its ``split`` (stratified by event, ``params``' ``val_fraction`` and ``seed``), then write
+    ``cohort.json`` and, last and atomically, the CSV: a cohort is finished once its CSV is there."""
     entries = [{"event": float(row["event"]), "index": i} for i, row in enumerate(rows)]
-    sections = split_cohort(entries, val_fraction=float(val_fraction), seed=int(seed), use_split_column=False)
+    sections = split_cohort(entries, val_fraction=params["val_fraction"], seed=params["seed"], use_split_column=False)
     for section, items in sections.items():
         for item in items:
             rows[item["index"]]["split"] = section
-    write_text_atomic(out / "cohort.json", json.dumps(params, indent=2) + "\n")
+    write_text_atomic(csv_path.parent / "cohort.json", json.dumps(params, indent=2) + "\n")
     buffer = io.StringIO()
     writer = csv.DictWriter(buffer, fieldnames=CSV_COLUMNS, lineterminator="\n")
     writer.writeheader()
     writer.writerows(rows)
     write_text_atomic(csv_path, buffer.getvalue())
-    return csv_path
 
 
 def oracle_c_index(csv_path: str | os.PathLike, split: str | None = "validation") -> float:
