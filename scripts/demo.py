@@ -157,11 +157,11 @@ def main(
 def _stage_iterations_problem(described, profile: str, stage_iterations: Sequence[int] | None) -> str | None:
     """What is wrong with ``--stage_iterations`` for the bundle (one positive integer per stage of a bundle trained
     stage by stage), or None."""
-    stages = len(described.stage_iterations.get(profile, ()))
     if stage_iterations is None:
         return None
     if not described.staged:
         return f"{described.name} is not trained stage by stage: 'stage_iterations' does not apply."
+    stages = len(described.stage_iterations.get(profile, ()))
     if not (
         isinstance(stage_iterations, (list, tuple))
         and len(stage_iterations) == stages

@@ -131,7 +131,7 @@ def ddpm_sampling(
         seed: seed of the network's weights and the input volume.
         output: JSON file for the results.
     """
-    from common.diffusion.engines import DIFFUSION_MODES
+    from common.diffusion.engines import DIFFUSION_MODES, sampling_grid
     from common.utils import default_amp
 
     dev, _ = setup(device, num_threads, 0)
@@ -156,8 +156,8 @@ def ddpm_sampling(
         "sw_batch_size": sw_batch_size,
         "overlap": overlap,
     }
-    grid_of = {"grid": grid, "num_grid_steps": num_grid_steps, "num_train_timesteps": num_train_timesteps}
-    results = {mode: _time_sampling(network, counter, image, mode, grid_of, sampler, amp) for mode in modes}
+    steps = {mode: sampling_grid(mode, grid, num_grid_steps, num_train_timesteps) for mode in modes}
+    results = {mode: _time_sampling(network, counter, image, steps[mode], sampler, amp) for mode in modes}
     counter.handle.remove()
     summary = {
         "device": device_name(dev),
@@ -183,18 +183,16 @@ def _time_sampling(
     network: torch.nn.Module,
     counter: _CallCounter,
     image: torch.Tensor,
-    mode: str,
-    grid: dict,
+    steps: torch.Tensor | Sequence[int],
     sampler: dict,
     amp: str,
 ) -> dict:
-    """Sample ``image``'s target once with ``mode``'s sampler after one untimed denoising call (CUDA kernels,
-    cuDNN plans): its time steps, seconds and network evaluations (calls and window forwards, from ``counter``)."""
-    from common.diffusion.engines import sampling_grid
+    """Sample ``image``'s target once over the time ``steps`` after one untimed denoising call (CUDA kernels,
+    cuDNN plans): the number of steps, seconds and network evaluations (calls and window forwards, from
+    ``counter``). ``sampler`` holds the other arguments of :class:`common.diffusion.networks.DiffusionSampler`."""
     from common.diffusion.networks import DiffusionSampler
     from common.utils import autocast
 
-    steps = sampling_grid(mode, grid["grid"], grid["num_grid_steps"], grid["num_train_timesteps"])
     run = DiffusionSampler(network, target_channels=[sampler["in_channels"] - 1], timesteps=steps, **sampler)
     dev = image.device
     with torch.no_grad(), autocast(dev, amp):
@@ -207,7 +205,7 @@ def _time_sampling(
     sync(dev)
     seconds = time.perf_counter() - start
     if not torch.isfinite(sample).all():
-        raise RuntimeError(f"the {mode} sampler gave non-finite values")
+        raise RuntimeError(f"sampling over {len(steps)} time steps gave non-finite values")
     return {
         "time_steps": len(steps),
         "seconds": seconds,
