@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from common.errors import BundleNotFoundError, MissingInputError, SettingsError, UserError
+from common.runs import METADATA, bundle_of_config, workflow_being_run
 
 __all__ = [
     "BUNDLES_DIR",
@@ -21,6 +22,7 @@ __all__ = [
     "bundle_root",
     "call_with_settings",
     "checkout_problem",
+    "config_bundle_root",
     "demo_generator",
     "find_checkpoint",
     "is_bundle",
@@ -33,7 +35,6 @@ ROOT = Path(__file__).resolve().parent.parent
 """The folder holding ``common/``: the repository, or a packaged bundle's folder (``common/`` beside ``configs/``)."""
 BUNDLES_DIR = ROOT / "bundles"
 """The repository's bundles, one folder each (absent in a packaged bundle)."""
-METADATA = Path("configs") / "metadata.json"
 
 
 def checkout_problem(script: str | os.PathLike) -> str | None:
@@ -94,8 +95,42 @@ def resolve_bundle(target: str | os.PathLike, bundles_dir: str | os.PathLike | N
 
 
 def bundle_root(name: str) -> str:
-    """The folder of bundle ``name`` (:func:`resolve_bundle`), as a config's ``bundle_root`` reads it."""
+    """The folder of bundle ``name`` (:func:`resolve_bundle`), as a string."""
     return str(resolve_bundle(name))
+
+
+def config_bundle_root() -> str:
+    """A config's ``bundle_root``: the folder of the bundle whose configs are being run, so that no config names its
+    own bundle and a copied bundle folder is its own bundle.
+
+    It is the folder of the first config file of the ``monai.bundle.ConfigWorkflow`` running the config
+    (:func:`common.runs.workflow_being_run`; ``python -m monai.bundle run`` is one), as MONAI reads
+    ``metadata.json`` beside it; inside a packaged bundle (``common/`` beside ``configs/``) that bundle. Resolved
+    once by the workflow's ``initialize`` (its settings checks read ``dataset_dir`` or ``output_dir``), the value
+    stays in the parser's cache, so ``workflow.parser.get_parsed_content(...)`` afterwards sees it too.
+
+    Raises:
+        BundleNotFoundError: when the workflow's first config file is not in a bundle's ``configs/`` folder, or the
+            config is parsed by a bare ``ConfigParser`` (which does not know its files) outside a packaged
+            bundle; the message says how to give ``bundle_root``.
+    """
+    workflow = workflow_being_run()
+    if workflow is not None:
+        found = bundle_of_config(workflow.config_root_path)
+        if found is None:
+            raise BundleNotFoundError(
+                f"bundle_root: the first config file is in {str(workflow.config_root_path)!r}, which is not the "
+                f"configs/ folder of a bundle (a folder with {METADATA.as_posix()}); list the bundle's train.json "
+                "first, or pass --bundle_root <bundle folder>."
+            )
+        return str(found)
+    if is_bundle(ROOT):
+        return str(ROOT)  # a packaged bundle: the folder holding common/ is the bundle
+    raise BundleNotFoundError(
+        "bundle_root: this config is parsed by a bare monai.bundle.ConfigParser (or a ConfigWorkflow's parser before "
+        "its initialize()), which does not know the folder of its files; set it before parsing "
+        "(parser['bundle_root'] = '<bundle folder>'), or call workflow.initialize() first."
+    )
 
 
 def demo_generator(path: str) -> Callable[..., Any]:

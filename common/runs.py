@@ -24,11 +24,13 @@ from common.errors import UserError
 __all__ = [
     "CALIBRATED_IDS",
     "LOCATION_IDS",
+    "METADATA",
     "RUN_ARGUMENTS",
     "RUN_FILE",
     "TRAINING_ONLY_IDS",
     "RunRecord",
     "RunRecordError",
+    "bundle_of_config",
     "changed_settings",
     "check_record_bundle",
     "command_line",
@@ -43,9 +45,12 @@ __all__ = [
     "run_dir_of",
     "run_settings",
     "settings_differences",
+    "workflow_being_run",
 ]
 
 RUN_FILE = Path("configs") / "run.json"
+#: what makes a folder a bundle folder
+METADATA = Path("configs") / "metadata.json"
 # where and how one process ran: read back by evaluation (same data, same run folder), never baked into a
 # packaged bundle's defaults and never reported as a difference between a checkpoint and a config
 LOCATION_IDS = frozenset(
@@ -225,25 +230,57 @@ def default_settings(bundle_root: str | os.PathLike) -> dict[str, Any]:
     return {k: v for k, v in config.items() if isinstance(k, str) and k != "imports" and is_plain(v)}
 
 
-def config_being_parsed() -> Any:
-    """The ``monai.bundle.ReferenceResolver`` resolving the config item whose expression or component is running now
-    (found on the call stack), or ``None`` outside a config's resolution.
+def _on_stack(kind: type, accept: Any = None) -> Any:
+    """The innermost ``self`` on the call stack that is a ``kind`` (and that ``accept`` accepts), or ``None``.
 
-    MONAI 1.6 gives a config's expressions and components no reference to the parser or resolver evaluating them
-    (``@`` references name items, never the config itself), so a check that reads other ids, or the record of the
-    merged config, can only find it here; this is the one function of the collection that walks the stack."""
-    from monai.bundle.reference_resolver import ReferenceResolver
-
+    MONAI 1.6 gives a config's expressions and components no reference to the parser or resolver evaluating them,
+    nor to the workflow running them (``@`` references name items, never the config itself), so what a check reads,
+    the record of the merged config and the folder of the config files can only be found here; this is the one
+    function of the collection that walks the stack (:func:`config_being_parsed`, :func:`workflow_being_run`)."""
     frame = inspect.currentframe()
     try:
         while frame is not None:
             owner = frame.f_locals.get("self")
-            if isinstance(owner, ReferenceResolver):
+            if isinstance(owner, kind) and (accept is None or accept(owner)):
                 return owner
             frame = frame.f_back
         return None
     finally:
         del frame
+
+
+def bundle_of_config(config_folder: str | os.PathLike) -> Path | None:
+    """The bundle folder whose config files lie in ``config_folder``, absolute, by MONAI's rule (``ConfigWorkflow``
+    reads ``metadata.json`` there and puts the folder above a ``configs`` folder on ``sys.path``); ``None`` when
+    that is no bundle folder (it has no :data:`METADATA`)."""
+    folder = Path(config_folder).expanduser().absolute()
+    folder = folder.parent if folder.name == "configs" else folder
+    return folder.resolve() if (folder / METADATA).is_file() else None
+
+
+def config_being_parsed() -> Any:
+    """The ``monai.bundle.ReferenceResolver`` resolving the config item whose expression or component is running now
+    (:func:`_on_stack`), or ``None`` outside a config's resolution."""
+    from monai.bundle.reference_resolver import ReferenceResolver
+
+    return _on_stack(ReferenceResolver)
+
+
+def workflow_being_run(resolver: Any = None) -> Any:
+    """The ``monai.bundle.ConfigWorkflow`` whose parser owns ``resolver`` (default: the config being parsed), if
+    one is running it (:func:`_on_stack`): ``python -m monai.bundle run``, ``create_workflow`` or a
+    ``ConfigWorkflow`` in Python; ``None`` for a bare ``ConfigParser`` - also one parsed inside another bundle's
+    workflow, whose files are not that workflow's.
+
+    Args:
+        resolver: a ``monai.bundle.ReferenceResolver``.
+    """
+    from monai.bundle import ConfigWorkflow
+
+    resolver = resolver if resolver is not None else config_being_parsed()
+    if resolver is None:
+        return None
+    return _on_stack(ConfigWorkflow, lambda w: getattr(getattr(w, "parser", None), "ref_resolver", None) is resolver)
 
 
 def parsed_config(config: Any = None) -> dict[str, Any] | None:

@@ -68,6 +68,13 @@ class BundleCase:
             discriminator).
         faults: the faults ``tests/test_reliability.py`` injects in turn into the bundle's fault-test job
             (``scripts/reliability.py report`` runs every fault on every bundle).
+        inference_inputs: how ``tests/test_inference_faults.py`` writes the bundle's inference cases (the keywords
+            of its ``Inputs``: ``kind`` of phantom, ``shape``, ``spacing``, whether it reads DICOM series); their
+            layout is the family's (a folder of volumes, the BraTS modalities, a cohort CSV).
+        byte_setting: a setting the bundle's inference outputs depend on, and another value of it (a case
+            inferred with it is redone).
+        gpu_resume: whether ``tests/test_gpu.py`` kills its reliability job on CUDA and resumes it, expecting the
+            weights of the uninterrupted run bit for bit (bf16).
     """
 
     bundle: str
@@ -83,6 +90,9 @@ class BundleCase:
     gpu_brief: dict[str, Any] = field(default_factory=lambda: {"max_epochs": 4, "val_interval": 2, "log_interval": 1})
     optimizer_steps: int = 1
     faults: tuple[str, ...] = ("kill",)
+    inference_inputs: dict[str, Any] = field(default_factory=dict)
+    byte_setting: tuple[str, Any] = ("sw_batch_size", 1)
+    gpu_resume: bool = False
 
     def __str__(self) -> str:
         return self.bundle
@@ -131,6 +141,7 @@ CASES = {
             gpu_brief={"max_epochs": 4, "val_interval": 2, "adv_warmup_iterations": 2, "log_interval": 1},
             optimizer_steps=2,
             faults=("disk", "nan", "kill_while_saving", "kill"),
+            gpu_resume=True,
         ),
         BundleCase(
             "vqgan_3d",
@@ -154,6 +165,7 @@ CASES = {
             gpu_brief={"max_epochs": 4, "val_interval": 2, "discriminator_iter_start": 2, "log_interval": 1},
             optimizer_steps=2,
             faults=("nan",),
+            inference_inputs={"kind": "ct", "shape": (24, 24, 22)},
         ),
         BundleCase(
             "fast_ddpm_3d",
@@ -178,6 +190,9 @@ CASES = {
             case_key="case_id",
             gpu_brief={"max_epochs": 6, "val_interval": 3, "log_interval": 1},
             faults=("kill_while_saving",),
+            gpu_resume=True,
+            # 1 mm voxels (the bundle's spacing) and one 16^3 window: the sampler's 2 steps stay cheap
+            inference_inputs={"shape": (16, 16, 16), "spacing": (1.0, 1.0, 1.0), "dicom": False},
         ),
         BundleCase(
             "mace_survival",
@@ -212,6 +227,8 @@ CASES = {
             ),
             splits="cohort",
             case_key="case_id",
+            inference_inputs={"kind": "ct", "shape": (20, 20, 16)},
+            byte_setting=("batch_size", 4),
         ),
         BundleCase(
             "xray2ct_cascade",
@@ -242,6 +259,8 @@ CASES = {
             ),
             gpu_brief={"stage_iterations": [4, 4], "val_interval": 1, "log_interval": 1},
             faults=("disk",),
+            inference_inputs={"kind": "ct"},
+            byte_setting=("seed", 7),
         ),
     )
 }

@@ -474,7 +474,7 @@ def bundle_parser(bundle: str, configs: Sequence[str], **settings: Any) -> Any:
 
     parser = ConfigParser()
     parser.read_config([str(BUNDLES / bundle / "configs" / name) for name in configs])
-    for key, value in {"device": "cpu", **settings}.items():
+    for key, value in {"bundle_root": str(BUNDLES / bundle), "device": "cpu", **settings}.items():
         parser[key] = value
     return parser
 

@@ -228,7 +228,7 @@ def _inference_parser(bundle: str, **settings):
 
     parser = ConfigParser()
     parser.read_config(str(BUNDLES / bundle / "configs" / "inference.json"))
-    for key, value in {"device": "cpu", **settings}.items():
+    for key, value in {"bundle_root": str(BUNDLES / bundle), "device": "cpu", **settings}.items():
         parser[key] = value
     return parser
 

@@ -52,7 +52,13 @@ def inference_parts(**settings):
 
     parser = ConfigParser()
     parser.read_config([str(BUNDLES / BUNDLE / "configs" / name) for name in INFERENCE])
-    settings = {"device": "cpu", "seed": shifted_seed(parser["seed"]), "overwrite": True, **settings}  # every case
+    settings = {
+        "bundle_root": str(BUNDLES / BUNDLE),
+        "device": "cpu",
+        "seed": shifted_seed(parser["seed"]),
+        "overwrite": True,
+        **settings,
+    }  # every case
     for key, value in settings.items():
         parser[key] = value
     if "prediction_dir" in settings:  # the writer straight into it (a run stages each case's files first)

@@ -413,7 +413,7 @@ def _inference_parser(**settings):
 
     parser = ConfigParser()
     parser.read_config(str(BUNDLES / BUNDLE / "configs" / "inference.json"))
-    for key, value in {"device": "cpu", **settings}.items():
+    for key, value in {"bundle_root": str(BUNDLES / BUNDLE), "device": "cpu", **settings}.items():
         parser[key] = value
     return parser
 

@@ -119,6 +119,7 @@ def _validation_inputs(phantoms: Path, stage: int = 2) -> tuple[object, list[tup
 
     parser = ConfigParser()
     parser.read_config([config_arg(BUNDLE, "train.json"), config_arg(BUNDLE, "tiny.json")])
+    parser["bundle_root"] = str(BUNDLES / BUNDLE)
     parser["device"] = "cpu"
     parser["stage"] = stage
     projector = parser.get_parsed_content("projector")
@@ -394,6 +395,7 @@ def test_json_pipelines_match_xray2ct_transforms(phantoms, tmp_path, settings):
     plain = {k: parser[k] for k in ("stage_sizes", "stage", "source_size", "view_size", "fov_mm", "hu_window")}
     for key, value in {**plain, "device": "cpu", "orientation": orientation, "view_files": view_files}.items():
         inference[key] = value
+    inference["bundle_root"] = str(BUNDLES / BUNDLE)
     inputs = {k: entry[k] for k in view_keys(projector)} if view_files else {"image": entry["image"]}
     expected = xray2ct_transforms(
         projector, volume, source, with_image=not view_files, view_files=view_files, orientation=orientation

@@ -127,6 +127,7 @@ def test_the_default_inference_settings_pass_their_checks(bundle):
     checks = importlib.import_module(f"{describe(bundle).package}.settings").INFERENCE
     parser = ConfigParser()
     parser.read_config(str(resolve_bundle(bundle) / "configs" / "inference.json"))
+    parser["bundle_root"] = str(resolve_bundle(bundle))
     check_config(checks, config=parser)
     with pytest.raises(SettingsError, match=r"'num_workers' must be an integer >= 0 .*got -1\."):
         check_config(checks, config=parser, num_workers=-1)
@@ -139,7 +140,15 @@ def test_the_preamble_reports_the_overrides_and_the_settings_in_one_error():
 
     parser = ConfigParser()
     parser.read_config(str(resolve_bundle("autoencoder_3d") / "configs" / "train.json"))
-    parser.update({"max_epoch": 5, "kl_weight": -1.0, "amp": "fp8", "memory_format": "nhwc"})
+    parser.update(
+        {
+            "bundle_root": str(resolve_bundle("autoencoder_3d")),
+            "max_epoch": 5,
+            "kl_weight": -1.0,
+            "amp": "fp8",
+            "memory_format": "nhwc",
+        }
+    )
     with pytest.raises(SettingsError) as info:
         check_config(TRAINING, config=parser)
     message = str(info.value)

@@ -46,6 +46,7 @@ def _reference_network(bundle: str, ckpt: Path | None = None, seed: int = 0) -> 
 
     parser = ConfigParser()
     parser.read_config([str(BUNDLES / bundle / "configs" / "inference.json"), str(_tiny(bundle))])
+    parser["bundle_root"] = str(BUNDLES / bundle)
     if "device" in parser:
         parser["device"] = "cpu"
     torch.manual_seed(seed)

@@ -70,7 +70,7 @@ def test_autoencoder_with_gradient_checkpointing_and_flash_attention(tmp_path):
     _assert_finite(metrics, "autoencoder_3d")
 
 
-@pytest.mark.parametrize("bundle", ["autoencoder_3d", "fast_ddpm_3d"])
+@pytest.mark.parametrize("bundle", sorted(name for name, case in CASES.items() if case.gpu_resume))
 def test_resume_on_cuda_continues_where_it_stopped(bundle, tmp_path):
     """The reliability job of ``bundle`` (8 iterations, a checkpoint every 2, ``deterministic``) on CUDA in bf16,
     SIGKILLed at a random iteration and re-run: it resumes from its last checkpoint and ends with the weights of

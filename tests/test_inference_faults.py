@@ -40,6 +40,7 @@ import pytest
 
 import common.engines.cases as cases_module
 from common.bundle import BUNDLES_DIR, ROOT, bundle_names
+from common.bundle_tools.registry import describe
 from common.demo.images import make_ct_phantom, make_phantom
 from common.engines.cases import DONE_DIR, FAILURES_CSV
 from common.errors import INTERRUPTED, user_error_in_chain
@@ -48,6 +49,13 @@ from tests.bundle_cases import CASES
 from tests.helpers import shifted_seed
 
 BUNDLES = tuple(bundle_names())
+
+
+def family(bundle: str) -> str:
+    """The bundle's model family: how its inference inputs are laid out and what it writes are the family's."""
+    return describe(bundle).family
+
+
 DOCS = ROOT / "docs" / "reliability.md"
 BEGIN, END = "<!-- inference fault matrix: begin -->", "<!-- inference fault matrix: end -->"
 N_GOOD = 3
@@ -232,27 +240,31 @@ class Inputs:
     spacing: tuple[float, float, float] = (1.5, 1.5, 2.0)
     dicom: bool = True
 
+    @property
+    def family(self) -> str:
+        return family(self.bundle)
+
     def volume(self, seed: int) -> np.ndarray:
         return _phantom(self.kind, self.shape, shifted_seed(seed))
 
     def write(self, folder: Path, case: str, volume: np.ndarray) -> list[Path]:
         """Write the case ``case`` whose volume is ``volume``; its files."""
-        if self.bundle == "fast_ddpm_3d":  # the BraTS layout: one file per source modality
+        if self.family == "diffusion":  # the BraTS layout: one file per source modality
             return [
                 _nifti(folder / case / f"{case}-{key}.nii.gz", volume + i, self.spacing)
                 for i, key in enumerate(("t1n", "t1c", "t2w"))
             ]
-        path = folder / "images" / f"{case}.nii.gz" if self.bundle == "mace_survival" else folder / f"{case}.nii.gz"
+        path = folder / "images" / f"{case}.nii.gz" if self.family == "survival" else folder / f"{case}.nii.gz"
         return [_nifti(path, volume, self.spacing)]
 
     def write_series(self, folder: Path, case: str, volume: np.ndarray, **geometry: Any) -> Path:
-        base = folder / "images" if self.bundle == "mace_survival" else folder
+        base = folder / "images" if self.family == "survival" else folder
         return write_series(base / case, volume, **geometry)
 
     def settings(self, folder: Path, cases: list[str], covariates: dict[str, str] | None = None) -> dict[str, Any]:
         """The settings that point inference at the cases in ``folder`` (mace: a cohort CSV listing ``cases`` in
         this order, with a row's ``age`` cell from ``covariates``)."""
-        if self.bundle != "mace_survival":
+        if self.family != "survival":
             return {"dataset_dir": str(folder)}
         rows = ["case_id,image,age,sex"]
         for i, case in enumerate(cases):
@@ -269,27 +281,9 @@ class Inputs:
         return cases, self.settings(folder, cases)
 
 
-INPUTS = {
-    "autoencoder_3d": Inputs("autoencoder_3d"),
-    "vqgan_3d": Inputs("vqgan_3d", kind="ct", shape=(24, 24, 22)),
-    # 1 mm voxels (the bundle's spacing) and one 16^3 window: the sampler's 2 steps stay cheap
-    "fast_ddpm_3d": Inputs("fast_ddpm_3d", shape=(16, 16, 16), spacing=(1.0, 1.0, 1.0), dicom=False),
-    "mace_survival": Inputs("mace_survival", kind="ct", shape=(20, 20, 16)),
-    "xray2ct_cascade": Inputs("xray2ct_cascade", kind="ct"),
-}
+INPUTS = {bundle: Inputs(bundle, **case.inference_inputs) for bundle, case in CASES.items()}
 # a setting each bundle's outputs depend on, and another value of it (the thread count is the other such row)
-BYTE_SETTINGS = {
-    "autoencoder_3d": ("sw_batch_size", 1),
-    "vqgan_3d": ("sw_batch_size", 1),
-    "fast_ddpm_3d": ("sw_batch_size", 1),
-    "mace_survival": ("batch_size", 4),
-    "xray2ct_cascade": ("seed", 7),
-}
-
-
-def test_every_bundle_has_its_inputs_here():
-    """A new bundle is in the matrix once it says how its inference inputs are written."""
-    assert sorted(INPUTS) == sorted(BYTE_SETTINGS) == sorted(BUNDLES)
+BYTE_SETTINGS = {bundle: case.byte_setting for bundle, case in CASES.items()}
 
 
 # ------------------------------------------------------------------------------------------------ fixtures
@@ -309,7 +303,7 @@ def trained(tmp_path_factory) -> Callable[[str], Path]:
             job = make_case(bundle, root / "data", shifted_seed(0))
             args = {**job.args, "deterministic": False}
             args.update({k: 1 for k in ("max_epochs", "val_interval") if k in args})
-            if bundle == "mace_survival":
+            if family(bundle) == "survival":
                 args["covariates"] = ["age", "sex"]
             result = run_case(dataclasses.replace(job, args=args), root / "run")
             assert result.returncode == 0, result.stderr[-3000:]
@@ -492,7 +486,7 @@ def test_bad_inputs_fail_their_case_and_the_others_are_written(bundle, benches, 
     faults = write_faulty_cases(bench, folder)
     cases = [*bench.cases, *(case for case, _ in faults.values())]
     covariates = {}
-    if bundle == "mace_survival":
+    if family(bundle) == "survival":
         cases.append("bad_cell")
         bench.inputs.write(folder, "bad_cell", bench.inputs.volume(31))
         covariates = {"bad_cell": "abc"}
@@ -521,7 +515,7 @@ def test_two_case_ids_with_one_file_name_write_two_files(bundle, benches, tmp_pa
     bench = benches(bundle)
     folder = bench.folder
     ids = ["p1/ct", "p2/ct"]
-    if bundle == "mace_survival":
+    if family(bundle) == "survival":
         images = [folder / "images" / f"case{i}.nii.gz" for i in range(len(ids))]
         rows = ["case_id,image,age,sex"] + [f"{c},{image},5{i},0" for i, (c, image) in enumerate(zip(ids, images))]
         (tmp_path / "cohort.csv").write_text("\n".join(rows) + "\n")
@@ -529,12 +523,12 @@ def test_two_case_ids_with_one_file_name_write_two_files(bundle, benches, tmp_pa
     else:
 
         def entry(i: int) -> dict[str, Any]:
-            if bundle == "fast_ddpm_3d":
+            if family(bundle) == "diffusion":
                 return {key: str(folder / f"case{i}" / f"case{i}-{key}.nii.gz") for key in ("t1n", "t1c", "t2w")}
             return {"image": str(folder / f"case{i}.nii.gz")}
 
         entries = [{"case_id": case, **entry(i)} for i, case in enumerate(ids)]
-        if bundle in ("autoencoder_3d", "vqgan_3d"):
+        if family(bundle) in ("autoencoder", "vqgan"):
             settings = {"datalist": entries}
         else:
             (tmp_path / "datalist.json").write_text(json.dumps({"testing": entries}))
@@ -551,7 +545,7 @@ def test_two_case_ids_with_one_file_name_write_two_files(bundle, benches, tmp_pa
         assert record["outputs"] == [] or all(name.startswith(stem + "_") for name in record["outputs"])
         assert all((out / name).is_file() for name in record["outputs"])
     files = sorted(p.name for p in out.iterdir() if p.is_file() and p.name not in TABLES)
-    if bundle == "mace_survival":
+    if family(bundle) == "survival":
         predicted = (out / "predictions.csv").read_text()
         assert "p1/ct" in predicted and "p2/ct" in predicted
         cell = "two rows in the tables; exit 0"
@@ -589,7 +583,7 @@ def test_inputs_changed_after_their_case_was_written_are_redone(bundle, benches,
         edited[:, :, 3] += 100.0
         bench.inputs.write_series(folder, "series", edited)  # the same geometry; one slice's pixels differ
         changed["dicom"] = "series"
-    if bundle == "mace_survival":
+    if family(bundle) == "survival":
         covariates = {"case2": "70"}
         changed["covariate"] = "case2"
     settings = bench.inputs.settings(folder, cases, covariates)
@@ -652,9 +646,9 @@ def _fill_disk_at_output(monkeypatch: Any, bundle: str, case: str) -> bool:
         Path(path).write_bytes(b"\x1f\x8b\x08\x00" + b"\0" * 512)  # what a writer leaves when the disk fills up
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    if bundle == "mace_survival":
+    if family(bundle) == "survival":
         return False
-    if bundle == "xray2ct_cascade":
+    if family(bundle) == "xray2ct":
         save = images.save_panel_png
         monkeypatch.setattr(
             images, "save_panel_png", lambda panel, path: full(path) if case in str(path) else save(panel, path)
@@ -776,7 +770,7 @@ PRODUCT_ROW = "reconstructions and latents written into one folder"
 @pytest.mark.parametrize("bundle", BUNDLES)
 def test_two_products_of_the_same_cases_keep_their_records(bundle, benches, tmp_path):
     bench = benches(bundle)
-    if bundle not in ("autoencoder_3d", "vqgan_3d"):
+    if family(bundle) not in ("autoencoder", "vqgan"):  # the families with an encode mode
         note(PRODUCT_ROW, bundle, NOT_APPLICABLE)
         return
     out = tmp_path / "predictions"

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from common.bundle import demo_generator
+from common.bundle import bundle_names, demo_generator
 from common.bundle_tools.registry import descriptions
 from common.errors import MissingInputError
 
@@ -238,6 +238,7 @@ def test_inference_takes_the_thread_count_and_leaves_the_rngs(bundle: str) -> No
     parser = ConfigParser()
     parser.read_config(str(REPO / "bundles" / bundle / "configs" / "inference.json"))
     assert "@runtime" in parser["initialize"][:3]  # after the run's and the settings' checks
+    parser["bundle_root"] = str(REPO / "bundles" / bundle)
     parser["num_threads"] = 1
     threads, state = torch.get_num_threads(), torch.get_rng_state()
     torch.set_num_threads(2)
@@ -357,3 +358,22 @@ def test_the_preamble_is_the_one_check_settings() -> None:
             if key != "check_settings" and "check_config(" in json.dumps(value):
                 elsewhere.append(f"{path.relative_to(REPO)}:{key}")
     assert not elsewhere, elsewhere
+
+
+def test_no_table_of_bundles_outside_the_bundle_cases() -> None:
+    """A per-bundle table (a literal naming two or more bundles) lives only in tests/bundle_cases.py; everything
+    else derives its tables from it or from the bundles' folders, so adding a bundle touches its folder and its
+    case only. What a family does (its input layout, its inference network) is looked up by the family."""
+    names = set(bundle_names())
+    found = []
+    for root in ("common", "scripts", "tests"):
+        for path in sorted((REPO / root).rglob("*.py")):
+            if path == REPO / "tests" / "bundle_cases.py":
+                continue
+            for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+                if isinstance(node, (ast.Dict, ast.List, ast.Tuple, ast.Set)):
+                    items = node.keys if isinstance(node, ast.Dict) else node.elts
+                    listed = {i.value for i in items if isinstance(i, ast.Constant) and i.value in names}
+                    if len(listed) >= 2:
+                        found.append(f"{path.relative_to(REPO)}:{node.lineno} lists {sorted(listed)}")
+    assert not found, found

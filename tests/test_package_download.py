@@ -39,6 +39,7 @@ from common.bundle_tools.package import (
     package_bundle,
     verify_large_files,
 )
+from common.bundle_tools.registry import describe
 from common.checkpoint_io import CheckpointError, with_record
 from common.runs import LOCATION_IDS, is_plain
 from tests.helpers import (
@@ -106,6 +107,7 @@ def _tiny_checkpoint(name: str, path: Path, record: bool = True) -> Path:
 
     parser = ConfigParser()
     parser.read_config(_configs(name, "inference.json", "tiny.json"))
+    parser["bundle_root"] = str(BUNDLES / name)
     torch.manual_seed(shifted_seed(0))
     network = parser.get_parsed_content("network")
     predictor = parser.get_parsed_content("predictor") if "predictor" in parser else None
@@ -167,6 +169,7 @@ def _input_files(name: str) -> int:
     spec = _metadata(name)["network_data_format"]["inputs"].get("image", {})
     parser = ConfigParser()
     parser.read_config(str(BUNDLES / name / "configs" / "inference.json"))
+    parser["bundle_root"] = str(BUNDLES / name)
     if "source_keys" in parser:
         return len(parser.get_parsed_content("source_keys"))
     return int(spec.get("num_channels", 1))
@@ -237,6 +240,7 @@ def test_tiny_profile_weights_are_under_1_mb(name, tmp_path):
 
     parser = ConfigParser()
     parser.read_config(_configs(name, "inference.json", "tiny.json"))
+    parser["bundle_root"] = str(BUNDLES / name)
     if "stage_sizes" in parser:
         parser["stage"] = len(parser["stage_sizes"])
     path = tmp_path / "model.pt"
@@ -661,7 +665,8 @@ def test_model_zoo_checks(name, packages, tmp_path):
     with zipfile.ZipFile(zip_path) as zf:
         zf.extractall(tmp_path / "zoo")
     bundle = tmp_path / "zoo" / name
-    if name == "xray2ct_cascade":  # CT volumes in, X-rays made by the projector (its input is two X-rays)
+    kind = describe(name).family
+    if kind == "xray2ct":  # CT volumes in, X-rays made by the projector (its input is two X-rays)
         import nibabel as nib
 
         dataset = tmp_path / "data"
@@ -673,7 +678,7 @@ def test_model_zoo_checks(name, packages, tmp_path):
     shape = default_input_shape(bundle)
     # the survival model's network_def is its exported predictor; the generative bundles' entry point is
     # `network` (the zoo excludes generative bundles from the network_def shape check)
-    net_id = "network_def" if name == "mace_survival" else "network"
+    net_id = "network_def" if kind == "survival" else "network"
     overrides = {"dataset_dir": str(dataset)}
     lines = model_zoo_checks(bundle, ["infer"], [], overrides, shape, True, net_id)
     assert lines == ["metadata verified", "infer properties verified", "net in out verified", "torchscript verified"]

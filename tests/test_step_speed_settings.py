@@ -20,6 +20,7 @@ from ignite.engine import Events
 from monai.engines.utils import IterationEvents
 from torch._dynamo.testing import CompileCounter
 
+from common.bundle_tools.registry import describe
 from tests.bundle_cases import CASES
 from tests.helpers import bundle_workflow
 
@@ -115,15 +116,16 @@ def _predictor(name: str, workflow: Any) -> tuple[torch.nn.Module, tuple]:
     parser = workflow.parser
     trainer = parser.get_parsed_content("train#trainer")
     batch = next(iter(trainer.data_loader))
-    if name in ("autoencoder_3d", "vqgan_3d"):
-        if name == "autoencoder_3d":  # the factory builds the inference view
+    kind = describe(name).family  # what the inference network is is the family's
+    if kind in ("autoencoder", "vqgan"):
+        if kind == "autoencoder":  # the factory builds the inference view
             parser["network_def"]["reconstructor"] = True
         else:
             parser["network_def"]["_target_"] = "common.vqgan.networks.VQGANReconstructor"
         network = parser.get_parsed_content("network_def", instantiate=True, lazy=False)
         image = trainer.prepare_batch(batch, "cpu", False)[0]
         return network.eval(), (image,)
-    if name == "mace_survival":
+    if kind == "survival":
         from common.survival.networks import SurvivalExportView
 
         image = trainer.prepare_step(trainer, batch)["args"][0]
@@ -204,10 +206,10 @@ def test_a_graph_break_is_reported_with_its_reason_and_line():
     assert len(breaks) == 1 and "test_step_speed_settings.py:" in breaks[0], breaks
 
 
-# bundles whose step gives the same update in micro-batches: the random draws are made before the forward and the
+# families whose step gives the same update in micro-batches: the random draws are made before the forward and the
 # networks have no batch statistics (not the autoencoder's posterior sample, the VQ-GAN's codebook update per
 # micro-batch, mace's BatchNorm)
-SAME_UPDATE_IN_MICRO_BATCHES = ("fast_ddpm_3d", "xray2ct_cascade")
+SAME_UPDATE_IN_MICRO_BATCHES = ("diffusion", "xray2ct")
 
 
 def test_a_step_that_runs_out_of_memory_is_redone_in_smaller_micro_batches(bundle, tmp_path):
@@ -217,12 +219,13 @@ def test_a_step_that_runs_out_of_memory_is_redone_in_smaller_micro_batches(bundl
     name, settings = bundle
     if settings.get("survival_head") == "cox":
         pytest.skip("the Cox loss couples the batch: no micro-batches (tests/test_engines_trainer.py checks the error)")
-    whole = {"micro_batch_size": None} if name == "vqgan_3d" else {}
-    fits = 2 if name == "mace_survival" else 1  # BatchNorm: at least 2 samples per micro-batch
+    kind = describe(name).family
+    whole = {"micro_batch_size": None} if kind == "vqgan" else {}
+    fits = 2 if kind == "survival" else 1  # BatchNorm: at least 2 samples per micro-batch
     losses, grads, trainer = _first_step(bundle, tmp_path / "limited", fits=fits, **whole)
     assert trainer.micro_batch_size == fits  # from the whole batch (None), halved until it fits
     assert losses and all(math.isfinite(v) for v in losses.values())
-    if name in SAME_UPDATE_IN_MICRO_BATCHES:
+    if kind in SAME_UPDATE_IN_MICRO_BATCHES:
         expected, expected_grads, _ = _first_step(bundle, tmp_path / "whole")
         assert losses == pytest.approx(expected, rel=1e-5, abs=1e-7)
         scale = max(float(g.abs().max()) for g in expected_grads)

@@ -164,7 +164,7 @@ _SCRIPT_NETWORK = textwrap.dedent(
     from monai.bundle import ConfigParser
     parser = ConfigParser()
     parser.read_config(json.loads(sys.argv[1]))
-    parser.update({"device": "cpu"})
+    parser.update({"bundle_root": sys.argv[2], "device": "cpu"})
     try:
         torch.jit.script(parser.get_parsed_content("network_def"))
         print(json.dumps(None))
@@ -181,7 +181,7 @@ def test_a_declared_torchscript_exclusion_names_the_real_first_error(bundle):
     file where TorchScript stops first."""
     configs = [str(BUNDLES / bundle / "configs" / name) for name in ("inference.json", *CASES[bundle].configs)]
     result = subprocess.run(
-        [sys.executable, "-c", _SCRIPT_NETWORK, json.dumps(configs)],
+        [sys.executable, "-c", _SCRIPT_NETWORK, json.dumps(configs), str(BUNDLES / bundle)],
         env=bundle_env(),
         capture_output=True,
         text=True,

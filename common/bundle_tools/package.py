@@ -216,6 +216,7 @@ def default_checkpoint(name_or_dir: str | os.PathLike) -> Path:
     bundle_dir = _resolve_bundle(name_or_dir)
     parser = ConfigParser()
     parser.read_config(str(bundle_dir / "configs" / "inference.json"))
+    parser["bundle_root"] = str(bundle_dir)
     try:
         found = parser.get_parsed_content("ckpt_path")
     except RuntimeError as e:  # MONAI wraps errors raised by `$` expressions

@@ -45,13 +45,12 @@ Fill in what `{template}`'s model card says for its model: intended use, data, t
 
 def train_command(folder: str | os.PathLike, *configs: str) -> list[str]:
     """``python -m monai.bundle run training`` of the bundle ``folder`` with ``configs`` (default ``train.json``),
-    paths relative to the working directory; a bundle outside the repository's ``bundles/`` is not found by name,
-    so its configs are told where it is (``--bundle_root``)."""
+    paths relative to the working directory; the configs find their bundle from their own folder
+    (:func:`common.bundle.config_bundle_root`), wherever it is."""
     rel = Path(os.path.relpath(folder, Path.cwd()))
     files = [str(rel / "configs" / c) for c in (configs or ("train.json",))]
     config_file = files[0] if len(files) == 1 else json.dumps(files)
-    root = [] if Path(folder).resolve().parent == BUNDLES_DIR.resolve() else ["--bundle_root", str(rel)]
-    return ["python", "-m", "monai.bundle", "run", "training", "--config_file", config_file, *root]
+    return ["python", "-m", "monai.bundle", "run", "training", "--config_file", config_file]
 
 
 def family_templates() -> dict[str, str]:
@@ -105,9 +104,6 @@ def new_bundle(
             elif (source / item).is_file():
                 (staging / item).parent.mkdir(parents=True, exist_ok=True)
                 shutil.copy2(source / item, staging / item)
-        for config in (staging / "configs").glob("*.json"):
-            text = config.read_text(encoding="utf-8")
-            config.write_text(text.replace(f"bundle_root('{template}')", f"bundle_root('{name}')"), encoding="utf-8")
         metadata = json.loads((staging / METADATA).read_text(encoding="utf-8"))
         metadata.update(
             name=name,

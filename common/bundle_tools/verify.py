@@ -252,7 +252,7 @@ def _parser(bundle_dir: Path, names: Sequence[str], overrides: dict[str, Any] | 
     """A ``ConfigParser`` of ``names`` (files in ``configs/``) merged in order, then ``overrides`` applied."""
     parser = ConfigParser()
     parser.read_config([str(bundle_dir / "configs" / name) for name in names])
-    for key, value in (overrides or {}).items():
+    for key, value in {"bundle_root": str(bundle_dir), **(overrides or {})}.items():
         parser[key] = value
     return parser
 

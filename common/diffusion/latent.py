@@ -9,6 +9,7 @@ import logging
 import math
 import os
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -17,6 +18,7 @@ from torch import nn
 
 from common.checkpoint_io import CheckpointError, load_published_weights
 from common.networks.wrappers import LatentDecoder, LatentEncoder, blended_windows, unwrap
+from common.runs import bundle_of_config
 from common.utils import rng_state, set_rng_state
 
 __all__ = ["LatentCodec", "LatentScaleCalibration", "codec_from_bundle", "load_latent_codec"]
@@ -278,6 +280,9 @@ def codec_from_bundle(
     parser = ConfigParser()
     try:
         parser.read_config([str(f) for f in files])
+        home = bundle_of_config(Path(files[0]).parent)  # a bare parser: its configs' bundle is told
+        if home is not None:
+            parser["bundle_root"] = str(home)
         roi_size = [int(r) for r in parser.get_parsed_content("patch_size")]
         autoencoder = parser.get_parsed_content("network_def")
     except Exception as exc:  # noqa: BLE001 - any config problem is reported with the file names

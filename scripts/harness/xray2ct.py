@@ -169,7 +169,14 @@ def _xray_plain_loop(s: dict, data: list[dict], iterations: int, warmup: int, wo
     projector = _projector(s["view_size"])
     parser = ConfigParser()
     parser.read_config(str(config_file(BUNDLE)))
-    parser.update({"stage": s["stage"], "stage_sizes": s["stage_sizes"], "view_size": s["view_size"]})
+    parser.update(
+        {
+            "bundle_root": str(config_file(BUNDLE).parent.parent),
+            "stage": s["stage"],
+            "stage_sizes": s["stage_sizes"],
+            "view_size": s["view_size"],
+        }
+    )
     steps = parser.get_parsed_content("train#deterministic")
     transforms = Compose([*steps, EnsureTyped(["image", "xray"], dtype=torch.float32, track_meta=True)])
     dataset = CacheDataset(data, transform=transforms, cache_rate=1.0, progress=False)
