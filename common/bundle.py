@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from common.errors import BundleNotFoundError, MissingInputError, SettingsError, UserError
-from common.runs import METADATA, bundle_of_config, workflow_being_run
+from common.runs import METADATA, bundle_of_config, command_config_files, workflow_being_run
 
 __all__ = [
     "BUNDLES_DIR",
@@ -105,7 +105,10 @@ def config_bundle_root() -> str:
 
     It is the folder of the first config file of the ``monai.bundle.ConfigWorkflow`` running the config
     (:func:`common.runs.workflow_being_run`; ``python -m monai.bundle run`` is one), as MONAI reads
-    ``metadata.json`` beside it; inside a packaged bundle (``common/`` beside ``configs/``) that bundle. Resolved
+    ``metadata.json`` beside it; for MONAI's other commands (``python -m monai.bundle ckpt_export`` or
+    ``verify_net_in_out``) the folder of their first ``--config_file``
+    (:func:`common.runs.command_config_files`); inside a packaged bundle (``common/`` beside ``configs/``) that
+    bundle. Resolved
     once by the workflow's ``initialize`` (its settings checks read ``dataset_dir`` or ``output_dir``), the value
     stays in the parser's cache, so ``workflow.parser.get_parsed_content(...)`` afterwards sees it too.
 
@@ -123,6 +126,10 @@ def config_bundle_root() -> str:
                 f"configs/ folder of a bundle (a folder with {METADATA.as_posix()}); list the bundle's train.json "
                 "first, or pass --bundle_root <bundle folder>."
             )
+        return str(found)
+    files = command_config_files()  # MONAI's other commands (ckpt_export, verify_net_in_out) parse bare
+    found = bundle_of_config(Path(files[0]).parent) if files else None
+    if found is not None:
         return str(found)
     if is_bundle(ROOT):
         return str(ROOT)  # a packaged bundle: the folder holding common/ is the bundle

@@ -33,6 +33,7 @@ __all__ = [
     "bundle_of_config",
     "changed_settings",
     "check_record_bundle",
+    "command_config_files",
     "command_line",
     "config_being_parsed",
     "config_file_list",
@@ -186,6 +187,26 @@ def command_line(argv: Sequence[str] | None = None) -> dict[str, Any] | None:
                 value = "True"  # a bare flag
         found[name.replace("-", "_")] = DefaultParseValue(value)
     return found
+
+
+def command_config_files(argv: Sequence[str] | None = None) -> list[str]:
+    """The ``--config_file`` files of a MONAI bundle command other than a workflow run (``python -m monai.bundle
+    ckpt_export ...``, ``verify_net_in_out ...``: their parsers are bare ``ConfigParser`` objects); ``[]`` elsewhere,
+    and while a ``ConfigWorkflow`` runs - a parser it does not own is not of the command line's files.
+
+    Args:
+        argv: the command line (default ``sys.argv``).
+    """
+    from monai.bundle import ConfigWorkflow
+
+    argv = list(sys.argv if argv is None else argv)
+    if not _is_bundle_command(argv) or _on_stack(ConfigWorkflow) is not None:
+        return []
+    for i, arg in enumerate(argv):
+        name, has_value, value = arg.partition("=")
+        if name == "--config_file":
+            return config_file_list(value if has_value else argv[i + 1] if i + 1 < len(argv) else "")
+    return []
 
 
 def config_file_list(value: Any) -> list[str]:

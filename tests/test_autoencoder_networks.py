@@ -49,4 +49,5 @@ def test_network_def_passes_monai_verify_net_in_out():
         n=1,
         any=16,
         device="cpu",
+        bundle_root=str(BUNDLES / "autoencoder_3d"),  # MONAI's function parses a bare ConfigParser
     )

@@ -19,6 +19,7 @@ from monai.bundle import ConfigParser, ConfigWorkflow
 from common.bundle import BUNDLES_DIR
 from common.bundle_tools.scaffold import new_bundle
 from common.errors import BundleNotFoundError, UserError, user_error_in_chain
+from common.runs import command_config_files
 from tests.helpers import REPO_ROOT, bundle_env
 
 SCRIPT = REPO_ROOT / "scripts" / "new_bundle.py"
@@ -160,3 +161,14 @@ def test_a_first_config_outside_a_bundle_is_refused(tmp_path) -> None:
     message = str(user_error_in_chain(info.value))
     assert f"the first config file is in {str(loose)!r}, which is not the configs/ folder of a bundle" in message
     assert "pass --bundle_root <bundle folder>" in message
+
+
+def test_monai_commands_other_than_run_give_their_config_files() -> None:
+    """``python -m monai.bundle ckpt_export`` / ``verify_net_in_out`` parse a bare ``ConfigParser``: their first
+    ``--config_file`` names the bundle; any other process gives nothing to go by."""
+    main = "/env/lib/monai/bundle/__main__.py"
+    files = ["/b/x/configs/inference.json", "/b/x/configs/tiny.json"]
+    assert command_config_files([main, "verify_net_in_out", "network", "--config_file", json.dumps(files)]) == files
+    assert command_config_files([main, "ckpt_export", f"--config_file={files[0]}", "--n", "4"]) == files[:1]
+    assert command_config_files(["notebook.py", "--config_file", files[0]]) == []
+    assert command_config_files([main, "ckpt_export", "--filepath", "m.ts"]) == []
