@@ -17,7 +17,15 @@ from torch import nn
 
 from common.errors import UserError
 from common.networks.wrappers import clean_state_dict, unwrap
-from common.runs import RUN_FILE, command_line, default_settings, read_record, run_dir_of, settings_differences
+from common.runs import (
+    RUN_FILE,
+    command_line,
+    default_settings,
+    read_record,
+    recorded_settings,
+    run_dir_of,
+    settings_differences,
+)
 from common.utils import write_atomic
 
 __all__ = [
@@ -170,7 +178,9 @@ def _recorded_settings(path: Path) -> tuple[dict[str, Any] | None, str]:
     root = next((Path(r) for r in roots if r and (Path(r) / "configs" / "train.json").is_file()), None)
     if root is not None:  # the defaults the record's settings differ from
         settings.update(default_settings(root))
-    settings.update(record["settings"])
+        settings.update(recorded_settings(record, root))
+    else:
+        settings.update(record["settings"])
     return settings, str(source)
 
 

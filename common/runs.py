@@ -38,14 +38,17 @@ __all__ = [
     "config_being_parsed",
     "config_file_list",
     "default_settings",
+    "former_defaults",
     "is_plain",
     "make_record",
     "parsed_config",
     "read_record",
+    "recorded_settings",
     "record_calibration",
     "run_dir_of",
     "run_settings",
     "settings_differences",
+    "version_key",
     "workflow_being_run",
 ]
 
@@ -249,6 +252,33 @@ def default_settings(bundle_root: str | os.PathLike) -> dict[str, Any]:
     """The plain top-level values of ``<bundle_root>/configs/train.json`` (the bundle's defaults)."""
     config = _read_json(Path(bundle_root) / "configs" / "train.json")
     return {k: v for k, v in config.items() if isinstance(k, str) and k != "imports" and is_plain(v)}
+
+
+def version_key(version: Any) -> tuple[int, ...] | None:
+    """``"0.3.11"`` as ``(0, 3, 11)``; ``None`` for anything that is not dotted integers."""
+    parts = str(version).split(".") if version is not None else []
+    return tuple(int(p) for p in parts) if parts and all(p.isdigit() for p in parts) else None
+
+
+def former_defaults(bundle_root: str | os.PathLike, version: Any) -> dict[str, Any]:
+    """The ``train.json`` defaults that a run recorded by bundle ``version`` had where they have changed since.
+
+    A record keeps only the settings that differ from ``train.json``, so a changed default would silently change
+    what an older run's record means. ``collection.former_defaults`` of ``metadata.json`` keeps, per version that
+    changed defaults, the values before it (``{"0.3.11": {"mode": "diffusion"}}``: runs of versions before 0.3.11
+    had ``mode`` diffusion by default); a later change of the same id wins for the versions before it. Nothing
+    for an unknown version (a record written by hand).
+    """
+    recorded = version_key(version)
+    metadata = _read_json(Path(bundle_root) / "configs" / "metadata.json")
+    changes = (metadata.get("collection") or {}).get("former_defaults") or {}
+    found: dict[str, Any] = {}
+    if recorded is None:
+        return found
+    for changed in sorted(changes, key=lambda v: version_key(v) or (), reverse=True):  # the oldest change last
+        if (version_key(changed) or ()) > recorded:
+            found.update(changes[changed])
+    return found
 
 
 def _on_stack(kind: type, accept: Any = None) -> Any:
@@ -550,11 +580,18 @@ def _extra_config_settings(bundle_root: str | os.PathLike, argv: Sequence[str] |
     return settings
 
 
+def recorded_settings(record: Mapping[str, Any], bundle_root: str | os.PathLike) -> dict[str, Any]:
+    """What a run record says differs from the bundle's current ``train.json``: the former defaults of the version
+    that wrote it (:func:`former_defaults`), then the settings it recorded."""
+    return {**former_defaults(bundle_root, record.get("version")), **record.get("settings", {})}
+
+
 def run_settings(
     output_dir: str | os.PathLike, bundle_root: str | os.PathLike, argv: Sequence[str] | None = None
 ) -> dict[str, Any]:
-    """The settings of the run in ``output_dir``: the bundle's ``train.json`` defaults updated with the run's
-    recorded settings (just the defaults when the folder holds no ``run.json``, e.g. a packaged bundle whose
+    """The settings of the run in ``output_dir``: the bundle's ``train.json`` defaults, the defaults of the version
+    that recorded the run where they have changed since (:func:`former_defaults`), then the run's recorded settings
+    (just the defaults when the folder holds no ``run.json``, e.g. a packaged bundle whose
     ``train.json`` already carries its run's settings), then with the plain values of any other config file this
     command merges (``tiny.json``, ``brats.json``). Configs read their network and data settings from it
     (``"channels": "$@trained['channels']"``); a command-line override of such an id still wins.
@@ -566,7 +603,7 @@ def run_settings(
     record = read_record(output_dir)
     if record is not None:
         check_record_bundle(record, bundle_root, Path(output_dir) / RUN_FILE)
-        settings.update({k: v for k, v in record["settings"].items() if "#" not in k})
+        settings.update({k: v for k, v in recorded_settings(record, bundle_root).items() if "#" not in k})
     settings.update(_extra_config_settings(bundle_root, argv))
     return settings
 

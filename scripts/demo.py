@@ -99,6 +99,7 @@ def main(
 
     from common.bundle_tools.registry import describe
     from common.errors import UserError
+    from common.runs import run_settings
 
     try:
         described = describe(bundle)
@@ -141,7 +142,7 @@ def main(
             _run(base + ["training", "--config_file", config_arg, *_args(stage_args)])
         evaluation["stage"] = len(iterations)
         run_dir = out / f"stage{len(iterations)}"
-        eval_dir = run_dir / f"eval_{overrides.get('mode', 'diffusion')}"
+        eval_dir = run_dir / f"eval_{run_settings(run_dir, described.folder, argv=[])['mode']}"  # the mode it trained
     else:
         _run(base + ["training", "--config_file", config_arg, *_args(overrides)])
     trained = time.time() - start

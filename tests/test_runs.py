@@ -10,6 +10,7 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -164,3 +165,36 @@ def test_user_error_hook_prints_the_message_last(user_error):
         assert lines == ["error: no input volumes under /data"]
     else:  # a bug keeps its traceback
         assert lines[0].startswith("Traceback") and "KeyError: 'a bug'" in result.stderr
+
+
+def _bundle_with_former_defaults(folder: Path, former: Any) -> Path:
+    (folder / "configs").mkdir(parents=True)
+    metadata = {"name": "toy", "version": "0.4.0", "collection": {"former_defaults": former}}
+    (folder / "configs" / "metadata.json").write_text(json.dumps(metadata))
+    (folder / "configs" / "train.json").write_text(json.dumps({"mode": "direct", "steps": 5, "lr": 0.1}))
+    return folder
+
+
+def test_a_record_reads_the_defaults_of_the_version_that_wrote_it(tmp_path):
+    """A record keeps only what differs from train.json: a run of an older version reads the defaults it was trained
+    under where they have changed since (the earliest change after its version wins), a newer run today's."""
+    from common.bundle_tools.registry import former_defaults_problems
+    from common.runs import former_defaults
+
+    former = {"0.3.0": {"mode": "gan", "steps": 1}, "0.4.0": {"mode": "diffusion"}}
+    root = _bundle_with_former_defaults(tmp_path / "toy", former)
+    assert former_defaults(root, "0.2.9") == {"mode": "gan", "steps": 1}
+    assert former_defaults(root, "0.3.5") == {"mode": "diffusion"}
+    assert former_defaults(root, "0.4.0") == former_defaults(root, None) == {}
+    run = tmp_path / "run"
+    (run / "configs").mkdir(parents=True)
+    (run / RUN_FILE).write_text(json.dumps({"name": "toy", "version": "0.3.5", "settings": {"lr": 0.2}}))
+    assert run_settings(run, root, argv=[]) == {"mode": "diffusion", "steps": 5, "lr": 0.2}
+    (run / RUN_FILE).write_text(json.dumps({"name": "toy", "version": "0.4.0", "settings": {"lr": 0.2}}))
+    assert run_settings(run, root, argv=[]) == {"mode": "direct", "steps": 5, "lr": 0.2}
+    problems = former_defaults_problems(root, {"0.5.0": {"mode": "x"}, "0.1.0": {"nope": 1}}, {"mode", "steps"})
+    assert problems == [
+        "configs/metadata.json: 'collection.former_defaults': '0.5.0' must be a version (dotted integers) up to the "
+        "bundle's",
+        "configs/metadata.json: 'collection.former_defaults.0.1.0': 'nope' is not an id of configs/train.json",
+    ]

@@ -8,6 +8,7 @@ trainer's residual step and Min-SNR weighting, the evaluator's outputs and the s
 from __future__ import annotations
 
 import json
+import shlex
 
 import nibabel as nib
 import numpy as np
@@ -24,9 +25,15 @@ from common.handlers.images import XrayCTWriter
 from common.xray2ct.engines import XrayCTEvaluator, XrayCTTrainer, snr_loss_weight, xray2ct_metric_handlers
 from common.xray2ct.losses import ProjectionLoss
 from common.xray2ct.metrics import uncertainty_scores
-from common.xray2ct.networks import XrayCTDenoiser, XrayCTSampler, build_cascade, load_regressor
+from common.xray2ct.networks import (
+    XrayCTDenoiser,
+    XrayCTSampler,
+    build_cascade,
+    load_regressor,
+    warn_unchecked_corrections,
+)
 from common.xray2ct.settings import EVALUATION, TRAINING
-from tests.helpers import TINY_XRAY_NETWORK, randomise_zero_parameters, tiny_xray_denoiser, xray_projector
+from tests.helpers import BUNDLES, TINY_XRAY_NETWORK, randomise_zero_parameters, tiny_xray_denoiser, xray_projector
 from tests.test_xray2ct_engines import VALID as ENGINE_SETTINGS
 
 GRID = (0, 499, 999)
@@ -358,23 +365,31 @@ def test_residual_checkpoints_carry_the_regressor_and_refuse_the_other_kind():
 
 
 def test_load_regressor_takes_the_direct_runs_stage(tmp_path):
+    root = BUNDLES / "xray2ct_cascade"
     regressor = tiny_xray_denoiser(5)
     run = tmp_path / "direct"
     save_checkpoint(regressor.state_dict(), run / "stage1" / "models" / "model.pt")
     net = residual_denoiser(0)
-    assert load_regressor(net, run, 1, enabled=False) is None
-    assert load_regressor(net, run, 1) == str(run / "stage1" / "models" / "model.pt")
+    assert load_regressor(net, run, 1, root, enabled=False) is None
+    assert load_regressor(net, run, 1, root) == str(run / "stage1" / "models" / "model.pt")
     assert all(torch.equal(a, b) for a, b in zip(net.regressor.state_dict().values(), regressor.state_dict().values()))
     (run / "stage1" / "configs").mkdir(parents=True)
-    (run / "stage1" / "configs" / "run.json").write_text(json.dumps({"settings": {"mode": "diffusion"}}))
+    record = run / "stage1" / "configs" / "run.json"
+    record.write_text(json.dumps({"settings": {"mode": "diffusion"}}))
     with pytest.raises(CheckpointError, match="must be a '--mode direct' run"):
-        load_regressor(net, run, 1)
+        load_regressor(net, run, 1, root)
+    # the record of a run whose mode was the default when it was trained: diffusion before 0.3.11, direct since
+    record.write_text(json.dumps({"version": "0.3.10", "settings": {}}))
+    with pytest.raises(CheckpointError, match="was trained with mode 'diffusion'"):
+        load_regressor(net, run, 1, root)
+    record.write_text(json.dumps({"version": "0.3.11", "settings": {}}))
+    assert load_regressor(net, run, 1, root) == str(run / "stage1" / "models" / "model.pt")
     with pytest.raises(CheckpointError, match="model.pt"):
-        load_regressor(net, run, 2)
+        load_regressor(net, run, 2, root)
     stage2 = tiny_xray_denoiser(5, with_previous=True).state_dict()
     save_checkpoint(stage2, tmp_path / "s2" / "stage1" / "models" / "model.pt")
     with pytest.raises(CheckpointError, match="does not fit this stage's network"):
-        load_regressor(net, tmp_path / "s2", 1)
+        load_regressor(net, tmp_path / "s2", 1, root)
 
 
 # ---------------------------------------------------------------------------------------------- trainer
@@ -653,3 +668,27 @@ def test_residual_and_sampling_settings_are_checked(tmp_path):
             EVALUATION(**{**EVALUATED, "mismatch_tolerance": tolerance})
     with pytest.raises(ValueError, match="has no trained stage 2 regressor"):
         TRAINING(**{**VALID, "stage": 2, "regressor_dir": str(tmp_path)})
+
+
+def test_corrections_without_a_calibrated_check_are_warned_once(caplog):
+    """Refinement, or guidance in a diffusion mode, with no consistency reference: one warning that names what
+    corrects and gives the calibration command of this run; nothing to warn when nothing corrects or the check is
+    calibrated."""
+    root, run = "/b/xray2ct_cascade", "runs/x"
+    with caplog.at_level("WARNING", logger="common.xray2ct.networks"):
+        message = warn_unchecked_corrections("direct", 1.0, 5, None, root, run, 2)
+    assert [r.getMessage() for r in caplog.records] == [message]
+    assert message.startswith("inference corrects every view of every case towards the projector's X-rays ")
+    assert "(refine_steps 5) without a consistency check" in message
+    command = message.split("cases with their CT: ")[1].split("; or pass")[0]
+    assert shlex.split(command) == [
+        "python", "-m", "monai.bundle", "run", "--config_file",
+        json.dumps([f"{root}/configs/train.json", f"{root}/configs/evaluate.json"]),
+        "--output_dir", run, "--stage", "2", "--calibrate", "True",
+    ]  # fmt: skip
+    guided = warn_unchecked_corrections("residual", 1.0, 5, None, root, run, 1)
+    assert "(refine_steps 5 and projection guidance)" in guided
+    assert "(projection guidance)" in warn_unchecked_corrections("diffusion", 0.5, 0, None, root, run, 1)
+    assert warn_unchecked_corrections("direct", 1.0, 0, None, root, run, 1) is None  # guidance: diffusion only
+    assert warn_unchecked_corrections("diffusion", 0.0, 0, None, root, run, 1) is None
+    assert warn_unchecked_corrections("direct", 1.0, 5, [0.1, 0.1], root, run, 1) is None

@@ -41,7 +41,7 @@ from common.bundle import resolve_bundle
 from common.bundle_tools.registry import describe
 from common.checkpoint_io import CheckpointError, checkpoint_record, load_checkpoint
 from common.errors import UserError, user_error_in_chain
-from common.runs import LOCATION_IDS, check_record_bundle
+from common.runs import LOCATION_IDS, check_record_bundle, recorded_settings
 
 __all__ = [
     "COMMON_DIR",
@@ -454,7 +454,7 @@ def run_configs(bundle_dir: Path, ckpt: Path) -> dict[str, bytes]:
         return {}
     check_record_bundle(record, bundle_dir, ckpt)
     train = json.loads((bundle_dir / "configs" / "train.json").read_text(encoding="utf-8"))
-    for key, value in record["settings"].items():
+    for key, value in recorded_settings(record, bundle_dir).items():
         if "#" not in key and key not in LOCATION_IDS:
             train[key] = value
     return {

@@ -39,8 +39,17 @@ from typing import Any
 
 from common.bundle import METADATA, ROOT, bundle_names, resolve_bundle
 from common.errors import UserError
+from common.runs import version_key
 
-__all__ = ["DEVICES", "SECTION", "BundleDescription", "check_description", "describe", "descriptions"]
+__all__ = [
+    "DEVICES",
+    "SECTION",
+    "BundleDescription",
+    "check_description",
+    "describe",
+    "descriptions",
+    "former_defaults_problems",
+]
 
 SECTION = "collection"
 DEVICES = ("cpu", "gpu")
@@ -208,4 +217,28 @@ def check_description(bundle_dir: str | os.PathLike) -> list[str]:
         problems.append(f"{_where('demo.stage_iterations')} must give the iterations per stage for {DEVICES}")
     elif not all(isinstance(n, list) and n and all(isinstance(i, int) and i > 0 for i in n) for n in stages.values()):
         problems.append(f"{_where('demo.stage_iterations')} must be lists of positive integers")
+    return problems + former_defaults_problems(folder, section.get("former_defaults", {}), ids)
+
+
+def former_defaults_problems(folder: Path, former: Any, ids: set[str] | None) -> list[str]:
+    """Problems of ``collection.former_defaults`` of the bundle ``folder`` (one line each): per version that changed
+    defaults (dotted integers, not above the bundle's version), ``train.json`` ids among ``ids`` and their values
+    before it (:func:`common.runs.former_defaults`)."""
+    version = version_key(json.loads((folder / METADATA).read_text()).get("version"))
+    where = _where("former_defaults")
+    if not isinstance(former, Mapping):
+        return [f"{where} must map versions to the train.json defaults before them, got {former!r}"]
+    problems = []
+    for changed, values in former.items():
+        key = version_key(changed)
+        if key is None or version is None or key > version:
+            problems.append(f"{where}: {changed!r} must be a version (dotted integers) up to the bundle's")
+        if not isinstance(values, Mapping) or not values:
+            problems.append(f"{_where('former_defaults.' + changed)} must map train.json ids to their former defaults")
+            continue
+        problems += [
+            f"{_where('former_defaults.' + changed)}: {k!r} is not an id of configs/train.json"
+            for k in values
+            if ids is not None and k not in ids
+        ]
     return problems

@@ -12,9 +12,11 @@ ViTs. The U-Net's time embedding is sinusoidal followed by a two-layer MLP.
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import os
+import shlex
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -53,6 +55,7 @@ __all__ = [
     "save_cascade",
     "stage_checkpoint",
     "upsample_previous",
+    "warn_unchecked_corrections",
 ]
 
 logger = logging.getLogger(__name__)
@@ -420,11 +423,16 @@ def init_from_previous_stage(
 
 
 def load_regressor(
-    network: nn.Module, regressor_dir: str | os.PathLike | None, stage: int, enabled: bool = True
+    network: nn.Module,
+    regressor_dir: str | os.PathLike | None,
+    stage: int,
+    bundle_root: str | os.PathLike,
+    enabled: bool = True,
 ) -> str | None:
     """Load a residual denoiser's frozen regressor: the ``direct`` run ``regressor_dir``'s trained stage ``stage``
-    (``stage<k>/models/model.pt``, its final or best EMA weights). Nothing (``None``) when not ``enabled`` (a mode
-    other than ``residual``); otherwise the file loaded.
+    (``stage<k>/models/model.pt``, its final or best EMA weights; its mode read from its record against the
+    defaults of the bundle ``bundle_root``). Nothing (``None``) when not ``enabled`` (a mode other than
+    ``residual``); otherwise the file loaded.
 
     Raises:
         CheckpointError: naming the file when it is missing, is not of a ``direct`` run, or does not fit.
@@ -436,8 +444,9 @@ def load_regressor(
     if getattr(denoiser, "regressor", None) is None:
         raise ValueError("only a residual denoiser (residual=True) has a regressor to load.")
     path = stage_checkpoint(regressor_dir, stage)
-    record = read_record(Path(regressor_dir) / f"stage{int(stage)}")
-    mode = None if record is None else record["settings"].get("mode", "diffusion")
+    folder = Path(regressor_dir) / f"stage{int(stage)}"
+    record = read_record(folder)
+    mode = None if record is None else run_settings(folder, bundle_root, argv=[]).get("mode")
     if mode not in (None, "direct"):
         raise CheckpointError(
             f"the regressor of a residual run must be a '--mode direct' run; {regressor_dir!r} stage {stage} was "
@@ -490,6 +499,45 @@ def sampling_problems(
             f"many times its X-ray's noise level is left alone), got {noise_tolerance!r}."
         )
     return problems
+
+
+def warn_unchecked_corrections(
+    mode: str,
+    guidance_scale: float,
+    refine_steps: int,
+    consistency_reference: Sequence[float] | None,
+    bundle_root: str,
+    output_dir: str,
+    stage: int,
+) -> str | None:
+    """Log (and return) one warning when inference corrects every view against the projector with no consistency
+    check: refinement (``refine_steps``), or guidance in a diffusion mode, without a ``consistency_reference``.
+
+    Both fit the sample to the X-rays as the projector models them; X-rays of a real detector (blurred, with another
+    flat field, or taken in another pose) are then fitted wrongly, which costs PSNR (``docs/benchmarks.md``). The
+    check is calibrated once per trained run by ``evaluate.json --calibrate True`` (the command the warning gives,
+    for the run ``output_dir`` of the bundle ``bundle_root`` up to ``stage``) and recorded with its weights."""
+    guided = mode in ("diffusion", "residual") and bool(guidance_scale)
+    if consistency_reference is not None or not (guided or int(refine_steps) > 0):
+        return None
+    what = " and ".join(
+        part
+        for part, used in ((f"refine_steps {refine_steps}", int(refine_steps) > 0), ("projection guidance", guided))
+        if used
+    )
+    configs = [os.path.join(bundle_root, "configs", name) for name in ("train.json", "evaluate.json")]
+    command = shlex.join(
+        ["python", "-m", "monai.bundle", "run", "--config_file", json.dumps(configs), "--output_dir", str(output_dir)]
+        + ["--stage", str(stage), "--calibrate", "True"]
+    )
+    message = (
+        f"inference corrects every view of every case towards the projector's X-rays ({what}) without a consistency "
+        "check: on X-rays the projector does not model (detector blur, another flat field, a pose error) that "
+        f"lowers the quality. Calibrate the check once for this run on cases with their CT: {command}; or pass "
+        "--refine_steps 0 --guidance_scale 0 for such X-rays."
+    )
+    logger.warning(message)
+    return message
 
 
 class XrayCTSampler(InferenceView):
