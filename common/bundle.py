@@ -108,9 +108,9 @@ def config_bundle_root() -> str:
     ``metadata.json`` beside it; for MONAI's other commands (``python -m monai.bundle ckpt_export`` or
     ``verify_net_in_out``) the folder of their first ``--config_file``
     (:func:`common.runs.command_config_files`); inside a packaged bundle (``common/`` beside ``configs/``) that
-    bundle. Resolved
-    once by the workflow's ``initialize`` (its settings checks read ``dataset_dir`` or ``output_dir``), the value
-    stays in the parser's cache, so ``workflow.parser.get_parsed_content(...)`` afterwards sees it too.
+    bundle. Resolved once by the workflow's ``initialize`` (its settings checks read ``dataset_dir`` or
+    ``output_dir``), the value stays in the parser's cache, so ``workflow.parser.get_parsed_content(...)``
+    afterwards sees it too.
 
     Raises:
         BundleNotFoundError: when the workflow's first config file is not in a bundle's ``configs/`` folder, or the
