@@ -4,9 +4,12 @@
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import datetime
 import errno
+import gc
+import importlib
 import logging
 import math
 import os
@@ -117,7 +120,23 @@ def init_distributed(device: torch.device, timeout_s: float = 1800.0, backend: s
     if device.type == "cuda":
         torch.cuda.set_device(device)
     backend = backend or ("nccl" if device.type == "cuda" else "gloo")
+    # Importing torch._dynamo while a process group exists (DistributedDataParallel does, on construction) keeps
+    # references to the group that nothing releases (torch 2.13); imported first, it keeps none.
+    importlib.import_module("torch._dynamo")
+
     dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=float(timeout_s)))
+    atexit.register(_release_process_groups)
+
+
+def _release_process_groups() -> None:
+    """At exit, free what still holds a destroyed process group, while the interpreter is whole.
+
+    ``destroy_process_group`` forgets the group, but the group lives on (its gloo/NCCL threads too) as long as a
+    ``DistributedDataParallel`` wrapper holds it, and the workflow that holds the wrapper is only collected during
+    the interpreter's teardown; a group destroyed there can abort a rank after a finished run ("terminate called
+    without an active exception"). Collected here, before that teardown, the group's threads are joined.
+    """
+    gc.collect()
 
 
 def destroy_distributed() -> None:

@@ -16,6 +16,7 @@ import torch
 
 from common.checkpoint_io import load_checkpoint, save_checkpoint
 from scripts.harness import xray2ct as benchmark
+from scripts.harness.tools import BundleRuns
 from scripts.harness.xray_budgets import BUDGET_HEADER, budget_rows, plot_budgets, winner_rows, xray_budgets
 from tests.helpers import TINY_XRAY_NETWORK, shifted_seed
 from tests.test_benchmark_xray import in_process  # noqa: F401  (fixture)
@@ -85,9 +86,7 @@ def test_budget_runs_snapshots_and_evaluations(tmp_path):
     fake = FakeBundle()
     out = tmp_path / "budgets.json"
     summary = xray_budgets(
-        fake.run,
-        fake.command,
-        {"seed": 3},
+        BundleRuns(fake.run, fake.command, {"seed": 3}),
         [8, 4, 16],
         tmp_path / "work",
         methods=["direct", "diffusion", "residual", "min_snr"],
@@ -195,7 +194,7 @@ def test_budget_comparison_refuses_bad_plans(tmp_path, kwargs, message):
     fake = FakeBundle()
     arguments = {"budgets": [4, 8], "methods": ["direct", "diffusion"], **kwargs}
     with pytest.raises(ValueError, match=message):
-        xray_budgets(fake.run, fake.command, {}, work=tmp_path, **arguments)
+        xray_budgets(BundleRuns(fake.run, fake.command, {}), work=tmp_path, **arguments)
     assert fake.calls == []
 
 

@@ -7,6 +7,9 @@ from __future__ import annotations
 import logging
 import math
 import random
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -260,6 +263,53 @@ def test_rank_and_world_size_from_environment(no_dist_env):
 def test_init_distributed_without_launcher_is_a_clear_error(no_dist_env):
     with pytest.raises(RuntimeError, match="RANK/WORLD_SIZE"):
         init_distributed(torch.device("cpu"))
+
+
+_EXIT_PROBE = """
+import atexit, os, sys
+import torch
+import common.utils
+
+def threads():
+    return sorted(open(f"/proc/self/task/{t}/comm").read().strip() for t in os.listdir("/proc/self/task"))
+
+atexit.register(lambda: print("at exit:", threads(), flush=True))  # registered first, so it runs last
+common.utils.init_distributed(torch.device("cpu"))
+held = {"ddp": torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 4))}
+held["self"] = held  # a cycle, as a workflow holds its objects: collected only by the garbage collector
+held["ddp"](torch.randn(2, 4)).sum().backward()
+common.utils.destroy_distributed()
+print("destroyed:", threads(), flush=True)
+if sys.argv[1] == "without":
+    atexit.unregister(common.utils._release_process_groups)
+del held
+"""
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="reads thread names from /proc")
+def test_a_destroyed_process_group_is_released_before_the_interpreter_exits(no_dist_env, tmp_path):
+    """A DistributedDataParallel wrapper keeps its group (and the group's gloo threads) after destroy_distributed;
+    the exit handler of init_distributed frees it while the interpreter is whole (threads joined), not in the
+    interpreter's teardown, where releasing it can abort a finished rank."""
+    from helpers import REPO_ROOT, bundle_env, free_port
+
+    env = {**bundle_env(), "RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
+    lines = {}
+    for variant in ("with", "without"):
+        result = subprocess.run(
+            [sys.executable, "-c", _EXIT_PROBE, variant],
+            cwd=REPO_ROOT,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert result.returncode == 0, result.stderr[-3000:]
+        lines[variant] = {line.split(":")[0]: line for line in result.stdout.splitlines() if ":" in line}
+    assert "pt_gloo_runloop" in lines["with"]["destroyed"]  # still held by the wrapper after destroy_process_group
+    assert "pt_gloo_runloop" not in lines["with"]["at exit"]
+    # without the handler the group outlives every exit handler (the premise of the handler)
+    assert "pt_gloo_runloop" in lines["without"]["at exit"]
 
 
 # ---------------------------------------------------------------------------------------------- replica check

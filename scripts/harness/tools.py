@@ -17,6 +17,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -480,6 +481,22 @@ def run_command(cmd: list[str]) -> float:
     if result.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd[:6])} failed:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}")
     return time.perf_counter() - start
+
+
+@dataclass(frozen=True)
+class BundleRuns:
+    """How a benchmark of many bundle commands runs them: ``command(run_id, configs, overrides)`` builds one (e.g.
+    :func:`bundle_command` of a bundle), ``run(argv)`` runs it and returns its seconds (:func:`run_command`; a
+    test's in-process runner), and every command starts from the overrides ``settings`` (sizes, network, data,
+    seed, threads)."""
+
+    run: Callable[[list[str]], float]
+    command: Callable[[str, Sequence[str], dict], list[str]]
+    settings: dict
+
+    def __call__(self, run_id: str, configs: Sequence[str], overrides: dict) -> float:
+        """Run ``run_id`` of ``configs`` with ``settings`` updated by ``overrides``; its seconds."""
+        return self.run(self.command(run_id, configs, {**self.settings, **overrides}))
 
 
 def run_probe(module: str, probe: str, **kwargs: Any) -> dict:

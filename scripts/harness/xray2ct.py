@@ -45,6 +45,7 @@ from scripts.harness.faults import RUN_SETTINGS, BundleCase
 from scripts.harness.tools import (
     NO_VALIDATION,
     REPO_ROOT,
+    BundleRuns,
     alternate,
     bundle_command,
     config_file,
@@ -642,9 +643,7 @@ def _quality_budgets(
     if isinstance(budgets, (int, str)):
         budgets = [int(budgets)]
     summary = run_budgets(
-        _run,
-        _bundle_cmd,
-        settings,
+        BundleRuns(_run, _bundle_cmd, settings),
         [int(b) for b in budgets],
         work,
         methods=[methods] if isinstance(methods, str) else list(methods),
@@ -809,9 +808,7 @@ def xray_uncertainty(
     summary, settings, datalist = _new_phantoms(comparison, work_dir, n_cases, seed)
     work = Path(work_dir)
     result = run_uncertainty(
-        _run,
-        _bundle_cmd,
-        settings,
+        BundleRuns(_run, _bundle_cmd, settings),
         work,
         datalist,
         methods=[methods] if isinstance(methods, str) else list(methods),
@@ -882,9 +879,7 @@ def xray_consistency(
         raise ValueError(f"conditions must be out of {sorted(CONDITIONS)}, got {unknown}.")
     summary, settings, datalist = _new_phantoms(comparison, work_dir, n_cases, seed)
     result = run_consistency(
-        _run,
-        _bundle_cmd,
-        settings,
+        BundleRuns(_run, _bundle_cmd, settings),
         Path(work_dir),
         datalist,
         {name: _condition(name, settings) for name in names},

@@ -48,7 +48,7 @@ from pathlib import Path
 from typing import Any
 
 from common.xray2ct.metrics import UNCERTAINTY_SCORES
-from scripts.harness.tools import NO_VALIDATION
+from scripts.harness.tools import NO_VALIDATION, BundleRuns
 
 __all__ = [
     "BUDGET_METHODS",
@@ -141,9 +141,7 @@ def _budget_dir(root: Path, method: str, budget: int) -> Path:
 
 
 def xray_budgets(
-    run: Callable[[list[str]], float],
-    command: Callable[[str, Sequence[str], dict], list[str]],
-    settings: dict,
+    runs: BundleRuns,
     budgets: Sequence[int],
     work: Path,
     methods: Sequence[str] = ("direct", "diffusion", "residual"),
@@ -160,9 +158,7 @@ def xray_budgets(
     """Train and evaluate every method at every budget (see the module docstring).
 
     Args:
-        run: runs one command, returns its seconds.
-        command: ``(run_id, configs, overrides) -> argv`` of a bundle command.
-        settings: the overrides of every command (sizes, network, data, seed, threads).
+        runs: runs the bundle's commands (and holds the overrides of every command).
         budgets: stage-1 iterations (stage 2: ``stage2_ratio`` of each); even, with ``residual``.
         work: folder of all runs.
         methods: out of :data:`BUDGET_METHODS`; ``residual`` needs ``direct``.
@@ -183,9 +179,7 @@ def xray_budgets(
     conditions = [conditions] if isinstance(conditions, str) else list(conditions)
     _check_budget_arguments(budgets, methods, stages, conditions, stage2_ratio)
     comparison = _BudgetRun(
-        run,
-        command,
-        settings,
+        runs,
         budgets,
         work,
         methods,
@@ -253,9 +247,7 @@ class _BudgetRun:
 
     def __init__(
         self,
-        run: Callable[[list[str]], float],
-        command: Callable[[str, Sequence[str], dict], list[str]],
-        settings: dict,
+        runs: BundleRuns,
         budgets: list[int],
         work: Path,
         methods: Sequence[str],
@@ -268,7 +260,7 @@ class _BudgetRun:
         noise_tolerance: float,
         output: str | None,
     ) -> None:
-        self.run, self.command, self.settings, self.work = run, command, settings, work
+        self.runs, self.work = runs, work
         self.budgets, self.methods, self.stages, self.stage2_ratio = budgets, list(methods), stages, stage2_ratio
         self.num_samples, self.guidance_scale, self.refine_steps = int(num_samples), guidance_scale, refine_steps
         self.conditions, self.noise_tolerance, self.output = conditions, noise_tolerance, output
@@ -285,9 +277,9 @@ class _BudgetRun:
             "num_samples": int(num_samples),
             "guidance_scale": float(guidance_scale),
             "refine_steps": int(refine_steps),
-            "conditions": {name: _condition(name, settings) for name in conditions},
+            "conditions": {name: _condition(name, runs.settings) for name in conditions},
             "noise_tolerance": float(noise_tolerance),
-            "settings": settings,
+            "settings": runs.settings,
             "train_seconds": {},
             "results": [],
         }
@@ -304,7 +296,6 @@ class _BudgetRun:
         """Train ``method`` at ``stage`` in ``out`` up to ``iterations``; the command's seconds."""
         epoch = self.unit1 if stage == 1 else self.unit2
         overrides = {
-            **self.settings,
             **BUDGET_METHODS[method],
             **(extra or {}),
             "stage": stage,
@@ -316,7 +307,7 @@ class _BudgetRun:
             "init_from_previous": False,
             "deterministic": True,
         }
-        return self.run(self.command("training", ["train.json"], overrides))
+        return self.runs("training", ["train.json"], overrides)
 
     def stage1_budget(self, stage2_iterations: int) -> int:
         """The budget whose stage-2 share is ``stage2_iterations``."""
@@ -381,7 +372,6 @@ class _BudgetRun:
                 name = _eval_name(k, sampler["guidance_scale"], refine, sampler["noise_tolerance"], condition)
                 eval_dir = out / f"stage{stage}" / name
                 overrides = {
-                    **self.settings,
                     **self.summary["conditions"].get(condition, {}),
                     "stage": stage,
                     "mode": mode,
@@ -390,7 +380,7 @@ class _BudgetRun:
                     "num_samples": k,
                     **sampler,
                 }
-                seconds = self.run(self.command("run", ["train.json", "evaluate.json"], overrides))
+                seconds = self.runs("run", ["train.json", "evaluate.json"], overrides)
                 latest = json.loads((eval_dir / "metrics.json").read_text())["latest"]
                 row = {
                     "method": f"{method}_refined" if refine and not stochastic else method,

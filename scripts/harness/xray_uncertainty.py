@@ -25,6 +25,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from scripts.harness.tools import BundleRuns
+
 __all__ = [
     "UNCERTAINTY_HEADER",
     "consistency_header",
@@ -66,9 +68,7 @@ def _snapshot(work: Path, method: str, budget: int, stage: int) -> Path:
 
 
 def _evaluation(
-    run: Callable[[list[str]], float],
-    command: Callable[[str, Sequence[str], dict], list[str]],
-    settings: dict,
+    runs: BundleRuns,
     out: Path,
     stage: int,
     parts: dict[str, Path],
@@ -76,13 +76,12 @@ def _evaluation(
     **fixed: Any,
 ) -> Callable[..., dict]:
     """``evaluate(part, name, **overrides)``: ``evaluate.json`` of the snapshot ``out`` at ``stage`` on the datalist
-    ``parts[part]`` into ``<stage folder>/<prefix><name>``, with ``settings``, ``fixed`` and ``overrides``; returns
-    its folder (``dir``) and latest metrics (``latest``)."""
+    ``parts[part]`` into ``<stage folder>/<prefix><name>``, run by ``runs`` with ``fixed`` and ``overrides``;
+    returns its folder (``dir``) and latest metrics (``latest``)."""
 
     def evaluate(part: str, name: str, **extra: Any) -> dict:
         eval_dir = out / f"stage{stage}" / f"{prefix}{name}"
         overrides = {
-            **settings,
             "stage": stage,
             "output_dir": str(out),
             "eval_dir": str(eval_dir),
@@ -90,16 +89,14 @@ def _evaluation(
             **fixed,
             **extra,
         }
-        run(command("run", ["train.json", "evaluate.json"], overrides))
+        runs("run", ["train.json", "evaluate.json"], overrides)
         return {"dir": eval_dir, "latest": json.loads((eval_dir / "metrics.json").read_text())["latest"]}
 
     return evaluate
 
 
 def xray_uncertainty(
-    run: Callable[[list[str]], float],
-    command: Callable[[str, Sequence[str], dict], list[str]],
-    settings: dict,
+    runs: BundleRuns,
     work: Path,
     datalist: Path,
     methods: Sequence[str] = ("residual", "diffusion"),
@@ -113,9 +110,7 @@ def xray_uncertainty(
     """Score and calibrate the spread of each method's snapshot at ``budget`` (see the module docstring).
 
     Args:
-        run: runs one command, returns its seconds.
-        command: ``(run_id, configs, overrides) -> argv`` of a bundle command.
-        settings: the overrides of every command (the budget comparison's: sizes, network, seed, threads).
+        runs: runs the bundle's commands, with the budget comparison's settings (sizes, network, seed, threads).
         work: the budget comparison's folder (``<work>/<method>/b<budget>`` holds the snapshots).
         datalist: the new validation phantoms' datalist (its ``validation`` section is split).
         methods: stochastic methods of the comparison.
@@ -142,9 +137,7 @@ def xray_uncertainty(
         mode = "diffusion" if method == "min_snr" else method
         for k in (int(k) for k in ks):
             evaluate = _evaluation(
-                run,
-                command,
-                settings,
+                runs,
                 out,
                 stage,
                 parts,
@@ -217,9 +210,7 @@ def uncertainty_rows(summary: dict, hu_width: float = 2000.0) -> list[list[str]]
 
 
 def xray_consistency(
-    run: Callable[[list[str]], float],
-    command: Callable[[str, Sequence[str], dict], list[str]],
-    settings: dict,
+    runs: BundleRuns,
     work: Path,
     datalist: Path,
     conditions: dict[str, dict],
@@ -238,7 +229,7 @@ def xray_consistency(
     calibration half with each tolerance (``checked <tolerance>``; see the module docstring).
 
     Args:
-        run, command, settings, work, datalist, budget, stage, calibration_fraction, output: as
+        runs, work, datalist, budget, stage, calibration_fraction, output: as
             :func:`xray_uncertainty`.
         conditions: name -> the ``evaluate.json`` overrides that make its X-rays.
         methods: methods of the comparison (``direct``, ``residual``, ``diffusion``).
@@ -268,7 +259,7 @@ def xray_consistency(
         out = _snapshot(work, method, budget, stage)
         k = 1 if method == "direct" else int(num_samples)
         corrected = {"guidance_scale": float(guidance_scale), "refine_steps": int(refine_steps)}
-        evaluate = _evaluation(run, command, settings, out, stage, parts, "consistency_", mode=method, num_samples=k)
+        evaluate = _evaluation(runs, out, stage, parts, "consistency_", mode=method, num_samples=k)
         fit = evaluate("calibration", "fit", calibrate=True, record_calibration=False, **corrected)
         reference = json.loads((fit["dir"] / "calibration.json").read_text())["consistency_reference"]
         variants = {"none": {"guidance_scale": 0.0, "refine_steps": 0}, "corrected": corrected}
