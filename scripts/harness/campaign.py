@@ -57,6 +57,7 @@ from pathlib import Path
 from typing import Any
 
 from common.bundle import ROOT as REPO_ROOT
+from scripts.harness.tools import shape_label
 
 __all__ = ["ITEMS", "SCHEMA_VERSION", "Item", "campaign", "render_report"]
 
@@ -632,18 +633,20 @@ def _f(value: Any, spec: str, scale: float = 1.0) -> str:
     return format(value * scale, spec)
 
 
+def _finished(doc: dict, section: str) -> list[tuple[dict, Any]]:
+    """``(item, result)`` of each item of ``section`` in a campaign's results that finished (status ``ok``)."""
+    return [(r, r["result"]) for r in doc["items"] if r["section"] == section and r["status"] == "ok"]
+
+
 def _throughput_rows(doc: dict) -> list[list[str]]:
     rows = []
-    for r in doc["items"]:
-        if r["section"] != "b" or r["status"] != "ok":
-            continue
-        res = r["result"]
+    for r, res in _finished(doc, "b"):
         size = res.get("patch_size") or res.get("volume_size") or res.get("image_size")
         rows.append(
             [
                 res["device"],
                 r["name"].removeprefix("throughput_").rsplit("_", 1)[0],
-                "x".join(map(str, size)) if size else "-",
+                shape_label(size) if size else "-",
                 str(res.get("batch", "-")),
                 res.get("amp", "-"),
                 "yes" if res.get("compile") else "no",
@@ -664,10 +667,10 @@ def _profile_rows(doc: dict) -> list[list[str]]:
     """The top kernels of each profiled step, with the share of their kind and, for the matrix products and
     convolutions, their achieved TFLOP/s (the step's model FLOPs over those kernels' time)."""
     rows = []
-    for r in doc["items"]:
-        if r["section"] != "b" or r["status"] != "ok" or not r["result"].get("profile"):
+    for r, res in _finished(doc, "b"):
+        prof = res.get("profile")
+        if not prof:
             continue
-        res, prof = r["result"], r["result"]["profile"]
         bundle = r["name"].removeprefix("throughput_").rsplit("_", 1)[0]
         mm_ms = prof["kinds"].get("matmul/conv", 0.0) * prof["step_ms"]
         mm_tflops = res["step_flops"] / (mm_ms * 1e9) if res.get("step_flops") and mm_ms else None
@@ -689,17 +692,15 @@ def _table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
 
 def _reconstruction_rows(doc: dict) -> list[list[str]]:
     rows = []
-    for r in doc["items"]:
-        if r["section"] != "c" or r["status"] != "ok":
-            continue
-        net = r["result"]["network"]
-        for m in r["result"]["measurements"]:
+    for _, res in _finished(doc, "c"):
+        net = res["network"]
+        for m in res["measurements"]:
             shares = m.get("stage_time_share", {})
             rows.append(
                 [
                     m["device"],
-                    "x".join(map(str, m["shape"])),
-                    "x".join(map(str, m["patch_size"])),
+                    shape_label(m["shape"]),
+                    shape_label(m["patch_size"]),
                     f"{net['n_hiddens']}, {net['n_codes']}x{net['embedding_dim']}",
                     m["amp"],
                     str(m["sw_batch_size"]),
@@ -713,37 +714,23 @@ def _reconstruction_rows(doc: dict) -> list[list[str]]:
 
 
 def _inference_rows(doc: dict) -> list[list[str]]:
-    rows = []
-    for r in doc["items"]:
-        if r["section"] != "g" or r["status"] != "ok":
-            continue
-        for m in r["result"]:
-            rows.append(
-                [
-                    m["device"],
-                    str(m["processes"]),
-                    str(m["threads"]),
-                    str(m["cases"]),
-                    _f(m["seconds"], ".2f"),
-                    _f(m["cases_per_s"], ".2f"),
-                    _f(m["speedup"], ".2f"),
-                ]
-            )
-    return rows
+    return [
+        [m["device"], str(m["processes"]), str(m["threads"]), str(m["cases"])]
+        + [_f(m[key], ".2f") for key in ("seconds", "cases_per_s", "speedup")]
+        for _, result in _finished(doc, "g")
+        for m in result
+    ]
 
 
 def _step_rows(doc: dict) -> list[list[str]]:
     rows = []
-    for r in doc["items"]:
-        if r["section"] != "d" or r["status"] != "ok":
-            continue
-        res = r["result"]
+    for _, res in _finished(doc, "d"):
         rate = res["bundle_samples_per_s"]
         rows.append(
             [
                 res["device"],
                 str(res["stage"]),
-                "x".join(map(str, res["volume_size"])),
+                shape_label(res["volume_size"]),
                 str(res["batch"]),
                 res["amp"],
                 "yes" if res.get("gradient_checkpointing") else "no",
@@ -768,7 +755,7 @@ def _fit_rows(doc: dict) -> list[list[str]]:
                 [
                     m.get("device", doc["device"]),
                     r["name"].split("_")[0],
-                    "x".join(map(str, m["patch_size"])),
+                    shape_label(m["patch_size"]),
                     str(m.get("micro_batch_size", m.get("batch", "-"))),
                     str(m.get("amp", "-")),
                     "does not fit: " + failed if failed else _f(m.get("peak_mem_gib"), ".2f"),
