@@ -125,6 +125,21 @@ def _display_slices(volume: torch.Tensor | np.ndarray, index: Sequence[int] | No
     return [np.rot90(s) for s in orthogonal_slices(volume, index)]
 
 
+def _grey_cell(
+    axes: np.ndarray, row: int, col: int, image: np.ndarray, limits: tuple, column: str, row_label: str
+) -> None:
+    """Draw ``image`` in grey (``limits``: the ``vmin, vmax`` of the scale) at ``axes[row, col]``, without ticks;
+    a cell of the first row is titled ``column``, one of the first column labelled ``row_label``."""
+    ax = axes[row, col]
+    ax.imshow(image, cmap="gray", vmin=limits[0], vmax=limits[1], interpolation="nearest")
+    ax.set_xticks([])
+    ax.set_yticks([])
+    if row == 0:
+        ax.set_title(column)
+    if col == 0:
+        ax.set_ylabel(row_label)
+
+
 def plot_orthogonal_slices(
     volumes: Sequence[torch.Tensor | np.ndarray] | torch.Tensor,
     titles: Sequence[str] | None = None,
@@ -162,14 +177,7 @@ def plot_orthogonal_slices(
     axes = fig.subplots(len(volumes), 3, squeeze=False)
     for row, (volume, title) in enumerate(zip(volumes, titles)):
         for col, (plane, slice_2d) in enumerate(zip(ORIENTATIONS, _display_slices(volume, index))):
-            ax = axes[row, col]
-            ax.imshow(slice_2d, cmap="gray", vmin=vmin, vmax=vmax, interpolation="nearest")
-            ax.set_xticks([])
-            ax.set_yticks([])
-            if row == 0:
-                ax.set_title(plane)
-            if col == 0:
-                ax.set_ylabel(title)
+            _grey_cell(axes, row, col, slice_2d, (vmin, vmax), column=plane, row_label=title)
     return fig
 
 
@@ -209,15 +217,8 @@ def plot_comparison(
     error_label = "|error|" if error_scale == 1 else f"|error| x {error_scale:g}"
     for row, (plane, (h, w)) in enumerate(zip(ORIENTATIONS, shapes)):
         for col, label in enumerate(("input", "reconstruction", error_label)):
-            ax = axes[row, col]
             cell = panel[row * cell_h : row * cell_h + h, col * cell_w : col * cell_w + w]
-            ax.imshow(cell, cmap="gray", vmin=0.0, vmax=1.0, interpolation="nearest")
-            ax.set_xticks([])
-            ax.set_yticks([])
-            if row == 0:
-                ax.set_title(label)
-            if col == 0:
-                ax.set_ylabel(plane)
+            _grey_cell(axes, row, col, cell, (0.0, 1.0), column=label, row_label=plane)
     if title:
         fig.suptitle(title)
     return fig

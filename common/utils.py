@@ -47,6 +47,7 @@ __all__ = [
     "is_rank0",
     "make_grad_scaler",
     "os_error_in_chain",
+    "plain_tensor",
     "resolve_device",
     "scale_lr",
     "setup_logging",
@@ -57,6 +58,13 @@ __all__ = [
 
 AMP_MODES = ("bf16", "fp16", "none")
 _RANK_FORMAT = "%(asctime)s [rank {rank}] %(levelname)s %(name)s: %(message)s"
+
+
+def plain_tensor(x: Any) -> torch.Tensor:
+    """``x`` as a plain ``torch.Tensor``: a MONAI ``MetaTensor``'s data without its metadata (sharing its memory
+    and autograd history, as ``MetaTensor.as_tensor``), an array or a sequence converted with ``torch.as_tensor``."""
+    tensor = torch.as_tensor(x)
+    return tensor if type(tensor) is torch.Tensor else tensor.as_subclass(torch.Tensor)
 
 
 def get_rank() -> int:

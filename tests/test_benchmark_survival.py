@@ -10,6 +10,7 @@ import json
 import pytest
 
 from scripts.harness import survival as benchmark
+from scripts.harness import tools
 from tests.helpers import shifted_seed
 
 # every case has an event (censoring "none"), so the training split always has events to place cut points at
@@ -61,7 +62,7 @@ def test_smartcache_reports_the_cache_and_the_replacement_wait(tmp_path, section
         cache_rate=0.5, replace_rates=(0.5,), epochs=2, output=str(tmp_path / "s.json"), seed=shifted_seed(0), **TINY
     )
     reference, smart = summary["runs"]
-    _check_chosen(summary, sections, benchmark.train_config(benchmark.BUNDLE)["num_intervals"])
+    _check_chosen(summary, sections, tools.train_config(benchmark.BUNDLE)["num_intervals"])
     # the CacheDataset holds every training case, the SmartCache half of them; batches of 4, the last incomplete
     # one dropped
     n_train, batch = len(sections["training"]), TINY["batch_size"]

@@ -24,6 +24,7 @@ from common.utils import (
     init_distributed,
     is_rank0,
     make_grad_scaler,
+    plain_tensor,
     resolve_device,
     rng_state,
     scale_lr,
@@ -323,3 +324,20 @@ def test_assert_replicas_equal_without_a_process_group_compares_nothing(no_dist_
     assert not dist.is_initialized()
     no_dist_env.setenv("WORLD_SIZE", "2")  # the environment alone does not make it distributed
     assert assert_replicas_equal({"net": torch.nn.Linear(2, 2)}) == 0
+
+
+def test_plain_tensor_drops_the_metadata_and_keeps_memory_and_gradients():
+    from monai.data import MetaTensor
+
+    leaf = torch.arange(6.0, requires_grad=True)
+    meta = MetaTensor(leaf * 2, meta={"filename_or_obj": "a.nii.gz"})
+    plain = plain_tensor(meta)
+    assert type(plain) is torch.Tensor and not hasattr(plain, "meta")
+    assert plain.data_ptr() == meta.data_ptr()  # a view, not a copy
+    plain.sum().backward()
+    torch.testing.assert_close(leaf.grad, torch.full((6,), 2.0))
+    tensor = torch.ones(2, 3).t()  # a non-contiguous layout is kept
+    assert plain_tensor(tensor) is tensor
+    converted = plain_tensor(np.array([1.5, 2.5]))
+    assert type(converted) is torch.Tensor and converted.tolist() == [1.5, 2.5]
+    assert plain_tensor([1, 2]).dtype == torch.int64

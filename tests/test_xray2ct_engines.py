@@ -240,7 +240,7 @@ def evaluate(evaluator) -> list[dict]:
 
 def test_evaluator_outputs():
     data = batch(case_id=["a", "b"])
-    evaluator = XrayCTEvaluator("cpu", [data], sampler())
+    evaluator = XrayCTEvaluator(device="cpu", val_data_loader=[data], network=sampler())
     (output,) = evaluate(evaluator)
     pred = output["pred"]
     assert pred.shape == (2, 1, 8, 8, 8)
@@ -257,18 +257,20 @@ def test_evaluator_outputs():
 def test_evaluator_is_repeatable_and_seeded_per_case():
     data = batch(case_id=["a", "b"])
     swapped = {"image": data["image"].flip(0), "xray": data["xray"].flip(0), "case_id": ["b", "a"]}
-    evaluator = XrayCTEvaluator("cpu", [data], sampler())
+    evaluator = XrayCTEvaluator(device="cpu", val_data_loader=[data], network=sampler())
     first, second = evaluate(evaluator)[0]["pred"], evaluate(evaluator)[0]["pred"]
     assert torch.equal(first, second)
-    (other,) = evaluate(XrayCTEvaluator("cpu", [swapped], sampler()))
+    (other,) = evaluate(XrayCTEvaluator(device="cpu", val_data_loader=[swapped], network=sampler()))
     torch.testing.assert_close(other["pred"], first.flip(0), rtol=0, atol=1e-6)  # noise follows the case
-    (reseeded,) = evaluate(XrayCTEvaluator("cpu", [data], sampler(), seed=1))
+    (reseeded,) = evaluate(XrayCTEvaluator(device="cpu", val_data_loader=[data], network=sampler(), seed=1))
     assert not torch.allclose(reseeded["pred"], first)
 
 
 def test_evaluator_without_ct_keeps_the_xray_metadata():
     xray = MetaTensor(batch()["xray"], meta={"case_id": ["p1", "p2"]})
-    (output,) = evaluate(XrayCTEvaluator("cpu", [{"xray": xray, "case_id": ["p1", "p2"]}], sampler()))
+    (output,) = evaluate(
+        XrayCTEvaluator(device="cpu", val_data_loader=[{"xray": xray, "case_id": ["p1", "p2"]}], network=sampler())
+    )
     assert "label" not in output
     assert isinstance(output["pred"], MetaTensor) and output["pred"].meta["case_id"] == ["p1", "p2"]
 
@@ -276,9 +278,11 @@ def test_evaluator_without_ct_keeps_the_xray_metadata():
 def test_evaluator_runs_the_earlier_stages():
     stage1, stage2 = sampler(denoiser(0)), sampler(denoiser(1, with_previous=True), (16, 16, 16))
     with pytest.raises(ValueError, match="previous"):
-        XrayCTEvaluator("cpu", [batch()], stage2)
+        XrayCTEvaluator(device="cpu", val_data_loader=[batch()], network=stage2)
     data = batch(phantom(side=16), case_id=["a", "b"])
-    (output,) = evaluate(XrayCTEvaluator("cpu", [data], stage2, previous=XrayCTCascade([stage1])))
+    (output,) = evaluate(
+        XrayCTEvaluator(device="cpu", val_data_loader=[data], network=stage2, previous=XrayCTCascade([stage1]))
+    )
     assert output["pred"].shape == (2, 1, 16, 16, 16)
     from common.diffusion.engines import volume_seed
 

@@ -503,7 +503,7 @@ def test_evaluator_reports_the_mean_its_spread_and_one_sample(tmp_path):
     x0 = volume((2, 1, 8, 8, 8), 3)
     data = {"image": x0, "xray": xray_projector().xrays(x0), "case_id": ["a", "b"]}
     outputs = []
-    evaluator = XrayCTEvaluator("cpu", [data], sampler)
+    evaluator = XrayCTEvaluator(device="cpu", val_data_loader=[data], network=sampler)
     evaluator.add_event_handler(Events.ITERATION_COMPLETED, lambda e: outputs.append(dict(e.state.output)))
     XrayCTWriter(tmp_path, xray_projector()).attach(evaluator)
     evaluator.state.batch = None
@@ -525,7 +525,7 @@ def test_evaluator_reports_the_mean_its_spread_and_one_sample(tmp_path):
     scored = []
     labelled = data
     for scale in (1.0, 2.5):
-        evaluator = XrayCTEvaluator("cpu", [labelled], sampler, uncertainty_scale=scale)
+        evaluator = XrayCTEvaluator(device="cpu", val_data_loader=[labelled], network=sampler, uncertainty_scale=scale)
         evaluator.add_event_handler(Events.ITERATION_COMPLETED, lambda e: scored.append(dict(e.state.output)))
         evaluator.run()
     torch.testing.assert_close(scored[1]["pred_std"], scored[0]["pred_std"] * 2.5)
@@ -534,8 +534,8 @@ def test_evaluator_reports_the_mean_its_spread_and_one_sample(tmp_path):
         torch.testing.assert_close(scored[1][name], value)
     assert (scored[1]["coverage_1std"] >= scored[0]["coverage_1std"]).all()  # a wider spread covers more
     with pytest.raises(ValueError, match="uncertainty_scale must be positive"):
-        XrayCTEvaluator("cpu", [labelled], sampler, uncertainty_scale=0)
-    single = XrayCTEvaluator("cpu", [data], XrayCTSampler(net, (8, 8, 8), **SAMPLER))
+        XrayCTEvaluator(device="cpu", val_data_loader=[labelled], network=sampler, uncertainty_scale=0)
+    single = XrayCTEvaluator(device="cpu", val_data_loader=[data], network=XrayCTSampler(net, (8, 8, 8), **SAMPLER))
     single.add_event_handler(Events.ITERATION_COMPLETED, lambda e: outputs.append(dict(e.state.output)))
     single.run()
     assert "pred_std" not in outputs[-1] and "pred_sample" not in outputs[-1]
@@ -566,7 +566,13 @@ def test_a_calibration_fitted_on_cases_covers_them_as_asked(tmp_path):
     for i, applied in enumerate(((1.0, 0.0), None)):
         if applied is None:
             applied = (fitted[0]["uncertainty_scale"], fitted[0]["uncertainty_floor"])
-        evaluator = XrayCTEvaluator("cpu", [data], sampler, uncertainty_scale=applied[0], uncertainty_floor=applied[1])
+        evaluator = XrayCTEvaluator(
+            device="cpu",
+            val_data_loader=[data],
+            network=sampler,
+            uncertainty_scale=applied[0],
+            uncertainty_floor=applied[1],
+        )
         outputs = []
         evaluator.add_event_handler(Events.ITERATION_COMPLETED, lambda e: outputs.append(dict(e.state.output)))
         path = tmp_path / f"calibration{i}.json"
@@ -599,7 +605,9 @@ def test_a_calibration_with_nothing_to_fit_says_so(tmp_path):
     net = tiny_xray_denoiser(0)
     x0 = volume((1, 1, 8, 8, 8), 3)
     evaluator = XrayCTEvaluator(
-        "cpu", [{"image": x0, "xray": xray_projector().xrays(x0)}], XrayCTSampler(net, (8, 8, 8), **SAMPLER)
+        device="cpu",
+        val_data_loader=[{"image": x0, "xray": xray_projector().xrays(x0)}],
+        network=XrayCTSampler(net, (8, 8, 8), **SAMPLER),
     )
     SamplerCalibration(str(tmp_path / "c.json")).attach(evaluator)
     with pytest.raises(ValueError, match="nothing to calibrate"):

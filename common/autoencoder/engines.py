@@ -326,12 +326,10 @@ class AutoencoderGANTrainer(StepTrainer):
         batch = inputs.shape[0]
 
         # generator step, micro-batch by micro-batch; gradients are all-reduced with the last one only
-        engine.network.train()
-        if zero_grad:
-            engine.optimizer.zero_grad(set_to_none=True)
         sums, recons = self.with_backoff(
             "generator",
-            [engine.network],
+            engine.network,
+            engine.optimizer,
             zero_grad,
             batch,
             lambda size: self._generator_pass(engine, inputs, targets, size, do_step),
@@ -348,12 +346,10 @@ class AutoencoderGANTrainer(StepTrainer):
 
         # discriminator step, on the reconstructions of the generator step (redone on its own after an OOM)
         if adversarial:
-            self.discriminator.train()
-            if zero_grad:
-                self.d_optimizer.zero_grad(set_to_none=True)
             d_total = self.with_backoff(
                 "discriminator",
-                [self.discriminator],
+                self.discriminator,
+                self.d_optimizer,
                 zero_grad,
                 batch,
                 lambda size: self._discriminator_pass(inputs, recon, size, do_step),

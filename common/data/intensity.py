@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 import torch
 from monai.config import DtypeLike, KeysCollection
-from monai.data import MetaTensor, get_track_meta
+from monai.data import get_track_meta
 from monai.transforms import (
     InvertibleTransform,
     MapTransform,
@@ -23,6 +23,8 @@ from monai.transforms import (
 from monai.transforms.utils_pytorch_numpy_unification import percentile
 from monai.utils import TraceKeys, convert_to_dst_type, convert_to_tensor
 from monai.utils.enums import TransformBackends
+
+from common.utils import plain_tensor
 
 __all__ = [
     "InvertibleScaleIntensityRangePercentilesd",
@@ -64,7 +66,7 @@ def inverse_linear_scaling(
             f"cannot undo the intensity scaling of {len(lows)} channel(s) on an image with {channels} channel(s); "
             f"recorded ranges: a_min={lows}, a_max={highs}"
         )
-    values = image.as_tensor() if isinstance(image, MetaTensor) else torch.as_tensor(image)
+    values = plain_tensor(image)
     values = values.to(torch.float64)
     out = torch.empty_like(values)
     for c in range(channels):

@@ -5,7 +5,6 @@ and intensity settings, this rank's partition, loaders, case names, inference po
 
 from __future__ import annotations
 
-import logging
 import re
 from collections.abc import Callable, Mapping, Sequence, Sized
 from typing import Any
@@ -26,7 +25,7 @@ from monai.utils import CommonKeys as Keys
 from common.data.formats import file_stem
 from common.data.intensity import InvertibleScaleIntensityRangePercentilesd, ScaleIntensityModed
 from common.errors import UserError
-from common.utils import get_rank, get_world_size
+from common.utils import get_rank, get_world_size, plain_tensor
 
 __all__ = [
     "EpochSampler",
@@ -50,7 +49,6 @@ __all__ = [
     "output_stem",
 ]
 
-logger = logging.getLogger(__name__)
 
 #: ``output_units`` of inference: the input's intensity units where the normalisation can be undone, or [0, 1]
 OUTPUT_UNITS = ("input", "normalised")
@@ -346,7 +344,7 @@ class VQCodesd(MapTransform):
         for key in self.key_iterator(d):
             latent = d[key]
             meta = dict(getattr(latent, "meta", {}))
-            plain = latent.as_tensor() if isinstance(latent, MetaTensor) else torch.as_tensor(latent)
+            plain = plain_tensor(latent)
             training = self.quantizer.training
             self.quantizer.eval()  # quantizing must never update the codebook (MONAI's eval_mode restores train())
             try:

@@ -12,7 +12,7 @@ channels.
 from __future__ import annotations
 
 import zlib
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -30,7 +30,7 @@ from common.diffusion.schedule import (
 )
 from common.engines.evaluator import StepEvaluator
 from common.engines.trainer import StepTrainer
-from common.utils import get_rank, get_world_size
+from common.utils import get_rank, get_world_size, plain_tensor
 
 __all__ = [
     "DIFFUSION_MODES",
@@ -175,10 +175,6 @@ def prepare_diffusion_batch(
     return image, label
 
 
-def _plain(x: torch.Tensor) -> torch.Tensor:
-    return x.as_tensor() if isinstance(x, MetaTensor) else x
-
-
 class DiffusionTrainer(StepTrainer):
     """Trains a denoiser ``network(x, timesteps)`` on the time steps of ``timesteps`` (a Fast-DDPM grid or all
     steps of a DDPM).
@@ -255,7 +251,7 @@ class DiffusionTrainer(StepTrainer):
 
     def prepare_step(self, engine: DiffusionTrainer, batchdata: dict[str, torch.Tensor]) -> dict[str, Any]:
         image, _ = engine.prepare_batch(batchdata, engine.state.device, engine.non_blocking, **engine.to_kwargs)
-        image = _plain(image).float()
+        image = plain_tensor(image).float()
         self.log_effective_batch(image.shape[0])
         if self.latent_codec is not None:
             image = image * self.latent_codec.scale.to(image.device)
@@ -288,33 +284,22 @@ class DiffusionEvaluator(StepEvaluator):
     ``DiffusionSampler.denoising_loss``) with ``compute_loss``.
 
     Args:
-        device: the device of this rank.
-        val_data_loader: loader of dicts with ``image`` (and ``label`` for conditional validation).
-        network: the sampler.
         num_samples: samples per volume (``>= 2`` to measure diversity).
         seed: base seed of the start noise.
         compute_loss: also compute the held-out denoising loss (needs the clean target in ``image``).
-        settings: ``amp``, ``inferer`` (calls the sampler on each volume's input; default ``SimpleInferer``, the
-            sampler itself slides its windows at every time step) and the other arguments of
-            :class:`common.engines.evaluator.StepEvaluator` (``prepare_batch`` defaults to
-            :func:`prepare_diffusion_batch`).
+        settings: the arguments of :class:`common.engines.evaluator.StepEvaluator`: ``device``,
+            ``val_data_loader`` (of dicts with ``image``, and ``label`` for conditional validation), ``network``
+            (the sampler), ``amp``, ``inferer`` (calls the sampler on each volume's input; default
+            ``SimpleInferer``, the sampler itself slides its windows at every time step), ...; ``prepare_batch``
+            defaults to :func:`prepare_diffusion_batch`.
     """
 
     default_prepare_batch = staticmethod(prepare_diffusion_batch)
 
-    def __init__(
-        self,
-        device: torch.device | str,
-        val_data_loader: Iterable,
-        network: nn.Module,
-        num_samples: int = 1,
-        seed: int = 0,
-        compute_loss: bool = False,
-        **settings: Any,
-    ) -> None:
+    def __init__(self, *, num_samples: int = 1, seed: int = 0, compute_loss: bool = False, **settings: Any) -> None:
         if int(num_samples) < 1:
             raise ValueError(f"num_samples must be >= 1, got {num_samples!r}.")
-        super().__init__(device=device, val_data_loader=val_data_loader, network=network, **settings)
+        super().__init__(**settings)
         self.num_samples = int(num_samples)
         self.seed = int(seed)
         self.compute_loss = bool(compute_loss)
@@ -333,7 +318,7 @@ class DiffusionEvaluator(StepEvaluator):
         self, engine: DiffusionEvaluator, batchdata: dict[str, Any], image: torch.Tensor, label: torch.Tensor | None
     ) -> dict:
         sampler = engine.network
-        plain = _plain(image).float()
+        plain = plain_tensor(image).float()
         noise, generators = self._noise(plain, batchdata, len(sampler.target_channels))
         inputs = insert_target(
             plain.repeat_interleave(self.num_samples, dim=0), noise, sampler.target_channels, sampler.in_channels
@@ -361,6 +346,6 @@ class DiffusionEvaluator(StepEvaluator):
         output[Keys.PRED] = pred
         if label is not None:
             output[Keys.LABEL] = (
-                ((_plain(label).float() + 1) / 2).clamp(0, 1).repeat_interleave(self.num_samples, dim=0)
+                ((plain_tensor(label).float() + 1) / 2).clamp(0, 1).repeat_interleave(self.num_samples, dim=0)
             )
         return output

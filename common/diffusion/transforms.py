@@ -19,6 +19,7 @@ from common.data.pipeline import (
     hu_window_steps,
     nifti_saver,
 )
+from common.utils import plain_tensor
 
 __all__ = [
     "CopyChannelsd",
@@ -73,7 +74,7 @@ class EncodeLatentd(MapTransform):
         device = self.codec.scale.device
         for key in self.key_iterator(d):
             image = d[key]
-            plain = image.as_tensor() if isinstance(image, MetaTensor) else torch.as_tensor(image)
+            plain = plain_tensor(image)
             latent = self.codec.encode(plain[None].float().to(device))[0].to(plain.device)
             if isinstance(image, MetaTensor):
                 latent = MetaTensor(latent, meta=dict(image.meta), applied_operations=list(image.applied_operations))

@@ -337,12 +337,10 @@ class StepTrainer(Trainer):
         output: dict[str, Any] = step["output"]
         engine.state.output = output
 
-        engine.network.train()
-        if zero_grad:
-            engine.optimizer.zero_grad(set_to_none=True)
         prediction, terms = self.with_backoff(
             "training",
-            [engine.network],
+            engine.network,
+            engine.optimizer,
             zero_grad,
             step["args"][0].shape[0],
             lambda size: self._forward_backward(engine, step, size, do_step),
@@ -385,26 +383,36 @@ class StepTrainer(Trainer):
         return (torch.cat(predictions) if len(predictions) > 1 else predictions[0]), sums
 
     def with_backoff(
-        self, phase: str, networks: Sequence[nn.Module], fresh: bool, batch: int, run: Callable[[int | None], Any]
+        self,
+        phase: str,
+        network: nn.Module,
+        optimizer: Optimizer,
+        fresh: bool,
+        batch: int,
+        run: Callable[[int | None], Any],
     ) -> Any:
-        """``run(micro_batch_size)``, redone with less memory after a ``torch.OutOfMemoryError`` (see the class
-        docstring).
+        """``network`` in training mode, its gradients zeroed when ``fresh``, then ``run(micro_batch_size)``,
+        redone with less memory after a ``torch.OutOfMemoryError`` (see the class docstring).
 
         Args:
             phase: the step's name in messages (``training``, ``generator``, ``discriminator``).
-            networks: the networks whose gradients ``run`` accumulates (restored before a redo).
-            fresh: whether the gradients were zeroed for this iteration (else they hold earlier iterations of the
-                accumulation window: a copy is kept aside to be restored, one gradient-sized buffer on the device
-                while the iteration runs). The networks' buffers (BatchNorm statistics, an EMA codebook), which a
-                forward pass may change, are kept aside and restored the same way.
+            network: the network whose gradients ``run`` accumulates (restored before a redo).
+            optimizer: the optimizer of ``network`` (its gradients are zeroed when ``fresh``).
+            fresh: whether this iteration starts an accumulation window (else the gradients hold earlier
+                iterations of the window: a copy is kept aside to be restored, one gradient-sized buffer on the
+                device while the iteration runs). The network's buffers (BatchNorm statistics, an EMA codebook),
+                which a forward pass may change, are kept aside and restored the same way.
             batch: the iteration's batch size.
             run: forward and backward of the whole batch in micro-batches of the given size.
 
         Raises:
             OutOfMemoryBackoffError: when nothing is left to reduce, or the backoff is off.
         """
-        params = [p for net in networks for p in net.parameters()]
-        buffers = [b for net in networks for b in net.buffers()]
+        network.train()
+        if fresh:
+            optimizer.zero_grad(set_to_none=True)
+        params = list(network.parameters())
+        buffers = list(network.buffers())
         kept, kept_buffers = None, []
         if self.oom_backoff:
             # what a forward pass may change (BatchNorm statistics, an EMA codebook), to undo a failed attempt
@@ -421,7 +429,7 @@ class StepTrainer(Trainer):
 
         return redo_after_out_of_memory(
             lambda: run(self.micro_batch_size),
-            lambda: self._reduce_memory(batch, networks),
+            lambda: self._reduce_memory(batch, network),
             f"the {phase} step of iteration {self.state.iteration} (epoch {self.state.epoch})",
             lambda: f"micro-batch {self.micro_batch_size or batch} of a batch of {batch}",
             "Lower patch_size or batch_size, or use a GPU with more memory.",
@@ -429,10 +437,10 @@ class StepTrainer(Trainer):
             undo,
         )
 
-    def _reduce_memory(self, batch: int, networks: Sequence[nn.Module]) -> str | None:
+    def _reduce_memory(self, batch: int, network: nn.Module) -> str | None:
         """Halve the micro-batch or else turn on gradient checkpointing; what was changed, or ``None``."""
         current = self.micro_batch_size or batch
-        batch_norm = any(isinstance(m, nn.modules.batchnorm._BatchNorm) for net in networks for m in net.modules())
+        batch_norm = any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in network.modules())
         smallest = 2 if batch_norm else 1  # BatchNorm needs more than one value per channel in training
         if self.micro_batch_exact and current // 2 >= smallest:
             self.micro_batch_size = current // 2
@@ -440,9 +448,8 @@ class StepTrainer(Trainer):
             if batch_norm:
                 change += " (its BatchNorm layers now normalise over the micro-batches, not the whole batch)"
             return change
-        for network in networks:
-            if enable_gradient_checkpointing(network):
-                return f"gradient checkpointing turned on in {type(unwrap(network)).__name__}"
+        if enable_gradient_checkpointing(network):
+            return f"gradient checkpointing turned on in {type(unwrap(network)).__name__}"
         return None
 
     def log_effective_batch(self, batch_size: int) -> None:

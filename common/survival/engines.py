@@ -10,11 +10,10 @@ A survival batch is a dict with ``image`` (``B, C, *spatial``), ``time`` (``B``,
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
-from monai.data import MetaTensor
 from monai.utils import CommonKeys as Keys
 from torch import nn
 from torch.optim import Optimizer
@@ -24,7 +23,7 @@ from common.engines.evaluator import StepEvaluator
 from common.engines.trainer import StepTrainer
 from common.survival.losses import check_cut_points, cox_loss, logistic_hazard_loss
 from common.survival.networks import HEADS
-from common.utils import get_world_size
+from common.utils import get_world_size, plain_tensor
 
 __all__ = [
     "SurvivalEvaluator",
@@ -51,21 +50,17 @@ def per_rank_batch_size(batch_size: int, world_size: int | None = None) -> int:
     return int(batch_size) // world
 
 
-def _plain(x: Any) -> Any:
-    return x.as_tensor() if isinstance(x, MetaTensor) else x
-
-
 def prepare_survival_batch(
     batchdata: Mapping[str, Any], device: torch.device | str | None = None, non_blocking: bool = False, **kwargs
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """``(image, targets)``: the image as a plain tensor on ``device`` and ``{"time", "event", "covariates"}``
     as float tensors on ``device`` (``time``/``event`` are NaN when the batch has no outcomes, e.g. inference)."""
-    image = _plain(batchdata[Keys.IMAGE]).to(device=device, non_blocking=non_blocking, **kwargs)
+    image = plain_tensor(batchdata[Keys.IMAGE]).to(device=device, non_blocking=non_blocking, **kwargs)
     n = image.shape[0]
 
     def field(key: str, default: torch.Tensor) -> torch.Tensor:
         value = batchdata.get(key)
-        value = default if value is None else torch.as_tensor(_plain(value))
+        value = default if value is None else plain_tensor(value)
         return value.to(device=device, dtype=torch.float32, non_blocking=non_blocking)
 
     nan = torch.full((n,), float("nan"))
@@ -181,25 +176,16 @@ class SurvivalEvaluator(StepEvaluator):
     :class:`common.survival.handlers.SurvivalMetricsHandler` once every rank's predictions are gathered.
 
     Args:
-        device: the device of this rank.
-        val_data_loader: loader of survival batches.
-        network: the predictor (in eval mode during the run).
         grid: times (years) at which the survival curve is also evaluated.
-        settings: ``amp`` and the other arguments of :class:`common.engines.evaluator.StepEvaluator`
-            (``prepare_batch`` defaults to :func:`prepare_survival_batch`).
+        settings: the arguments of :class:`common.engines.evaluator.StepEvaluator`: ``device``,
+            ``val_data_loader`` (of survival batches), ``network`` (the predictor), ``amp``, ...; ``prepare_batch``
+            defaults to :func:`prepare_survival_batch`.
     """
 
     default_prepare_batch = staticmethod(prepare_survival_batch)
 
-    def __init__(
-        self,
-        device: torch.device | str,
-        val_data_loader: Iterable,
-        network: nn.Module,
-        grid: Sequence[float] | torch.Tensor | None = None,
-        **settings: Any,
-    ) -> None:
-        super().__init__(device=device, val_data_loader=val_data_loader, network=network, **settings)
+    def __init__(self, *, grid: Sequence[float] | torch.Tensor | None = None, **settings: Any) -> None:
+        super().__init__(**settings)
         self.grid = None if grid is None else torch.as_tensor(grid, dtype=torch.float32)
 
     def evaluate_step(

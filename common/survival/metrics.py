@@ -384,7 +384,8 @@ def _ipcw_setup(
     train_event: ArrayLike | None,
     name: str = "horizon",
 ) -> dict[str, Any]:
-    """Checked inputs and the rank-space tensors torchsurv's ``Auc``/``BrierScore`` need (horizons sorted)."""
+    """Checked inputs and the rank-space tensors torchsurv's ``Auc``/``BrierScore`` need (horizons sorted), with
+    ``name``, what the horizons are called in messages."""
     time_a, event_a = _survival_data(time, event)
     train_t, train_e = _train_cohort(time_a, event_a, train_time, train_event)
     h = check_horizons(horizons, time_a, None if train_time is None else train_t, name=name)
@@ -401,19 +402,13 @@ def _ipcw_setup(
         "new_time": h_rank,
         "weight": weight,
         "weight_new_time": weight_h,
+        "name": name,
     }
 
 
-def _auc(
-    risk: ArrayLike,
-    time: ArrayLike,
-    event: ArrayLike,
-    horizons: ArrayLike | float,
-    train_time: ArrayLike | None,
-    train_event: ArrayLike | None,
-) -> tuple[dict[float, float], float]:
-    """Per-horizon cumulative/dynamic AUC and its KM-weighted mean (see :func:`time_dependent_auc`)."""
-    s = _ipcw_setup(time, event, horizons, train_time, train_event)
+def _auc(risk: ArrayLike, s: dict[str, Any]) -> tuple[dict[float, float], float]:
+    """Per-horizon cumulative/dynamic AUC and its KM-weighted mean (see :func:`time_dependent_auc`) of the cohort
+    and horizons of ``s`` (:func:`_ipcw_setup`)."""
     risk_a = _to_numpy(risk)
     if risk_a.ndim == 2:
         risk_a = _cases(risk_a, "risk", s["n"], ndim=2)
@@ -465,23 +460,14 @@ def time_dependent_auc(
     Raises:
         ValueError: for malformed input, a cohort without events, or a horizon outside the follow-up window.
     """
-    return _auc(risk, time, event, horizons, train_time, train_event)[0]
+    return _auc(risk, _ipcw_setup(time, event, horizons, train_time, train_event))[0]
 
 
-def _brier(
-    surv: ArrayLike,
-    time: ArrayLike,
-    event: ArrayLike,
-    horizons: ArrayLike | float,
-    train_time: ArrayLike | None,
-    train_event: ArrayLike | None,
-    name: str,
-) -> tuple[np.ndarray, np.ndarray]:
-    """``(horizons as given, Brier score at each)``."""
-    s = _ipcw_setup(time, event, horizons, train_time, train_event, name=name)
+def _brier(surv: ArrayLike, s: dict[str, Any]) -> tuple[np.ndarray, np.ndarray]:
+    """``(horizons as given, Brier score at each)`` of the cohort and horizons of ``s`` (:func:`_ipcw_setup`)."""
     surv_a = _cases(surv, "surv", s["n"], ndim=2)
     if surv_a.shape[1] != s["horizons"].size:
-        raise ValueError(f"surv has {surv_a.shape[1]} columns but there are {s['horizons'].size} {name}s.")
+        raise ValueError(f"surv has {surv_a.shape[1]} columns but there are {s['horizons'].size} {s['name']}s.")
     if np.any((surv_a < 0) | (surv_a > 1)):
         raise ValueError(
             f"surv must hold survival probabilities in [0, 1], got values in [{surv_a.min()}, {surv_a.max()}]."
@@ -523,7 +509,7 @@ def brier_scores(
         ValueError: for malformed input, probabilities outside [0, 1], a cohort without events, or a horizon
             outside the follow-up window.
     """
-    h, values = _brier(surv, time, event, horizons, train_time, train_event, name="horizon")
+    h, values = _brier(surv, _ipcw_setup(time, event, horizons, train_time, train_event))
     return {float(a): float(b) for a, b in zip(h, values)}
 
 
@@ -553,7 +539,7 @@ def integrated_brier_score(
     grid_a = _as_array(grid, "grid")
     if grid_a.size < 2 or np.any(np.diff(grid_a) <= 0):
         raise ValueError(f"grid must be strictly increasing with at least 2 times, got {grid_a.tolist()}.")
-    _, values = _brier(surv_grid, time, event, grid_a, train_time, train_event, name="grid time")
+    _, values = _brier(surv_grid, _ipcw_setup(time, event, grid_a, train_time, train_event, name="grid time"))
     return float(np.trapezoid(values, grid_a) / (grid_a[-1] - grid_a[0]))
 
 
@@ -832,7 +818,8 @@ def survival_metrics(
     surv = None if surv_at_horizons is None else _cases(surv_at_horizons, "surv_at_horizons", time_a.size, ndim=2)
     if surv is not None and surv.shape[1] != h.size:
         raise ValueError(f"surv_at_horizons has {surv.shape[1]} columns but there are {h.size} horizons {h.tolist()}.")
-    aucs, out["auc_mean"] = _auc(risk_a if surv is None else 1.0 - surv, time_a, event_a, h, **train_kw)
+    setup = _ipcw_setup(time_a, event_a, h, train_time, train_event)
+    aucs, out["auc_mean"] = _auc(risk_a if surv is None else 1.0 - surv, setup)
     for horizon, value in aucs.items():
         out[f"auc_{horizon:g}"] = value
     if surv is not None:

@@ -98,13 +98,24 @@ def _level_blocks(
     return nn.Sequential(*blocks)
 
 
-def _check_groups(channels: Sequence[int], norm_num_groups: int) -> None:
-    bad = [c for c in channels if c % int(norm_num_groups)]
+def _level_widths(
+    n_hiddens: int, downsample: Sequence[int] | int, spatial_dims: int, norm_num_groups: int
+) -> tuple[list[int], list[int]]:
+    """The stride-2 levels per axis (:func:`downsample_levels`) and the encoder's width of each level,
+    ``n_hiddens * 2**(i+1)`` (the decoder's in reverse order).
+
+    Raises:
+        ValueError: when ``norm_num_groups`` does not divide every width (``n_hiddens`` without levels).
+    """
+    levels = downsample_levels(downsample, spatial_dims)
+    widths = [n_hiddens * 2 ** (i + 1) for i in range(max(levels))]
+    bad = [c for c in widths or [n_hiddens] if c % int(norm_num_groups)]
     if bad:
         raise ValueError(
-            f"norm_num_groups={norm_num_groups} must divide every feature width; widths {sorted(set(channels))} "
-            f"(n_hiddens x 2^level) include {bad[0]}."
+            f"norm_num_groups={norm_num_groups} must divide every feature width; widths "
+            f"{sorted(set(widths or [n_hiddens]))} (n_hiddens x 2^level) include {bad[0]}."
         )
+    return levels, widths
 
 
 class VQGANEncoder(nn.Module):
@@ -131,15 +142,12 @@ class VQGANEncoder(nn.Module):
         norm_num_groups: int = 8,
     ) -> None:
         super().__init__()
-        levels = downsample_levels(downsample, spatial_dims)
-        n_levels = max(levels)
-        level_widths = [n_hiddens * 2 ** (i + 1) for i in range(n_levels)]
-        _check_groups(level_widths or [n_hiddens], norm_num_groups)
+        levels, widths = _level_widths(n_hiddens, downsample, spatial_dims, norm_num_groups)
         self.conv_first = Convolution(spatial_dims, in_channels, n_hiddens, kernel_size=3, conv_only=True)
         self.blocks = _level_blocks(
-            spatial_dims, n_hiddens, level_widths, levels, num_res_blocks, norm_num_groups, transposed=False
+            spatial_dims, n_hiddens, widths, levels, num_res_blocks, norm_num_groups, transposed=False
         )
-        channels = level_widths[-1] if level_widths else n_hiddens
+        channels = widths[-1] if widths else n_hiddens
         self.final = nn.Sequential(nn.GroupNorm(norm_num_groups, channels, eps=1e-6), nn.SiLU())
         self.pre_vq_conv = Convolution(spatial_dims, channels, embedding_dim, kernel_size=1, conv_only=True)
 
@@ -148,17 +156,9 @@ class VQGANEncoder(nn.Module):
 
 
 class VQGANDecoder(nn.Module):
-    """Decoder of the 3D VQ-GAN: ``(B, embedding_dim, *L) -> (B, out_channels, *L * downsample)``.
-
-    Args:
-        spatial_dims: number of spatial dimensions.
-        out_channels: image channels.
-        n_hiddens: as in :class:`VQGANEncoder`.
-        downsample: per-axis upsampling factor (the encoder's downsampling).
-        embedding_dim: latent channels.
-        num_res_blocks: residual blocks after each transposed convolution.
-        norm_num_groups: GroupNorm groups.
-    """
+    """Decoder of the 3D VQ-GAN: ``(B, embedding_dim, *L) -> (B, out_channels, *L * downsample)``, the mirror of
+    :class:`VQGANEncoder` (the same arguments; ``out_channels``: image channels, ``downsample``: the per-axis
+    upsampling factor, ``num_res_blocks`` after each transposed convolution)."""
 
     def __init__(
         self,
@@ -171,17 +171,15 @@ class VQGANDecoder(nn.Module):
         norm_num_groups: int = 8,
     ) -> None:
         super().__init__()
-        levels = downsample_levels(downsample, spatial_dims)
-        n_levels = max(levels)
-        channels = n_hiddens * 2**n_levels
-        level_widths = [n_hiddens * 2 ** (n_levels - i) for i in range(n_levels)]
-        _check_groups(level_widths or [channels], norm_num_groups)
-        self.post_vq_conv = Convolution(spatial_dims, embedding_dim, channels, kernel_size=1, conv_only=True)
-        self.first = nn.Sequential(nn.GroupNorm(norm_num_groups, channels, eps=1e-6), nn.SiLU())
+        levels, widths = _level_widths(n_hiddens, downsample, spatial_dims, norm_num_groups)
+        widths = widths[::-1]  # from the deepest level, whose width the latent is mapped to
+        deepest = widths[0] if widths else n_hiddens
+        self.post_vq_conv = Convolution(spatial_dims, embedding_dim, deepest, kernel_size=1, conv_only=True)
+        self.first = nn.Sequential(nn.GroupNorm(norm_num_groups, deepest, eps=1e-6), nn.SiLU())
         self.blocks = _level_blocks(
-            spatial_dims, channels, level_widths, levels, num_res_blocks, norm_num_groups, transposed=True
+            spatial_dims, deepest, widths, levels, num_res_blocks, norm_num_groups, transposed=True
         )
-        channels = level_widths[-1] if level_widths else channels
+        channels = widths[-1] if widths else deepest
         self.conv_last = Convolution(spatial_dims, channels, out_channels, kernel_size=3, conv_only=True)
 
     def forward(self, z: torch.Tensor) -> torch.Tensor:

@@ -16,7 +16,6 @@ Both must have the projector's ``view_size`` (``H, W``); a transposed file is na
 
 from __future__ import annotations
 
-import logging
 import os
 import zlib
 from collections.abc import Mapping, Sequence
@@ -51,7 +50,6 @@ __all__ = [
     "xray_inference_items",
 ]
 
-logger = logging.getLogger(__name__)
 
 IMAGE_SUFFIXES = (".png",)
 NIFTI_SUFFIXES = (".nii", ".nii.gz")

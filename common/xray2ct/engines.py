@@ -10,7 +10,7 @@ inference from X-ray files) and ``xray`` (``B, V, H, W`` normalised line integra
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -18,14 +18,13 @@ import torch.nn.functional as F
 from monai.data import MetaTensor
 from monai.utils import CommonKeys as Keys
 from torch import nn
-from torch.optim import Optimizer
 
 from common.diffusion.engines import DiffusionTrainer, case_name, volume_seed
 from common.diffusion.metrics import output_value_handler
-from common.diffusion.schedule import DiffusionSchedule
 from common.engines.evaluator import StepEvaluator
 from common.metrics.image import image_quality_handlers
 from common.networks.wrappers import unwrap
+from common.utils import plain_tensor
 from common.xray2ct.drr import DRRProjector
 from common.xray2ct.losses import ProjectionLoss, physics_noise_weight
 from common.xray2ct.metrics import UNCERTAINTY_SCORES, texture_handlers, uncertainty_scores
@@ -48,10 +47,6 @@ __all__ = [
 XRAY_KEY = "xray"
 DIRECT_LOSSES = ("l1", "mse")
 LOSS_WEIGHTINGS = ("none", "min_snr")
-
-
-def _plain(x: torch.Tensor) -> torch.Tensor:
-    return x.as_tensor() if isinstance(x, MetaTensor) else x
 
 
 def prepare_xray_batch(
@@ -111,9 +106,10 @@ class XrayCTTrainer(DiffusionTrainer):
         direct_loss: ``l1`` or ``mse`` (direct mode).
         previous_size: the previous stage's volume size (``None`` for stage 1).
         previous_noise: maximum standard deviation of the conditioning noise.
-        network, optimizer, schedule, timesteps, prediction_type, seed, settings: see
-            :class:`common.diffusion.engines.DiffusionTrainer` (``prepare_batch`` defaults to
-            :func:`prepare_xray_batch`).
+        prediction_type: ``v_prediction`` or ``epsilon`` (diffusion mode).
+        settings: the arguments of :class:`common.diffusion.engines.DiffusionTrainer` (``network``,
+            ``optimizer``, ``schedule``, ``timesteps``, ``seed``, ...; the target is channel 0), ``prepare_batch``
+            defaults to :func:`prepare_xray_batch`.
     """
 
     default_prepare_batch = staticmethod(prepare_xray_batch)
@@ -121,10 +117,7 @@ class XrayCTTrainer(DiffusionTrainer):
 
     def __init__(
         self,
-        network: nn.Module,
-        optimizer: Optimizer,
-        schedule: DiffusionSchedule,
-        timesteps: torch.Tensor | Sequence[int],
+        *,
         projector: DRRProjector,
         mode: str = "diffusion",
         prediction_type: str = "v_prediction",
@@ -135,28 +128,18 @@ class XrayCTTrainer(DiffusionTrainer):
         previous_noise: float = 0.1,
         loss_weighting: str = "none",
         min_snr_gamma: float = 5.0,
-        seed: int = 0,
         **settings: Any,
     ) -> None:
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}.")
         if loss_weighting not in LOSS_WEIGHTINGS:
             raise ValueError(f"loss_weighting must be one of {LOSS_WEIGHTINGS}, got {loss_weighting!r}.")
-        if (mode == "residual") != bool(getattr(unwrap(network), "residual", False)):
-            raise ValueError(f"mode {mode!r} needs XrayCTDenoiser(residual={mode == 'residual'}).")
         if direct_loss not in DIRECT_LOSSES:
             raise ValueError(f"direct_loss must be one of {DIRECT_LOSSES}, got {direct_loss!r}.")
         physics_noise_weight(torch.ones(1), physics_weighting)  # validates the name
-        super().__init__(
-            network=network,
-            optimizer=optimizer,
-            schedule=schedule,
-            timesteps=timesteps,
-            target_channels=[0],
-            prediction_type=prediction_type,
-            seed=seed,
-            **settings,
-        )
+        super().__init__(target_channels=[0], prediction_type=prediction_type, **settings)
+        if (mode == "residual") != bool(getattr(unwrap(self.network), "residual", False)):
+            raise ValueError(f"mode {mode!r} needs XrayCTDenoiser(residual={mode == 'residual'}).")
         self.mode = mode
         self.projection_loss = ProjectionLoss(projector)
         self.physics_weight = float(physics_weight)
@@ -182,7 +165,7 @@ class XrayCTTrainer(DiffusionTrainer):
         image, xray = engine.prepare_batch(batchdata, engine.state.device, engine.non_blocking, **engine.to_kwargs)
         if image is None:
             raise ValueError(f"training needs the CT as {Keys.IMAGE!r} in every batch.")
-        x0, xray = _plain(image).float(), _plain(xray).float()
+        x0, xray = plain_tensor(image).float(), plain_tensor(xray).float()
         self.log_effective_batch(x0.shape[0])
         previous = None
         if self.previous_size is not None:
@@ -279,48 +262,44 @@ class XrayCTEvaluator(StepEvaluator):
     :class:`common.xray2ct.metrics.SamplerCalibration`; 1 and 0: the samples' own).
 
     Args:
-        device: the device of this rank.
-        val_data_loader: loader of dicts with ``xray`` (and ``image`` to score against).
-        network: the stage's sampler.
         previous: the earlier stages (an :class:`common.xray2ct.networks.XrayCTCascade`) for stage >= 2.
         seed: base seed of the start noise.
         uncertainty_scale: factor of the samples' standard deviation in ``pred_std`` (> 0).
         uncertainty_floor: added to the samples' standard deviation before the factor (>= 0, ``[0, 1]`` scale).
-        settings: ``amp``, ``inferer`` (calls the sampler on each case's X-rays; default ``SimpleInferer``) and the
-            other arguments of :class:`common.engines.evaluator.StepEvaluator` (``prepare_batch`` defaults to
-            :func:`prepare_xray_batch`).
+        settings: the arguments of :class:`common.engines.evaluator.StepEvaluator`: ``device``,
+            ``val_data_loader`` (of dicts with ``xray``, and ``image`` to score against), ``network`` (the
+            stage's sampler), ``amp``, ``inferer`` (calls the sampler on each case's X-rays; default
+            ``SimpleInferer``), ...; ``prepare_batch`` defaults to :func:`prepare_xray_batch`.
     """
 
     default_prepare_batch = staticmethod(prepare_xray_batch)
 
     def __init__(
         self,
-        device: torch.device | str,
-        val_data_loader: Iterable,
-        network: nn.Module,
+        *,
         previous: nn.Module | None = None,
         seed: int = 0,
         uncertainty_scale: float = 1.0,
         uncertainty_floor: float = 0.0,
         **settings: Any,
     ) -> None:
-        super().__init__(device=device, val_data_loader=val_data_loader, network=network, **settings)
+        super().__init__(**settings)
         if not float(uncertainty_scale) > 0 or not float(uncertainty_floor) >= 0:
             raise ValueError(
                 f"uncertainty_scale must be positive and uncertainty_floor >= 0, got {uncertainty_scale!r} and "
                 f"{uncertainty_floor!r}."
             )
         self.uncertainty_scale, self.uncertainty_floor = float(uncertainty_scale), float(uncertainty_floor)
-        if network.with_previous and previous is None:
+        if self.network.with_previous and previous is None:
             raise ValueError("this stage conditions on the previous stage: pass the earlier stages as 'previous'.")
         self.previous = previous
         self.seed = int(seed)
-        self.projection_loss = ProjectionLoss(unwrap(network.network).projector)
+        self.projection_loss = ProjectionLoss(unwrap(self.network.network).projector)
 
     def evaluate_step(
         self, engine: XrayCTEvaluator, batchdata: dict[str, Any], image: torch.Tensor | None, xray: torch.Tensor
     ) -> dict:
-        xray = _plain(xray).float()
+        xray = plain_tensor(xray).float()
         sampler = engine.network
         modules = [sampler] + ([self.previous] if self.previous is not None else [])
         means, stds, firsts, residuals, corrected = [], [], [], [], []
@@ -360,9 +339,9 @@ class XrayCTEvaluator(StepEvaluator):
             output["pred_sample"] = _with_meta(((sample + 1) / 2).clamp(0, 1), meta)
             output["sample_proj_error"] = self.projection_loss(sample, xray)
         if image is not None:
-            output[Keys.LABEL] = ((_plain(image).float() + 1) / 2).clamp(0, 1)
+            output[Keys.LABEL] = ((plain_tensor(image).float() + 1) / 2).clamp(0, 1)
             if "pred_std" in output:  # how well the spread tells where the error is (``uncertainty_scores``)
-                scores = uncertainty_scores(_plain(output[Keys.PRED]), output["pred_std"], output[Keys.LABEL])
+                scores = uncertainty_scores(plain_tensor(output[Keys.PRED]), output["pred_std"], output[Keys.LABEL])
                 output.update(scores)
         return output
 

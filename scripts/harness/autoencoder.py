@@ -30,18 +30,8 @@ from pathlib import Path
 
 import torch
 
+from scripts.harness import tools
 from scripts.harness.faults import RUN_SETTINGS, BundleCase
-from scripts.harness.tools import (
-    alternate,
-    device_name,
-    plain_loader,
-    print_table,
-    print_throughput,
-    run_probe,
-    setup,
-    sync,
-    timed_loop,
-)
 
 __all__ = [
     "BENCHMARKS",
@@ -118,7 +108,7 @@ def _plain_loop(s: dict, data: list[dict], iterations: int, warmup: int, workers
 
     from common.autoencoder.losses import kl_divergence
 
-    loader = plain_loader(s, data, workers)
+    loader = tools.plain_loader(s, data, workers)
     ae, disc = _networks(s, flash_attention=False)
     opt_g = torch.optim.Adam(ae.parameters(), lr=1e-4)
     opt_d = torch.optim.Adam(disc.parameters(), lr=1e-4)
@@ -147,7 +137,7 @@ def _plain_loop(s: dict, data: list[dict], iterations: int, warmup: int, workers
         opt_d.step()
         loss_g.item()  # the tutorial logs the loss every step
 
-    return timed_loop(s, loader, step, iterations, warmup)
+    return tools.timed_loop(s, loader, step, iterations, warmup)
 
 
 def throughput(
@@ -186,17 +176,17 @@ def throughput(
         num_threads: torch CPU threads.
         output: JSON file for the results.
     """
-    dev, workers = setup(device, num_threads, baseline_workers)
+    dev, workers = tools.setup(device, num_threads, baseline_workers)
     s = _settings(patch_size, channels, batch_size, num_samples, dev, amp, compile)
     summary = {
-        "device": device_name(dev),
+        "device": tools.device_name(dev),
         "patch_size": list(patch_size),
         "channels": list(channels),
         "batch": f"{batch_size}x{num_samples}",
         "amp": s["amp"],
         "compile": s["compile"],
         "timed_iterations": iterations,
-        **alternate(
+        **tools.alternate(
             s,
             "autoencoder_3d",
             _plain_loop,
@@ -208,7 +198,7 @@ def throughput(
             profile=profile,
         ),
     }
-    print_throughput(
+    tools.print_throughput(
         summary,
         {
             "device": summary["device"],
@@ -256,7 +246,7 @@ def memory_probe(patch_size, channels, batch_size, num_samples, device, amp, use
         "amp": trainer.amp_mode,
         "use_checkpoint": use_checkpoint,
         "peak_mem_gib": peak_memory_gib(dev),
-        "device": device_name(dev),
+        "device": tools.device_name(dev),
     }
 
 
@@ -287,10 +277,10 @@ def memory(
             "use_checkpoint": bool(use_checkpoint),
         }
         try:
-            rows.append(run_probe(__name__, "memory_probe", **settings))
+            rows.append(tools.run_probe(__name__, "memory_probe", **settings))
         except RuntimeError as exc:  # e.g. out of memory: keep the other rows (a larger patch would not fit)
             rows.append({**settings, "batch": batch_size * num_samples, "error": str(exc)[-500:]})
-    print_table(
+    tools.print_table(
         ["device", "patch", "channels", "batch", "amp", "gradient checkpointing", "peak mem (GiB)"],
         [
             [
@@ -394,7 +384,7 @@ def inference(
             }
             plan = build_plan(BUNDLE, nproc_per_node=int(n), cpu=cpu, overrides=overrides, job="inference")
             plan.env.update({"OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)})
-            row = {"device": "cpu" if cpu else device_name(torch.device("cuda")), "threads": int(threads)}
+            row = {"device": "cpu" if cpu else tools.device_name(torch.device("cuda")), "threads": int(threads)}
             row.update(_inference_rate(plan, prediction_dir))
             if row["written"] != int(cases):
                 raise RuntimeError(f"{n} process(es) wrote {row['written']} of {cases} cases.")
@@ -404,7 +394,7 @@ def inference(
     base = rows[0]["cases_per_s"]
     for row in rows:
         row["speedup"] = row["cases_per_s"] / base
-    print_table(
+    tools.print_table(
         ["device", "processes", "threads each", "cases", "seconds", "cases/s", "x one process"],
         [
             [
@@ -447,7 +437,7 @@ def published_probe(
     with torch.no_grad(), torch.autocast(dev.type, enabled=dev.type == "cuda"):
         start = time.perf_counter()
         y = network(x)
-        sync(dev)
+        tools.sync(dev)
         seconds = time.perf_counter() - start
     if num_splits == 1:
         torch.save(y.float().cpu(), reference)
@@ -461,7 +451,7 @@ def published_probe(
         "peak_mem_gib": peak_memory_gib(dev),
         "max_abs_diff_vs_unsplit": diff,
         "output_range": [float(y.min()), float(y.max())],
-        "device": device_name(dev),
+        "device": tools.device_name(dev),
     }
 
 
@@ -486,10 +476,12 @@ def published_reconstruction(
             settings = {"architecture": architecture, "shape": list(shape), "num_splits": int(n)}
             settings["dim_split"] = dim_split
             try:
-                rows.append(run_probe(__name__, "published_probe", **settings, device=device, reference=reference))
+                rows.append(
+                    tools.run_probe(__name__, "published_probe", **settings, device=device, reference=reference)
+                )
             except RuntimeError as exc:  # e.g. out of memory, or a split narrower than the kernel
                 rows.append({**settings, "error": str(exc)[-500:]})
-    print_table(
+    tools.print_table(
         ["device", "network", "volume", "num_splits", "seconds", "peak mem (GiB)", "max |diff| vs unsplit"],
         [
             [

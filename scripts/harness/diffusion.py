@@ -29,23 +29,8 @@ from pathlib import Path
 import torch
 
 from common.demo.images import make_diffusion_demo
+from scripts.harness import tools
 from scripts.harness.faults import RUN_SETTINGS, BundleCase
-from scripts.harness.tools import (
-    NO_VALIDATION,
-    alternate,
-    bundle_command,
-    device_name,
-    plain_loader,
-    print_table,
-    print_throughput,
-    run_command,
-    save_summary,
-    setup,
-    shape_label,
-    sync,
-    timed_loop,
-    train_config,
-)
 
 __all__ = ["BENCHMARKS", "THROUGHPUT", "ddpm_quality", "ddpm_sampling", "ddpm_throughput", "fault_case"]
 
@@ -54,7 +39,7 @@ BUNDLE = "fast_ddpm_3d"
 
 def _unet_settings(**overrides) -> dict:
     """U-Net hyperparameters: ``train.json``'s, replaced by the overrides that are not None."""
-    config = train_config(BUNDLE)
+    config = tools.train_config(BUNDLE)
     keys = ("unet_channels", "attention_levels", "num_res_blocks", "norm_num_groups", "num_head_channels")
     return {k: config[k] if overrides.get(k) is None else overrides[k] for k in keys}
 
@@ -134,7 +119,7 @@ def ddpm_sampling(
     from common.diffusion.engines import DIFFUSION_MODES, sampling_grid
     from common.utils import default_amp
 
-    dev, _ = setup(device, num_threads, 0)
+    dev, _ = tools.setup(device, num_threads, 0)
     amp = amp or default_amp(dev)
     modes = [modes] if isinstance(modes, str) else list(modes)
     if not modes or any(m not in DIFFUSION_MODES for m in modes):
@@ -160,7 +145,7 @@ def ddpm_sampling(
     results = {mode: _time_sampling(network, counter, image, steps[mode], sampler, amp) for mode in modes}
     counter.handle.remove()
     summary = {
-        "device": device_name(dev),
+        "device": tools.device_name(dev),
         "shape": list(shape),
         "roi_size": None if roi_size is None else list(roi_size),
         "sw_batch_size": int(sw_batch_size),
@@ -176,7 +161,7 @@ def ddpm_sampling(
         summary["time_ratio_fast_over_baseline"] = fast["seconds"] / base["seconds"]
         summary["evaluation_ratio_fast_over_baseline"] = fast["window_forwards"] / base["window_forwards"]
     _print_sampling(summary, modes)
-    return save_summary(summary, output)
+    return tools.save_summary(summary, output)
 
 
 def _time_sampling(
@@ -198,11 +183,11 @@ def _time_sampling(
     with torch.no_grad(), autocast(dev, amp):
         run._denoise(image, int(steps[-1]))
     counter.calls = counter.items = 0
-    sync(dev)
+    tools.sync(dev)
     start = time.perf_counter()
     with torch.no_grad(), autocast(dev, amp):
         sample = run(image)
-    sync(dev)
+    tools.sync(dev)
     seconds = time.perf_counter() - start
     if not torch.isfinite(sample).all():
         raise RuntimeError(f"sampling over {len(steps)} time steps gave non-finite values")
@@ -216,7 +201,7 @@ def _time_sampling(
 
 def _print_sampling(summary: dict, modes: Sequence[str]) -> None:
     """The report of ``ddpm_sampling``: one Markdown row per sampler, then the fast / baseline ratios."""
-    print_table(
+    tools.print_table(
         ["sampler", "time steps", "network calls", "window forwards", "seconds / volume"],
         [
             [m, summary[m]["time_steps"], summary[m]["network_calls"], summary[m]["window_forwards"]]
@@ -228,15 +213,15 @@ def _print_sampling(summary: dict, modes: Sequence[str]) -> None:
         print(
             f"\nfast / baseline: time {summary['time_ratio_fast_over_baseline']:.4f}, network evaluations "
             f"{summary['evaluation_ratio_fast_over_baseline']:.4f} ({summary['device']}, "
-            f"{shape_label(summary['shape'])})"
+            f"{tools.shape_label(summary['shape'])})"
         )
 
 
 def _bundle_cmd(run_id: str, configs: Sequence[str], overrides: dict) -> list[str]:
-    return bundle_command(BUNDLE, run_id, configs, overrides)
+    return tools.bundle_command(BUNDLE, run_id, configs, overrides)
 
 
-_run = run_command
+_run = tools.run_command
 
 
 def ddpm_quality(
@@ -310,7 +295,7 @@ def ddpm_quality(
     rows = []
     for mode in ("fast", "baseline"):
         run = {**common, "diffusion_mode": mode, "output_dir": str(work / mode)}
-        train = {**run, "max_epochs": 1, "epoch_length": iterations, **NO_VALIDATION}
+        train = {**run, "max_epochs": 1, "epoch_length": iterations, **tools.NO_VALIDATION}
         train_seconds = _run(_bundle_cmd("training", configs, train))
         # no validation during training: the final EMA weights (what model.pt holds) are evaluated once
         models = work / mode / "models"
@@ -319,7 +304,7 @@ def ddpm_quality(
         eval_seconds = _run(_bundle_cmd("run", [*configs, "evaluate.json"], run))
         metrics = json.loads((work / mode / "eval" / "metrics.json").read_text())["latest"]
         summary["modes"][mode] = {"train_seconds": train_seconds, "eval_seconds": eval_seconds, **metrics}
-        save_summary(summary, output)  # after each mode: a run cut short keeps what it measured
+        tools.save_summary(summary, output)  # after each mode: a run cut short keeps what it measured
         rows.append(
             [
                 mode,
@@ -332,7 +317,7 @@ def ddpm_quality(
                 f"{metrics['val_denoise_loss']:.4f}",
             ]
         )
-    print_table(
+    tools.print_table(
         ["mode", "iterations", "training (min)", "evaluation (s)", "PSNR (dB)", "SSIM", "MS-SSIM", "denoise loss"],
         rows,
     )
@@ -344,7 +329,7 @@ def _ddpm_plain_loop(s: dict, data: list[dict], iterations: int, warmup: int, wo
     epsilon MSE, Adam, clipping and an EMA of the weights, fp32."""
     from common.diffusion.schedule import DiffusionSchedule, fast_ddpm_grid
 
-    loader = plain_loader(s, data, workers, keys=("t1", "gm"), value_range=(-1, 1))
+    loader = tools.plain_loader(s, data, workers, keys=("t1", "gm"), value_range=(-1, 1))
     device = s["device"]
     net = _unet(s["unet"], 2, 1, device, flash_attention=False)
     ema = [p.detach().clone() for p in net.parameters()]
@@ -365,7 +350,7 @@ def _ddpm_plain_loop(s: dict, data: list[dict], iterations: int, warmup: int, wo
         with torch.no_grad():
             torch._foreach_lerp_(ema, [p.detach() for p in net.parameters()], 1 - 0.999)
 
-    return timed_loop(s, loader, step, iterations, warmup)
+    return tools.timed_loop(s, loader, step, iterations, warmup)
 
 
 def ddpm_throughput(
@@ -413,12 +398,12 @@ def ddpm_throughput(
     """
     from common.utils import default_amp
 
-    dev, workers = setup(device, num_threads, baseline_workers)
+    dev, workers = tools.setup(device, num_threads, baseline_workers)
     torch.manual_seed(int(seed))
     unet = {
         "unet_channels": [int(c) for c in unet_channels],
         "attention_levels": [bool(a) for a in attention_levels],
-        "num_res_blocks": train_config(BUNDLE)["num_res_blocks"],
+        "num_res_blocks": tools.train_config(BUNDLE)["num_res_blocks"],
         "norm_num_groups": int(norm_num_groups),
         "num_head_channels": int(num_head_channels),
     }
@@ -441,14 +426,14 @@ def ddpm_throughput(
         "seed": int(seed),
     }
     summary = {
-        "device": device_name(dev),
+        "device": tools.device_name(dev),
         "patch_size": s["patch_size"],
         "unet": unet,
         "batch": f"{batch_size}x{patches_per_volume}",
         "amp": s["amp"],
         "compile": bool(compile),
         "timed_iterations": iterations,
-        **alternate(
+        **tools.alternate(
             s,
             BUNDLE,
             _ddpm_plain_loop,
@@ -463,14 +448,14 @@ def ddpm_throughput(
         ),
     }
     _print_throughput(summary)
-    return save_summary(summary, output)
+    return tools.save_summary(summary, output)
 
 
 def _print_throughput(summary: dict) -> None:
     """The report of ``ddpm_throughput``: one Markdown row, the run's sizes and then the measured rates."""
-    leading = {"device": summary["device"], "patch": shape_label(summary["patch_size"])}
+    leading = {"device": summary["device"], "patch": tools.shape_label(summary["patch_size"])}
     leading |= {"U-Net channels": summary["unet"]["unet_channels"], "batch": summary["batch"]}
-    print_throughput(summary, leading | {"amp": summary["amp"], "compile": summary["compile"]})
+    tools.print_throughput(summary, leading | {"amp": summary["amp"], "compile": summary["compile"]})
 
 
 def fault_case(root: Path, seed: int) -> BundleCase:

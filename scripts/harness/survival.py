@@ -32,20 +32,8 @@ from pathlib import Path
 
 import torch
 
+from scripts.harness import tools
 from scripts.harness.faults import RUN_SETTINGS, BundleCase
-from scripts.harness.tools import (
-    alternate,
-    bundle_trainer,
-    device_name,
-    print_table,
-    print_throughput,
-    save_summary,
-    setup,
-    shape_label,
-    sync,
-    timed_loop,
-    train_config,
-)
 
 __all__ = [
     "BENCHMARKS",
@@ -104,7 +92,7 @@ def followup_horizons(csv: Path, horizons: Sequence[float] | None = None) -> lis
     sections = _sections(csv)
     limit = min(max(e["time"] for e in entries) for entries in sections.values() if entries)
     first = min(e["time"] for e in sections["validation"])
-    inside = [float(h) for h in train_config(BUNDLE)["horizons"] if first <= float(h) < limit]
+    inside = [float(h) for h in tools.train_config(BUNDLE)["horizons"] if first <= float(h) < limit]
     return inside or [(first + limit) / 2.0]
 
 
@@ -190,7 +178,7 @@ def _mace_plain_loop(s: dict, data: list[dict], iterations: int, warmup: int, wo
         loss.backward()
         optimizer.step()
 
-    return timed_loop(s, loader, step, iterations, warmup, whole_batch=True)
+    return tools.timed_loop(s, loader, step, iterations, warmup, whole_batch=True)
 
 
 def mace_throughput(
@@ -241,7 +229,7 @@ def mace_throughput(
     """
     from common.utils import default_amp
 
-    dev, workers = setup(device, num_threads, baseline_workers)
+    dev, workers = tools.setup(device, num_threads, baseline_workers)
     size = [int(v) for v in image_size]
     s = {
         "image_size": size,
@@ -262,7 +250,7 @@ def mace_throughput(
         "seed": int(seed),
     }
     chosen: dict = {}
-    results = alternate(
+    results = tools.alternate(
         s,
         BUNDLE,
         _mace_plain_loop,
@@ -276,7 +264,7 @@ def mace_throughput(
         profile=profile,
     )
     summary = {
-        "device": device_name(dev),
+        "device": tools.device_name(dev),
         "image_size": size,
         "backbone": backbone,
         "batch": int(batch_size),
@@ -288,14 +276,14 @@ def mace_throughput(
         **results,
     }
     _print_throughput(summary)
-    return save_summary(summary, output)
+    return tools.save_summary(summary, output)
 
 
 def _print_throughput(summary: dict) -> None:
     """The report of ``mace_throughput``: one Markdown row, the run's sizes and then the measured rates."""
-    leading = {"device": summary["device"], "image": shape_label(summary["image_size"])}
+    leading = {"device": summary["device"], "image": tools.shape_label(summary["image_size"])}
     leading |= {"backbone": summary["backbone"], "batch": summary["batch"]}
-    print_throughput(summary, leading | {"amp": summary["amp"], "compile": summary["compile"]})
+    tools.print_throughput(summary, leading | {"amp": summary["amp"], "compile": summary["compile"]})
 
 
 #: the ``train#dataset`` of the reference run: every training case cached once, nothing replaced
@@ -315,7 +303,7 @@ def _smartcache_run(csv: Path, work: Path, s: dict, overrides: dict, epochs: int
     from monai.data import SmartCacheDataset
 
     located = {"csv_path": str(csv), "max_epochs": int(epochs), "epoch_length": None, **overrides}
-    trainer, monitor = bundle_trainer(s, 1, str(work), located, BUNDLE)
+    trainer, monitor = tools.bundle_trainer(s, 1, str(work), located, BUNDLE)
     dataset = trainer.data_loader.dataset
     waits: list[float] = []
     if isinstance(dataset, SmartCacheDataset):
@@ -332,12 +320,12 @@ def _smartcache_run(csv: Path, work: Path, s: dict, overrides: dict, epochs: int
 
     @trainer.on(Events.EPOCH_STARTED)
     def _start(engine) -> None:
-        sync(s["device"])
+        tools.sync(s["device"])
         marks["start"] = time.perf_counter()
 
     @trainer.on(Events.EPOCH_COMPLETED)
     def _end(engine) -> None:  # registered after the SmartCacheHandler: the epoch includes its wait
-        sync(s["device"])
+        tools.sync(s["device"])
         epochs_s.append(time.perf_counter() - marks["start"])
 
     trainer.run()
@@ -393,7 +381,7 @@ def mace_smartcache(
     """
     from common.utils import default_amp
 
-    dev, _ = setup(device, num_threads, 0)
+    dev, _ = tools.setup(device, num_threads, 0)
     size = [int(v) for v in image_size]
     s = {"device": dev, "amp": default_amp(dev), "batch_size": int(batch_size), "num_samples": 1}
     base = {
@@ -410,10 +398,12 @@ def mace_smartcache(
     with tempfile.TemporaryDirectory() as tmp:
         start = time.perf_counter()
         csv = _make_cohort(Path(tmp) / "cohort", n_cases, files, file_spacing, seed=seed, censoring=censoring)
-        print(f"cohort of {n_cases} volumes of {shape_label(files)} written in {time.perf_counter() - start:.0f} s")
+        print(
+            f"cohort of {n_cases} volumes of {tools.shape_label(files)} written in {time.perf_counter() - start:.0f} s"
+        )
         chosen = {
             "horizons": followup_horizons(csv, horizons),
-            "num_intervals": cohort_intervals(csv, train_config(BUNDLE)["num_intervals"]),
+            "num_intervals": cohort_intervals(csv, tools.train_config(BUNDLE)["num_intervals"]),
         }
         base.update(chosen)
         # replace_rate 0: the reference, a CacheDataset of every case in place of train.json's SmartCacheDataset
@@ -423,7 +413,7 @@ def mace_smartcache(
             for i, (cache, replace) in enumerate(settings)
         ]
     summary = {
-        "device": device_name(dev),
+        "device": tools.device_name(dev),
         "image_size": size,
         "file_shape": files,
         "backbone": backbone,
@@ -433,7 +423,7 @@ def mace_smartcache(
         "runs": runs,
     }
     _print_smartcache(runs)
-    return save_summary(summary, output)
+    return tools.save_summary(summary, output)
 
 
 def _smartcache_setting(csv: Path, work: Path, s: dict, base: dict, cache: float, replace: float, epochs: int) -> dict:
@@ -446,7 +436,7 @@ def _smartcache_setting(csv: Path, work: Path, s: dict, base: dict, cache: float
 
 def _print_smartcache(runs: list[dict]) -> None:
     """The report of ``mace_smartcache``: one Markdown row per run, the reference first."""
-    print_table(
+    tools.print_table(
         [
             "dataset",
             "cache_rate",

@@ -31,23 +31,8 @@ from pathlib import Path
 
 import torch
 
+from scripts.harness import tools
 from scripts.harness.faults import RUN_SETTINGS, BundleCase
-from scripts.harness.tools import (
-    GIB,
-    alternate,
-    bundle_trainer,
-    device_name,
-    plain_loader,
-    print_table,
-    print_throughput,
-    run_probe,
-    save_summary,
-    setup,
-    shape_label,
-    sync,
-    timed_loop,
-    train_config,
-)
 
 __all__ = [
     "BENCHMARKS",
@@ -65,7 +50,7 @@ BUNDLE = "vqgan_3d"
 
 def _vqgan_network(**overrides) -> dict:
     """VQGAN hyperparameters: the ``vqgan_3d`` ``train.json`` defaults, replaced by the overrides that are not None."""
-    config = train_config("vqgan_3d")
+    config = tools.train_config("vqgan_3d")
     network = {}
     for key in ("n_hiddens", "downsample", "embedding_dim", "n_codes", "num_res_blocks", "norm_num_groups"):
         value = config[key] if overrides.get(key) is None else overrides[key]
@@ -88,7 +73,7 @@ def _vqgan_settings(
     """Settings of a ``vqgan_3d`` throughput run; loss weights, optimizer and clipping come from ``train.json``."""
     from common.utils import default_amp
 
-    config = train_config("vqgan_3d")
+    config = tools.train_config("vqgan_3d")
     return {
         "patch_size": list(patch_size),
         "network": dict(network),
@@ -117,7 +102,7 @@ def _vqgan(network: dict, device: torch.device):
     """The bundle's VQGAN (codebook EMA decay, commitment cost and restart threshold from ``train.json``)."""
     from common.vqgan.networks import VQGAN
 
-    config = train_config("vqgan_3d")
+    config = tools.train_config("vqgan_3d")
     return VQGAN(
         spatial_dims=3,
         in_channels=1,
@@ -173,7 +158,7 @@ def _vqgan_plain_loop(s: dict, data: list[dict], iterations: int, warmup: int, w
     """
     from common.autoencoder.adversarial import HingeAdversarialLoss, feature_matching_loss
 
-    loader = plain_loader(s, data, workers)
+    loader = tools.plain_loader(s, data, workers)
     vqgan, disc = _vqgan_networks(s)
     opt_g = torch.optim.Adam(vqgan.parameters(), lr=s["lr"], betas=s["betas"])
     opt_d = torch.optim.Adam(disc.parameters(), lr=s["d_lr"], betas=s["betas"])
@@ -222,7 +207,7 @@ def _vqgan_plain_loop(s: dict, data: list[dict], iterations: int, warmup: int, w
         opt_d.step()
         loss_g.item()  # a plain loop logs the loss every step
 
-    return timed_loop(s, loader, step, iterations, warmup)
+    return tools.timed_loop(s, loader, step, iterations, warmup)
 
 
 def vqgan_throughput(
@@ -279,7 +264,7 @@ def vqgan_throughput(
         num_threads: torch CPU threads.
         output: JSON file for the results.
     """
-    dev, workers = setup(device, num_threads, baseline_workers)
+    dev, workers = tools.setup(device, num_threads, baseline_workers)
     network = _vqgan_network(n_hiddens=n_hiddens, n_codes=n_codes, embedding_dim=embedding_dim)
     s = _vqgan_settings(
         patch_size,
@@ -294,7 +279,7 @@ def vqgan_throughput(
         compile,
     )
     summary = {
-        "device": device_name(dev),
+        "device": tools.device_name(dev),
         "patch_size": list(patch_size),
         "network": network,
         "discriminator": {"channels": s["disc_channels"], "num_layers": s["disc_layers"], "norm": s["disc_norm"]},
@@ -303,7 +288,7 @@ def vqgan_throughput(
         "amp": s["amp"],
         "compile": s["compile"],
         "timed_iterations": iterations,
-        **alternate(
+        **tools.alternate(
             s,
             "vqgan_3d",
             _vqgan_plain_loop,
@@ -316,7 +301,7 @@ def vqgan_throughput(
         ),
     }
     _print_throughput(summary)
-    return save_summary(summary, output)
+    return tools.save_summary(summary, output)
 
 
 def _network_label(network: dict) -> str:
@@ -326,11 +311,11 @@ def _network_label(network: dict) -> str:
 def _print_throughput(summary: dict) -> None:
     """The report of ``vqgan_throughput``: one Markdown row, the run's sizes and then the measured rates."""
     disc = summary["discriminator"]
-    print_throughput(
+    tools.print_throughput(
         summary,
         {
             "device": summary["device"],
-            "patch": shape_label(summary["patch_size"]),
+            "patch": tools.shape_label(summary["patch_size"]),
             "VQGAN (hiddens, codes x dim)": _network_label(summary["network"]),
             "disc (channels x layers)": f"{disc['channels']}x{disc['num_layers']}",
             "batch": summary["batch"],
@@ -437,7 +422,7 @@ def vqgan_memory_probe(
     with tempfile.TemporaryDirectory() as tmp:
         shape = _memory_volume_shape(patch_size, network["downsample"])
         write_phantom_dataset(Path(tmp) / "data", n_train=int(batch_size), n_val=0, shape=shape)
-        trainer, _ = bundle_trainer(
+        trainer, _ = tools.bundle_trainer(
             s,
             int(steps),
             str(Path(tmp) / "run"),
@@ -447,14 +432,14 @@ def vqgan_memory_probe(
 
         @trainer.on(Events.STARTED)
         def _start(engine) -> None:
-            sync(dev)
+            tools.sync(dev)
             marks["resettable"] = _reset_peak_memory(dev)
             marks["start_mem_gib"] = peak_memory_gib(dev)
             ends.append(time.perf_counter())
 
         @trainer.on(Events.ITERATION_COMPLETED)
         def _step(engine) -> None:
-            sync(dev)
+            tools.sync(dev)
             ends.append(time.perf_counter())
             if engine.state.iteration == int(warmup):
                 marks["warmup_peak_mem_gib"] = peak_memory_gib(dev)
@@ -482,7 +467,7 @@ def vqgan_memory_probe(
         "start_mem_gib": marks["start_mem_gib"],
         "seconds_per_step": statistics.median(seconds[int(warmup) :]),
         "step_seconds": seconds,
-        "device": device_name(dev),
+        "device": tools.device_name(dev),
     }
 
 
@@ -531,7 +516,7 @@ def vqgan_memory(
         num_threads: torch CPU threads.
         output: JSON file for the results.
     """
-    config = train_config("vqgan_3d")
+    config = tools.train_config("vqgan_3d")
     network = _vqgan_network(n_hiddens=n_hiddens, n_codes=n_codes, embedding_dim=embedding_dim)
     disc = {
         "channels": int(config["disc_channels"] if disc_channels is None else disc_channels),
@@ -551,17 +536,17 @@ def vqgan_memory(
     rows = [_measure_memory_run(run, probe) for run in runs]
     _print_memory(rows, device, amp)
     summary = {"network": network, "discriminator": disc, "steps": int(steps), "warmup": int(warmup), "rows": rows}
-    return save_summary(summary, output)
+    return tools.save_summary(summary, output)
 
 
 def _measure_memory_run(run: dict, probe: dict) -> dict:
     """One row of ``vqgan_memory``: ``vqgan_memory_probe`` in a fresh process; a failed probe (out of memory, for
     example) is a row with its ``error``, so the other rows are kept."""
-    label = f"{shape_label(run['patch_size'])}, micro-batch {run['micro_batch_size']}"
+    label = f"{tools.shape_label(run['patch_size'])}, micro-batch {run['micro_batch_size']}"
     print(f"measuring {label}, {run['batch_size']}x{run['patches_per_volume']} patches/step ...", file=sys.stderr)
     start = time.perf_counter()
     try:
-        row = run_probe(__name__, "vqgan_memory_probe", **run, **probe)
+        row = tools.run_probe(__name__, "vqgan_memory_probe", **run, **probe)
     except RuntimeError as exc:
         row = {**run, "patches_per_step": run["batch_size"] * run["patches_per_volume"], "error": str(exc)[-500:]}
     print(f"  done in {time.perf_counter() - start:.0f} s", file=sys.stderr)
@@ -574,7 +559,7 @@ def _gib(value: float | None) -> str:
 
 def _print_memory(rows: list[dict], device: str, amp: str) -> None:
     """The report of ``vqgan_memory``: one Markdown row per run (a failed run shows its last error line)."""
-    print_table(
+    tools.print_table(
         [
             "device",
             "patch",
@@ -589,7 +574,7 @@ def _print_memory(rows: list[dict], device: str, amp: str) -> None:
         [
             [
                 r.get("device", device),
-                shape_label(r["patch_size"]),
+                tools.shape_label(r["patch_size"]),
                 r["patches_per_step"],
                 r["micro_batch_size"],
                 r.get("amp", amp),
@@ -657,7 +642,7 @@ def _stage_hooks(modules: dict[str, torch.nn.Module], device: torch.device) -> d
 
     def before(name: str) -> Callable:
         def hook(module, args) -> None:
-            sync(device)
+            tools.sync(device)
             stats["other"]["peak_gib"] = max(stats["other"]["peak_gib"], peak_memory_gib(device))
             _reset_peak_memory(device)
             started[name] = time.perf_counter()
@@ -666,7 +651,7 @@ def _stage_hooks(modules: dict[str, torch.nn.Module], device: torch.device) -> d
 
     def after(name: str) -> Callable:
         def hook(module, args, output) -> None:
-            sync(device)
+            tools.sync(device)
             stats[name]["seconds"] += time.perf_counter() - started[name]
             stats[name]["peak_gib"] = max(stats[name]["peak_gib"], peak_memory_gib(device))
             _reset_peak_memory(device)
@@ -709,10 +694,10 @@ def reconstruction_probe(
     times = []
     with torch.no_grad(), autocast(dev, amp):
         for _ in range(int(warmup) + int(repeats)):
-            sync(dev)
+            tools.sync(dev)
             start = time.perf_counter()
             inferer(volume, net)  # the output is dropped at once, so runs do not overlap in memory
-            sync(dev)
+            tools.sync(dev)
             times.append(time.perf_counter() - start)
     stages["other"]["peak_gib"] = max(stages["other"]["peak_gib"], peak_memory_gib(dev))
     windows = _n_windows(shape, patch_size, overlap)
@@ -730,7 +715,7 @@ def reconstruction_probe(
         "peak_mem_gib": max(s["peak_gib"] for s in stages.values()) if resettable else peak_memory_gib(dev),
         "stage_peak_mem_gib": {n: stages[n]["peak_gib"] if resettable else None for n in (*STAGES, "other")},
         "stage_time_share": {n: stages[n]["seconds"] / sum(times) for n in STAGES},
-        "device": device_name(dev),
+        "device": tools.device_name(dev),
     }
 
 
@@ -821,9 +806,9 @@ def vqgan_reconstruction(
         output: JSON file for the results.
     """
     network = _vqgan_network(n_hiddens=n_hiddens, downsample=downsample, embedding_dim=embedding_dim, n_codes=n_codes)
-    roi = [int(p) for p in (patch_size or train_config("vqgan_3d")["patch_size"])]
+    roi = [int(p) for p in (patch_size or tools.train_config("vqgan_3d")["patch_size"])]
     rows = [
-        run_probe(
+        tools.run_probe(
             __name__,
             "reconstruction_probe",
             shape=[int(v) for v in shape],
@@ -846,8 +831,8 @@ def vqgan_reconstruction(
         "overlap": float(overlap),
         "measurements": rows,
         "volume_bytes": {
-            shape_label(shape): _volume_bytes(shape, roi),
-            shape_label(target_shape): _volume_bytes(target_shape, roi),
+            tools.shape_label(shape): _volume_bytes(shape, roi),
+            tools.shape_label(target_shape): _volume_bytes(target_shape, roi),
         },
     }
     model = _memory_model(rows)
@@ -857,7 +842,7 @@ def vqgan_reconstruction(
         summary["fit"] = {name: {"a_gib": a, "b_gib_per_window": b} for name, (a, b) in model.items()}
         summary["predictions"] = _predictions(rows, model, shape, target_shape, roi, overlap, predict_sw_batch_sizes)
         _print_predictions(rows, model, shape, target_shape, roi, summary["predictions"])
-    return save_summary(summary, output)
+    return tools.save_summary(summary, output)
 
 
 def _print_reconstruction(rows: list[dict], roi: Sequence[int], network: dict) -> None:
@@ -867,7 +852,7 @@ def _print_reconstruction(rows: list[dict], roi: Sequence[int], network: dict) -
         peaks = r["stage_peak_mem_gib"]
         return " / ".join(_gib(peaks[n]) for n in STAGES)
 
-    print_table(
+    tools.print_table(
         [
             "device",
             "volume",
@@ -885,8 +870,8 @@ def _print_reconstruction(rows: list[dict], roi: Sequence[int], network: dict) -
         [
             [
                 r["device"],
-                shape_label(r["shape"]),
-                shape_label(roi),
+                tools.shape_label(r["shape"]),
+                tools.shape_label(roi),
                 _network_label(network),
                 r["amp"],
                 r["sw_batch_size"]
@@ -915,7 +900,7 @@ def _predictions(
 ) -> dict:
     """Peak memory and time of a ``target_shape`` reconstruction per ``sw_batch_size``, from the memory model plus
     the growth of the whole-volume tensors, and the measured time per window at the nearest measured batch."""
-    extra = (_volume_bytes(target_shape, roi)["total"] - _volume_bytes(shape, roi)["total"]) / GIB
+    extra = (_volume_bytes(target_shape, roi)["total"] - _volume_bytes(shape, roi)["total"]) / tools.GIB
     windows = _n_windows(target_shape, roi, overlap)
     predictions = []
     for sw in sw_batch_sizes:
@@ -941,16 +926,16 @@ def _print_predictions(
     predictions: dict,
 ) -> None:
     """The memory model of ``vqgan_reconstruction`` in one line and its predictions as a Markdown table."""
-    measured_label, measured = shape_label(shape), _volume_bytes(shape, roi)
-    target_label, target = shape_label(target_shape), _volume_bytes(target_shape, roi)
+    measured_label, measured = tools.shape_label(shape), _volume_bytes(shape, roi)
+    target_label, target = tools.shape_label(target_shape), _volume_bytes(target_shape, roi)
     fits = ", ".join(f"{name} {a:.2f} + {b:.2f} x sw" for name, (a, b) in model.items())
     print(
         f"\nmemory model ({rows[0]['device']}, {rows[0]['amp']}, {measured_label}, GiB): {fits}. "
-        f"Whole-volume float32 tensors: {measured_label} input {measured['input'] / GIB:.2f} + "
-        f"output/count {measured['output_buffers'] / GIB:.2f} GiB; {target_label} input "
-        f"{target['input'] / GIB:.2f} + output/count {target['output_buffers'] / GIB:.2f} GiB."
+        f"Whole-volume float32 tensors: {measured_label} input {measured['input'] / tools.GIB:.2f} + "
+        f"output/count {measured['output_buffers'] / tools.GIB:.2f} GiB; {target_label} input "
+        f"{target['input'] / tools.GIB:.2f} + output/count {target['output_buffers'] / tools.GIB:.2f} GiB."
     )
-    print_table(
+    tools.print_table(
         [
             "volume",
             "windows",
@@ -967,7 +952,7 @@ def _print_predictions(
                 p["sw_batch_size"],
                 f"{p['linear_fit_gib']:.2f}",
                 f"{p['max_of_stages_gib']:.2f}",
-                f"{target['output_buffers'] / GIB:.2f}",
+                f"{target['output_buffers'] / tools.GIB:.2f}",
                 f"{p['seconds_per_volume']:.0f} (s/window at sw {p['seconds_per_window_from_sw_batch_size']})",
             ]
             for p in predictions["rows"]

@@ -41,24 +41,9 @@ from pathlib import Path
 import torch
 
 from common.bundle_tools.registry import describe
+from common.utils import plain_tensor
+from scripts.harness import tools
 from scripts.harness.faults import RUN_SETTINGS, BundleCase
-from scripts.harness.tools import (
-    NO_VALIDATION,
-    REPO_ROOT,
-    BundleRuns,
-    alternate,
-    bundle_command,
-    config_file,
-    device_name,
-    print_table,
-    print_throughput,
-    run_command,
-    save_summary,
-    setup,
-    shape_label,
-    timed_loop,
-    train_config,
-)
 
 __all__ = [
     "BENCHMARKS",
@@ -105,7 +90,7 @@ QUALITY_RESERVED = ("stage", "mode", "outputs_root", "output_dir", "max_epochs",
 def _defaults(device: torch.device, **given) -> dict:
     """Stage sizes, view size and network of a run on ``device``: ``train.json``'s on GPUs, the small CPU ones
     otherwise, each replaced by the values in ``given`` that are not None."""
-    config = train_config(BUNDLE)
+    config = tools.train_config(BUNDLE)
     network = {k: config[k] for k in NETWORK_KEYS}
     if device.type == "cuda":
         settings = {"stage_sizes": config["stage_sizes"], "view_size": config["view_size"], **network}
@@ -135,7 +120,7 @@ def _projector(view_size: Sequence[int]):
     """The bundle's projector (``train.json``'s geometry and window) at ``view_size``."""
     from common.xray2ct.drr import DRRProjector
 
-    config = train_config(BUNDLE)
+    config = tools.train_config(BUNDLE)
     return DRRProjector(
         hu_window=config["hu_window"],
         fov_mm=config["fov_mm"],
@@ -146,12 +131,6 @@ def _projector(view_size: Sequence[int]):
         source_to_isocenter_mm=config["source_to_isocenter_mm"],
         source_to_detector_mm=config["source_to_detector_mm"],
     )
-
-
-def _plain(x: torch.Tensor) -> torch.Tensor:
-    from monai.data import MetaTensor
-
-    return x.as_tensor() if isinstance(x, MetaTensor) else x
 
 
 def _xray_plain_loop(s: dict, data: list[dict], iterations: int, warmup: int, workers: int) -> float:
@@ -166,13 +145,13 @@ def _xray_plain_loop(s: dict, data: list[dict], iterations: int, warmup: int, wo
     from common.xray2ct.losses import ProjectionLoss
     from common.xray2ct.networks import XrayCTDenoiser, degrade_to_previous
 
-    config = train_config(BUNDLE)
+    config = tools.train_config(BUNDLE)
     projector = _projector(s["view_size"])
     parser = ConfigParser()
-    parser.read_config(str(config_file(BUNDLE)))
+    parser.read_config(str(tools.config_file(BUNDLE)))
     parser.update(
         {
-            "bundle_root": str(config_file(BUNDLE).parent.parent),
+            "bundle_root": str(tools.config_file(BUNDLE).parent.parent),
             "stage": s["stage"],
             "stage_sizes": s["stage_sizes"],
             "view_size": s["view_size"],
@@ -193,8 +172,8 @@ def _xray_plain_loop(s: dict, data: list[dict], iterations: int, warmup: int, wo
     physics_weight, grad_clip = float(config["physics_weight"]), float(config["grad_clip"])
 
     def step(batch: dict) -> None:
-        x0 = _plain(batch["image"]).to(device, non_blocking=True).float()
-        xray = _plain(batch["xray"]).to(device, non_blocking=True).float()
+        x0 = plain_tensor(batch["image"]).to(device, non_blocking=True).float()
+        xray = plain_tensor(batch["xray"]).to(device, non_blocking=True).float()
         previous = None
         if s["previous_size"] is not None:
             previous = degrade_to_previous(x0, s["previous_size"], config["previous_noise"])
@@ -212,7 +191,7 @@ def _xray_plain_loop(s: dict, data: list[dict], iterations: int, warmup: int, wo
         torch.nn.utils.clip_grad_norm_(net.parameters(), grad_clip)
         optimizer.step()
 
-    return timed_loop(s, loader, step, iterations, warmup, whole_batch=True)
+    return tools.timed_loop(s, loader, step, iterations, warmup, whole_batch=True)
 
 
 def _random_previous_stages(
@@ -302,13 +281,13 @@ def xray_throughput(
     unknown = sorted(set(network) - set(NETWORK_KEYS))
     if unknown:
         raise ValueError(f"xray_throughput takes no {unknown}; its network ids are {list(NETWORK_KEYS)}.")
-    dev, workers = setup(device, num_threads, baseline_workers)
+    dev, workers = tools.setup(device, num_threads, baseline_workers)
     torch.manual_seed(int(seed))
     settings = _defaults(dev, stage_sizes=stage_sizes, view_size=view_size, **network)
     s = _stage_settings(dev, int(stage), settings, volume_size, batch_size, amp)
     iterations, warmup, repeats = _throughput_runs(dev, s["stage"], iterations, warmup, repeats)
     network = {k: settings[k] for k in NETWORK_KEYS}
-    fov = train_config(BUNDLE)["fov_mm"]
+    fov = tools.train_config(BUNDLE)["fov_mm"]
     make_data = functools.partial(
         make_xray2ct_demo, n_train=int(n_cases), n_val=1, shape=s["volume_size"], fov_mm=fov, seed=int(seed)
     )
@@ -316,9 +295,9 @@ def xray_throughput(
         extra = _throughput_overrides(s, network, Path(tmp), compile, gradient_checkpointing, int(seed))
         plain_loop = _xray_plain_loop if plain else None
         args = (iterations, warmup, repeats, workers, make_data, ("image",), extra)
-        result = alternate(s, BUNDLE, plain_loop, *args, profile=profile)
+        result = tools.alternate(s, BUNDLE, plain_loop, *args, profile=profile)
     summary = {
-        "device": device_name(dev),
+        "device": tools.device_name(dev),
         **{k: s[k] for k in ("stage", "volume_size", "previous_size", "source_size", "view_size")},
         "network": network,
         "batch": s["batch_size"],
@@ -331,7 +310,7 @@ def xray_throughput(
         **result,
     }
     _print_throughput(summary)
-    return save_summary(summary, output)
+    return tools.save_summary(summary, output)
 
 
 def _throughput_runs(
@@ -356,7 +335,7 @@ def _stage_settings(
     stage_value(sizes, stage, "stage_sizes")  # raises for a stage without a size
     if volume_size is not None:
         sizes = _with_stage_size(sizes, stage, volume_size)
-    config = train_config(BUNDLE)
+    config = tools.train_config(BUNDLE)
     per_stage = config["stage_batch_size"]
     batch = int(batch_size or stage_value(per_stage, min(stage, len(per_stage)), "stage_batch_size"))
     lr = float(stage_value(config["stage_lr"], min(stage, len(config["stage_lr"])), "stage_lr"))
@@ -400,18 +379,22 @@ def _throughput_overrides(
 
 def _print_throughput(summary: dict) -> None:
     """The report of ``xray_throughput``: one Markdown row, the run's sizes and then the measured rates."""
-    views = len(train_config(BUNDLE)["views"])
-    leading = {"device": summary["device"], "stage": summary["stage"], "volume": shape_label(summary["volume_size"])}
-    leading |= {"views": f"{views}x{shape_label(summary['view_size'])}"}
+    views = len(tools.train_config(BUNDLE)["views"])
+    leading = {
+        "device": summary["device"],
+        "stage": summary["stage"],
+        "volume": tools.shape_label(summary["volume_size"]),
+    }
+    leading |= {"views": f"{views}x{tools.shape_label(summary['view_size'])}"}
     leading |= {"U-Net channels": summary["network"]["unet_channels"], "batch": summary["batch"]}
-    print_throughput(summary, leading | {"amp": summary["amp"], "compile": summary["compile"]})
+    tools.print_throughput(summary, leading | {"amp": summary["amp"], "compile": summary["compile"]})
 
 
 def _bundle_cmd(run_id: str, configs: Sequence[str], overrides: dict) -> list[str]:
-    return bundle_command(BUNDLE, run_id, configs, overrides)
+    return tools.bundle_command(BUNDLE, run_id, configs, overrides)
 
 
-_run = run_command  # a module attribute, so tests can run the commands in-process
+_run = tools.run_command  # a module attribute, so tests can run the commands in-process
 
 
 def _final_ema_as_model(models: Path) -> int:
@@ -505,7 +488,7 @@ def xray_quality(
     work = Path(work_dir) if work_dir else Path(tempfile.mkdtemp(prefix="xray_quality_"))
     print(f"runs under {work}", flush=True)
     summary: dict = {
-        "device": device_name(dev),
+        "device": tools.device_name(dev),
         "iterations": iterations,
         "stages": stages,
         "work_dir": str(work),
@@ -516,7 +499,7 @@ def xray_quality(
         summary["modes"][mode] = {
             f"stage{k}": _quality_stage(settings, mode, k, work / mode, iterations) for k in range(1, stages + 1)
         }
-        save_summary(summary, output)  # after each mode: a run cut short keeps what it measured
+        tools.save_summary(summary, output)  # after each mode: a run cut short keeps what it measured
     _print_quality(summary)
     return summary
 
@@ -557,7 +540,7 @@ def _quality_stage(settings: dict, mode: str, k: int, root: Path, iterations: in
     train_seconds, trained = None, 0
     if mode != "backprojection":
         train = {**run, "max_epochs": 1, "epoch_length": iterations, "resume": False}
-        train_seconds = _run(_bundle_cmd("training", ["train.json"], {**train, **NO_VALIDATION}))
+        train_seconds = _run(_bundle_cmd("training", ["train.json"], {**train, **tools.NO_VALIDATION}))
         # no validation during training: the final EMA weights are the stage's model, evaluated once
         trained = _final_ema_as_model(root / f"stage{k}" / "models")
     eval_seconds = _run(_bundle_cmd("run", ["train.json", "evaluate.json"], run))
@@ -578,12 +561,12 @@ def _print_quality(summary: dict) -> None:
         for stage, r in results.items():
             minutes = None if r["train_seconds"] is None else r["train_seconds"] / 60
             rows.append(
-                [mode, int(stage.removeprefix("stage")), shape_label(r["volume_size"]), r["iterations"]]
+                [mode, int(stage.removeprefix("stage")), tools.shape_label(r["volume_size"]), r["iterations"]]
                 + [_fmt(minutes, ".1f"), f"{r['eval_seconds']:.0f}", _fmt(r["val_psnr"], ".2f")]
                 + [_fmt(r["val_ssim"], ".4f"), _fmt(r["val_ms_ssim"], ".4f"), _fmt(r["val_proj_error"], ".4f")]
             )
     header = ["mode", "stage", "volume", "iterations", "training (min)", "evaluation (s)", "PSNR (dB)", "SSIM"]
-    print_table([*header, "MS-SSIM", "projection error"], rows)
+    tools.print_table([*header, "MS-SSIM", "projection error"], rows)
 
 
 def _quality_budgets(
@@ -638,12 +621,12 @@ def _quality_budgets(
     print(f"runs under {work}", flush=True)
     if "dataset_dir" not in overrides:  # the demo phantoms at the size the X-rays are made from
         shape = settings.get("source_size") or settings["stage_sizes"][-1]
-        fov = train_config(BUNDLE)["fov_mm"]
+        fov = tools.train_config(BUNDLE)["fov_mm"]
         settings["dataset_dir"] = str(make_xray2ct_demo(work / "data", shape=shape, fov_mm=fov).parent)
     if isinstance(budgets, (int, str)):
         budgets = [int(budgets)]
     summary = run_budgets(
-        BundleRuns(_run, _bundle_cmd, settings),
+        tools.BundleRuns(_run, _bundle_cmd, settings),
         [int(b) for b in budgets],
         work,
         methods=[methods] if isinstance(methods, str) else list(methods),
@@ -659,11 +642,11 @@ def _quality_budgets(
         parallel=int(parallel),
         output=output,
     )
-    summary["device"] = device_name(dev)
+    summary["device"] = tools.device_name(dev)
     if output:
         Path(output).write_text(json.dumps(summary, indent=2))
-    print_table(BUDGET_HEADER, budget_rows(summary))
-    print_table(WINNER_HEADER, winner_rows(summary))
+    tools.print_table(BUDGET_HEADER, budget_rows(summary))
+    tools.print_table(WINNER_HEADER, winner_rows(summary))
     if plot:
         print(f"plot: {plot_budgets(summary, plot)}")
     return summary
@@ -724,7 +707,7 @@ def xray_memory(
     This is a CPU measurement: the tensors of the step are those a GPU holds in fp32, so it gives the order of the
     GPU memory a stage needs (bf16 autocast roughly halves the activations); no GPU was used.
     """
-    config = train_config(BUNDLE)
+    config = tools.train_config(BUNDLE)
     settings = {**{k: config[k] for k in NETWORK_KEYS}, **network}
     rows = []
     for stage in stages:
@@ -738,7 +721,7 @@ def xray_memory(
                 "network": settings,
                 "num_threads": int(num_threads or os.cpu_count() or 1),
             }
-            env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
+            env = {**os.environ, "PYTHONPATH": str(tools.REPO_ROOT)}
             result = subprocess.run(
                 [sys.executable, "-c", _MEMORY_STEP, json.dumps(cfg)], capture_output=True, text=True, env=env
             )
@@ -808,7 +791,7 @@ def xray_uncertainty(
     summary, settings, datalist = _new_phantoms(comparison, work_dir, n_cases, seed)
     work = Path(work_dir)
     result = run_uncertainty(
-        BundleRuns(_run, _bundle_cmd, settings),
+        tools.BundleRuns(_run, _bundle_cmd, settings),
         work,
         datalist,
         methods=[methods] if isinstance(methods, str) else list(methods),
@@ -819,8 +802,8 @@ def xray_uncertainty(
         calibration_fraction=float(calibration_fraction),
         output=output,
     )
-    hu = train_config(BUNDLE)["hu_window"]
-    print_table(UNCERTAINTY_HEADER, uncertainty_rows(result, hu_width=float(hu[1] - hu[0])))
+    hu = tools.train_config(BUNDLE)["hu_window"]
+    tools.print_table(UNCERTAINTY_HEADER, uncertainty_rows(result, hu_width=float(hu[1] - hu[0])))
     return result
 
 
@@ -832,7 +815,7 @@ def _new_phantoms(comparison: str, work_dir: str, n_cases: int, seed: int) -> tu
     summary = json.loads(Path(comparison).read_text())
     settings = {k: v for k, v in summary["settings"].items() if k != "dataset_dir"}
     shape = settings.get("source_size") or settings["stage_sizes"][-1]
-    fov = settings.get("fov_mm", train_config(BUNDLE)["fov_mm"])
+    fov = settings.get("fov_mm", tools.train_config(BUNDLE)["fov_mm"])
     datalist = make_xray2ct_demo(
         Path(work_dir) / "uncertainty_data", n_train=1, n_val=int(n_cases), shape=shape, fov_mm=fov, seed=seed
     )
@@ -879,7 +862,7 @@ def xray_consistency(
         raise ValueError(f"conditions must be out of {sorted(CONDITIONS)}, got {unknown}.")
     summary, settings, datalist = _new_phantoms(comparison, work_dir, n_cases, seed)
     result = run_consistency(
-        BundleRuns(_run, _bundle_cmd, settings),
+        tools.BundleRuns(_run, _bundle_cmd, settings),
         Path(work_dir),
         datalist,
         {name: _condition(name, settings) for name in names},
@@ -896,7 +879,7 @@ def xray_consistency(
         calibration_fraction=float(calibration_fraction),
         output=output,
     )
-    print_table(consistency_header(result), consistency_rows(result))
+    tools.print_table(consistency_header(result), consistency_rows(result))
     return result
 
 
