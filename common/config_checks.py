@@ -22,7 +22,7 @@ from typing import Any
 from common.errors import SettingsError, install_user_error_hook
 from common.networks.wrappers import memory_format_problems
 from common.overrides import check_command_line, check_parsed_overrides
-from common.runs import command_line, config_being_parsed
+from common.runs import command_line, config_being_parsed, trained_problems
 from common.utils import check_amp
 
 __all__ = [
@@ -141,7 +141,7 @@ memory layout (:func:`common.networks.wrappers.memory_format_problems`)."""
 CASE_RUN_CHECKS = (
     *RUN_CHECKS,
     run_problems,
-    switches("fail_fast", "overwrite", "allow_irregular_series", "progress", "distributed"),
+    switches("fail_fast", "overwrite", "verify_inputs", "allow_irregular_series", "progress", "distributed"),
 )
 """The checks every ``inference.json`` runs on the settings of its run over cases (:class:`common.engines.cases.CaseRun`,
 ``docs/inference.md``): :data:`RUN_CHECKS`, :func:`run_problems` and its on/off settings; a family's ``INFERENCE``
@@ -215,7 +215,9 @@ def _values(ids: list[str], config: Any, checks: SettingsChecks) -> dict[str, An
 def check_config(checks: SettingsChecks, config: Any = None, **given: Any) -> None:
     """The settings preamble of a bundle config, first thing in ``initialize``, before anything is built or written:
     the run's overrides (on the command line :func:`common.overrides.check_command_line`, from Python
-    :func:`common.overrides.check_parsed_overrides`), then ``checks`` on the values of the ids they read. Every problem
+    :func:`common.overrides.check_parsed_overrides`), then ``checks`` on the values of the ids they read and, in an
+    evaluation or inference config, the trained settings against the run's (:func:`common.runs.trained_problems`).
+    Every problem
     found goes into one :class:`common.errors.SettingsError` (on the command line: ``error: <message>``, exit
     status 1, the hook installed here; from Python it can be caught: MONAI raises it as the cause of a
     ``RuntimeError``).
@@ -250,9 +252,8 @@ def check_config(checks: SettingsChecks, config: Any = None, **given: Any) -> No
             check_parsed_overrides(source)
     except SettingsError as exc:
         messages.append(str(exc))
-    try:
-        checks(**values)
-    except ValueError as exc:
-        messages.append(str(exc))
+    problems = checks.problems(**values) + trained_problems(source)
+    if problems:
+        messages.append(f"invalid {checks.subject} configuration:\n  " + "\n  ".join(problems))
     if messages:
         raise SettingsError("\n".join(messages))

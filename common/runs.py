@@ -23,6 +23,7 @@ from common.errors import UserError
 
 __all__ = [
     "CALIBRATED_IDS",
+    "FREE_AT_INFERENCE",
     "LOCATION_IDS",
     "METADATA",
     "RUN_ARGUMENTS",
@@ -30,6 +31,7 @@ __all__ = [
     "TRAINING_ONLY_IDS",
     "RunRecord",
     "RunRecordError",
+    "RunSettings",
     "bundle_of_config",
     "changed_settings",
     "check_record_bundle",
@@ -48,6 +50,8 @@ __all__ = [
     "run_dir_of",
     "run_settings",
     "settings_differences",
+    "trained_ids",
+    "trained_problems",
     "version_key",
     "workflow_being_run",
 ]
@@ -112,6 +116,37 @@ TRAINING_ONLY_IDS = frozenset(
 # settings fitted on validation cases after training and written into the run's record by an evaluation
 # (:func:`record_calibration`): a resumed run rewrites its record without them, for its weights change
 CALIBRATED_IDS = frozenset({"uncertainty_scale", "uncertainty_floor", "consistency_reference"})
+#: trained settings that evaluation and inference may set to another value than the run trained with (the model
+#: cards say so): they choose how the trained network is run or read its input table, never what the network sees.
+#: Every other id an evaluation or inference config reads from the run (``"$@trained['<id>']"``) must keep the
+#: trained value (:func:`trained_problems`)
+FREE_AT_INFERENCE = {
+    "image_col": "the column of a cohort CSV naming the image",
+    "time_col": "the column of a cohort CSV holding the follow-up time",
+    "event_col": "the column of a cohort CSV holding the event",
+    "id_col": "the column of a cohort CSV naming the case",
+    "split_col": "the column of a cohort CSV naming the split",
+    "num_splits": "how many pieces MAISI's split convolutions cut a volume into (memory, not the result)",
+    "dim_split": "the axis MAISI's split convolutions cut along",
+    "use_checkpoint": "activation checkpointing (memory in training; nothing at inference)",
+    "eta": "the DDIM sampler's stochasticity",
+    "latent_sw_batch_size": "latent windows per batch (memory)",
+    "mode": "the X-ray cascade's output path, checked against the trained one by its own rule",
+    "num_samples": "samples drawn per case (their mean and spread are the output)",
+    "sample_chunk": "samples drawn at once (memory)",
+    "guidance_scale": "data-consistency guidance of the X-ray sampler",
+    "refine_steps": "data-consistency refinement steps of the X-ray cascade",
+    "noise_tolerance": "the noise the X-ray consistency check tolerates",
+    "mismatch_tolerance": "the mismatch the X-ray consistency check tolerates",
+    "uncertainty_scale": "the calibration of the X-ray uncertainty map",
+    "uncertainty_floor": "the calibration of the X-ray uncertainty map",
+    "consistency_reference": "the calibration of the X-ray consistency check",
+    "val_overlap": "the overlap of evaluation's sliding windows",
+    "val_sw_batch_size": "evaluation's windows per batch (memory)",
+    "val_batch_size": "evaluation's cases per batch (memory)",
+    "val_denoise_loss": "whether evaluation also reports the denoising loss",
+    "key_metric": "which figure evaluation names its key metric",
+}
 # arguments of ``monai.bundle.scripts.run`` that are not config overrides
 RUN_ARGUMENTS = frozenset(
     {
@@ -586,26 +621,42 @@ def recorded_settings(record: Mapping[str, Any], bundle_root: str | os.PathLike)
     return {**former_defaults(bundle_root, record.get("version")), **record.get("settings", {})}
 
 
+class RunSettings(dict):
+    """The settings of a trained run (:func:`run_settings`), which know the record they were read from.
+
+    Args:
+        settings: the settings.
+        source: the run's ``configs/run.json``; ``None`` when no run is recorded (weights described by the command).
+    """
+
+    def __init__(self, settings: Mapping[str, Any], source: str | os.PathLike | None = None) -> None:
+        super().__init__(settings)
+        self.source = None if source is None else str(source)
+
+
 def run_settings(
     output_dir: str | os.PathLike, bundle_root: str | os.PathLike, argv: Sequence[str] | None = None
-) -> dict[str, Any]:
+) -> RunSettings:
     """The settings of the run in ``output_dir``: the bundle's ``train.json`` defaults, the defaults of the version
-    that recorded the run where they have changed since (:func:`former_defaults`), then the run's recorded settings
-    (just the defaults when the folder holds no ``run.json``, e.g. a packaged bundle whose
-    ``train.json`` already carries its run's settings), then with the plain values of any other config file this
-    command merges (``tiny.json``, ``brats.json``). Configs read their network and data settings from it
-    (``"channels": "$@trained['channels']"``); a command-line override of such an id still wins.
+    that recorded the run where they have changed since (:func:`former_defaults`), then the run's recorded settings.
+    When the folder holds no ``run.json`` (a packaged bundle whose ``train.json`` already carries its run's
+    settings, published weights described by the command), the defaults then the plain values of any other config
+    file this command merges (``tiny.json``, ``maisi_vae.json``). Configs read their network and data settings from
+    it (``"channels": "$@trained['channels']"``); a config file or override giving such an id another value than a
+    recorded run's is refused (:func:`trained_problems`), so listing ``brats.json`` again changes nothing.
 
     Raises:
         RunRecordError: when ``run.json`` is unreadable or records another bundle.
     """
     settings = default_settings(bundle_root)
     record = read_record(output_dir)
-    if record is not None:
-        check_record_bundle(record, bundle_root, Path(output_dir) / RUN_FILE)
-        settings.update({k: v for k, v in recorded_settings(record, bundle_root).items() if "#" not in k})
-    settings.update(_extra_config_settings(bundle_root, argv))
-    return settings
+    if record is None:
+        packaged = Path(bundle_root) / RUN_FILE  # a packaged bundle: its train.json carries the run's settings
+        source = packaged if packaged.is_file() else None
+        return RunSettings({**settings, **_extra_config_settings(bundle_root, argv)}, source)
+    check_record_bundle(record, bundle_root, Path(output_dir) / RUN_FILE)
+    recorded = {k: v for k, v in recorded_settings(record, bundle_root).items() if "#" not in k}
+    return RunSettings({**settings, **recorded}, Path(output_dir) / RUN_FILE)
 
 
 def run_dir_of(checkpoint: str | os.PathLike) -> Path | None:
@@ -627,3 +678,45 @@ def settings_differences(recorded: Mapping[str, Any], current: Mapping[str, Any]
         if is_plain(new) and old != new:
             lines.append(f"{key}: checkpoint {json.dumps(old)}, config {json.dumps(new)}")
     return lines
+
+
+def trained_ids(bundle_root: str | os.PathLike) -> list[str]:
+    """The ids that the bundle's evaluation and inference configs read from the trained run: those whose value in
+    ``configs/evaluate.json`` or ``configs/inference.json`` is ``"$@trained['<the same id>']"``."""
+    found: list[str] = []
+    for name in ("evaluate.json", "inference.json"):
+        path = Path(bundle_root) / "configs" / name
+        content = _read_json(path) if path.is_file() else {}
+        found += [k for k, v in content.items() if isinstance(k, str) and v == f"$@trained['{k}']" and k not in found]
+    return found
+
+
+def trained_problems(resolver: Any) -> list[str]:
+    """One line for every id that the bundle's evaluation or inference reads from the trained run
+    (:func:`trained_ids`) but that resolves to another value in the config ``resolver`` resolves (a command-line
+    override, a config file merged after the bundle's): a model only runs on what it was trained to see. The ids of
+    :data:`FREE_AT_INFERENCE` may differ. Only a recorded run is compared with (``trained`` is a :class:`RunSettings`
+    with a ``source``): weights without one (published weights) are described by the command, and a config without
+    a ``trained`` id has nothing to compare.
+
+    Args:
+        resolver: the ``monai.bundle.ReferenceResolver`` (or ``ConfigParser``) of an evaluation or inference config.
+    """
+    resolver = getattr(resolver, "ref_resolver", resolver)
+    if any(key not in resolver.items for key in ("trained", "bundle_root")):
+        return []
+    trained = resolver.get_resolved_content("trained")
+    source = getattr(trained, "source", None)
+    if source is None:
+        return []  # no run is recorded (weights described by the command): there is nothing to compare with
+    problems = []
+    for key in trained_ids(resolver.get_resolved_content("bundle_root")):
+        if key in FREE_AT_INFERENCE or key not in resolver.items or key not in trained:
+            continue
+        value, recorded = _jsonable(resolver.get_resolved_content(key)), _jsonable(trained[key])
+        if value != recorded:
+            problems.append(
+                f"{key!r} is {json.dumps(value)} here but the model was trained with {json.dumps(recorded)} "
+                f"({source}): a model only runs on what it was trained to see; drop the override."
+            )
+    return problems

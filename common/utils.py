@@ -113,6 +113,9 @@ def init_distributed(device: torch.device, timeout_s: float = 1800.0, backend: s
         device: this rank's device; CUDA devices select ``nccl`` and are made current, the CPU selects ``gloo``.
         timeout_s: collective timeout in seconds; a rank waiting longer than this on a dead peer raises.
         backend: force a backend instead of choosing from the device.
+
+    Raises:
+        UserError: when no launcher set RANK/WORLD_SIZE (nor SLURM's variables).
     """
     if dist.is_initialized():
         return
@@ -121,9 +124,10 @@ def init_distributed(device: torch.device, timeout_s: float = 1800.0, backend: s
         os.environ.setdefault("WORLD_SIZE", os.environ["SLURM_NTASKS"])
         os.environ.setdefault("LOCAL_RANK", os.environ.get("SLURM_LOCALID", "0"))
     if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
-        raise RuntimeError(
-            "multi_gpu_train.json needs a distributed launcher: RANK/WORLD_SIZE are not set "
-            "(run it under torchrun or srun)."
+        raise UserError(
+            "'distributed' is true (multi_gpu_*.json, or --distributed True) but no distributed launcher started "
+            "this process (RANK/WORLD_SIZE are not set): run the command under torchrun or srun, or leave "
+            "'distributed' false for one process."
         )
     if device.type == "cuda":
         torch.cuda.set_device(device)

@@ -9,7 +9,6 @@ import os
 import socket
 import subprocess
 import sys
-import time
 from collections.abc import Mapping, Sequence
 from http.server import SimpleHTTPRequestHandler
 from pathlib import Path
@@ -684,13 +683,35 @@ class HubHandler(SimpleHTTPRequestHandler):
         self._route(head=True)
 
 
-class Pause:
-    """An ignite handler that sleeps after every iteration, so that a run lasts long enough to be killed half-way."""
+def slowed_env(folder: Path, seconds: float) -> dict[str, str]:
+    """The environment of a bundle subprocess (:func:`bundle_env`) in which every case an inference run commits is
+    followed by ``seconds`` of sleep, so that the run lasts long enough to be killed half-way. The pause is made
+    outside the config (a ``sitecustomize`` in ``folder``), so the run's identity is that of the plain command."""
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "sitecustomize.py").write_text(
+        "import time\n"
+        "import common.engines.cases as cases\n"
+        "_commit = cases.CaseRun._commit\n"
+        "def _slowed(self, *args, **kwargs):\n"
+        "    _commit(self, *args, **kwargs)\n"
+        f"    time.sleep({float(seconds)!r})\n"
+        "cases.CaseRun._commit = _slowed\n"
+    )
+    env = bundle_env()
+    env["PYTHONPATH"] = os.pathsep.join([str(folder), env["PYTHONPATH"]])
+    return env
 
-    def __init__(self, seconds: float) -> None:
-        self.seconds = float(seconds)
 
-    def attach(self, engine: Any) -> None:
-        from ignite.engine import Events
-
-        engine.add_event_handler(Events.ITERATION_COMPLETED, lambda _: time.sleep(self.seconds))
+def written_tree(folder: Path) -> dict[str, Any]:
+    """Every file of a prediction folder by its path: its bytes, or for a case's record (``.done``) its content less
+    where and when its outputs were written (the folder may be a copy, the files of another run), so that two runs
+    writing the same outputs from the same inputs compare equal."""
+    found: dict[str, Any] = {}
+    for path in sorted(p for p in folder.rglob("*") if p.is_file()):
+        found[str(path.relative_to(folder))] = path.read_bytes()
+        if ".done" in path.relative_to(folder).parts:
+            record = json.loads(path.read_text())
+            for written in record.get("output_files", []):
+                del written["mtime_ns"], written["path"]
+            found[str(path.relative_to(folder))] = record
+    return found

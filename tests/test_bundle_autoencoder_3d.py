@@ -206,13 +206,26 @@ def test_inference_without_inputs_fails_clearly(trained, tmp_path):
     assert "Traceback" not in result.stderr and "Failed to evaluate" not in result.stderr
 
 
-def test_inference_with_a_network_that_does_not_fit_names_the_settings(trained, phantoms):
+def test_inference_with_a_network_that_does_not_fit_names_the_settings(trained, phantoms, tmp_path):
+    """Against the run's record, a network override is refused before anything is built, naming both values; weights
+    from elsewhere (``--ckpt_path``, no record) that do not fit the configured network are refused by the checkpoint
+    check, naming the settings recorded in the checkpoint."""
+    data = {"dataset_dir": str(phantoms / "images")}
     result = run_bundle(
         BUNDLE,
         ["inference.json"],
         run_id="run",
         check=False,
-        args=overrides(dataset_dir=str(phantoms / "images"), output_dir=str(trained), channels=[16, 32, 32]),
+        args=overrides(**data, output_dir=str(trained), channels=[16, 32, 32]),
+    )
+    assert result.returncode == 1
+    record = trained / "configs" / "run.json"
+    assert f"'channels' is [16, 32, 32] here but the model was trained with [8, 16, 16] ({record})" in result.stderr
+    assert "Traceback" not in result.stderr
+    network = {k: TINY[k] for k in ("patch_size", "norm_num_groups")}
+    elsewhere = overrides(**data, **network, output_dir=str(tmp_path), ckpt_path=str(trained / "models" / "model.pt"))
+    result = run_bundle(
+        BUNDLE, ["inference.json"], run_id="run", check=False, args=[*elsewhere, *overrides(channels=[16, 32, 32])]
     )
     assert result.returncode == 1
     last = result.stderr.strip().splitlines()[-1]
@@ -252,11 +265,11 @@ def test_inference_on_nrrd_metaimage_and_dicom_keeps_geometry_and_units(tmp_path
             prediction_dir=str(tmp_path / units),
             output_units=units,
             network="$torch.nn.Identity()",
-            **{"cases#identity": None},  # no weights
+            ckpt_path=None,  # no weights
             **{k: TINY[k] for k in ("patch_size", "channels", "norm_num_groups")},
         )
         assert parser.get_parsed_content("input_pattern") is None
-        assert sorted(e["case_id"] for e in parser.get_parsed_content("datalist")) == sorted(cases)
+        assert sorted(e["case_id"] for e in parser.get_parsed_content("inputs")) == sorted(cases)
         parser.get_parsed_content("evaluator").run()
         assert parser.get_parsed_content("cases").finish()["written"] == len(cases)
         assert sorted(p.name for p in (tmp_path / units).glob("*.nii.gz")) == sorted(f"{c}_recon.nii.gz" for c in cases)

@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 import torch
 
+from common.runs import run_settings
 from tests.helpers import (
     BUNDLES,
     REPO_ROOT,
@@ -367,7 +368,6 @@ def test_unconditional_generation(brats_tree, tmp_path):
         prediction_dir=str(pred),
         num_samples=3,
         sample_shape=[16, 24, 16],
-        spacing=[2, 2, 2],
         **args,
     )
     run_bundle(BUNDLE, INFERENCE, run_id="run", args=overrides(**settings))
@@ -375,7 +375,8 @@ def test_unconditional_generation(brats_tree, tmp_path):
     assert written == ["sample_000_t2f.nii.gz", "sample_001_t2f.nii.gz", "sample_002_t2f.nii.gz"]
     volumes = [nib.load(pred / name) for name in written]
     assert all(v.shape == (16, 24, 16) for v in volumes)
-    np.testing.assert_allclose(np.diag(volumes[0].affine), [2, 2, 2, 1])
+    trained_spacing = run_settings(out, BUNDLES / BUNDLE)["spacing"]  # samples are on the grid trained at
+    np.testing.assert_allclose(np.diag(volumes[0].affine), [*trained_spacing, 1])
     # each volume is the sample of the saved weights from the start noise seeded by its own case id
     sampler, dataset, _, seed = inference_parts(**settings)
     assert [item["case_id"] for item in dataset.data] == ["sample_000", "sample_001", "sample_002"]

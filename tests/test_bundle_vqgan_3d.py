@@ -392,7 +392,7 @@ def test_inference_on_nrrd_metaimage_and_dicom_in_hounsfield_units(tmp_path):
     parser.read_config(str(BUNDLES / BUNDLE / "configs" / "inference.json"))
     settings = dict(dataset_dir=str(tmp_path / "in"), prediction_dir=str(tmp_path / "out"), device="cpu", **ARCH)
     settings["bundle_root"] = str(BUNDLES / BUNDLE)
-    for key, value in {**settings, "network": "$torch.nn.Identity()", "cases#identity": None}.items():
+    for key, value in {**settings, "network": "$torch.nn.Identity()", "ckpt_path": None}.items():
         parser[key] = value  # an identity network: no weights
     assert parser.get_parsed_content("intensity")["mode"] == "ct"
     parser.get_parsed_content("evaluator").run()

@@ -8,7 +8,6 @@ case done by one of them."""
 from __future__ import annotations
 
 import csv
-import json
 import os
 import signal
 import subprocess
@@ -20,7 +19,17 @@ import nibabel as nib
 import numpy as np
 import pytest
 
-from tests.helpers import REPO_ROOT, bundle_env, config_arg, overrides, run_bundle, shifted_seed, torchrun_cmd
+from tests.helpers import (
+    REPO_ROOT,
+    bundle_env,
+    config_arg,
+    overrides,
+    run_bundle,
+    shifted_seed,
+    slowed_env,
+    torchrun_cmd,
+    written_tree,
+)
 
 BUNDLE = "autoencoder_3d"
 TINY = dict(patch_size=[16, 16, 16], channels=[8, 16, 16], norm_num_groups=4, d_channels=8, d_num_layers=2)
@@ -68,10 +77,6 @@ def _inference_cmd(trained: Path, cohort: Path, predictions: Path, *extra: str) 
     return ["-m", "monai.bundle", "run", "--config_file", configs, *args]
 
 
-def _tree(folder: Path) -> dict[str, bytes]:
-    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
-
-
 @pytest.fixture(scope="module")
 def reference(trained, cohort, tmp_path_factory) -> tuple[subprocess.CompletedProcess, Path]:
     """One uninterrupted single-process run."""
@@ -103,12 +108,9 @@ def test_killed_half_way_and_rerun_writes_the_same_bytes(trained, cohort, refere
     """kill -9 while writing, then the same command: the cases written are skipped, the rest done; the folder is
     byte-identical to an uninterrupted run's (outputs, records, failures.csv)."""
     predictions = tmp_path / "predictions"
-    pause = tmp_path / "pause.json"
-    pause.write_text(json.dumps({"handlers": ["@cases", {"_target_": "tests.helpers.Pause", "seconds": 0.1}]}))
-    cmd = [sys.executable, *_inference_cmd(trained, cohort, predictions, str(pause))]
-    process = subprocess.Popen(
-        cmd, cwd=REPO_ROOT, env=bundle_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
-    )
+    cmd = [sys.executable, *_inference_cmd(trained, cohort, predictions)]
+    slowed = slowed_env(tmp_path / "slowed", 0.1)  # the same command, each case followed by a pause
+    process = subprocess.Popen(cmd, cwd=REPO_ROOT, env=slowed, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 300
     while len(list((predictions / ".done" / "reconstruct").glob("*.json"))) < 30 and process.poll() is None:
         assert time.monotonic() < deadline, "the run wrote too little in 300 s"
@@ -130,7 +132,7 @@ def test_killed_half_way_and_rerun_writes_the_same_bytes(trained, cohort, refere
     assert (
         last == f"{97 - done} written ({done} already written, skipped), 3 failed: see {predictions / 'failures.csv'}"
     )
-    assert _tree(predictions) == _tree(reference[1])
+    assert written_tree(predictions) == written_tree(reference[1])
 
 
 def test_two_processes_share_the_cases(trained, cohort, reference, tmp_path):
@@ -145,7 +147,7 @@ def test_two_processes_share_the_cases(trained, cohort, reference, tmp_path):
     assert f"97 written, 3 failed: see {predictions / 'failures.csv'}" in result.stdout
     assert "100 case(s): 100 to do, 50 on this rank of 2." in result.stdout
     assert result.stdout.count("case case_013 (") == 1  # read (and failed) by one rank only
-    assert _tree(predictions) == _tree(reference[1])
+    assert written_tree(predictions) == written_tree(reference[1])
 
 
 def test_inference_benchmark_measures_each_process_count(tmp_path):

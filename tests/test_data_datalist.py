@@ -56,11 +56,19 @@ def test_relative_paths_resolve_against_json_folder(tmp_path: Path) -> None:
     assert entries[2] == {"image": "/abs/c.nii.gz"}
 
 
-def test_base_dir_and_home_expansion(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_file_s_paths_resolve_against_its_folder_and_home_is_expanded(tmp_path, monkeypatch) -> None:
+    """MONAI's convention: a datalist file's relative paths are relative to its folder, wherever the command runs
+    and whatever base folder the caller has (a bundle's ``dataset_dir``); ``base_dir`` places a dict's paths."""
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
-    file = _write_json(tmp_path / "d.json", {"validation": [{"image": "x.nii"}, {"image": "~/y.nii"}]})
+    (tmp_path / "cwd").mkdir()
+    monkeypatch.chdir(tmp_path / "cwd")
+    content = {"validation": [{"image": "x.nii"}, {"image": "~/y.nii"}]}
+    (tmp_path / "lists").mkdir()
+    file = _write_json(tmp_path / "lists" / "d.json", content)
     entries = load_datalist(file, key="validation", base_dir=str(tmp_path / "data"))
-    assert entries == [{"image": str(tmp_path / "data" / "x.nii")}, {"image": str(tmp_path / "home" / "y.nii")}]
+    assert entries == [{"image": str(tmp_path / "lists" / "x.nii")}, {"image": str(tmp_path / "home" / "y.nii")}]
+    entries = load_datalist(content, key="validation", base_dir=str(tmp_path / "data"))
+    assert entries[0] == {"image": str(tmp_path / "data" / "x.nii")}
 
 
 def test_dict_input_and_dicom_file_list(tmp_path: Path) -> None:

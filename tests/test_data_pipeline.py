@@ -658,3 +658,23 @@ def test_nrrd_metaimage_and_dicom_reconstructions_keep_geometry_and_units(tmp_pa
         expected = np.clip(array, -300.0, 400.0)
     for case, path in cases.items():
         check_restored_volume(tmp_path / "out" / f"{case}_recon.nii.gz", path, expected)
+
+
+def test_a_written_prediction_keeps_the_input_header_s_units(tmp_path):
+    """The NIfTI units of the input (``('mm', 'sec')``) and its time offset are those of the written file, not
+    "unknown"; its grid and values are the prediction's own."""
+    from monai.transforms import LoadImaged
+
+    from common.data.pipeline import nifti_saver
+
+    image = nib.Nifti1Image(np.arange(60, dtype=np.float32).reshape(3, 4, 5), np.diag([2.0, 1.5, 3.0, 1.0]))
+    image.header.set_xyzt_units("mm", "sec")
+    image.header["toffset"] = 4.5
+    nib.save(image, tmp_path / "case.nii.gz")
+    item = LoadImaged("image", ensure_channel_first=True, image_only=True)({"image": str(tmp_path / "case.nii.gz")})
+    item["image"] = item["image"] * 2
+    nifti_saver("image", str(tmp_path / "out"), "pred")(item)
+    written = nib.load(tmp_path / "out" / "case_pred.nii.gz")
+    assert written.header.get_xyzt_units() == ("mm", "sec") and float(written.header["toffset"]) == 4.5
+    np.testing.assert_array_equal(written.get_fdata(), np.arange(60).reshape(3, 4, 5) * 2)
+    np.testing.assert_allclose(written.affine, image.affine)

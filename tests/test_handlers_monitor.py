@@ -249,6 +249,23 @@ def test_metrics_recorder_json_csv_and_best_max(tmp_path):
     assert json.loads((tmp_path / "metrics.json").read_text())["best"] == {"step": 50, "val_psnr": 26.0}
 
 
+def test_a_step_measured_again_replaces_its_figures(tmp_path):
+    """An evaluation run again into the same folder (its step is always 0), or a resumed run validating a step
+    again: that step's rows in metrics.csv and its entry in metrics.json are replaced, not repeated, and the best
+    follows the figures that are kept; another tag's rows of that step (the training monitor's) stay."""
+    (tmp_path / "metrics.csv").write_text("step,epoch,tag,value\n0,1,train/loss,0.5\n")
+    for psnr in (30.0, 20.0):
+        MetricsRecorder(tmp_path, key_metric="val_psnr", tag_prefix="val/")(_evaluator({"val_psnr": psnr}, 0))
+    rows = _read_csv(tmp_path / "metrics.csv")
+    assert rows == [
+        ["step", "epoch", "tag", "value"],
+        ["0", "1", "train/loss", "0.5"],
+        ["0", "1", "val/val_psnr", "20.0"],
+    ]
+    summary = json.loads((tmp_path / "metrics.json").read_text())
+    assert summary["history"] == [{"step": 0, "val_psnr": 20.0}] and summary["best"] == {"step": 0, "val_psnr": 20.0}
+
+
 def test_metrics_recorder_best_min_and_nan(tmp_path):
     recorder = MetricsRecorder(tmp_path, key_metric="val_loss")
     for step, value in [(1, 0.5), (2, 0.2), (3, float("nan")), (4, 0.3)]:

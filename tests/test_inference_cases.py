@@ -41,6 +41,7 @@ from common.engines.cases import (
 )
 from common.errors import UserError
 from common.utils import OutputWriteError
+from tests.helpers import written_tree
 
 MODEL_FAILS_AT = 7.0  # a volume filled with this value makes the network raise
 WRITE_FAILS_AT = 9.0  # ... and this one makes the writer raise (a file name too long: that case only)
@@ -114,10 +115,6 @@ def run_cases(
     return cases.finish(), cases
 
 
-def tree(folder: Path) -> dict[str, bytes]:
-    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
-
-
 def failures(out: Path) -> dict[str, dict]:
     with open(out / FAILURES_CSV, newline="") as handle:
         return {row["case_id"]: row for row in csv.DictReader(handle)}
@@ -158,14 +155,14 @@ def test_the_files_of_a_batch_go_to_their_cases(tmp_path):
 def test_a_restart_skips_what_is_written_and_overwrite_redoes_it(tmp_path):
     write_cases(tmp_path / "in")
     first, _ = run_cases(tmp_path / "in", tmp_path / "out")
-    before = tree(tmp_path / "out")
+    before = written_tree(tmp_path / "out")
     again, run = run_cases(tmp_path / "in", tmp_path / "out")
     assert again == {"written": 0, "skipped": 6, "failed": 5, "status": EXIT_SOME_FAILED}
     assert run.total == 5  # only the failed cases were tried again
-    assert tree(tmp_path / "out") == before
+    assert written_tree(tmp_path / "out") == before
     redone, _ = run_cases(tmp_path / "in", tmp_path / "out", overwrite=True)
     assert redone["written"] == 6 and redone["skipped"] == 0
-    assert tree(tmp_path / "out") == before  # the same bytes
+    assert written_tree(tmp_path / "out") == before  # the same bytes
     record = json.loads((tmp_path / "out" / DONE_DIR / "good0.json").read_text())
     assert record["outputs"] == ["good0_out.nii.gz"] and record["input"].endswith("good0.nii.gz")
 
@@ -301,7 +298,7 @@ def test_a_full_disk_stops_the_run_at_once_and_a_rerun_completes_byte_identical(
     monkeypatch.undo()  # space is freed
     again, _ = run_cases(tmp_path / "in", out)
     assert again == {"written": 4, "skipped": 2, "failed": 5, "status": EXIT_SOME_FAILED}
-    assert tree(out) == tree(tmp_path / "reference")
+    assert written_tree(out) == written_tree(tmp_path / "reference")
 
 
 @pytest.mark.parametrize("where", ["record", "move"])
@@ -528,3 +525,62 @@ def test_ignite_runs_the_iteration_function_the_engine_holds() -> None:
     engine.add_event_handler(Events.EXCEPTION_RAISED, lambda engine, error: None)
     engine.run([1, 2, 3], max_epochs=1)
     assert calls == [1, 2]  # the handled exception still ended the run before batch 3
+
+
+def _good_cases(folder: Path) -> None:
+    folder.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(1)
+    for i in range(4):
+        nib.save(nib.Nifti1Image(rng.random((6, 7, 5)).astype(np.float32), np.eye(4)), folder / f"good{i}.nii.gz")
+
+
+def test_a_damaged_output_is_redone_with_one_warning(tmp_path, caplog):
+    """A re-run checks every output file against the size, modification time and sha256 its record holds: an output
+    truncated, emptied, swapped with another case's or removed is redone (one warning naming the cases) and the
+    folder is again the clean run's; the intact case is kept."""
+    import os
+
+    _good_cases(tmp_path / "in")
+    run_cases(tmp_path / "in", tmp_path / "out")
+    clean = written_tree(tmp_path / "out")
+    out = tmp_path / "out"
+    data = (out / "good0_out.nii.gz").read_bytes()
+    (out / "good0_out.nii.gz").write_bytes(data[: len(data) // 2])
+    (out / "good1_out.nii.gz").write_bytes(b"")
+    os.replace(out / "good2_out.nii.gz", tmp_path / "swap")
+    os.replace(out / "good3_out.nii.gz", out / "good2_out.nii.gz")
+    os.replace(tmp_path / "swap", out / "good3_out.nii.gz")  # swapped, each keeping its modification time
+    caplog.clear()
+    summary, _ = run_cases(tmp_path / "in", out)
+    assert summary == {"written": 4, "skipped": 0, "failed": 0, "status": 0}
+    warned = [r.getMessage() for r in caplog.records if "no longer hold the bytes written" in r.getMessage()]
+    assert len(warned) == 1 and warned[0].startswith("4 case(s)") and "good0, good1, good2, good3" in warned[0]
+    assert written_tree(out) == clean
+    (out / "good1_out.nii.gz").unlink()
+    summary, _ = run_cases(tmp_path / "in", out)
+    assert (summary["written"], summary["skipped"]) == (1, 3) and written_tree(out) == clean
+
+
+def test_new_bytes_behind_an_old_modification_time_are_found_when_verified(tmp_path, caplog):
+    """The size and modification time are the fast path: an input rewritten with bytes of the same size and its
+    old modification time put back is taken as unchanged (documented), and redone with ``verify_inputs``, which
+    compares every file by its sha256."""
+    import os
+
+    _good_cases(tmp_path / "in")
+    source = tmp_path / "in" / "good1.nii"
+    nib.save(nib.load(tmp_path / "in" / "good1.nii.gz"), source)  # uncompressed: its voxels are its last bytes
+    (tmp_path / "in" / "good1.nii.gz").unlink()
+    listed = {"make_entries": lambda f: [{"image": str(p)} for p in sorted(f.glob("*.nii*"))]}
+    run_cases(tmp_path / "in", tmp_path / "out", **listed)
+    stat = source.stat()
+    data = bytearray(source.read_bytes())
+    data[-4:] = np.float32(7.0).tobytes()  # the last voxel, same size
+    source.write_bytes(bytes(data))
+    os.utime(source, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    summary, _ = run_cases(tmp_path / "in", tmp_path / "out", **listed)
+    assert (summary["written"], summary["skipped"]) == (0, 4)
+    caplog.clear()
+    summary, _ = run_cases(tmp_path / "in", tmp_path / "out", verify_inputs=True, **listed)
+    assert (summary["written"], summary["skipped"]) == (1, 3)
+    assert any("inputs that have changed" in r.getMessage() and "(good1)" in r.getMessage() for r in caplog.records)

@@ -128,13 +128,19 @@ def records(folder: Path) -> dict[str, dict]:
     return found
 
 
+#: the settings that say where a bench's inputs lie (a clean run may read a copy of them)
+WHERE_INPUTS_LIE = ("dataset_dir", "csv_path")
+
+
 def _essence(record: dict) -> dict:
-    """A record without where its inputs lie (a clean run may read a copy): the weights and settings, the files,
-    the values, the settings the run changed, and the content of the inputs."""
+    """A record without where its inputs lie (a clean run may read a copy): what made it (the weights, every setting
+    but those of :data:`WHERE_INPUTS_LIE`, the software), the files, the values, the settings the run changed, and the
+    content of the inputs."""
     inputs = record.get("inputs") or {}
     content = {key: [f.get("sha256") for f in files] for key, files in (inputs.get("files") or {}).items()}
-    kept = ("case_id", "identity", "outputs", "values", "effective")
-    return {**{k: record.get(k) for k in kept}, "content": content, "row": inputs.get("values")}
+    made_with = {k: v for k, v in record["made_with"].items() if k.removeprefix("=") not in WHERE_INPUTS_LIE}
+    kept = ("case_id", "outputs", "values", "effective")
+    return {**{k: record.get(k) for k in kept}, "made_with": made_with, "content": content, "row": inputs.get("values")}
 
 
 TABLES = {
@@ -813,6 +819,219 @@ def test_ctrl_c_stops_after_the_case_in_progress_and_the_same_command_goes_on(bu
     )
 
 
+# ------------------------------------------------------------------------------------------------ the identity, by id
+
+ID_ROW = "every top-level id of `inference.json` changed on a finished folder (generated)"
+
+
+def _another(value: Any) -> Any:
+    """Another value of the same kind as the resolved ``value``: a flipped switch, another number, a longer string
+    or list, a changed first item, the other kind of device; ``None`` becomes 1."""
+    import torch
+
+    if isinstance(value, torch.device):
+        return "cuda" if value.type == "cpu" else "cpu"
+    if isinstance(value, bool):
+        return not value
+    if isinstance(value, int):
+        return value + 1
+    if isinstance(value, float):
+        return value / 2 if value else 0.5
+    if isinstance(value, str):
+        return value + "_changed"
+    if isinstance(value, (list, tuple)):
+        return [_another(value[0]), *value[1:]] if value else [1]
+    if isinstance(value, dict):
+        key = next(iter(value), "changed")
+        return {**value, key: _another(value.get(key))}
+    return 1
+
+
+def _changed_raw(raw: Any) -> Any:
+    """A component or expression as written, changed: its first plain value, else the expression's text."""
+    if isinstance(raw, str):
+        return raw + " "  # the same code, written otherwise: the identity is the config as written
+    if isinstance(raw, dict):
+        for key, value in raw.items():
+            if key != "_target_" and (not isinstance(value, str) or value[:1] not in "$@%"):
+                return {**raw, key: _another(value)}
+        return {**raw, "_disabled_": True}
+    return [*raw, raw[-1]] if raw else [1]
+
+
+def _parsed(bundle: str, bench: Bench, **changed: Any) -> Any:
+    """The bundle's ``inference.json`` on the bench's finished run as a parsed ``ConfigParser``, with ``changed`` as
+    overrides; its settings checks resolved first, as the workflow's ``initialize`` does."""
+    from monai.bundle import ConfigParser
+
+    parser = ConfigParser()
+    parser.read_config(str(BUNDLES_DIR / bundle / "configs" / "inference.json"))
+    parser.update({"bundle_root": str(BUNDLES_DIR / bundle), "output_dir": str(bench.trained), **bench.settings})
+    parser.update({"prediction_dir": str(bench.work / "identity"), "num_threads": 1, **changed})
+    parser.parse()
+    parser.get_parsed_content("check_settings")
+    return parser
+
+
+def _identity_of(bundle: str, bench: Bench, **changed: Any) -> dict[str, Any]:
+    """The config part of the identity of the bundle's inference on the bench's finished run (what
+    :class:`common.engines.cases.CaseRun` takes), with ``changed`` as overrides."""
+    from common.engines.identity import config_identity
+
+    return config_identity(_parsed(bundle, bench, **changed).ref_resolver)
+
+
+@pytest.mark.parametrize("bundle", BUNDLES)
+def test_every_inference_id_changes_the_identity_or_is_refused_or_is_proven_free(bundle, benches):
+    """Generated from the bundle's own ``inference.json``: changing any top-level id's value on a finished run is
+    refused by the settings checks (a trained setting the network's input depends on among them), or changes the
+    identity of the cases (they are redone, as a fresh run with that value makes them: the settings row of the
+    fault matrix), or the id is one of ``NOT_IN_IDENTITY``, whose outputs the next test shows byte-identical. A new id
+    or a new bundle is covered without editing this test."""
+    from common.engines.identity import NOT_IN_IDENTITY
+    from common.runs import FREE_AT_INFERENCE, is_plain, trained_ids
+
+    bench = benches(bundle)
+    base = _identity_of(bundle, bench)
+    raw = json.loads((BUNDLES_DIR / bundle / "configs" / "inference.json").read_text())
+    trained = set(trained_ids(BUNDLES_DIR / bundle))
+    resolved = _parsed(bundle, bench)
+    outcomes: dict[str, list[str]] = {"refused": [], "redone": [], "free": []}
+    for key, value in raw.items():
+        if key in NOT_IN_IDENTITY:
+            outcomes["free"].append(key)
+            continue
+        settled = f"={key}" in base or is_plain(value)  # a value: another one; else the code as written, changed
+        new = _another(resolved.get_parsed_content(key)) if settled else _changed_raw(value)
+        try:
+            identity = _identity_of(bundle, bench, **{key: new})
+        except Exception as exc:  # noqa: BLE001 - a user error (MONAI wraps it) is a refusal, anything else is not
+            if user_error_in_chain(exc) is None:
+                raise AssertionError(f"{bundle}: {key}={new!r} ends in {exc!r}, not a user error") from exc
+            outcomes["refused"].append(key)
+            continue
+        if key in trained and key not in FREE_AT_INFERENCE:
+            pytest.fail(f"{bundle}: {key!r} reads the trained run but another value of it is not refused")
+        assert identity != base, f"{bundle}: changing {key!r} to {new!r} leaves the identity as it was"
+        outcomes["redone"].append(key)
+    assert outcomes["redone"] and sorted(outcomes["free"]) == sorted(set(NOT_IN_IDENTITY) & set(raw))
+    assert (trained & set(raw)) - set(FREE_AT_INFERENCE) <= set(outcomes["refused"])
+    counts = {kind: len(ids) for kind, ids in outcomes.items()}
+    note(
+        ID_ROW,
+        bundle,
+        f"{len(raw)} ids: {counts['refused']} refused, {counts['redone']} redone, {counts['free']} byte-identical",
+    )
+
+
+@pytest.mark.parametrize("bundle", BUNDLES)
+def test_the_ids_left_out_of_the_identity_change_no_output_byte(bundle, benches, tmp_path):
+    """Each id of ``NOT_IN_IDENTITY`` at another value writes the clean run's bytes (``distributed``: the torchrun
+    test of ``tests/test_cohort_inference.py`` writes one process's bytes), and a finished folder re-run with it
+    skips every case."""
+    from common.engines.identity import NOT_IN_IDENTITY
+
+    changes = {"progress": False, "num_workers": 1, "fail_fast": True, "overwrite": True, "dist_timeout": 60}
+    changes["verify_inputs"] = True
+    assert set(changes) | {"distributed", "prediction_dir"} == set(NOT_IN_IDENTITY)
+    bench = benches(bundle)
+    for key, value in changes.items():
+        fresh = tmp_path / key
+        assert bench.infer(fresh, **{key: value}).status == 0
+        assert broken_promises(fresh, bench.clean) == [], key
+        again = bench.infer(fresh, **{key: not value if isinstance(value, bool) else 0 if key == "num_workers" else 30})
+        assert again.last.startswith(f"0 written ({N_GOOD} already written"), (key, again)
+    moved = tmp_path / "moved"
+    shutil.copytree(bench.clean, moved)  # another prediction_dir holding the same folder
+    assert bench.infer(moved).last.startswith(f"0 written ({N_GOOD} already written")
+
+
+@pytest.mark.parametrize("bundle", BUNDLES)
+def test_evaluation_refuses_another_value_of_every_trained_setting(bundle, benches):
+    """Generated from the bundle's own ``evaluate.json``: every id it reads from the trained run
+    (``"$@trained['<id>']"``) given another value is refused by the settings preamble, naming both values, unless
+    it is free at inference; the figures of an evaluation run again replace its own
+    (``tests/test_handlers_monitor.py``)."""
+    from monai.bundle import ConfigParser
+
+    from common.runs import FREE_AT_INFERENCE, trained_ids
+
+    bench = benches(bundle)
+    files = [str(BUNDLES_DIR / bundle / "configs" / name) for name in ("train.json", "evaluate.json")]
+    base = {"bundle_root": str(BUNDLES_DIR / bundle), "output_dir": str(bench.trained)}
+    reference = ConfigParser()
+    reference.read_config(files)
+    reference.update(base)
+    refused = []
+    for key in trained_ids(BUNDLES_DIR / bundle):
+        if key in FREE_AT_INFERENCE or key not in reference.get():
+            continue
+        parser = ConfigParser()
+        parser.read_config(files)
+        parser.update({**base, key: _another(reference.get_parsed_content(key))})
+        parser.parse()
+        with pytest.raises(Exception) as raised:  # noqa: PT011 - MONAI wraps the user error
+            parser.get_parsed_content("check_settings")
+        error = user_error_in_chain(raised.value)
+        assert error is not None and f"{key!r} is " in str(error) and "trained with" in str(error), (key, raised)
+        refused.append(key)
+    assert refused
+
+
+OUTPUT_ROWS = {
+    "truncated": "an output file truncated to half its bytes",
+    "emptied": "an output file emptied to 0 bytes",
+    "swapped": "two cases' output files swapped (each keeping its modification time)",
+    "removed": "an output file removed",
+}
+
+
+def _damage(folder: Path, kind: str) -> list[str]:
+    """Damage the outputs of ``folder`` as ``kind`` says; the cases whose outputs were damaged."""
+    found = records(folder)
+    named = [(r["case_id"], r["outputs"][0]) for r in found.values() if r["outputs"]]
+    (case, name), (other, other_name) = named[0], named[1]
+    path = folder / name
+    if kind == "truncated":
+        path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+    elif kind == "emptied":
+        path.write_bytes(b"")
+    elif kind == "removed":
+        path.unlink()
+    else:
+        os.replace(path, folder / "swap.tmp")
+        os.replace(folder / other_name, path)
+        os.replace(folder / "swap.tmp", folder / other_name)
+        return [case, other]
+    return [case]
+
+
+@pytest.mark.parametrize("bundle", BUNDLES)
+def test_a_damaged_output_is_redone_and_the_tables_rebuilt(bundle, benches, tmp_path):
+    """A re-run verifies every written case's files against its record (size and modification time, else the
+    sha256): a truncated, emptied, swapped or removed output is redone with one warning naming the cases, and the
+    folder - its tables too - is then the clean run's."""
+    bench = benches(bundle)
+    for kind, row in OUTPUT_ROWS.items():
+        out = tmp_path / kind
+        shutil.copytree(bench.clean, out)
+        if not any(r["outputs"] for r in records(out).values()):
+            (out / "predictions.csv").write_text("case_id\n")  # mace writes rows, not files: a damaged table
+            outcome = bench.infer(out)
+            assert outcome.last.startswith(f"0 written ({N_GOOD} already written"), outcome
+            assert broken_promises(out, bench.clean) == []
+            note(row, bundle, NOT_APPLICABLE)
+            continue
+        damaged = _damage(out, kind)
+        outcome = bench.infer(out)
+        expected = f"{len(damaged)} written ({N_GOOD - len(damaged)} already written, skipped), 0 failed"
+        assert outcome.status == 0 and outcome.last == expected, outcome
+        lines = [w for w in outcome.warnings if "no longer hold the bytes written" in w]
+        assert len(lines) == 1 and f"({', '.join(sorted(damaged))})" in lines[0], outcome.warnings
+        assert broken_promises(out, bench.clean) == []
+        note(row, bundle, f"{len(damaged)} redone (warned); exit 0", lines[0])
+
+
 # ------------------------------------------------------------------------------------------------ the table
 
 ROWS = (
@@ -825,6 +1044,8 @@ ROWS = (
     *SETTING_ROWS.values(),
     PRODUCT_ROW,
     INTERRUPT_ROW,
+    ID_ROW,
+    *OUTPUT_ROWS.values(),
 )
 
 
@@ -838,6 +1059,12 @@ def matrix_table() -> str:
         cells = [MATRIX[(row, bundle)] for bundle in BUNDLES]
         told = _short(TOLD.get(row, "")).replace("|", "\\|")
         lines.append(f"| {row} | {' | '.join(cells)} | {told} |")
+    cells = [MATRIX[(row, bundle)] for row in ROWS for bundle in BUNDLES]
+    measured = sum(cell != NOT_APPLICABLE for cell in cells)
+    lines += [
+        "",
+        f"{len(ROWS)} rows x {len(BUNDLES)} bundles: {measured} cells measured, {len(cells) - measured} not applicable.",
+    ]
     return "\n".join(lines)
 
 

@@ -233,8 +233,8 @@ def test_inference_cohort_from_a_csv_with_or_without_outcomes(tmp_path: Path) ->
         {"case_id": "a", "image": str(tmp_path / "a.nii.gz"), "covariates": [60.0], "split": "test", "row": 1},
         {"case_id": "c", "image": str(tmp_path / "c.nii.gz"), "covariates": [80.0], "split": "TEST", "row": 3},
     ]
-    other = inference_cohort(path, dataset_dir=tmp_path / "data")  # relative paths against dataset_dir
-    assert [e["image"] for e in other] == [str(tmp_path / "data" / f"{c}.nii.gz") for c in "abc"]
+    other = inference_cohort(path, dataset_dir=tmp_path / "data")  # relative paths against the CSV's folder
+    assert [e["image"] for e in other] == [str(tmp_path / f"{c}.nii.gz") for c in "abc"]
     with pytest.raises(CohortError, match=r"split 'val' selects no case: no row of the split column 'split' names"):
         inference_cohort(path, split="val")
     with pytest.raises(CohortError, match=r"split must be one of train/training/val/validation/test/testing"):
@@ -279,8 +279,8 @@ def test_inference_cohort_fails_only_the_rows_with_problems(tmp_path: Path) -> N
     good = [entries[i] for i in (0, 1, 4)]
     assert all("case_problems" not in e for e in good)
     # the same CSV with blank lines for the bad rows (counted, so the row numbers stay)
-    clean = _csv(tmp_path / "clean", *["" if i in (3, 4) else line for i, line in enumerate(INFERENCE_ROWS)])
-    assert good == inference_cohort(clean, covariates=("age",), dataset_dir=tmp_path)  # unchanged values
+    clean = _csv(tmp_path, *["" if i in (3, 4) else line for i, line in enumerate(INFERENCE_ROWS)], name="clean.csv")
+    assert good == inference_cohort(clean, covariates=("age",))  # unchanged values
     assert good[0] == {"case_id": "a", "image": str(tmp_path / "a.nii.gz"), "time": 1.0, "event": 1.0,
                        "covariates": [60.0], "split": "test", "row": 1}  # fmt: skip
     # training still refuses the whole file, listing every problem

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 import torch
 
+from common.errors import UserError
 from common.utils import (
     amp_dtype,
     autocast,
@@ -262,7 +263,8 @@ def test_rank_and_world_size_from_environment(no_dist_env):
 
 
 def test_init_distributed_without_launcher_is_a_clear_error(no_dist_env):
-    with pytest.raises(RuntimeError, match="RANK/WORLD_SIZE"):
+    """A user error (one ``error:`` line on the command line) naming the setting and what to do."""
+    with pytest.raises(UserError, match=r"'distributed' is true .*\(RANK/WORLD_SIZE are not set\).*torchrun or srun"):
         init_distributed(torch.device("cpu"))
 
 

@@ -28,6 +28,7 @@ __all__ = [
     "load_datalist",
     "parse_datalist_section",
     "read_datalist_json",
+    "named_section",
     "require_inputs",
     "resolve_path",
     "text_size_problem",
@@ -110,20 +111,17 @@ def text_size_problem(path: str | os.PathLike) -> str | None:
 def _source_and_base(
     datalist: str | os.PathLike | Mapping[str, Any], base_dir: str | os.PathLike | None
 ) -> tuple[dict[str, Any], str, str]:
-    """Return the top-level object, a name for messages and the absolute base folder for relative paths."""
+    """Return the top-level object, a name for messages and the absolute base folder for relative paths: a
+    datalist file's own folder (MONAI's ``load_decathlon_datalist`` convention: its paths mean what the file says,
+    wherever the command runs and whatever ``dataset_dir`` is), ``base_dir`` (default: the current folder) for a
+    datalist given as a dict."""
     if isinstance(datalist, Mapping):
-        top = dict(datalist)
-        source = IN_MEMORY_SOURCE
-        default_base = os.getcwd()
-    elif isinstance(datalist, (str, os.PathLike)):
+        base = os.getcwd() if base_dir is None else os.path.abspath(os.path.expanduser(os.fspath(base_dir)))
+        return dict(datalist), IN_MEMORY_SOURCE, base
+    if isinstance(datalist, (str, os.PathLike)):
         file = os.path.expanduser(os.fspath(datalist))
-        top = read_datalist_json(file)
-        source = file
-        default_base = os.path.dirname(os.path.abspath(file))
-    else:
-        raise DatalistError(f"datalist must be a JSON file path or a dict, got {type(datalist).__name__} {datalist!r}")
-    base = default_base if base_dir is None else os.path.abspath(os.path.expanduser(os.fspath(base_dir)))
-    return top, source, base
+        return read_datalist_json(file), file, os.path.dirname(os.path.abspath(file))
+    raise DatalistError(f"datalist must be a JSON file path or a dict, got {type(datalist).__name__} {datalist!r}")
 
 
 def resolve_path(value: str, base_dir: str) -> str:
@@ -198,7 +196,7 @@ def _resolve_entry(entry: Any, base_dir: str, keys: Sequence[str]) -> dict[str, 
 
 
 def parse_datalist_section(
-    datalist: str | os.PathLike | Mapping[str, Any],
+    datalist: str | os.PathLike | Mapping[str, Any] | Sequence[Any],
     key: str = "training",
     base_dir: str | os.PathLike | None = None,
     keys: Sequence[str] = ("image",),
@@ -206,10 +204,10 @@ def parse_datalist_section(
     """Parse one section, collecting the problems of every entry instead of stopping at the first.
 
     Args:
-        datalist: a JSON file path or an already decoded datalist dict.
+        datalist: a JSON file path, an already decoded datalist dict, or the section's list of entries itself.
         key: the section to read, for example ``"training"``.
-        base_dir: folder that relative paths are resolved against; defaults to the folder of the JSON file
-            (the current working directory for a dict).
+        base_dir: folder that the relative paths of a datalist given as a dict are resolved against (default: the
+            current working directory); a JSON file's relative paths are resolved against its own folder.
         keys: entry keys that must be present and hold paths.
 
     Returns:
@@ -221,6 +219,8 @@ def parse_datalist_section(
             invalid JSON, top level not an object, section missing, not a list, or empty).
         MissingSectionError: when the section is absent (a subclass of ``DatalistError``).
     """
+    if isinstance(datalist, (list, tuple)):  # the entries themselves, as a section
+        datalist = {key: list(datalist)}
     top, source, base = _source_and_base(datalist, base_dir)
     if key not in top:
         present = sorted(top)
@@ -246,7 +246,7 @@ def parse_datalist_section(
 
 
 def load_datalist(
-    datalist: str | os.PathLike | dict,
+    datalist: str | os.PathLike | dict | list,
     key: str = "training",
     base_dir: str | None = None,
     keys: Sequence[str] = ("image",),
@@ -255,14 +255,14 @@ def load_datalist(
 
     Entries may be objects (``{"image": "imagesTr/a.nii.gz", ...}``) or plain strings, which are read as
     ``{"image": s}``. For every key in ``keys`` the value must be a path string or a list of path strings
-    (the files of one DICOM series); relative paths are resolved against ``base_dir``, absolute paths are kept
-    and ``~`` is expanded. Other keys are copied unchanged.
+    (the files of one DICOM series); relative paths are resolved against the JSON file's folder (against
+    ``base_dir`` for a dict), absolute paths are kept and ``~`` is expanded. Other keys are copied unchanged.
 
     Args:
-        datalist: a JSON file path or an already decoded datalist dict.
+        datalist: a JSON file path, an already decoded datalist dict, or the section's list of entries itself.
         key: the section to read, for example ``"training"`` or ``"validation"``.
-        base_dir: folder that relative paths are resolved against; defaults to the folder containing the JSON
-            file (the current working directory for a dict).
+        base_dir: folder that the relative paths of a datalist given as a dict are resolved against (default: the
+            current working directory); a JSON file's relative paths are resolved against its own folder.
         keys: entry keys that must be present and hold paths.
 
     Returns:
@@ -540,6 +540,21 @@ def found_inputs(find: Callable[..., list], **kwargs: Any) -> list:
         return NoInputs(e)
 
 
+def named_section(sections: Mapping[str, Any], name: str) -> Any:
+    """The section ``name`` (an evaluation's ``eval_section``) of the loaded datalist or cohort ``sections``.
+
+    Raises:
+        MissingInputError: naming the setting and the sections there are, when there is no such section.
+    """
+    if name not in sections or not isinstance(sections[name], list):
+        present = sorted(k for k, v in sections.items() if isinstance(v, list))
+        raise MissingInputError(
+            f"'eval_section' is {name!r} but the data has no such section (it has {present}): pass --eval_section "
+            "with one of them, or a datalist or cohort that has that section."
+        )
+    return sections[name]
+
+
 def require_inputs(inputs: Sequence) -> bool:
     """The first step of an inference run: raise the :class:`MissingInputError` of a :class:`NoInputs` (or a
     plain one for another empty list); ``True`` otherwise."""
@@ -553,13 +568,14 @@ def require_inputs(inputs: Sequence) -> bool:
 def inference_entries(
     dataset_dir: str | os.PathLike,
     keys: Sequence[str],
-    datalist: str | os.PathLike | dict | None = None,
+    datalist: str | os.PathLike | dict | list | None = None,
     section: str = "testing",
     pattern: str | None = None,
 ) -> list[dict[str, Any]]:
     """The inputs of an inference run, one entry per case with a ``case_id`` and a path for every key.
 
-    With ``datalist``: its ``section`` (relative paths resolved against ``dataset_dir``). Otherwise, for one key:
+    With ``datalist``: its ``section`` (relative paths resolved against the datalist file's folder; against
+    ``dataset_dir`` for a datalist given as a dict). Otherwise, for one key:
     the volumes under ``dataset_dir`` (recursively) that :func:`find_volumes` lists (every NIfTI, NRRD, MetaImage
     file and DICOM series folder, or what matches ``pattern``); for several keys: the BraTS 2023 layout, folders
     ``<case>/<case>-<key>.nii.gz`` (see :func:`find_brats_cases`).

@@ -9,9 +9,10 @@ import re
 from collections.abc import Callable, Mapping, Sequence, Sized
 from typing import Any
 
+import nibabel as nib
 import numpy as np
 import torch
-from monai.data import MetaTensor, ThreadDataLoader, partition_dataset
+from monai.data import MetaTensor, NibabelWriter, ThreadDataLoader, partition_dataset
 from monai.transforms import (
     Compose,
     Invertd,
@@ -21,6 +22,7 @@ from monai.transforms import (
     ScaleIntensityRangePercentilesd,
 )
 from monai.utils import CommonKeys as Keys
+from monai.utils import get_equivalent_dtype
 
 from common.data.formats import file_stem
 from common.data.intensity import InvertibleScaleIntensityRangePercentilesd, ScaleIntensityModed
@@ -29,6 +31,7 @@ from common.utils import get_rank, get_world_size, plain_tensor
 
 __all__ = [
     "EpochSampler",
+    "HeaderKeepingWriter",
     "ItemSeededDataset",
     "CaseMetad",
     "batch_case_ids",
@@ -359,15 +362,39 @@ class VQCodesd(MapTransform):
         return d
 
 
+class HeaderKeepingWriter(NibabelWriter):
+    """MONAI's ``NibabelWriter`` that also keeps what the input's NIfTI header said beyond the grid and that MONAI's
+    NIfTI reader puts into the metadata: its units (``xyzt_units``: millimetres and seconds stay so, instead of
+    "unknown") and time offset (:attr:`KEPT_HEADER_FIELDS`). Fields the data or the grid decide (shape, type,
+    scaling, affine) are the written array's own."""
+
+    #: header fields carried from the input's metadata to the written file
+    KEPT_HEADER_FIELDS = ("xyzt_units", "toffset")
+
+    def set_metadata(self, meta_dict: Mapping | None, resample: bool = True, **options: Any) -> None:
+        self.kept = {k: meta_dict[k] for k in self.KEPT_HEADER_FIELDS if meta_dict and k in meta_dict}
+        super().set_metadata(meta_dict, resample=resample, **options)
+
+    def write(self, filename: Any, verbose: bool = False, **obj_kwargs: Any) -> None:
+        if getattr(self, "kept", None):
+            header = nib.Nifti1Header()
+            header.set_data_dtype(get_equivalent_dtype(self.output_dtype or self.data_obj.dtype, np.ndarray))
+            for name, value in self.kept.items():
+                header[name] = np.asarray(value.cpu() if isinstance(value, torch.Tensor) else value).reshape(())
+            obj_kwargs["header"] = header
+        super().write(filename, verbose=verbose, **obj_kwargs)
+
+
 def nifti_saver(
     key: str, output_dir: str, postfix: str, dtype: Any = np.float32, name_formatter: Callable | None = None
 ) -> SaveImaged:
     """``SaveImaged`` of ``key`` as ``<name>_<postfix>.nii.gz`` in ``output_dir`` (one flat folder, no resampling,
-    ``dtype`` on disk, names from ``name_formatter``, e.g. :func:`case_name_formatter`). Only nibabel writes: when it
-    fails (a full disk), MONAI's fallback to another writer could leave a partial file that looks written."""
+    ``dtype`` on disk, names from ``name_formatter``, e.g. :func:`case_name_formatter`, the input's units kept:
+    :class:`HeaderKeepingWriter`). Only nibabel writes: when it fails (a full disk), MONAI's fallback to another
+    writer could leave a partial file that looks written."""
     return SaveImaged(
         keys=key,
-        writer="NibabelWriter",
+        writer=HeaderKeepingWriter,
         output_dir=output_dir,
         output_postfix=postfix,
         separate_folder=False,

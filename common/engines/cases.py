@@ -36,7 +36,6 @@ from __future__ import annotations
 import collections
 import csv
 import errno
-import hashlib
 import io
 import json
 import logging
@@ -65,7 +64,9 @@ from common.data.dicom import is_dicom_input, series_files, series_problems
 from common.data.formats import file_stem
 from common.data.pipeline import output_stem
 from common.data.preflight import PreflightError
+from common.engines.identity import config_identity, digest, module_digest, runtime_identity, sha256_file
 from common.errors import UserError
+from common.runs import config_being_parsed
 from common.utils import (
     OutputWriteError,
     describe_write_error,
@@ -241,22 +242,13 @@ def _files_of(value: Any) -> list[str] | None:
     return [path, *_data_files(path)]
 
 
-def _sha256(path: str) -> str:
-    """The sha256 of the bytes of ``path``, read in 4 MiB blocks."""
-    sha = hashlib.sha256()
-    with open(path, "rb") as handle:
-        for block in iter(lambda: handle.read(1 << 22), b""):
-            sha.update(block)
-    return sha.hexdigest()
-
-
 def _file_print(path: str) -> dict[str, Any]:
     """One file of a case's fingerprint: its path, size, ``mtime_ns`` and sha256 (``missing`` when it is gone)."""
     try:
         stat = os.stat(path)
     except OSError:
         return {"path": path, "missing": True}
-    return {"path": path, "size": stat.st_size, "mtime_ns": stat.st_mtime_ns, "sha256": _sha256(path)}
+    return {"path": path, "size": stat.st_size, "mtime_ns": stat.st_mtime_ns, "sha256": sha256_file(path)}
 
 
 def _row_values(entry: Mapping[str, Any], keys: Sequence[str]) -> dict[str, Any]:
@@ -276,33 +268,34 @@ def input_fingerprint(entry: Mapping[str, Any], keys: Sequence[str]) -> dict[str
         keys: the entry keys holding its input files.
     """
     files = {key: [_file_print(p) for p in listed] for key in keys if (listed := _files_of(entry.get(key)))}
-    return {"files": files, "values": _digest(_row_values(entry, keys), files=False)}
+    return {"files": files, "values": digest(_row_values(entry, keys), files=False)}
 
 
-def _same_file(path: str, recorded: Mapping[str, Any]) -> bool:
+def _same_file(path: str, recorded: Mapping[str, Any], hashed: bool = False) -> bool:
     """Whether ``path`` holds the bytes ``recorded`` (:func:`input_fingerprint`) describes: the same path, size and
-    modification time (the fast path), else the same sha256."""
+    modification time (the fast path, unless ``hashed``), else the same sha256."""
     try:
         stat = os.stat(path)
     except OSError:
         return False
     if recorded.get("missing") or stat.st_size != recorded.get("size"):
         return False
-    if path == recorded.get("path") and stat.st_mtime_ns == recorded.get("mtime_ns"):
+    if not hashed and path == recorded.get("path") and stat.st_mtime_ns == recorded.get("mtime_ns"):
         return True
-    return _sha256(path) == recorded.get("sha256")
+    return sha256_file(path) == recorded.get("sha256")
 
 
-def _same_inputs(recorded: Any, entry: Mapping[str, Any], keys: Sequence[str]) -> bool:
-    """Whether the inputs of ``entry`` are those its record's fingerprint describes."""
-    if not isinstance(recorded, Mapping) or recorded.get("values") != _digest(_row_values(entry, keys), files=False):
+def _same_inputs(recorded: Any, entry: Mapping[str, Any], keys: Sequence[str], hashed: bool = False) -> bool:
+    """Whether the inputs of ``entry`` are those its record's fingerprint describes (every file by its sha256 with
+    ``hashed``)."""
+    if not isinstance(recorded, Mapping) or recorded.get("values") != digest(_row_values(entry, keys), files=False):
         return False
     current = {key: listed for key in keys if (listed := _files_of(entry.get(key)))}
     files = recorded.get("files") or {}
     if set(current) != set(files):
         return False
     return all(
-        len(current[key]) == len(files[key]) and all(_same_file(p, r) for p, r in zip(current[key], files[key]))
+        len(current[key]) == len(files[key]) and all(_same_file(p, r, hashed) for p, r in zip(current[key], files[key]))
         for key in current
     )
 
@@ -470,25 +463,6 @@ def staging_dir(output_dir: str | os.PathLike) -> str:
     return os.path.join(os.fspath(output_dir), STAGING_DIR, f"rank{get_rank()}")
 
 
-def _digest(value: Any, files: bool = True) -> str:
-    """A short hash of ``value`` (JSON), in which, with ``files``, a path of an existing file stands for the hash of
-    its bytes: the identity of the weights and settings that made a run's outputs."""
-
-    def plain(v: Any) -> Any:
-        if isinstance(v, Mapping):
-            return {str(k): plain(x) for k, x in v.items()}
-        if isinstance(v, (list, tuple)):
-            return [plain(x) for x in v]
-        if isinstance(v, torch.Tensor):
-            return v.tolist()
-        if files and isinstance(v, (str, os.PathLike)) and os.path.isfile(v):
-            return "sha256:" + _sha256(os.fspath(v))
-        return v if isinstance(v, (int, float, bool, type(None))) else str(v)
-
-    text = json.dumps(plain(value), sort_keys=True)
-    return hashlib.sha256(text.encode()).hexdigest()[:16]
-
-
 def _writable(folder: Path) -> None:
     """Make ``folder`` and check that it takes a file (written, synced and removed).
 
@@ -525,10 +499,12 @@ class CaseRun:
     """The bookkeeping of one inference run over a cohort (see the module's description).
 
     A case counts as written, or is skipped as already written, only when its record (``.done/<case>.json``) lists
-    its files, they are all there, the record's identity is this run's (the weights by content, the settings, the
-    device type and, on the CPU, the number of threads: they change the output's last bits) and its inputs are
-    those the record fingerprinted (:func:`input_fingerprint`: the same size and modification time, else the same
-    sha256; a CSV row's values). Any other case is redone, with one warning line counting the cases and saying why;
+    its files and they hold the bytes it recorded (the same size and modification time, else the same sha256), the
+    record's identity is this run's (:mod:`common.engines.identity`: the whole resolved config, the weights the
+    network holds, the software and the device; built outside a config, ``identity`` and the network) and its
+    inputs are those the record fingerprinted (:func:`input_fingerprint`: the same size and modification time, else
+    the same sha256; a CSV row's values). Any other case is redone, with one warning line counting the cases and
+    saying why (the settings that differ, by id);
     a case that fails loses its earlier record and files, so the folder never holds a result it no longer vouches
     for. Two cases never share a file: names are the cases' :func:`common.data.pipeline.output_stem`, and stems that
     only differ in case are refused on a file system that does not tell them apart.
@@ -541,8 +517,9 @@ class CaseRun:
             :data:`PROBLEMS_KEY` problems fail it too.
         fail_fast: stop at the first problem (a check lists all of them first) with ``error: ...``, exit status 1.
         overwrite: redo the cases already written.
-        identity: what makes the outputs (weights paths - hashed by content -, settings): a case written under
-            another identity is redone.
+        identity: what makes the outputs besides the config this run is built by (JSON values; a path of an
+            existing file stands for its bytes): a CaseRun built outside a bundle config (in Python) names its
+            settings here; inside a config the whole config is part of the identity already.
         values: ``(batch, output) -> one dict per case`` of JSON values kept in each case's record (the input of
             ``merge``); ``None`` keeps none.
         merge: ``records -> None``, run on rank 0 after every rank is done with the records (``case_id``,
@@ -553,6 +530,11 @@ class CaseRun:
         product: what the run makes when one folder may hold several products of the same cases (an autoencoder's
             ``reconstruct`` and ``encode``): their records are kept apart, in ``.done/<product>/``.
         device: the device the model runs on: its type is part of the identity (and the thread count on the CPU).
+        network: the module (or modules) that make the outputs: the weights they hold when the cases are selected
+            (after the config's ``initialize`` loaded them) are part of the identity, whatever file they came from.
+        verify_inputs: compare every input and output file of a written case with its record by its sha256, not by
+            its size and modification time first (which miss new bytes of the same size written with the old
+            modification time put back).
         windows: objects whose ``sw_batch_size`` the out-of-memory back-off may halve (sliding-window inferers,
             samplers; ``None`` entries are skipped): a case made with fewer windows per batch than configured says so
             in its record (``effective``).
@@ -573,20 +555,26 @@ class CaseRun:
         product: str | None = None,
         device: str | torch.device | None = None,
         windows: Sequence[Any] = (),
+        network: torch.nn.Module | Sequence[torch.nn.Module] | None = None,
+        verify_inputs: bool = False,
     ) -> None:
-        for name, flag in (("fail_fast", fail_fast), ("overwrite", overwrite), ("progress", progress)):
+        flags = {"fail_fast": fail_fast, "overwrite": overwrite, "progress": progress, "verify_inputs": verify_inputs}
+        for name, flag in flags.items():
             if not isinstance(flag, bool):
                 raise UserError(f"'{name}' must be true or false, got {flag!r}.")
         self.output_dir = Path(output_dir)
         self.keys = [keys] if isinstance(keys, str) else list(keys)
         self.check, self.values, self.merge = check, values, merge
         self.fail_fast, self.overwrite, self.progress = fail_fast, overwrite, progress
+        self.verify_inputs = verify_inputs
         self.log_every_s = float(log_every_s)
-        self.settings_digest = _digest(identity)  # the weights are hashed once
-        self.device_type = torch.device(device).type if device is not None else None
+        self.given_digest = digest(identity)  # files named in it are hashed once
+        self.device = device
+        self.networks = [] if network is None else [network] if isinstance(network, torch.nn.Module) else list(network)
         self.windows = [w for w in windows if w is not None]
         self.done_dir = self.output_dir / DONE_DIR / product if product else self.output_dir / DONE_DIR
-        self.identity = self._identity()
+        self.made_with: dict[str, str] = {}  # what makes the outputs, a digest per part (see :meth:`_identify`)
+        self.identity = ""  # their digest, taken when the cases are selected
         self.rank, self.world = get_rank(), get_world_size()
         if self.world > 1 and not (dist.is_available() and dist.is_initialized()):
             raise UserError(
@@ -608,14 +596,18 @@ class CaseRun:
         self._bar: Any = None
         self._started = self._last_log = time.monotonic()
 
-    def _identity(self) -> str:
-        """The hash of the weights, settings and runtime that make the outputs (see the class description)."""
-        runtime: dict[str, Any] = {}
-        if self.device_type is not None:
-            runtime["device"] = self.device_type
-            if self.device_type == "cpu":
-                runtime["threads"] = torch.get_num_threads()
-        return _digest([self.settings_digest, runtime]) if runtime else self.settings_digest
+    def _identify(self, items: Any = None) -> None:
+        """Take the identity of the outputs (see the class description) when the cases are selected: the run's set-up
+        has chosen the thread count and the config's ``initialize`` has loaded the weights. :attr:`made_with` keeps a
+        digest per part - per config id, so a redo can name the settings that changed - and :attr:`identity` their
+        digest."""
+        parts: dict[str, Any] = {"given": self.given_digest, "weights": module_digest(self.networks)}
+        parts.update({f"runtime:{k}": v for k, v in runtime_identity(self.device).items()})
+        resolver = config_being_parsed()
+        if resolver is not None:
+            parts.update(config_identity(resolver, items))
+        self.made_with = {key: digest(value, files=False) for key, value in parts.items()}
+        self.identity = digest(self.made_with, files=False)
 
     # -- records -----------------------------------------------------------------------------------------------------
 
@@ -631,15 +623,40 @@ class CaseRun:
             return None
         return record if isinstance(record, dict) else None
 
-    def _state(self, case: str, entry: Mapping[str, Any]) -> str:
-        """``done``, or why the case is to be done: ``new`` (no complete record), ``settings`` (other weights or
-        settings), ``inputs`` (its inputs changed since)."""
+    def _state(self, case: str, entry: Mapping[str, Any]) -> tuple[str, dict | None]:
+        """``done``, or why the case is to be done: ``new`` (no record), ``outputs`` (a file it lists is missing or
+        no longer holds the bytes it recorded: the same size and modification time, else the same sha256),
+        ``settings`` (other weights, settings or software), ``inputs`` (its inputs changed since); and its record."""
         record = self._record(case)
-        if record is None or not all((self.output_dir / n).is_file() for n in record.get("outputs", [])):
-            return "new"
+        if record is None:
+            return "new", None
+        files = record.get("output_files")
+        names = record.get("outputs", [])
+        if "made_with" not in record:
+            return "settings", record  # written by an earlier version of the collection
+        if not isinstance(files, list) or len(files) != len(names):
+            return "outputs", record
+        outputs = [str(self.output_dir / n) for n in names]
+        if not all(_same_file(p, f, self.verify_inputs) for p, f in zip(outputs, files) if isinstance(f, Mapping)):
+            return "outputs", record
         if record.get("identity") != self.identity:
-            return "settings"
-        return "done" if _same_inputs(record.get("inputs"), entry, self.keys) else "inputs"
+            return "settings", record
+        same = _same_inputs(record.get("inputs"), entry, self.keys, self.verify_inputs)
+        return ("done" if same else "inputs"), record
+
+    def _changed_settings(self, records: Sequence[dict]) -> list[str]:
+        """The parts of :attr:`made_with` (config ids, ``weights``, ``torch``, ``threads``...) that differ from those
+        the ``records`` were written with."""
+        changed: set[str] = set()
+        for record in records:
+            theirs = record.get("made_with")
+            if not isinstance(theirs, dict):
+                changed.add("an earlier version's record")
+                continue
+            for key in set(theirs) | set(self.made_with):
+                if theirs.get(key) != self.made_with.get(key):
+                    changed.add(key.removeprefix("=").removeprefix("runtime:"))
+        return sorted(changed)
 
     def _forget(self, case: str) -> None:
         """Remove the record of ``case`` and the files it lists (a case about to be rewritten, or that failed)."""
@@ -662,6 +679,7 @@ class CaseRun:
                 for the problems of the check (all listed).
             OutputWriteError: when the prediction folder does not take files (nothing is run).
         """
+        self._identify(items)  # the object the config resolved: the ids it was found with are left as written
         items = [dict(item) for item in items]
         ids = [case_id_of(item, self.keys) for item in items]
         duplicates = sorted(case for case, n in collections.Counter(ids).items() if n > 1)
@@ -672,7 +690,6 @@ class CaseRun:
             )
         self.order = {case: i for i, case in enumerate(ids)}
         self.inputs = {case: _input_of(item, self.keys) for case, item in zip(ids, items)}
-        self.identity = self._identity()  # the thread count the run's set-up chose
         self._windows_configured = [int(w.sw_batch_size) for w in self.windows]
         done = self._done(ids, items)
         finished = set(done)
@@ -715,13 +732,17 @@ class CaseRun:
             return done
         if self.rank == 0:
             states = [self._state(case, item) for case, item in zip(ids, items)]
-            done = [case for case, state in zip(ids, states) if state == "done"]
+            done = [case for case, (state, _) in zip(ids, states) if state == "done"]
+            changed = self._changed_settings([record for state, record in states if state == "settings"])
             reasons = {
-                "settings": "were written by other weights or settings",
+                "outputs": "have outputs that are missing or no longer hold the bytes written (truncated, emptied, "
+                "replaced)",
+                "settings": "were written by other weights or settings"
+                + (f" ({', '.join(changed[:8])}{', ...' if len(changed) > 8 else ''})" if changed else ""),
                 "inputs": "were written from inputs that have changed since (a file's content, or a CSV row's values)",
             }
             for state, why in reasons.items():
-                cases = [case for case, s in zip(ids, states) if s == state]
+                cases = [case for case, (s, _) in zip(ids, states) if s == state]
                 if cases:
                     listed = ", ".join(cases[:5]) + (", ..." if len(cases) > 5 else "")
                     logger.warning(f"{len(cases)} case(s) in {self.output_dir} {why}: redone ({listed}).")
@@ -943,7 +964,9 @@ class CaseRun:
                     "case_id": case,
                     "input": self.inputs.get(case, ""),
                     "outputs": owner[case],
+                    "output_files": [_file_print(str(path)) for path in moved],
                     "identity": self.identity,
+                    "made_with": self.made_with,
                     "inputs": json.loads(prints[i]) if prints is not None else None,
                     "values": record_values,
                 }

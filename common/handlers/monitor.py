@@ -11,6 +11,7 @@ into a table.
 from __future__ import annotations
 
 import csv
+import io
 import json
 import logging
 import math
@@ -104,6 +105,20 @@ def _append_csv(path: Path, rows: list[tuple[int, int, str, float]]) -> None:
         if new:
             writer.writerow(["step", "epoch", "tag", "value"])
         writer.writerows(rows)
+
+
+def _replace_csv_rows(path: Path, rows: list[tuple[int, int, str, float]]) -> None:
+    """Write ``rows`` into the metrics CSV ``path`` in place of the rows of the same step and tag (an evaluation run
+    again into the same folder, a resumed run validating a step again), atomically."""
+    replaced = {(str(step), tag) for step, _, tag, _ in rows}
+    kept: list[list[str]] = []
+    if path.is_file():
+        with open(path, newline="") as f:
+            kept = [row for row in list(csv.reader(f))[1:] if len(row) != 4 or (row[0], row[2]) not in replaced]
+    buffer = io.StringIO()
+    writer = csv.writer(buffer)
+    writer.writerows([["step", "epoch", "tag", "value"], *kept, *rows])
+    write_text_atomic(path, buffer.getvalue())
 
 
 class TrainingMonitor:
@@ -243,7 +258,9 @@ class MetricsRecorder:
     """Write an evaluator's ``engine.state.metrics`` to the log, TensorBoard, ``metrics.csv`` and ``metrics.json``.
 
     ``metrics.json`` (rewritten atomically after every validation) holds the latest values, the best value of
-    ``key_metric`` with its step, and the full history.
+    ``key_metric`` with its step, and the full history. A step measured again (an evaluation run again into the same
+    folder, a resumed run validating a step again) replaces that step's figures in both files instead of adding a
+    second row.
 
     Args:
         output_dir: folder of ``metrics.json``/``metrics.csv`` (rank 0 writes; ``None`` disables files).
@@ -322,17 +339,20 @@ class MetricsRecorder:
             self.writer.flush()
         if self.output_dir is None:
             return
-        _append_csv(
+        _replace_csv_rows(
             self.output_dir / "metrics.csv",
             [(step, engine.state.epoch, self.tag_prefix + k, v) for k, v in metrics.items()],
         )
         self.summary["latest"] = {"step": step, **metrics}
-        self.summary["history"].append({"step": step, **metrics})
+        history = [h for h in self.summary["history"] if h.get("step") != step]  # a step measured again: replaced
+        self.summary["history"] = [*history, {"step": step, **metrics}]
         key = self.key_metric
-        if key in metrics and not math.isnan(metrics[key]):
-            best = self.summary.get("best") or {}
-            if key not in best or (metrics[key] > best[key] if self.mode == "max" else metrics[key] < best[key]):
-                self.summary["best"] = {"step": step, **metrics}
+        scored = [h for h in self.summary["history"] if isinstance(h.get(key), float) and not math.isnan(h[key])]
+        if scored:
+            pick = max if self.mode == "max" else min
+            self.summary["best"] = pick(scored, key=lambda h: h[key])  # the earliest of equal values
+        elif self.summary.get("best", {}).get("step") == step:
+            self.summary["best"] = {}
         if self.per_volume:
             self._write_per_volume(engine)
         write_text_atomic(self.output_dir / self.json_name, json.dumps(self.summary, indent=2, allow_nan=True))

@@ -517,7 +517,7 @@ def inference_cohort(
 
     With ``csv_path``: its rows, read like :func:`read_cohort_csv` except that the time and event columns may both
     be absent (new cases without follow-up; when either is present both are checked and returned, so metrics can
-    be computed); relative image paths are resolved against ``dataset_dir`` (default: the CSV's folder); with
+    be computed); relative image paths are resolved against the CSV's folder, whatever ``dataset_dir`` is; with
     ``split``, only the rows whose split column names that split (``train``/``training``, ``val``/``validation``,
     ``test``/``testing``). Without ``csv_path``: every volume under ``dataset_dir`` (recursively; NIfTI, NRRD,
     MetaImage files and DICOM series folders, or what matches ``pattern``), named by its file stem
@@ -543,7 +543,7 @@ def inference_cohort(
 
     Args:
         csv_path: the cohort CSV, or ``None``/empty to list image files.
-        dataset_dir: folder for relative image paths (CSV) or the folder to search (no CSV).
+        dataset_dir: the folder to search when no CSV is given.
         pattern: glob of the images to search for (no CSV); ``None`` lists every volume format.
         split: keep only this split of the CSV; ``None`` keeps every row.
         columns: the layout of the CSV, the arguments of :class:`CohortColumns` (``covariates``: those the model
@@ -577,7 +577,7 @@ def inference_cohort(
             raise CohortError(["give a cohort CSV (csv_path) or a folder of images (dataset_dir)"], "inference cohort")
         entries = inference_entries(dataset_dir, keys=["image"], pattern=pattern)
         return [{"case_id": e["case_id"], "image": e["image"], "covariates": []} for e in entries]
-    rows, problems, source, has_ids = _read_rows(csv_path, layout, dataset_dir, require_outcomes=False)
+    rows, problems, source, has_ids = _read_rows(csv_path, layout, require_outcomes=False)
     if problems:
         raise CohortError(problems, source)
     entries = _inference_entries(rows, has_ids)

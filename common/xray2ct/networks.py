@@ -30,7 +30,7 @@ from torch.utils.checkpoint import checkpoint
 from common.checkpoint_io import CheckpointError, load_checkpoint, save_weights
 from common.diffusion.schedule import DiffusionSchedule, grid_ddim_sample
 from common.networks.wrappers import InferenceView, clean_state_dict, unwrap
-from common.runs import RUN_FILE, read_record, run_settings
+from common.runs import RUN_FILE, RunSettings, read_record, run_settings
 from common.utils import is_positive_int
 from common.xray2ct.drr import DRRProjector
 
@@ -944,7 +944,7 @@ def _stage_runs(output_dir: str | os.PathLike) -> list[tuple[int, Path]]:
     )
 
 
-def cascade_settings(output_dir: str | os.PathLike, bundle_root: str | os.PathLike) -> dict[str, Any]:
+def cascade_settings(output_dir: str | os.PathLike, bundle_root: str | os.PathLike) -> RunSettings:
     """The settings of the cascade trained in the run folder ``output_dir``: those of its highest stage folder
     (``stage<k>/configs/run.json``, with ``stage`` = k), or the bundle's ``train.json`` defaults when no stage was
     recorded (a packaged bundle) - see :func:`common.runs.run_settings`."""
@@ -952,7 +952,9 @@ def cascade_settings(output_dir: str | os.PathLike, bundle_root: str | os.PathLi
     if not stages:
         return run_settings(output_dir, bundle_root)
     stage, folder = stages[-1]
-    return {**run_settings(folder, bundle_root), "stage": stage}
+    settings = run_settings(folder, bundle_root)
+    settings["stage"] = stage
+    return settings
 
 
 def cascade_record(output_dir: str | os.PathLike) -> dict[str, Any] | None:
