@@ -473,3 +473,17 @@ def test_find_volumes_lists_a_broken_link_with_a_volume_name(tmp_path: Path) -> 
     ]
     assert [e["case_id"] for e in find_volumes(tmp_path, "*.img")] == ["c.img"]
     assert [e["case_id"] for e in inference_entries(tmp_path, ["image"])] == ["a", "b"]
+
+
+def test_an_evaluation_section_that_is_not_there_is_one_error_naming_the_setting() -> None:
+    """``eval_section`` picks a section of the loaded data; a missing one names the setting and the sections there
+    are (a cohort's lists of numbers are not sections)."""
+    from common.data.datalist import named_section
+    from common.errors import MissingInputError
+
+    sections = {"training": [{"image": "a"}], "validation": [{"image": "b"}], "covariate_mean": [0.5]}
+    assert named_section(sections, "validation") == [{"image": "b"}]
+    message = r"'eval_section' is 'testing' but the data has no such section \(it has \['training', 'validation'\]\)"
+    for name in ("testing", "covariate_mean"):
+        with pytest.raises(MissingInputError, match=message.replace("testing", name)):
+            named_section(sections, name)

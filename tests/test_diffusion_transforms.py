@@ -395,15 +395,12 @@ def test_inference_entries_from_a_datalist(tmp_path):
     json_file = tmp_path / "lists" / "datalist.json"
     json_file.parent.mkdir()
     json_file.write_text(json.dumps(datalist))
-    for source in (datalist, json_file):  # relative paths are resolved against dataset_dir, not the JSON folder
+    # relative paths: against the JSON file's folder (MONAI's convention), against dataset_dir for a dict
+    for source, base in ((datalist, data_dir), (json_file, json_file.parent)):
         entries = inference_entries(data_dir, ["t1", "t2"], datalist=source)
         assert entries == [
-            {
-                "t1": str(data_dir / "imgs" / "a_t1.nii.gz"),
-                "t2": str(data_dir / "imgs" / "a_t2.nii.gz"),
-                "case_id": "a_t1",
-            },
-            {"t1": "/abs/b_t1.nii.gz", "t2": str(data_dir / "imgs" / "b_t2.nii.gz"), "case_id": "bee"},
+            {"t1": str(base / "imgs" / "a_t1.nii.gz"), "t2": str(base / "imgs" / "a_t2.nii.gz"), "case_id": "a_t1"},
+            {"t1": "/abs/b_t1.nii.gz", "t2": str(base / "imgs" / "b_t2.nii.gz"), "case_id": "bee"},
         ]
     other = inference_entries(data_dir, ["t1", "t2"], datalist=datalist, section="training")
     assert [e["case_id"] for e in other] == ["x"]

@@ -129,7 +129,7 @@ def records(folder: Path) -> dict[str, dict]:
 
 
 #: the settings that say where a bench's inputs lie (a clean run may read a copy of them)
-WHERE_INPUTS_LIE = ("dataset_dir", "csv_path")
+WHERE_INPUTS_LIE = ("dataset_dir", "csv_path", "datalist")
 
 
 def _essence(record: dict) -> dict:
@@ -516,29 +516,39 @@ def test_bad_inputs_fail_their_case_and_the_others_are_written(bundle, benches, 
 COLLIDE_ROW = "two case ids with one file name (`p1/ct`, `p2/ct`)"
 
 
+def _listed(bundle: str, cases: dict[str, str], folder: Path, where: Path, relative: bool = False) -> dict[str, Any]:
+    """Settings that list the bench inputs ``folder/<file case>`` as the cases ``{case id: file case}`` in a list
+    file in ``where`` (mace: a cohort CSV; autoencoder and VQ-GAN: the entries themselves unless ``relative``; the
+    others: a datalist JSON), paths relative to ``where`` with ``relative``."""
+
+    def path(file: Path) -> str:
+        return os.path.relpath(file, where) if relative else str(file)
+
+    where.mkdir(parents=True, exist_ok=True)
+    if family(bundle) == "survival":
+        rows = ["case_id,image,age,sex"]
+        rows += [f"{c},{path(folder / 'images' / f'{f}.nii.gz')},5{i},{i % 2}" for i, (c, f) in enumerate(cases.items())]
+        (where / "cohort.csv").write_text("\n".join(rows) + "\n")
+        return {"csv_path": str(where / "cohort.csv")}
+
+    def entry(case: str) -> dict[str, Any]:
+        if family(bundle) == "diffusion":
+            return {key: path(folder / case / f"{case}-{key}.nii.gz") for key in ("t1n", "t1c", "t2w")}
+        return {"image": path(folder / f"{case}.nii.gz")}
+
+    entries = [{"case_id": case, **entry(file)} for case, file in cases.items()]
+    if family(bundle) in ("autoencoder", "vqgan") and not relative:
+        return {"datalist": entries}
+    (where / "datalist.json").write_text(json.dumps({"testing": entries}))
+    return {"datalist": str(where / "datalist.json")}
+
+
 @pytest.mark.parametrize("bundle", BUNDLES)
 def test_two_case_ids_with_one_file_name_write_two_files(bundle, benches, tmp_path):
     bench = benches(bundle)
     folder = bench.folder
     ids = ["p1/ct", "p2/ct"]
-    if family(bundle) == "survival":
-        images = [folder / "images" / f"case{i}.nii.gz" for i in range(len(ids))]
-        rows = ["case_id,image,age,sex"] + [f"{c},{image},5{i},0" for i, (c, image) in enumerate(zip(ids, images))]
-        (tmp_path / "cohort.csv").write_text("\n".join(rows) + "\n")
-        settings: dict[str, Any] = {"csv_path": str(tmp_path / "cohort.csv")}
-    else:
-
-        def entry(i: int) -> dict[str, Any]:
-            if family(bundle) == "diffusion":
-                return {key: str(folder / f"case{i}" / f"case{i}-{key}.nii.gz") for key in ("t1n", "t1c", "t2w")}
-            return {"image": str(folder / f"case{i}.nii.gz")}
-
-        entries = [{"case_id": case, **entry(i)} for i, case in enumerate(ids)]
-        if family(bundle) in ("autoencoder", "vqgan"):
-            settings = {"datalist": entries}
-        else:
-            (tmp_path / "datalist.json").write_text(json.dumps({"testing": entries}))
-            settings = {"datalist": str(tmp_path / "datalist.json")}
+    settings = _listed(bundle, {case: f"case{i}" for i, case in enumerate(ids)}, folder, tmp_path)
     out = tmp_path / "predictions"
     outcome = bench.infer(out, **settings)
     assert outcome.status == 0, outcome
@@ -559,6 +569,24 @@ def test_two_case_ids_with_one_file_name_write_two_files(bundle, benches, tmp_pa
         assert files and all(name.startswith(("p1%2Fct_", "p2%2Fct_")) for name in files)
         cell = "two files (`p1%2Fct_...`, `p2%2Fct_...`); exit 0"
     note(COLLIDE_ROW, bundle, cell, f"{len(files)} files: {', '.join(files[:4])}")
+
+
+@pytest.mark.parametrize("bundle", BUNDLES)
+def test_relative_paths_of_a_list_file_mean_its_own_folder(bundle, benches, tmp_path, monkeypatch):
+    """A datalist (mace: a cohort CSV) in a third folder, its paths relative to it (``cases/...``), run from a
+    fourth folder with ``dataset_dir`` naming a fifth that holds nothing: the cases are the files the list names,
+    written as the clean run writes them (MONAI's ``load_decathlon_datalist`` convention)."""
+    bench = benches(bundle)
+    shutil.copytree(bench.folder, tmp_path / "lists" / "cases", symlinks=True)
+    cases = {case: case for case in bench.cases}
+    settings = _listed(bundle, cases, tmp_path / "lists" / "cases", tmp_path / "lists", relative=True)
+    (tmp_path / "elsewhere").mkdir()
+    (tmp_path / "decoy").mkdir()
+    monkeypatch.chdir(tmp_path / "elsewhere")
+    out = tmp_path / "predictions"
+    outcome = bench.infer(out, **settings, dataset_dir=str(tmp_path / "decoy"))
+    assert outcome.status == 0 and outcome.last == f"{N_GOOD} written, 0 failed", outcome
+    assert broken_promises(out, bench.clean) == []
 
 
 CHANGED_ROWS = {
@@ -1020,7 +1048,7 @@ def test_a_damaged_output_is_redone_and_the_tables_rebuilt(bundle, benches, tmp_
             outcome = bench.infer(out)
             assert outcome.last.startswith(f"0 written ({N_GOOD} already written"), outcome
             assert broken_promises(out, bench.clean) == []
-            note(row, bundle, NOT_APPLICABLE)
+            note(row, bundle, "no file per case; a damaged `predictions.csv` is rebuilt from the records; exit 0")
             continue
         damaged = _damage(out, kind)
         outcome = bench.infer(out)

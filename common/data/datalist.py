@@ -546,8 +546,11 @@ def named_section(sections: Mapping[str, Any], name: str) -> Any:
     Raises:
         MissingInputError: naming the setting and the sections there are, when there is no such section.
     """
-    if name not in sections or not isinstance(sections[name], list):
-        present = sorted(k for k, v in sections.items() if isinstance(v, list))
+    def is_section(value: Any) -> bool:  # a list of entries (a cohort also holds lists of numbers)
+        return isinstance(value, list) and all(isinstance(entry, Mapping) for entry in value)
+
+    if not is_section(sections.get(name)):
+        present = sorted(k for k, v in sections.items() if is_section(v))
         raise MissingInputError(
             f"'eval_section' is {name!r} but the data has no such section (it has {present}): pass --eval_section "
             "with one of them, or a datalist or cohort that has that section."
