@@ -527,7 +527,9 @@ def _listed(bundle: str, cases: dict[str, str], folder: Path, where: Path, relat
     where.mkdir(parents=True, exist_ok=True)
     if family(bundle) == "survival":
         rows = ["case_id,image,age,sex"]
-        rows += [f"{c},{path(folder / 'images' / f'{f}.nii.gz')},5{i},{i % 2}" for i, (c, f) in enumerate(cases.items())]
+        rows += [
+            f"{c},{path(folder / 'images' / f'{f}.nii.gz')},5{i},{i % 2}" for i, (c, f) in enumerate(cases.items())
+        ]
         (where / "cohort.csv").write_text("\n".join(rows) + "\n")
         return {"csv_path": str(where / "cohort.csv")}
 

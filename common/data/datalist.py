@@ -546,6 +546,7 @@ def named_section(sections: Mapping[str, Any], name: str) -> Any:
     Raises:
         MissingInputError: naming the setting and the sections there are, when there is no such section.
     """
+
     def is_section(value: Any) -> bool:  # a list of entries (a cohort also holds lists of numbers)
         return isinstance(value, list) and all(isinstance(entry, Mapping) for entry in value)
 
