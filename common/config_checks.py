@@ -187,10 +187,14 @@ class SettingsChecks:
             found += check(**{name: values[name] for name in _reads(check)})
         return found
 
+    def report(self, problems: list[str]) -> str:
+        """``problems`` under the heading ``invalid <subject> configuration:``, one line each."""
+        return f"invalid {self.subject} configuration:\n  " + "\n  ".join(problems)
+
     def __call__(self, **values: Any) -> None:
         problems = self.problems(**values)
         if problems:
-            raise ValueError(f"invalid {self.subject} configuration:\n  " + "\n  ".join(problems))
+            raise ValueError(self.report(problems))
 
     def __repr__(self) -> str:
         return f"SettingsChecks({self.subject!r}, reads={self.ids})"
@@ -254,6 +258,6 @@ def check_config(checks: SettingsChecks, config: Any = None, **given: Any) -> No
         messages.append(str(exc))
     problems = checks.problems(**values) + trained_problems(source)
     if problems:
-        messages.append(f"invalid {checks.subject} configuration:\n  " + "\n  ".join(problems))
+        messages.append(checks.report(problems))
     if messages:
         raise SettingsError("\n".join(messages))
