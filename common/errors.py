@@ -57,6 +57,13 @@ def user_error_in_chain(exc: BaseException | None) -> UserError | None:
 INTERRUPTED = "interrupted: what was written is complete; run the same command again to go on."
 
 
+def _last_line(line: str) -> None:
+    """``line`` on stderr in one write, so that the ranks of a torchrun job sharing one stderr never mix their lines
+    (``print`` writes the text and the newline apart)."""
+    sys.stderr.write(f"{line}\n")
+    sys.stderr.flush()
+
+
 def install_user_error_hook() -> None:
     """Make an uncaught :class:`UserError` (or an error caused by one) end the process with ``error: <message>``
     on stderr as the last line (exit status 1) instead of a traceback, and Ctrl-C (``KeyboardInterrupt``) with the
@@ -69,13 +76,13 @@ def install_user_error_hook() -> None:
 
     def hook(kind: type[BaseException], value: BaseException, tb: Any) -> None:
         if issubclass(kind, KeyboardInterrupt):
-            print(INTERRUPTED, file=sys.stderr, flush=True)
+            _last_line(INTERRUPTED)
             return
         error = user_error_in_chain(value)
         if error is None:
             previous(kind, value, tb)
             return
-        print(f"error: {error}", file=sys.stderr, flush=True)
+        _last_line(f"error: {error}")
 
     hook.user_errors = True  # type: ignore[attr-defined]
     sys.excepthook = hook

@@ -393,7 +393,7 @@ def test_total_batch_must_divide_by_the_processes():
         build_plan(BUNDLE, nproc_per_node=4, cpu=True, overrides={"csv_path": "/data/c.csv", "batch_size": 6})
     plan = build_plan(BUNDLE, nproc_per_node=4, cpu=True, overrides={"csv_path": "/data/c.csv", "batch_size": 8})
     assert (
-        "torch.distributed.run" in plan.argv
+        "common.bundle_tools.torchrun" in plan.argv
         and "--csv_path" in plan.argv
         and "multi_gpu_train.json" in " ".join(plan.argv)
     )

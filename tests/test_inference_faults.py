@@ -405,81 +405,88 @@ def _truncated(path: Path) -> None:
     path.write_bytes(data[: int(len(data) * 0.6)])
 
 
-def write_faulty_cases(bench: Bench, folder: Path) -> dict[str, tuple[str, str]]:
-    """Add a case of each input fault to ``folder``: ``{row: (case, stage expected)}``."""
-    inputs, volume = bench.inputs, bench.inputs.volume(30)
-    faults: dict[str, tuple[str, str]] = {}
+def _nan_half(volume: np.ndarray) -> np.ndarray:
+    out = volume.copy()
+    out[: volume.shape[0] // 2] = np.nan
+    return out
 
-    def add(row: str, case: str, stage: str, write: Callable[[], Any]) -> None:
-        write()
-        faults[row] = (case, stage)
 
-    nan = volume.copy()
-    nan[: volume.shape[0] // 2] = np.nan
-    add("NaN voxels in a volume", "nan", "check", lambda: inputs.write(folder, "nan", nan))
-    inf = volume.copy()
-    inf[1, 2, 3] = np.inf
-    add("an infinite voxel in a volume", "inf", "check", lambda: inputs.write(folder, "inf", inf))
-    add(
-        "a truncated .nii.gz (its header whole)",
+def _one_inf(volume: np.ndarray) -> np.ndarray:
+    out = volume.copy()
+    out[1, 2, 3] = np.inf
+    return out
+
+
+def _broken_link(inputs: Inputs, folder: Path, case: str, volume: np.ndarray) -> None:
+    target = inputs.write(folder, case, volume)[0]
+    target.unlink()
+    target.symlink_to(folder / "gone.nii.gz")
+
+
+def _slices(volume: np.ndarray) -> list[float]:
+    return [2.0 * k for k in range(volume.shape[2])]
+
+
+#: the input faults, one case each: ``row: (case id, the stage its failures.csv row names, DICOM bundles only,
+#: write(inputs, folder, case id, a good volume))``; the matrix's input rows are these
+INPUT_FAULTS: dict[str, tuple[str, str, bool, Callable[[Inputs, Path, str, np.ndarray], Any]]] = {
+    "NaN voxels in a volume": ("nan", "check", False, lambda i, f, c, v: i.write(f, c, _nan_half(v))),
+    "an infinite voxel in a volume": ("inf", "check", False, lambda i, f, c, v: i.write(f, c, _one_inf(v))),
+    "a truncated .nii.gz (its header whole)": (
         "truncated",
         "read",
-        lambda: _truncated(inputs.write(folder, "truncated", volume)[-1]),
-    )
-    add(
-        "a file that is not an image",
+        False,
+        lambda i, f, c, v: _truncated(i.write(f, c, v)[-1]),
+    ),
+    "a file that is not an image": (
         "text",
         "check",
-        lambda: inputs.write(folder, "text", volume)[-1].write_text("an export that is not an image"),
-    )
+        False,
+        lambda i, f, c, v: i.write(f, c, v)[-1].write_text("an export that is not an image"),
+    ),
+    "a broken symbolic link": ("link", "check", False, _broken_link),
+    "DICOM series: a missing slice": (
+        "dicom_gap",
+        "check",
+        True,
+        lambda i, f, c, v: i.write_series(f, c, v, positions=_slices(v)[:5] + _slices(v)[6:]),
+    ),
+    "DICOM series: a duplicate slice": (
+        "dicom_twice",
+        "check",
+        True,
+        lambda i, f, c, v: i.write_series(f, c, v, positions=[*_slices(v), _slices(v)[5]]),
+    ),
+    "DICOM series: uneven slice spacing": (
+        "dicom_uneven",
+        "check",
+        True,
+        lambda i, f, c, v: i.write_series(
+            f, c, v, positions=[p + (0.5 if k >= 7 else 0.0) for k, p in enumerate(_slices(v))]
+        ),
+    ),
+    "DICOM series: slices of two orientations": (
+        "dicom_mixed",
+        "check",
+        True,
+        lambda i, f, c, v: i.write_series(f, c, v, orientations={3: "1\\0\\0\\0\\1\\0"}),
+    ),
+}
+INPUT_ROWS = tuple(INPUT_FAULTS)
 
-    def broken_link() -> None:
-        target = inputs.write(folder, "link", volume)[0]
-        target.unlink()
-        target.symlink_to(folder / "gone.nii.gz")
 
-    add("a broken symbolic link", "link", "check", broken_link)
-    if inputs.dicom:
-        z = [2.0 * k for k in range(volume.shape[2])]
-        add(
-            "DICOM series: a missing slice",
-            "dicom_gap",
-            "check",
-            lambda: inputs.write_series(folder, "dicom_gap", volume, positions=z[:5] + z[6:]),
-        )
-        add(
-            "DICOM series: a duplicate slice",
-            "dicom_twice",
-            "check",
-            lambda: inputs.write_series(folder, "dicom_twice", volume, positions=[*z, z[5]]),
-        )
-        uneven = [p + (0.5 if k >= 7 else 0.0) for k, p in enumerate(z)]
-        add(
-            "DICOM series: uneven slice spacing",
-            "dicom_uneven",
-            "check",
-            lambda: inputs.write_series(folder, "dicom_uneven", volume, positions=uneven),
-        )
-        add(
-            "DICOM series: slices of two orientations",
-            "dicom_mixed",
-            "check",
-            lambda: inputs.write_series(folder, "dicom_mixed", volume, orientations={3: "1\\0\\0\\0\\1\\0"}),
-        )
+def write_faulty_cases(bench: Bench, folder: Path) -> dict[str, tuple[str, str]]:
+    """Add a case of each input fault of :data:`INPUT_FAULTS` that the bundle reads to ``folder``: ``{row: (case,
+    stage expected)}``."""
+    inputs, volume = bench.inputs, bench.inputs.volume(30)
+    faults = {}
+    for row, (case, stage, dicom_only, write) in INPUT_FAULTS.items():
+        if inputs.dicom or not dicom_only:
+            write(inputs, folder, case, volume)
+            faults[row] = (case, stage)
     return faults
 
 
-INPUT_ROWS = (
-    "NaN voxels in a volume",
-    "an infinite voxel in a volume",
-    "a truncated .nii.gz (its header whole)",
-    "a file that is not an image",
-    "a broken symbolic link",
-    "DICOM series: a missing slice",
-    "DICOM series: a duplicate slice",
-    "DICOM series: uneven slice spacing",
-    "DICOM series: slices of two orientations",
-)
 CELL_ROW = "a bad cell in the cohort CSV (a covariate that is not a number)"
 
 

@@ -22,7 +22,7 @@ import yaml
 from common.bundle import BUNDLES_DIR, bundle_names
 from common.bundle_tools import launch
 from common.bundle_tools.launch import LaunchError, LaunchPlan, build_plan, format_overrides
-from common.errors import UserError
+from common.errors import INTERRUPTED, UserError
 from tests.helpers import REPO_ROOT, bundle_env
 
 SCRIPT = REPO_ROOT / "scripts" / "launch.py"
@@ -76,7 +76,7 @@ def test_one_node_two_cpu_processes_uses_standalone_torchrun():
     result = _cli(EXAMPLE, *line.split())
     assert result.returncode == 0, result.stderr
     expected = [
-        *[PY, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc_per_node", "2", "--standalone"],
+        *[PY, "-m", "common.bundle_tools.torchrun", "--nnodes", "1", "--nproc_per_node", "2", "--standalone"],
         *"-m monai.bundle run training --config_file".split(),
         _configs(EXAMPLE, "train.json", "multi_gpu_train.json", "tiny.json"),
         *["--max_epochs", "2"],
@@ -99,7 +99,7 @@ def test_two_nodes_of_eight_gpus(monkeypatch):
     )
     assert plan.argv == [
         PY,
-        *"-m torch.distributed.run --nnodes 2 --nproc_per_node 8 --node_rank 1 --rdzv_backend c10d".split(),
+        *"-m common.bundle_tools.torchrun --nnodes 2 --nproc_per_node 8 --node_rank 1 --rdzv_backend c10d".split(),
         *"--rdzv_endpoint node001:29400 --rdzv_id ae1 --rdzv_conf is_host=false --max_restarts 3".split(),
         *"-m monai.bundle run training --config_file".split(),
         _configs(EXAMPLE, "train.json", "multi_gpu_train.json"),
@@ -127,7 +127,7 @@ def test_slurm_environment(monkeypatch, tmp_path):
     torchrun_args = plan.argv[: plan.argv.index("-m", 3)]
     assert torchrun_args == [
         PY,
-        *"-m torch.distributed.run --nnodes 4 --nproc_per_node 4 --node_rank 2 --rdzv_backend c10d".split(),
+        *"-m common.bundle_tools.torchrun --nnodes 4 --nproc_per_node 4 --node_rank 2 --rdzv_backend c10d".split(),
         *"--rdzv_endpoint gpu-003:29500 --rdzv_id 777 --rdzv_conf is_host=false --max_restarts 3".split(),
     ]
     assert plan.notes == ["SLURM job 777: node 2 of 4, 4 process(es) per node, rendezvous at gpu-003:29500"]
@@ -195,7 +195,7 @@ def test_inference_job_shares_the_cases_over_the_processes():
     result = _cli(EXAMPLE, *line.split())
     assert result.returncode == 0, result.stderr
     expected = [
-        *[PY, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc_per_node", "2", "--standalone"],
+        *[PY, "-m", "common.bundle_tools.torchrun", "--nnodes", "1", "--nproc_per_node", "2", "--standalone"],
         *"-m monai.bundle run run --config_file".split(),
         _configs(EXAMPLE, "inference.json", "multi_gpu_inference.json"),
         *["--dataset_dir", "/data/ct"],
@@ -358,7 +358,7 @@ def test_pytorchjob_manifest():
     result = _cli(*_substitute(args, env), "--dry_run", "True")
     assert result.returncode == 0, result.stderr
     words = shlex.split(result.stdout.strip())
-    torchrun_options = _options(words[words.index("torch.distributed.run") + 1 : words.index("-m", 3)])
+    torchrun_options = _options(words[words.index("common.bundle_tools.torchrun") + 1 : words.index("-m", 3)])
     assert torchrun_options == {
         "--nnodes": str(nodes),
         "--nproc_per_node": "1",
@@ -434,7 +434,7 @@ def test_sbatch_template(tmp_path):
     assert (tmp_path / "srun_args").read_text().startswith("--kill-on-bad-exit=1 --ntasks-per-node=1 ")
     expected = [
         PY,
-        *"-m torch.distributed.run --nnodes 2 --nproc_per_node 1 --node_rank 1 --rdzv_backend c10d".split(),
+        *"-m common.bundle_tools.torchrun --nnodes 2 --nproc_per_node 1 --node_rank 1 --rdzv_backend c10d".split(),
         *"--rdzv_endpoint gpu07:29500 --rdzv_id 4242 --rdzv_conf is_host=false --max_restarts 3".split(),
         *"-m monai.bundle run training --config_file".split(),
         _configs(EXAMPLE, "train.json", "multi_gpu_train.json"),
@@ -489,3 +489,50 @@ def test_a_script_runs_the_checkout_it_is_in_or_stops(tmp_path):
     assert _cli(EXAMPLE, "--cpu", "True", "--dry_run", "True", cwd=tmp_path).stdout.startswith(
         f"cd {shlex.quote(str(REPO_ROOT))} && "
     )
+
+
+RANK_WAITING_FOR_CTRL_C = """
+import os, pathlib, sys, time
+from common.errors import install_user_error_hook
+
+install_user_error_hook()  # as a bundle's first step does: Ctrl-C ends the rank with one line
+pathlib.Path(sys.argv[1], f"ready{os.environ['RANK']}").touch()
+time.sleep(120)
+"""
+
+
+@pytest.mark.skipif(os.name != "posix", reason="process groups and SIGINT as a terminal sends them")
+def test_ctrl_c_under_the_launchers_torchrun_ends_with_130_and_one_line_per_process(tmp_path):
+    """Ctrl-C in a terminal reaches torchrun's agent and every rank (one process group). Each rank ends with its
+    own whole line (never mixed with another rank's); the agent, which torchrun ends with a ``SignalException``
+    traceback and status 1, ends with one line and status 130 under ``common.bundle_tools.torchrun`` (what
+    ``scripts/launch.py`` runs)."""
+    import signal
+    import time
+
+    worker = tmp_path / "rank.py"
+    worker.write_text(RANK_WAITING_FOR_CTRL_C)
+    argv = [
+        PY,
+        "-m",
+        "common.bundle_tools.torchrun",
+        "--standalone",
+        "--nproc_per_node",
+        "2",
+        str(worker),
+        str(tmp_path),
+    ]
+    env = {**bundle_env(), "OMP_NUM_THREADS": "1"}
+    process = subprocess.Popen(
+        argv, cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+    )
+    deadline = time.monotonic() + 120
+    while len(list(tmp_path.glob("ready*"))) < 2 and process.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert len(list(tmp_path.glob("ready*"))) == 2, process.stderr.read() if process.poll() is not None else "no ranks"
+    os.killpg(process.pid, signal.SIGINT)
+    out, err = process.communicate(timeout=120)
+    assert process.returncode == 130, err
+    assert "Traceback" not in err and "SignalException" not in err, err
+    assert [line for line in err.splitlines() if "interrupted" in line] == [INTERRUPTED, INTERRUPTED], err
+    assert err.count("torchrun: stopped by SIGINT;") == 1

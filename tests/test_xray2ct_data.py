@@ -332,7 +332,9 @@ def conditioned(condition, volume=None, case="c1", view_size=(SIDE, SIDE), **pro
     return item["xray"], XrayConditiond("image", proj, condition)(item)["xray"]
 
 
-@pytest.mark.parametrize("condition", [None, {}, {"seed": 3, "photons": None, "gain": 1.0}])
+@pytest.mark.parametrize(
+    "condition", [None, {}, {"seed": 3, "photons": None, "gain": 1.0, "hardening": 0, "scatter": 0}]
+)
 def test_a_clean_condition_leaves_the_xrays_alone(condition):
     clean, out = conditioned(condition)
     torch.testing.assert_close(out, clean, rtol=0, atol=2e-6)
@@ -341,6 +343,24 @@ def test_a_clean_condition_leaves_the_xrays_alone(condition):
 def test_miscalibration_is_the_flat_field_formula():
     clean, out = conditioned({"gain": 1.1, "offset": 0.02})
     torch.testing.assert_close(out, -torch.log(1.1 * torch.exp(-clean) + 0.02), rtol=0, atol=1e-5)
+
+
+def test_beam_hardening_and_scatter_are_their_formulas_and_bend_the_measured_line_integral():
+    """Two energies attenuated ``1 -+ h`` times the nominal, in equal parts; scatter adds ``s`` times the view's mean
+    transmission. Both bend the measured line integral below the nominal one, more the longer the path."""
+    clean, hardened = conditioned({"hardening": 0.3})
+    expected = -torch.log((torch.exp(-0.7 * clean) + torch.exp(-1.3 * clean)) / 2)
+    torch.testing.assert_close(hardened, expected, rtol=0, atol=1e-5)
+    _, scattered = conditioned({"scatter": 0.1})
+    transmitted = torch.exp(-clean)
+    torch.testing.assert_close(
+        scattered, -torch.log(transmitted + 0.1 * transmitted.mean(dim=(-2, -1), keepdim=True)), rtol=0, atol=1e-5
+    )
+    for bent in (hardened, scattered):
+        deficit = (clean - bent).flatten()
+        assert bool((deficit > -1e-6).all())
+        longest, shortest = clean.flatten().argmax(), clean.flatten().argmin()
+        assert float(deficit[longest]) > float(deficit[shortest])
 
 
 def test_photon_noise_has_the_poisson_spread_and_is_seeded_per_case():
@@ -391,15 +411,12 @@ def test_condition_settings_are_checked_with_every_problem_named():
     from common.xray2ct.data import XrayConditiond, condition_problems
 
     assert condition_problems(None) == condition_problems({"photons": 1e4, "rotation_deg": [1, 2, 0]}) == []
-    problems = condition_problems({"photons": 0, "gain": -1, "offset": 1.5, "shift_mm": [1, 2], "dose": 3})
-    assert problems[0] == (
-        "'xray_condition' has unknown key(s) ['dose']; known: ['blur_mm', 'gain', 'offset', 'photons', "
-        "'rotation_deg', 'seed', 'shift_mm']."
+    problems = condition_problems(
+        {"photons": 0, "hardening": 1.0, "scatter": -0.1, "gain": -1, "offset": 1.5, "shift_mm": [1, 2], "dose": 3}
     )
-    assert [p.split("'")[3] for p in problems[1:]] == ["photons", "gain", "offset", "shift_mm"]
-    assert condition_problems("noisy") == [
-        "'xray_condition' must be null or a mapping of ['blur_mm', 'gain', 'offset', 'photons', 'rotation_deg', "
-        "'seed', 'shift_mm'], got 'noisy'."
-    ]
+    known = "['blur_mm', 'gain', 'hardening', 'offset', 'photons', 'rotation_deg', 'scatter', 'seed', 'shift_mm']"
+    assert problems[0] == f"'xray_condition' has unknown key(s) ['dose']; known: {known}."
+    assert [p.split("'")[3] for p in problems[1:]] == ["photons", "hardening", "scatter", "gain", "offset", "shift_mm"]
+    assert condition_problems("noisy") == [f"'xray_condition' must be null or a mapping of {known}, got 'noisy'."]
     with pytest.raises(ValueError, match="'blur_mm' must be a number >= 0"):
         XrayConditiond("image", projector(), {"blur_mm": -1.0})

@@ -112,24 +112,37 @@ def test_project_native_refuses_views_of_different_sizes():
 
 # ---------------------------------------------------------------------------------------------- intensity
 @pytest.mark.parametrize("spatial", [(8, 8, 8), (8, 12, 6)])
-def test_residual_is_each_views_rms_difference_at_its_own_plane(spatial):
-    """``residual``: per case and view, the root mean square of the view's projection at its own plane minus the
-    X-ray area-averaged to that plane (numpy reference), for cubes and for volumes whose views differ in size."""
+def test_mismatch_is_each_views_residual_and_its_fitted_line_at_its_own_plane(spatial):
+    """``mismatch``: per case and view, at the view's own plane (the X-ray area-averaged to it), ``residual`` is the
+    root mean square of projected minus measured and ``relation`` the root mean square of the least-squares line
+    ``measured = a + b projected`` minus the identity (numpy ``polyfit`` reference), for cubes and for volumes whose
+    views differ in size. The volume's own X-rays leave neither; a detector gain and offset leave the relation
+    equal to the residual (the whole disagreement is systematic), while noise leaves the relation a small part."""
     projector = DRRProjector(views=("ap", "lateral"), view_size=(24, 24))
     gen = torch.Generator().manual_seed(4)
     volume = torch.rand((2, 1, *spatial), generator=gen) * 2 - 1
     xray = torch.rand((2, 2, 24, 24), generator=gen)
-    got = projector.residual(volume, xray)
-    assert got.shape == (2, 2)
+    got = projector.mismatch(volume, xray)
+    assert set(got) == {"residual", "relation"} and all(v.shape == (2, 2) for v in got.values())
     for v, view in enumerate(("ap", "lateral")):
         axis = VIEW_AXES[view]
         plane = [s for a, s in enumerate(spatial) if a != axis]
-        projected = projector.project(volume, plane)[:, v].numpy()
+        projected = projector.project(volume, plane)[:, v].numpy().astype(np.float64)
         blocks = xray[:, v].numpy().reshape(2, plane[0], 24 // plane[0], plane[1], 24 // plane[1]).mean(axis=(2, 4))
         expected = np.sqrt(((projected - blocks) ** 2).mean(axis=(1, 2)))
-        np.testing.assert_allclose(got[:, v].numpy(), expected, rtol=1e-5)
-    if len(set(spatial)) == 1:  # the volume's own X-rays at its plane leave no residual
-        assert float(projector.residual(volume, projector.project_native(volume)).abs().max()) < 1e-5
+        np.testing.assert_allclose(got["residual"][:, v].numpy(), expected, rtol=1e-5)
+        for case in range(2):
+            p, m = projected[case].ravel(), blocks[case].ravel()
+            b, a = np.polyfit(p, m, 1)
+            line = np.sqrt(((a + (b - 1) * p) ** 2).mean())
+            np.testing.assert_allclose(float(got["relation"][case, v]), line, rtol=1e-3, atol=1e-6)
+    if len(set(spatial)) == 1:
+        native = projector.project_native(volume)
+        assert all(float(s.abs().max()) < 1e-5 for s in projector.mismatch(volume, native).values())
+        gained = projector.mismatch(volume, native * 1.1 + 0.05)
+        torch.testing.assert_close(gained["relation"], gained["residual"], rtol=1e-4, atol=1e-6)
+        noisy = projector.mismatch(volume, native + 0.05 * torch.randn(native.shape, generator=gen))
+        assert bool((noisy["relation"] < 0.5 * noisy["residual"]).all())
 
 
 def test_intensity_and_line_integral_are_inverse():

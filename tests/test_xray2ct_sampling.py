@@ -8,6 +8,7 @@ trainer's residual step and Min-SNR weighting, the evaluator's outputs and the s
 from __future__ import annotations
 
 import json
+import math
 import shlex
 
 import nibabel as nib
@@ -180,7 +181,8 @@ def test_the_consistency_check_leaves_out_the_views_whose_first_estimate_fits_wo
     assert residual.shape == (unchecked.shape[0], 2) and bool(free.consistency["corrected"].all())
     if mode != "diffusion":  # the first estimate: the output drawn without any correction
         first = XrayCTSampler(net, (8, 8, 8), **{**settings, "guidance_scale": 0.0}).draw(xray, generator=gen())
-        torch.testing.assert_close(residual, projector.residual(first, xray))
+        for name, statistic in projector.mismatch(first, xray).items():
+            torch.testing.assert_close(free.consistency[name], statistic)
     wide = XrayCTSampler(net, (8, 8, 8), **settings, refine_steps=2, consistency_reference=[1e3, 1e3])
     torch.testing.assert_close(wide.draw(xray, generator=gen()), unchecked, rtol=0, atol=0)
     # the first view's reference is met, the second's is not: the second view never corrects
@@ -191,6 +193,12 @@ def test_the_consistency_check_leaves_out_the_views_whose_first_estimate_fits_wo
     checked = half.draw(xray, generator=gen())
     assert half.consistency["corrected"][:, 0].all() and not half.consistency["corrected"][:, 1].any()
     torch.testing.assert_close(half.consistency["residual"], residual)
+    # the same through the relation's bound, the residual's met: a view beyond any bound is left out
+    relation = free.consistency["relation"].max(0).values
+    bounds = {"residual": [1e3, 1e3], "relation": [float(relation[0]), float(relation[1]) / 4]}
+    by_relation = XrayCTSampler(net, (8, 8, 8), **settings, refine_steps=2, consistency_reference=bounds)
+    torch.testing.assert_close(by_relation.draw(xray, generator=gen()), checked, rtol=0, atol=0)
+    assert by_relation.consistency_reference == bounds
     none = XrayCTSampler(net, (8, 8, 8), **settings, refine_steps=2, consistency_reference=[1e-9, 1e-9])
     drawn = XrayCTSampler(net, (8, 8, 8), **{**settings, "guidance_scale": 0.0}).draw(xray, generator=gen())
     torch.testing.assert_close(none.draw(xray, generator=gen()), drawn, rtol=0, atol=1e-5)
@@ -200,8 +208,9 @@ def test_the_consistency_check_leaves_out_the_views_whose_first_estimate_fits_wo
         for _ in range(2):
             expected = projector.data_consistency(expected, per_sample, 1.0, view_weight=keep).clamp(-1, 1)
         torch.testing.assert_close(checked, expected, rtol=0, atol=1e-6)
-    with pytest.raises(ValueError, match="consistency_reference must be None or 2 positive numbers"):
-        XrayCTSampler(net, (8, 8, 8), **settings, consistency_reference=[1.0])
+    for bad in ([1.0], {"residual": [1.0, 1.0], "size": [1.0, 1.0]}, {"relation": [1.0, -1.0]}, {}):
+        with pytest.raises(ValueError, match=r"'consistency_reference' must be null \(no check\), a mapping"):
+            XrayCTSampler(net, (8, 8, 8), **settings, consistency_reference=bad)
     with pytest.raises(ValueError, match="mismatch_tolerance must be a number > 0"):
         XrayCTSampler(net, (8, 8, 8), **settings, mismatch_tolerance=0)
 
@@ -214,7 +223,7 @@ def test_only_the_last_stage_of_a_cascade_takes_the_consistency_reference():
         TINY_XRAY_NETWORK,
         {**SAMPLER, "guidance_scale": 1.0, "consistency_reference": [0.5, 0.25]},
     )
-    assert [s.consistency_reference for s in cascade.stages] == [None, [0.5, 0.25]]
+    assert [s.consistency_reference for s in cascade.stages] == [None, {"residual": [0.5, 0.25]}]
 
 
 def test_refinement_converges_to_the_x_rays_of_a_consistent_volume():
@@ -542,12 +551,13 @@ def test_evaluator_reports_the_mean_its_spread_and_one_sample(tmp_path):
     torch.testing.assert_close(outputs[-1]["pred"], out["pred_sample"], rtol=0, atol=1e-4)
 
 
-def test_a_calibration_fitted_on_cases_covers_them_as_asked(tmp_path):
+def test_a_calibration_fitted_on_cases_covers_them_as_asked(tmp_path, caplog):
     """The handler fits ``scale * (std + floor)`` on an evaluation's cases; applying it, ``+-2`` calibrated spreads
     cover 95% of their voxels (split conformal on the same cases: 95% to within one voxel), and a
     refit on the calibrated evaluation gives the same calibration of the samples' own spread. The consistency
-    reference is the 95% quantile of the cases' first-estimate residuals per view (of 2 cases: the larger). All of
-    it is recorded into the run's record, whose settings evaluation and inference read."""
+    reference is, per statistic and view, the 95% conformal bound of the cases' first estimates (of 2 cases: the
+    larger, with a warning). All of it is recorded into the run's record, whose settings evaluation and inference
+    read."""
     from common.runs import RUN_FILE, run_settings
     from common.xray2ct.metrics import SamplerCalibration
 
@@ -588,15 +598,35 @@ def test_a_calibration_fitted_on_cases_covers_them_as_asked(tmp_path):
     covered = float(outputs[0]["coverage_2std"].mean())  # equal voxel counts: the pooled fraction
     voxel = 1 / (2 * 8**3)  # the voxel at the quantile sits on the interval's edge: rounding may leave it out
     assert 0.95 - voxel - 1e-6 <= covered <= 0.95 + voxel + 1e-6
-    residuals = outputs[0]["consistency_residual"]
-    assert residuals.shape == (2, 2)
-    assert fitted[0]["consistency_reference"] == pytest.approx(residuals.max(0).values.tolist())
+    # two cases are too few for a 95% conformal bound (19 are needed): the largest, with a warning saying so
+    assert set(fitted[0]["consistency_reference"]) == {"residual", "relation"}
+    for name, bounds in fitted[0]["consistency_reference"].items():
+        assert outputs[0][f"consistency_{name}"].shape == (2, 2)
+        assert bounds == pytest.approx(outputs[0][f"consistency_{name}"].max(0).values.tolist())
+    assert "calibrate on at least 19 cases" in caplog.text and "up to 33%" in caplog.text
     assert fitted[0]["record"] == str(run / RUN_FILE) and fitted[1]["record"] is None
     record = json.loads((run / RUN_FILE).read_text())
     assert "calibrated" in record and record["settings"]["lr"] == 0.2
     settings = run_settings(run, bundle)
     for name in ("uncertainty_scale", "uncertainty_floor", "consistency_reference"):
         assert settings[name] == pytest.approx(fitted[0][name])
+
+
+@pytest.mark.parametrize("n", [1, 6, 18, 19, 20, 39, 40, 200])
+def test_the_consistency_bound_is_the_conformal_rank_and_warns_below_the_cases_it_needs(n, caplog):
+    """Of ``n`` cases the bound is the ``ceil((n + 1) 0.95)``-th smallest per column (the split-conformal rank:
+    a new exchangeable case exceeds it with probability at most 5%); from fewer than 19 cases no such rank exists,
+    so the largest is taken and one warning gives the chance a clean view exceeds it and the cases needed."""
+    from common.xray2ct.metrics import conformal_bound, conformal_cases
+
+    assert conformal_cases(0.95) == 19 and conformal_cases(0.9) == 9 and conformal_cases(0.5) == 1
+    values = torch.randperm(2 * n, generator=torch.Generator().manual_seed(n)).reshape(n, 2).double()
+    rank = min(n, math.ceil((n + 1) * 0.95))
+    expected = [float(np.sort(values[:, v].numpy())[rank - 1]) for v in range(2)]
+    assert conformal_bound(values, 0.95) == expected
+    assert ("calibrate on at least 19 cases" in caplog.text) == (n < 19)
+    if n < 19:
+        assert f"up to {100 / (n + 1):.0f}%" in caplog.text
 
 
 def test_a_calibration_with_nothing_to_fit_says_so(tmp_path):
@@ -668,8 +698,9 @@ def test_residual_and_sampling_settings_are_checked(tmp_path):
     with pytest.raises(ValueError, match="'noise_tolerance' must be null .* got -1"):
         EVALUATION(**{**EVALUATED, "noise_tolerance": -1})
     EVALUATION(**{**EVALUATED, "consistency_reference": [0.01, 0.02], "mismatch_tolerance": 1.5})
-    for reference in ([0.01], [0.01, 0], "0.01", [0.01, True]):
-        with pytest.raises(ValueError, match=r"'consistency_reference' must be null \(no check\) or 2 numbers > 0"):
+    EVALUATION(**{**EVALUATED, "consistency_reference": {"residual": [0.01, 0.02], "relation": [0.005, 0.01]}})
+    for reference in ([0.01], [0.01, 0], "0.01", [0.01, True], {"relation": [0.01]}, {"other": [0.01, 0.02]}):
+        with pytest.raises(ValueError, match=r"'consistency_reference' must be null \(no check\), a mapping"):
             EVALUATION(**{**EVALUATED, "consistency_reference": reference})
     for tolerance in (0, -1, float("inf"), None):
         with pytest.raises(ValueError, match="'mismatch_tolerance' must be a number > 0"):

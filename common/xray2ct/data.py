@@ -225,6 +225,8 @@ class DRRd(MapTransform):
 #: the settings of :class:`XrayConditiond` (``xray_condition`` in the configs) and their clean values
 CONDITION_DEFAULTS: dict[str, Any] = {
     "photons": None,
+    "hardening": 0.0,
+    "scatter": 0.0,
     "blur_mm": 0.0,
     "gain": 1.0,
     "offset": 0.0,
@@ -240,7 +242,8 @@ def _real(value: Any) -> bool:
 
 def condition_problems(xray_condition: Mapping[str, Any] | None) -> list[str]:
     """The X-ray condition (``null``: clean X-rays) is a mapping of :data:`CONDITION_DEFAULTS`' keys: ``photons``
-    (``null`` or > 0: counts per pixel of the unattenuated beam), ``blur_mm`` >= 0, ``gain`` > 0, ``offset`` in
+    (``null`` or > 0: counts per pixel of the unattenuated beam), ``hardening`` in ``[0, 1)``, ``scatter`` >= 0,
+    ``blur_mm`` >= 0, ``gain`` > 0, ``offset`` in
     ``(-1, 1)``, ``rotation_deg`` and ``shift_mm`` (a number or 3 numbers) and an integer ``seed`` >= 0."""
     if xray_condition is None:
         return []
@@ -253,6 +256,8 @@ def condition_problems(xray_condition: Mapping[str, Any] | None) -> list[str]:
     c = {**CONDITION_DEFAULTS, **xray_condition}
     rules = {
         "photons": c["photons"] is None or (_real(c["photons"]) and c["photons"] > 0),
+        "hardening": _real(c["hardening"]) and 0 <= c["hardening"] < 1,
+        "scatter": _real(c["scatter"]) and c["scatter"] >= 0,
         "blur_mm": _real(c["blur_mm"]) and c["blur_mm"] >= 0,
         "gain": _real(c["gain"]) and c["gain"] > 0,
         "offset": _real(c["offset"]) and -1 < c["offset"] < 1,
@@ -263,6 +268,9 @@ def condition_problems(xray_condition: Mapping[str, Any] | None) -> list[str]:
         rules[key] = len(values) in (1, 3) and all(_real(v) for v in values)
     wanted = {
         "photons": "null or a number > 0 (counts per pixel of the unattenuated beam)",
+        "hardening": "a number in [0, 1) (the beam's two energies attenuate 1 -+ hardening times the nominal; 0: "
+        "monochromatic)",
+        "scatter": "a number >= 0 (scatter-to-primary ratio of the view's mean; 0: none)",
         "blur_mm": "a number >= 0 (the detector blur's Gaussian sigma, mm)",
         "gain": "a number > 0 (1: calibrated)",
         "offset": "a number in (-1, 1) (a fraction of the unattenuated intensity; 0: calibrated)",
@@ -287,11 +295,15 @@ class XrayConditiond(MapTransform):
 
     1. pose: the CT rotated by ``rotation_deg`` (degrees about X, Y, Z, around its centre) and shifted by
        ``shift_mm`` before it is projected (air comes in at the borders), while the model assumes the nominal pose;
-    2. detector blur: a Gaussian of sigma ``blur_mm`` (at the volume's centre) on the transmitted intensity
-       ``exp(-p)``;
-    3. photon noise: Poisson counts of ``photons`` per pixel of the unattenuated beam times the transmission
+    2. beam hardening: a beam of two energies in equal parts, attenuated ``1 - hardening`` and ``1 + hardening``
+       times the nominal energy's line integral ``p``: the transmission ``(exp(-(1 - h) p) + exp(-(1 + h) p)) / 2``,
+       whose ``-log`` bends below ``p`` as the path lengthens (the denser, the harder the beam);
+    3. scatter: a uniform background of ``scatter`` times the view's mean transmission added to it (a scatter-to-
+       primary ratio over the field);
+    4. detector blur: a Gaussian of sigma ``blur_mm`` (at the volume's centre) on the transmitted intensity;
+    5. photon noise: Poisson counts of ``photons`` per pixel of the unattenuated beam times the transmission
        (``null``: no noise), floored at half a photon;
-    4. miscalibration: the flat field off by ``gain`` and ``offset`` (``gain exp(-p) + offset``), then ``-log``.
+    6. miscalibration: the flat field off by ``gain`` and ``offset`` (``gain I + offset``), then ``-log``.
 
     The noise and nothing else is random, from ``seed`` and the case's id (the same case gets the same noise in every
     run). The ground-truth CT is not changed.
@@ -328,7 +340,10 @@ class XrayConditiond(MapTransform):
             rotation, shift = _triple_of(c["rotation_deg"]), _triple_of(c["shift_mm"])
             if any(rotation) or any(shift):
                 xray = self.projector.xrays(self._moved(volume, rotation, shift).unsqueeze(0))[0]
-            transmitted = torch.exp(-xray)
+            h = float(c["hardening"])
+            transmitted = (torch.exp(-(1 - h) * xray) + torch.exp(-(1 + h) * xray)) / 2 if h else torch.exp(-xray)
+            if c["scatter"] > 0:
+                transmitted = transmitted + float(c["scatter"]) * transmitted.mean(dim=(-2, -1), keepdim=True)
             if c["blur_mm"] > 0:
                 transmitted = self._blurred(transmitted, float(c["blur_mm"]))
             floor = 1e-6

@@ -33,18 +33,63 @@ Geometry and normalisation (volumes in the collection's ``[-1, 1]`` convention, 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["GEOMETRIES", "VIEW_AXES", "DRRProjector", "noise_level", "resize_2d", "view_plane"]
+__all__ = [
+    "GEOMETRIES",
+    "MISMATCH_STATISTICS",
+    "VIEW_AXES",
+    "DRRProjector",
+    "consistency_bounds",
+    "noise_level",
+    "resize_2d",
+    "view_plane",
+]
 
 #: the spatial axis (of ``X, Y, Z`` in RAS) each view integrates along
 VIEW_AXES = {"ap": 1, "lateral": 0}
 #: the beam geometries of :class:`DRRProjector`
 GEOMETRIES = ("parallel", "cone")
+#: the statistics of :meth:`DRRProjector.mismatch`, each with its bound in a consistency check's reference
+MISMATCH_STATISTICS = ("residual", "relation")
+
+
+def consistency_bounds(reference: Any, views: Sequence[str]) -> dict[str, list[float]] | None:
+    """The bounds of a consistency check's ``reference``: per statistic of :meth:`DRRProjector.mismatch`, one
+    number > 0 per view. ``reference`` is ``None`` (no check), a mapping from statistics to their per-view bounds
+    (as :class:`common.xray2ct.metrics.SamplerCalibration` fits them; a statistic left out is not checked), or a
+    list of per-view bounds of the ``residual`` alone (calibrations made before the ``relation`` statistic).
+
+    Raises:
+        ValueError: naming the views and the forms accepted.
+    """
+    if reference is None:
+        return None
+    bounds = {"residual": reference} if isinstance(reference, (list, tuple)) else reference
+
+    def per_view(values: Any) -> bool:
+        return (
+            isinstance(values, (list, tuple))
+            and len(values) == len(views)
+            and all(
+                isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v > 0 for v in values
+            )
+        )
+
+    if not (isinstance(bounds, Mapping) and bounds and set(bounds) <= set(MISMATCH_STATISTICS)) or not all(
+        per_view(b) for b in bounds.values()
+    ):
+        raise ValueError(
+            f"'consistency_reference' must be null (no check), a mapping from statistics out of "
+            f"{list(MISMATCH_STATISTICS)} to {len(views)} numbers > 0 each, one per view {list(views)} (fitted by "
+            f"evaluate.json --calibrate True), or {len(views)} residual bounds; got {reference!r}."
+        )
+    return {name: [float(v) for v in b] for name, b in bounds.items()}
 
 
 def view_plane(spatial: Sequence[int], view: str) -> tuple[int, int]:
@@ -330,23 +375,41 @@ class DRRProjector(nn.Module):
         """Attenuation (1/cm) -> volume value (the inverse of :meth:`attenuation`)."""
         return self.from_hu((mu / self.mu_water - 1.0) * 1000.0)
 
-    def residual(self, volume: torch.Tensor, xray: torch.Tensor) -> torch.Tensor:
-        """``(B, V)`` root mean square difference of each view between the volumes' native projection and the
-        X-rays (area-averaged to the native plane, as :meth:`data_consistency` compares them).
+    def mismatch(self, volume: torch.Tensor, xray: torch.Tensor) -> dict[str, torch.Tensor]:
+        """How far each view's X-ray is from the volumes' native projection, ``(B, V)`` per statistic of
+        :data:`MISMATCH_STATISTICS` (the X-rays area-averaged to the native plane, as :meth:`data_consistency`
+        compares them):
+
+        - ``residual``: the root mean square of measured minus projected, the size of the disagreement;
+        - ``relation``: its systematic part. The line ``measured = a + b * projected`` is fitted over the view's
+          pixels (least squares), and the statistic is the root mean square over the view of ``a + (b - 1) *
+          projected``, the line's departure from the identity. A detector or geometry that does not match the
+          projector (a gain or offset, a nonlinear response, scatter, blur) bends the relation between what is
+          measured and what is projected; the error of a volume that is merely off leaves it near the identity on
+          average, however large the residual. A view with a uniform projection has no slope: the mean offset.
 
         Args:
             volume: ``(B, 1, X, Y, Z)`` volumes in ``[-1, 1]``.
             xray: ``(B, V, H, W)`` normalised line integrals of the same cases.
         """
-        by_plane: dict[tuple[int, int], torch.Tensor] = {}  # a volume that is not a cube: planes of several sizes
-        columns = []
+        by_plane: dict[tuple[int, int], dict[str, torch.Tensor]] = {}  # a volume that is not a cube: planes of sizes
+        columns: dict[str, list[torch.Tensor]] = {name: [] for name in MISMATCH_STATISTICS}
         for i, view in enumerate(self.views):
             plane = view_plane(volume.shape[2:], view)
             if plane not in by_plane:
-                measured = resize_2d(xray.to(volume.device).float(), plane)
-                by_plane[plane] = (self.project(volume, plane).float() - measured).pow(2).mean(dim=(2, 3)).sqrt()
-            columns.append(by_plane[plane][:, i])
-        return torch.stack(columns, dim=1)
+                measured = resize_2d(xray.to(volume.device).float(), plane).flatten(2)
+                projected = self.project(volume, plane).float().flatten(2)
+                offset = measured.mean(2) - projected.mean(2)
+                centred, spread = projected - projected.mean(2, keepdim=True), projected.var(2, correction=0)
+                slope = (centred * measured).mean(2) / spread.clamp_min(1e-12)
+                bend = torch.where(spread > 1e-12, slope - 1.0, torch.zeros_like(slope))
+                by_plane[plane] = {
+                    "residual": (projected - measured).pow(2).mean(2).sqrt(),
+                    "relation": (offset.pow(2) + bend.pow(2) * spread).sqrt(),
+                }
+            for name in MISMATCH_STATISTICS:
+                columns[name].append(by_plane[plane][name][:, i])
+        return {name: torch.stack(column, dim=1) for name, column in columns.items()}
 
     def data_consistency(
         self,

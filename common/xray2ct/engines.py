@@ -302,7 +302,7 @@ class XrayCTEvaluator(StepEvaluator):
         xray = plain_tensor(xray).float()
         sampler = engine.network
         modules = [sampler] + ([self.previous] if self.previous is not None else [])
-        means, stds, firsts, residuals, corrected = [], [], [], [], []
+        means, stds, firsts, checks = [], [], [], []
         with self.inference(*modules):
             for i in range(xray.shape[0]):
                 generator = torch.Generator().manual_seed(volume_seed(batchdata, i, self.seed))
@@ -312,11 +312,9 @@ class XrayCTEvaluator(StepEvaluator):
                 means.append(samples.mean(0, keepdim=True))
                 stds.append(samples.std(0, correction=0, keepdim=True))
                 firsts.append(samples[:1])
-                check = sampler.consistency
-                if check["residual"] is not None:
-                    residuals.append(check["residual"].float().mean(0, keepdim=True).cpu())
-                    corrected.append(check["corrected"].float().mean(0, keepdim=True).cpu())
-                    _warn_mismatch(sampler, batchdata, i, corrected[-1][0], residuals[-1][0])
+                if sampler.consistency["residual"] is not None:  # per view, the mean over the case's samples
+                    checks.append({k: v.float().mean(0, keepdim=True).cpu() for k, v in sampler.consistency.items()})
+                    _warn_mismatch(sampler, batchdata, i, checks[-1])
         volume = torch.cat(means)
         projector = unwrap(sampler.network).projector
         output: dict[str, Any] = {
@@ -324,9 +322,8 @@ class XrayCTEvaluator(StepEvaluator):
             "pred_xray": projector.project(volume, xray.shape[-2:]),
             "proj_error": self.projection_loss(volume, xray),
         }
-        if len(residuals) == xray.shape[0]:  # per case and view: the first estimates' residual, the share corrected
-            output["consistency_residual"] = torch.cat(residuals)
-            output["consistency_corrected"] = torch.cat(corrected)
+        if len(checks) == xray.shape[0]:  # per case and view: the first estimates' statistics, the share corrected
+            output.update({f"consistency_{k}": torch.cat([c[k] for c in checks]) for k in checks[0]})
         # per case: the share of its samples' views the consistency check let correct them (1: all, or no check)
         share = output.get("consistency_corrected")
         output["corrected_views"] = torch.ones(xray.shape[0]) if share is None else share.mean(1)
@@ -346,22 +343,27 @@ class XrayCTEvaluator(StepEvaluator):
         return output
 
 
-def _warn_mismatch(sampler: nn.Module, batchdata: Any, index: int, corrected: torch.Tensor, residual: torch.Tensor):
-    """One warning line for a case some of whose views the sampler's consistency check left out."""
-    if bool((corrected >= 1).all()) or not (sampler.guidance_scale and sampler.consistency_reference is not None):
+def _warn_mismatch(sampler: nn.Module, batchdata: Any, index: int, check: dict[str, torch.Tensor]) -> None:
+    """One warning line for a case some of whose views the sampler's consistency check left out (``check``: the
+    case's statistics and share corrected, ``(1, V)``), naming each view and the bounds it exceeded."""
+    if bool((check["corrected"] >= 1).all()) or not (sampler.guidance_scale and sampler.consistency_reference):
         return
-    views = unwrap(sampler.network).projector.views
-    left_out = [
-        f"{view} (residual {float(r):.4g} > {sampler.mismatch_tolerance:g} x {ref:.4g})"
-        for view, r, ref, c in zip(views, residual, sampler.consistency_reference, corrected)
-        if float(c) < 1
-    ]
+    tolerance = sampler.mismatch_tolerance
+    left_out = []
+    for v, view in enumerate(unwrap(sampler.network).projector.views):
+        if float(check["corrected"][0, v]) < 1:
+            beyond = [
+                f"{name} {float(check[name][0, v]):.4g} > {tolerance:g} x {bounds[v]:.4g}"
+                for name, bounds in sampler.consistency_reference.items()
+                if float(check[name][0, v]) > tolerance * bounds[v]
+            ]
+            left_out.append(f"{view} ({', '.join(beyond) or 'some samples'})")
     name = case_name(batchdata, index)
     logger.warning(
         "case %s: the X-ray of view(s) %s does not match the projector as the calibration cases did (blurred, "
-        "miscalibrated, misposed or another geometry?): no projection correction from it.",
+        "miscalibrated, scattered, misposed or another geometry?): no projection correction from it.",
         name if name is not None else index,
-        ", ".join(left_out),
+        "; ".join(left_out),
     )
 
 

@@ -55,6 +55,7 @@ from monai.utils import MetricReduction, convert_to_tensor
 
 from common.runs import record_calibration
 from common.utils import write_text_atomic
+from common.xray2ct.drr import MISMATCH_STATISTICS
 
 logger = logging.getLogger(__name__)
 
@@ -63,6 +64,8 @@ __all__ = [
     "HighFrequencyRatioMetric",
     "SamplerCalibration",
     "SpectralDistanceMetric",
+    "conformal_bound",
+    "conformal_cases",
     "fit_uncertainty_scale",
     "high_frequency_energy_ratio",
     "log_spectral_distance",
@@ -508,17 +511,51 @@ def fit_uncertainty_scale(
     return quantile / float(width)
 
 
+def conformal_cases(coverage: float) -> int:
+    """The fewest calibration cases whose split-conformal bound holds ``coverage``: ``n`` with
+    ``ceil((n + 1) * coverage) <= n`` (19 for 0.95)."""
+    n = 1
+    while math.ceil(round((n + 1) * float(coverage), 9)) > n:
+        n += 1
+    return n
+
+
+def conformal_bound(values: torch.Tensor, coverage: float) -> list[float]:
+    """Per column of ``values`` (``(cases, V)``), the split-conformal ``coverage`` bound: the
+    ``ceil((n + 1) * coverage)``-th smallest of the ``n`` cases, which a new case exchangeable with them exceeds with
+    probability at most ``1 - coverage``. With fewer than :func:`conformal_cases` cases the largest is taken, and a
+    warning gives the probability (up to ``1 / (n + 1)``) and the cases needed."""
+    n = values.shape[0]
+    k = math.ceil(round((n + 1) * float(coverage), 9))
+    if k > n:
+        logger.warning(
+            "calibration on %d case(s): no %.0f%% bound can be had from so few, so the largest is taken, which a "
+            "clean view exceeds with probability up to %.0f%% (left uncorrected); calibrate on at least %d cases.",
+            n,
+            100 * coverage,
+            100 / (n + 1),
+            conformal_cases(coverage),
+        )
+        k = n
+    return [float(v) for v in values.double().kthvalue(k, dim=0).values]
+
+
 class SamplerCalibration:
     """Fits what a sampler learns about itself on the cases an evaluator runs (validation cases like those it will
     meet), writes it as JSON to ``path`` and records it with the weights: into the settings of the run recorded in
     ``record_dir`` (:func:`common.runs.record_calibration`), so that evaluation and inference of that run use it
     (rank 0, after every rank's cases are gathered).
 
-    - ``consistency_reference``: per view, the ``coverage`` quantile of the cases' first-estimate residuals
-      (``consistency_residual`` of :class:`common.xray2ct.engines.XrayCTEvaluator`): the consistency check of
+    - ``consistency_reference``: per mismatch statistic (``residual`` and ``relation``,
+      :meth:`common.xray2ct.drr.DRRProjector.mismatch`; ``consistency_<statistic>`` of
+      :class:`common.xray2ct.engines.XrayCTEvaluator`) and per view, the split-conformal ``coverage`` bound of the
+      cases' first estimates: the ``ceil((n + 1) * coverage)``-th smallest of ``n`` cases, which a new case like
+      them exceeds with probability at most ``1 - coverage``. The consistency check of
       :class:`common.xray2ct.networks.XrayCTSampler` then leaves out the views of a case that fit the projector
-      markedly worse than these cases did. Fitted when the evaluation recorded the residuals (any mode with a
-      correction: ``guidance_scale`` > 0, or ``direct``/``backprojection``/``residual``).
+      markedly worse, or more systematically, than these cases did. With fewer cases than that rank needs
+      (:func:`conformal_cases`: 19 for 95%) the largest is taken, which a clean view exceeds with probability up
+      to ``1 / (n + 1)`` per statistic, and a warning says so. Fitted when the evaluation recorded the statistics
+      (any mode with a correction: ``guidance_scale`` > 0, or ``direct``/``backprojection``/``residual``).
     - ``uncertainty_scale`` and ``uncertainty_floor``: the calibrated spread is ``scale * (std + floor)``, with
       ``floor`` the median spread of those voxels (so voxels where every sample agrees still get an interval) and
       ``scale`` from :func:`fit_uncertainty_scale` (``+-width`` calibrated spreads cover ``coverage`` of the
@@ -563,18 +600,19 @@ class SamplerCalibration:
         self.max_voxels = int(max_voxels)
         self._errors: list[torch.Tensor] = []
         self._stds: list[torch.Tensor] = []
-        self._residuals: list[torch.Tensor] = []
+        self._mismatch: dict[str, list[torch.Tensor]] = {name: [] for name in MISMATCH_STATISTICS}
 
     def attach(self, engine: Engine) -> None:
-        parts = (self._errors, self._stds, self._residuals)
+        parts = (self._errors, self._stds, *self._mismatch.values())
         engine.add_event_handler(Events.EPOCH_STARTED, lambda _: [part.clear() for part in parts])
         engine.add_event_handler(Events.ITERATION_COMPLETED, self.collect)
         engine.add_event_handler(Events.EPOCH_COMPLETED, self.write)
 
     def collect(self, engine: Engine) -> None:
         output = engine.state.output
-        if output.get("consistency_residual") is not None:
-            self._residuals.extend(output["consistency_residual"].detach().float().cpu())
+        for name, cases in self._mismatch.items():
+            if output.get(f"consistency_{name}") is not None:
+                cases.extend(output[f"consistency_{name}"].detach().float().cpu())
         if output.get("pred_std") is None or output.get("label") is None:
             return
         error = (output["pred"].detach().float() - output["label"].detach().float()).abs().cpu()
@@ -589,7 +627,7 @@ class SamplerCalibration:
             self._stds.append(case_std)
 
     def write(self, engine: Engine) -> None:
-        parts = [(self._errors, self._stds, self._residuals)]
+        parts = [(self._errors, self._stds, self._mismatch)]
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
             gathered: list = [None] * dist.get_world_size()
             dist.all_gather_object(gathered, parts[0])
@@ -598,12 +636,12 @@ class SamplerCalibration:
                 return
         errors = [e for rank in parts for e in rank[0]]
         stds = [s for rank in parts for s in rank[1]]
-        residuals = [r for rank in parts for r in rank[2]]
+        mismatch = {name: [c for rank in parts for c in rank[2][name]] for name in MISMATCH_STATISTICS}
         fitted: dict = {}
-        if residuals:
-            stacked = torch.stack(residuals).double()  # (cases, views)
-            k = max(1, math.ceil(self.coverage * stacked.shape[0]))
-            fitted["consistency_reference"] = [float(v) for v in stacked.kthvalue(k, dim=0).values]
+        if all(mismatch.values()):
+            fitted["consistency_reference"] = {
+                name: conformal_bound(torch.stack(cases), self.coverage) for name, cases in mismatch.items()
+            }
         if errors:
             all_errors, all_stds = torch.cat(errors), torch.cat(stds)
             floor = float(all_stds.double().median())
@@ -621,7 +659,7 @@ class SamplerCalibration:
             "coverage": self.coverage,
             "width": self.width,
             "num_samples": self.num_samples,
-            "cases": max(len(residuals), len(errors)),
+            "cases": max(len(mismatch["residual"]), len(errors)),
             "voxels": sum(int(e.numel()) for e in errors),
             "record": None if record is None else str(record),
         }

@@ -32,7 +32,7 @@ from common.diffusion.schedule import DiffusionSchedule, grid_ddim_sample
 from common.networks.wrappers import InferenceView, clean_state_dict, unwrap
 from common.runs import RUN_FILE, RunSettings, read_record, run_settings
 from common.utils import is_positive_int
-from common.xray2ct.drr import DRRProjector
+from common.xray2ct.drr import MISMATCH_STATISTICS, DRRProjector, consistency_bounds
 
 __all__ = [
     "MODES",
@@ -582,19 +582,21 @@ class XrayCTSampler(InferenceView):
         noise_tolerance: ``None``, or the discrepancy principle for the guidance and refinement steps: a view whose
             residual is within this many times its X-ray's estimated noise level gets no more correction
             (:meth:`common.xray2ct.drr.DRRProjector.data_consistency`).
-        consistency_reference: ``None``, or the consistency check of the guidance and refinement steps: per view,
-            the residual (:meth:`common.xray2ct.drr.DRRProjector.residual`) that the sampler's first estimate of
-            the CT leaves on X-rays like those it was trained on (fitted on validation cases by
-            :class:`common.xray2ct.metrics.SamplerCalibration`). A sample whose first estimate leaves more than
-            ``mismatch_tolerance`` times that on a view gets no correction from that view: its X-ray does not match
-            the projector (blurred, miscalibrated, misposed or another geometry), and fitting it moves the volume
-            away from the truth. The first estimate is the network's output (``direct``), the back-projection
-            (``backprojection``) or the first DDIM step's prediction of the CT (``diffusion``, ``residual``), all
-            before any correction.
-        mismatch_tolerance: the factor of ``consistency_reference`` beyond which a view is left out (> 0).
+        consistency_reference: ``None``, or the consistency check of the guidance and refinement steps: per
+            statistic of :meth:`common.xray2ct.drr.DRRProjector.mismatch` (``residual``, the size of a view's
+            disagreement with the projection; ``relation``, its systematic part) and per view, the value that the
+            sampler's first estimate of the CT leaves on X-rays like those it was trained on (fitted on validation
+            cases by :class:`common.xray2ct.metrics.SamplerCalibration`; the forms accepted:
+            :func:`common.xray2ct.drr.consistency_bounds`). A sample whose first estimate leaves more than
+            ``mismatch_tolerance`` times a bound on a view gets no correction from that view: its X-ray does not
+            match the projector (blurred, miscalibrated, scattered, misposed or another geometry), and fitting it
+            moves the volume away from the truth. The first estimate is the network's output (``direct``), the
+            back-projection (``backprojection``) or the first DDIM step's prediction of the CT (``diffusion``,
+            ``residual``), all before any correction.
+        mismatch_tolerance: the factor of the bounds beyond which a view is left out (> 0).
 
-    After each :meth:`draw`, :attr:`consistency` holds ``residual`` (``(N, V)``: each sample's first-estimate
-    residual per view, ``None`` for a diffusion mode sampled without any correction) and ``corrected`` (``(N, V)``
+    After each :meth:`draw`, :attr:`consistency` holds each statistic (``(N, V)``: each sample's first estimate,
+    per view; ``None`` for a diffusion mode sampled without any correction) and ``corrected`` (``(N, V)``
     booleans: the views that corrected it), for the ``N`` samples drawn.
     """
 
@@ -643,20 +645,12 @@ class XrayCTSampler(InferenceView):
         self.guidance_scale = float(guidance_scale)
         self.refine_steps = int(refine_steps)
         self.noise_tolerance = None if noise_tolerance is None else float(noise_tolerance)
-        views = len(unwrap(network).projector.views)
-        if consistency_reference is not None:
-            reference = [float(r) for r in consistency_reference]
-            if len(reference) != views or not all(math.isfinite(r) and r > 0 for r in reference):
-                raise ValueError(
-                    f"consistency_reference must be None or {views} positive numbers (one per view), got "
-                    f"{consistency_reference!r}."
-                )
-            consistency_reference = reference
+        consistency_reference = consistency_bounds(consistency_reference, unwrap(network).projector.views)
         if not (math.isfinite(float(mismatch_tolerance)) and float(mismatch_tolerance) > 0):
             raise ValueError(f"mismatch_tolerance must be a number > 0, got {mismatch_tolerance!r}.")
         self.consistency_reference = consistency_reference
         self.mismatch_tolerance = float(mismatch_tolerance)
-        self.consistency: dict[str, torch.Tensor | None] = {"residual": None, "corrected": None}
+        self.consistency: dict[str, torch.Tensor | None] = dict.fromkeys((*MISMATCH_STATISTICS, "corrected"))
         # a buffer, so that a traced (exported) sampler keeps the same noise
         self.register_buffer("start_noise", self._fixed_noise(self.num_samples), persistent=False)
 
@@ -735,7 +729,7 @@ class XrayCTSampler(InferenceView):
             estimate = unwrap(net).estimate(xray if per_case else xray_k, previous, self.volume_size)
             estimate_k = per_sample(estimate)
         chunk = self.sample_chunk or batch * k
-        samples, residuals, corrected = [], [], []
+        samples, checks = [], []
         for i in range(0, batch * k, chunk):
             sample, check = self._sample_chunk(
                 noise[i : i + chunk],
@@ -746,27 +740,28 @@ class XrayCTSampler(InferenceView):
                 generator,
             )
             samples.append(sample)
-            residuals.append(check["residual"])
-            corrected.append(check["corrected"])
-        checked = all(r is not None for r in residuals)
-        self.consistency = {
-            "residual": torch.cat(residuals) if checked else None,
-            "corrected": torch.cat(corrected) if checked else self._all_views(batch * k, xray.device),
-        }
+            checks.append(check)
+        if all(c["corrected"] is not None for c in checks):
+            self.consistency = {name: torch.cat([c[name] for c in checks]) for name in checks[0]}
+        else:
+            self.consistency = {
+                **dict.fromkeys(MISMATCH_STATISTICS),
+                "corrected": self._all_views(batch * k, xray.device),
+            }
         return self.refine(torch.cat(samples), xray_k, self.consistency["corrected"])
 
     def _all_views(self, n: int, device: torch.device | str) -> torch.Tensor:
         return torch.ones((n, len(unwrap(self.network).projector.views)), dtype=torch.bool, device=device)
 
     def _check_consistency(self, volume: torch.Tensor, xray: torch.Tensor) -> torch.Tensor:
-        """Records the first estimates' residuals per view in :attr:`consistency` and returns the ``(N, V)`` views
-        that may correct them (all, without a ``consistency_reference``)."""
-        residual = unwrap(self.network).projector.residual(volume, xray)
+        """Records the first estimates' mismatch statistics per view in :attr:`consistency` and returns the
+        ``(N, V)`` views that may correct them: those within ``mismatch_tolerance`` times every bound of the
+        reference (all, without a ``consistency_reference``)."""
+        statistics = unwrap(self.network).projector.mismatch(volume, xray)
         corrected = self._all_views(volume.shape[0], volume.device)
-        if self.consistency_reference is not None:
-            limit = torch.tensor(self.consistency_reference, device=residual.device) * self.mismatch_tolerance
-            corrected = residual <= limit
-        self.consistency = {"residual": residual, "corrected": corrected}
+        for name, bounds in (self.consistency_reference or {}).items():
+            corrected &= statistics[name] <= torch.tensor(bounds, device=volume.device) * self.mismatch_tolerance
+        self.consistency = {**statistics, "corrected": corrected}
         return corrected
 
     def refine(self, volume: torch.Tensor, xray: torch.Tensor, corrected: torch.Tensor | None = None) -> torch.Tensor:
@@ -790,12 +785,12 @@ class XrayCTSampler(InferenceView):
         generator: torch.Generator | None,
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor | None]]:
         """The DDIM samples of one chunk (``noise`` and the per-sample inputs of its volumes), and the consistency
-        check of their first estimates (``residual`` and ``corrected``, see :attr:`consistency`; ``residual`` is
+        check of their first estimates (the statistics and ``corrected``, see :attr:`consistency`; each is
         ``None`` when the chunk was sampled without any correction)."""
         net = self.network
         denoiser = unwrap(net)
         extra = {} if estimate is None else {"estimate": estimate}
-        check: dict[str, torch.Tensor | None] = {"residual": None, "corrected": None}
+        check: dict[str, torch.Tensor | None] = dict.fromkeys((*MISMATCH_STATISTICS, "corrected"))
 
         def model_fn(x_t: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
             return net(x_t, t, xray, previous, condition=condition, **extra).float()
@@ -808,9 +803,9 @@ class XrayCTSampler(InferenceView):
 
         def corrected(x0: torch.Tensor, t: int) -> torch.Tensor:
             volume = to_volume(x0)
-            if check["residual"] is None:  # the first estimate, before any correction
-                check["corrected"] = self._check_consistency(volume.float(), xray)
-                check["residual"] = self.consistency["residual"]
+            if check["corrected"] is None:  # the first estimate, before any correction
+                self._check_consistency(volume.float(), xray)
+                check.update(self.consistency)
             if self.guidance_scale:
                 views = None if self.consistency_reference is None else check["corrected"].to(volume.dtype)
                 volume = denoiser.projector.data_consistency(

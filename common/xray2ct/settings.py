@@ -14,7 +14,7 @@ from common.data.pipeline import cache_problems, orientation_problems
 from common.diffusion.schedule import PREDICTIONS, grid_problems
 from common.utils import is_positive_int
 from common.xray2ct.data import condition_problems
-from common.xray2ct.drr import GEOMETRIES, VIEW_AXES, view_plane
+from common.xray2ct.drr import GEOMETRIES, VIEW_AXES, consistency_bounds, view_plane
 from common.xray2ct.engines import DIRECT_LOSSES, LOSS_WEIGHTINGS
 from common.xray2ct.losses import PHYSICS_WEIGHTINGS
 from common.xray2ct.networks import MODES, SAMPLER_MODES, sampling_problems, stage_checkpoint
@@ -273,25 +273,19 @@ def uncertainty_problems(uncertainty_scale: float, uncertainty_floor: float) -> 
     return problems
 
 
-def consistency_problems(
-    views: Sequence[str], consistency_reference: Sequence[float] | None, mismatch_tolerance: float
-) -> list[str]:
-    """The consistency check of the projection corrections: ``consistency_reference`` is null (off) or one residual
-    > 0 per view (fitted by ``evaluate.json --calibrate True``), and ``mismatch_tolerance`` a factor > 0."""
+def consistency_problems(views: Sequence[str], consistency_reference: Any, mismatch_tolerance: float) -> list[str]:
+    """The consistency check of the projection corrections: ``consistency_reference`` is null (off) or its bounds
+    per statistic and view (:func:`common.xray2ct.drr.consistency_bounds`, fitted by ``evaluate.json --calibrate
+    True``), and ``mismatch_tolerance`` a factor > 0."""
     problems = []
-    if consistency_reference is not None:
-        ok = isinstance(consistency_reference, (list, tuple)) and all(
-            _number(r) and r > 0 for r in consistency_reference
-        )
-        if not ok or len(consistency_reference) != len(views):
-            problems.append(
-                f"'consistency_reference' must be null (no check) or {len(views)} numbers > 0, one per view "
-                f"{list(views)} (fitted by evaluate.json --calibrate True), got {consistency_reference!r}."
-            )
+    try:
+        consistency_bounds(consistency_reference, views)
+    except ValueError as exc:
+        problems.append(str(exc))
     if not (_number(mismatch_tolerance) and math.isfinite(mismatch_tolerance) and mismatch_tolerance > 0):
         problems.append(
             "'mismatch_tolerance' must be a number > 0 (a view whose first estimate leaves more than this many times "
-            f"its consistency_reference gets no correction), got {mismatch_tolerance!r}."
+            f"a bound of its consistency_reference gets no correction), got {mismatch_tolerance!r}."
         )
     return problems
 

@@ -29,7 +29,8 @@ back-projection), and the stochastic methods' rows with ``refine`` > 0.
 
 Realistic X-rays (``conditions``, :data:`CONDITIONS`): at the two largest budgets every method is evaluated again
 on validation X-rays made under each condition - photon noise at two doses, detector blur, a miscalibrated flat
-field, a pose error, cone-beam views - with the models trained on clean parallel-beam X-rays. Its guided and refined
+field, a pose error, beam hardening, scatter - with the models trained on clean X-rays. (Cone-beam views of a
+parallel-trained model are no condition: evaluation refuses a geometry other than the trained one.) Its guided and refined
 evaluations run twice there: with every consistency step, and with the discrepancy principle (``noise_tolerance``:
 a view within that many times its noise level is left alone). Results go to ``output`` (JSON, rewritten after every evaluation), a Markdown table
 and a plot of PSNR and projection error against the budget.
@@ -84,7 +85,8 @@ CONDITIONS: dict[str, dict[str, Any]] = {
     "blur": {"xray_condition": {"blur_px": 1.0}},
     "miscalibrated": {"xray_condition": {"gain": 1.05, "offset": 0.01}},
     "pose": {"xray_condition": {"rotation_deg": [1.5, 1.5, 1.5], "shift_mm": [1.5, 1.5, 1.5]}},
-    "cone": {"geometry": "cone", "source_to_isocenter_mm": 1000.0, "source_to_detector_mm": 1500.0},
+    "hardening": {"xray_condition": {"hardening": 0.3}},
+    "scatter": {"xray_condition": {"scatter": 0.05}},
 }
 #: the discrepancy principle's tolerance in the conditions' guided and refined evaluations
 NOISE_TOLERANCE = 1.5

@@ -226,7 +226,9 @@ def xray_consistency(
 ) -> dict:
     """Each method's snapshot at ``budget`` on held-out X-rays, clean and under each condition, without correction
     (``correction`` ``none``), corrected (``corrected``), and corrected under the consistency check fitted on the
-    calibration half with each tolerance (``checked <tolerance>``; see the module docstring).
+    calibration part with each tolerance: with both of its statistics (``checked <tolerance>``) and with the
+    residual's bound alone (``residual only <tolerance>``, the check without the relation test; see the module
+    docstring).
 
     Args:
         runs, work, datalist, budget, stage, calibration_fraction, output: as
@@ -264,6 +266,8 @@ def xray_consistency(
         reference = json.loads((fit["dir"] / "calibration.json").read_text())["consistency_reference"]
         variants = {"none": {"guidance_scale": 0.0, "refine_steps": 0}, "corrected": corrected}
         for tolerance in summary["mismatch_tolerances"]:
+            size_only = {"consistency_reference": {"residual": reference["residual"]}, "mismatch_tolerance": tolerance}
+            variants[f"residual only {tolerance:g}"] = {**corrected, **size_only}
             check = {"consistency_reference": reference, "mismatch_tolerance": tolerance}
             variants[f"checked {tolerance:g}"] = {**corrected, **check}
         for condition, condition_overrides in {"clean": {}, **conditions}.items():
@@ -285,9 +289,14 @@ def xray_consistency(
     return summary
 
 
+def _checks(summary: dict) -> list[str]:
+    """The checked variants of :func:`xray_consistency`, per tolerance the residual alone, then both statistics."""
+    return [f"{v} {t:g}" for t in summary["mismatch_tolerances"] for v in ("residual only", "checked")]
+
+
 def consistency_header(summary: dict) -> list[str]:
     """The columns of :func:`consistency_rows`."""
-    checked = [f"checked {t:g}: PSNR (views corrected)" for t in summary["mismatch_tolerances"]]
+    checked = [f"{v}: PSNR (views corrected)" for v in _checks(summary)]
     return ["condition", "method", "none: PSNR (dB)", "corrected", *checked]
 
 
@@ -298,7 +307,7 @@ def consistency_rows(summary: dict) -> list[list[str]]:
     cells: dict[tuple[str, str], dict[str, dict]] = {}
     for r in summary["results"]:
         cells.setdefault((r["condition"], r["method"]), {})[r["correction"]] = r
-    variants = ["none", "corrected", *(f"checked {t:g}" for t in summary["mismatch_tolerances"])]
+    variants = ["none", "corrected", *_checks(summary)]
     rows = []
     for (condition, method), found in cells.items():
         psnrs = {v: found[v]["psnr"] for v in variants if v in found and found[v]["psnr"] is not None}
@@ -309,7 +318,7 @@ def consistency_rows(summary: dict) -> list[list[str]]:
                 return "-"
             text = f"**{psnrs[v]:.2f}**" if psnrs[v] == best else f"{psnrs[v]:.2f}"
             share = found[v].get("corrected_views")
-            return text if not v.startswith("checked") or share is None else f"{text} ({100 * share:.0f}%)"
+            return text if v in ("none", "corrected") or share is None else f"{text} ({100 * share:.0f}%)"
 
         rows.append([condition, method, *(cell(v) for v in variants)])
     return rows
