@@ -5,10 +5,11 @@ of a node, several nodes, a SLURM allocation or a Kubernetes job.
 
 One process in total gives ``python -m monai.bundle run training --config_file <train.json>``; more give torchrun
 (``python -m common.bundle_tools.torchrun``, which ends with one line and 128 + the signal's number when a signal
-stops it) with the bundle's ``multi_gpu_train.json`` merged on top of ``train.json``. The ``inference`` job is the same with ``inference.json``, ``multi_gpu_inference.json`` (the ranks
-share the cases) and the run id ``run``. The command is built from explicit arguments, or from the SLURM environment (``SLURM_NNODES``,
-``SLURM_NODEID``, the first host of ``SLURM_JOB_NODELIST`` as the rendezvous host, ``SLURM_JOB_ID`` as the
-rendezvous id). Paths are written relative to the repository root, where the command runs.
+stops it) with the bundle's ``multi_gpu_train.json`` merged on top of ``train.json``. The ``inference`` job is the
+same with ``inference.json``, ``multi_gpu_inference.json`` (the ranks share the cases) and the run id ``run``. The
+command is built from explicit arguments, or from the SLURM environment (``SLURM_NNODES``, ``SLURM_NODEID``, the
+first host of ``SLURM_JOB_NODELIST`` as the rendezvous host, ``SLURM_JOB_ID`` as the rendezvous id). Paths are
+written relative to the repository root, where the command runs.
 """
 
 from __future__ import annotations
@@ -513,7 +514,8 @@ def _torchrun_options(
     max_restarts: int,
     log_dir: str | os.PathLike | None,
 ) -> list[str]:
-    """``-m common.bundle_tools.torchrun`` (torchrun) and its options for this node: topology, rendezvous, restarts, logs."""
+    """``-m common.bundle_tools.torchrun`` (torchrun) and its options for this node: topology, rendezvous, restarts,
+    logs."""
     argv = ["-m", "common.bundle_tools.torchrun", "--nnodes", str(nnodes), "--nproc_per_node", str(nproc)]
     argv += _rendezvous_options(nnodes, node_rank, endpoint, rdzv_id)
     if max_restarts > 0:

@@ -5,9 +5,10 @@ except when a signal stops it.
 
 Ctrl-C, a scheduler's preemption or a Kubernetes termination reaches torchrun's agent as a signal, which it passes on
 to the ranks and then reports as a ``SignalException`` traceback with exit status 1. The ranks of these bundles
-already say what they kept (inference: one ``[rank<r>]: interrupted: ...`` line each). This entry point ends the
-agent with one line naming the signal and the shell's status for it, ``128 + signal number`` (130 for Ctrl-C), so
-that a script or scheduler sees an interruption, not a failure. ``scripts/launch.py`` runs it.
+already say what they kept (one ``interrupted: ...`` line each, :func:`common.errors.install_user_error_hook`).
+This entry point ends the agent with one line naming the signal and the shell's status for it, ``128 + signal
+number`` (130 for Ctrl-C), so that a script or scheduler sees an interruption, not a failure. ``scripts/launch.py``
+runs it.
 """
 
 from __future__ import annotations
