@@ -19,6 +19,7 @@ reconstruction and sampling cost, quality at equal budgets, and the GPU campaign
     python scripts/benchmark.py xray_memory                        # peak memory of one training step per stage
     python scripts/benchmark.py xray_uncertainty --comparison q.json --work_dir runs/  # the spread, calibrated
     python scripts/benchmark.py xray_consistency --comparison q.json --work_dir runs/  # corrections, checked
+    python scripts/benchmark.py cpu_inference --bundle autoencoder_3d  # the network per window: fp32/bf16, ONNX, OpenVINO
     python scripts/benchmark.py demo_spread --bundle vqgan_3d --seeds "[0,1,2]"   # quickstart figures over seeds
     python scripts/benchmark.py campaign --plan                    # the GPU campaign: what it runs, minutes each
     python scripts/benchmark.py campaign --minutes 25 --output campaign.json   # every GPU measurement, best first

@@ -356,6 +356,57 @@ def test_sliding_window_inferer_stops_when_nothing_is_left_to_reduce(backoff):
     assert expected in str(raised.value) and "sliding-window inference (CUDA out of memory (" in str(raised.value)
 
 
+class Recorded(nn.Module):
+    """Two 3D convolutions that record the dtype and the layout of the first one's output."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first, self.second = nn.Conv3d(2, 4, 3, padding=1), nn.Conv3d(4, 1, 3, padding=1)
+        self.seen: list[tuple[torch.dtype, bool]] = []
+
+    def forward(self, x):
+        hidden = torch.relu(self.first(x))
+        self.seen.append((hidden.dtype, hidden.is_contiguous(memory_format=torch.channels_last_3d)))
+        return self.second(hidden)
+
+
+def test_the_sliding_window_inferer_runs_each_batch_of_windows_in_its_precision_and_layout():
+    """``amp`` runs the windows under the inference autocast on the CPU too (bf16 convolutions, blended into an
+    fp32 volume, within bf16's rounding of fp32); ``memory_format`` puts the network and each batch of windows in
+    channels-last 3D, which changes no value beyond the summation order."""
+    torch.manual_seed(0)
+    x = torch.randn(1, 2, 24, 24, 24)  # two channels: one would be contiguous in either layout
+    settings = {"roi_size": (16, 16, 16), "sw_batch_size": 2, "overlap": 0.25, "mode": "gaussian"}
+    network = Recorded().eval()
+    with torch.no_grad():
+        fp32 = BackoffSlidingWindowInferer(**settings)(x, network)
+        assert {seen for seen in network.seen} == {(torch.float32, False)}
+        network.seen.clear()
+        bf16 = BackoffSlidingWindowInferer(**settings, amp="bf16")(x, network)
+        assert {seen for seen in network.seen} == {(torch.bfloat16, False)}
+        network.seen.clear()
+        last = BackoffSlidingWindowInferer(**settings, memory_format="channels_last_3d")(x, network)
+        assert {seen for seen in network.seen} == {(torch.float32, True)}
+    assert fp32.dtype == bf16.dtype == last.dtype == torch.float32
+    assert 0 < float((bf16 - fp32).abs().max()) <= 0.02 * float(fp32.abs().max())
+    torch.testing.assert_close(last, fp32, rtol=1e-5, atol=1e-5)
+    assert network.first.weight.is_contiguous(memory_format=torch.channels_last_3d)
+    with pytest.raises(ValueError, match="'memory_format' must be one of"):
+        BackoffSlidingWindowInferer(**settings, memory_format="nhwc")
+
+
+@pytest.mark.parametrize("bundle", ["autoencoder_3d", "vqgan_3d"])
+def test_the_windowed_bundles_hand_their_precision_and_layout_to_the_inferer_alone(bundle):
+    """``amp`` and ``memory_format`` of ``inference.json`` reach the sliding-window inferer, the one place that
+    applies them (MONAI's evaluator would autocast on CUDA only)."""
+    from tests.helpers import bundle_parser
+
+    parser = bundle_parser(bundle, ["inference.json"], amp="bf16", memory_format="channels_last_3d")
+    inferer = parser.get_parsed_content("inferer")
+    assert (inferer.amp, inferer.memory_format) == ("bf16", "channels_last_3d")
+    assert "amp" not in parser["evaluator"]
+
+
 def test_blended_windows_of_a_sampler_back_off_on_the_sampler():
     class Owner:
         sw_batch_size, oom_backoff = 4, True

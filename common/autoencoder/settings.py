@@ -17,7 +17,7 @@ from common.data.pipeline import (
     orientation_problems,
     spacing_problems,
 )
-from common.networks.wrappers import INFERENCE_VIEWS, window_problems
+from common.networks.wrappers import INFERENCE_VIEWS, memory_format_problems, window_problems
 from common.utils import is_positive_int
 
 __all__ = [
@@ -164,11 +164,13 @@ INFERENCE = SettingsChecks(
     spacing_problems,
     orientation_problems,
     window_problems,
+    memory_format_problems,
     *CASE_RUN_CHECKS,
     switches("oom_backoff", "with_nonlocal_attn", "use_checkpoint"),
 )
 """The checks of an autoencoder inference run (``inference.json``), before any case is read: the trained network's
 levels (``channels``) and the sliding window (``patch_size``, which must be a multiple of its downsampling, or the
 reconstruction comes out smaller than the input), what is written (``mode``, ``output_units``), the preprocessing
-(``intensity``, ``spacing``, ``orientation``), the windows (:func:`common.networks.wrappers.window_problems`), how the
-command runs (:data:`common.config_checks.CASE_RUN_CHECKS`) and the on/off settings."""
+(``intensity``, ``spacing``, ``orientation``), the windows (:func:`common.networks.wrappers.window_problems`) and
+their ``memory_format``, how the command runs (:data:`common.config_checks.CASE_RUN_CHECKS`) and the on/off
+settings."""

@@ -11,7 +11,7 @@ from common.config_checks import CASE_RUN_CHECKS, TRAINING_RUN_CHECKS, SettingsC
 from common.data.intensity import intensity_problems
 from common.data.pipeline import cache_problems, orientation_problems, spacing_problems
 from common.engines.trainer import micro_batch_problems
-from common.networks.wrappers import window_problems
+from common.networks.wrappers import memory_format_problems, window_problems
 from common.utils import is_positive_int
 from common.vqgan.networks import codebook_problems, downsample_levels
 
@@ -73,6 +73,7 @@ INFERENCE = SettingsChecks(
     spacing_problems,
     orientation_problems,
     window_problems,
+    memory_format_problems,
     *CASE_RUN_CHECKS,
     switches("oom_backoff"),
 )
@@ -80,5 +81,5 @@ INFERENCE = SettingsChecks(
 (``patch_size``, a multiple of the network's ``downsample`` on every axis, or the reconstruction comes out smaller
 than the input), what is written (``mode``, ``output_units``: :func:`common.autoencoder.settings.output_problems`),
 the preprocessing (``intensity``, ``spacing``, ``orientation``), the windows
-(:func:`common.networks.wrappers.window_problems`), how the command runs
+(:func:`common.networks.wrappers.window_problems`) and their ``memory_format``, how the command runs
 (:data:`common.config_checks.CASE_RUN_CHECKS`) and the on/off settings."""

@@ -9,19 +9,21 @@ from collections.abc import Callable, Sequence
 
 from scripts.harness.bundles import modules
 from scripts.harness.campaign import campaign
+from scripts.harness.cpu_inference import cpu_inference
 from scripts.harness.demos import demo_spread
 
 __all__ = ["benchmark_command", "benchmarks"]
 
 
 def benchmarks() -> dict[str, Callable]:
-    """Every benchmark command by name: the ``BENCHMARKS`` of each bundle's module, ``campaign`` and
-    ``demo_spread`` (any bundle's quickstart, once per seed).
+    """Every benchmark command by name: the ``BENCHMARKS`` of each bundle's module, ``campaign``,
+    ``cpu_inference`` (any bundle's network on the CPU) and ``demo_spread`` (any bundle's quickstart, once per
+    seed).
 
     Raises:
         RuntimeError: when two modules name a benchmark alike.
     """
-    found: dict[str, Callable] = {"campaign": campaign, "demo_spread": demo_spread}
+    found: dict[str, Callable] = {"campaign": campaign, "cpu_inference": cpu_inference, "demo_spread": demo_spread}
     for module in modules():
         for name, function in module.BENCHMARKS.items():
             if name in found:
