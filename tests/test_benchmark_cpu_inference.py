@@ -14,6 +14,14 @@ from torch import nn
 
 from scripts.harness.cpu_inference import HEADER, cpu_inference, window_rows
 
+
+@pytest.fixture(autouse=True)
+def _without_openvino(monkeypatch):
+    """OpenVINO is optional (CI has none): its rows are tested as skipped. Where it is installed, its runtime left a
+    dangling reference to pytest's captured stderr that broke later tests' capture, so it is hidden here too."""
+    monkeypatch.setitem(sys.modules, "openvino", None)
+
+
 WAYS = [
     "torch fp32",
     "torch fp32 channels_last",
@@ -37,9 +45,12 @@ def test_window_rows_count_the_convolution_flops_and_compare_every_way_with_fp32
     assert set(result["peaks"]) == {"fp32", "bf16"} and min(result["peaks"].values()) > 0
     rows = {r["way"]: r for r in result["rows"]}
     assert list(rows) == WAYS
+    assert {way: row["skipped"] for way, row in rows.items() if "skipped" in row} == {
+        "openvino fp32": "openvino is not installed",
+        "openvino bf16": "openvino is not installed",
+    }
     for way, row in rows.items():
         if "skipped" in row:
-            assert way.startswith("openvino"), row
             continue
         assert row["gflops"] == pytest.approx(result["gflop_per_window"] / row["seconds"])
         assert row["of_fp32_peak"] == pytest.approx(row["gflops"] / result["peaks"]["fp32"])
@@ -48,13 +59,6 @@ def test_window_rows_count_the_convolution_flops_and_compare_every_way_with_fp32
     assert rows["torch fp32"]["max_diff"] == 0.0
     assert rows["torch bf16"]["max_diff"] > 0.0  # bf16 rounds: the price of its speed is reported, not hidden
     assert list(tmp_path.iterdir()) == []  # the exported model is removed
-
-
-def test_a_way_the_machine_cannot_run_is_a_row_with_its_reason(monkeypatch, tmp_path):
-    monkeypatch.setitem(sys.modules, "openvino", None)  # not installed
-    result = window_rows(nn.Conv3d(1, 2, 3, padding=1), torch.randn(1, 1, 8, 8, 8), repeats=1, work=tmp_path)
-    skipped = {r["way"]: r["skipped"] for r in result["rows"] if "skipped" in r}
-    assert skipped == {"openvino fp32": "openvino is not installed", "openvino bf16": "openvino is not installed"}
 
 
 def test_a_bundles_default_network_in_every_way(tmp_path, capsys):

@@ -6,12 +6,14 @@ gradient checkpointing and the sliding-window out-of-memory backoff."""
 from __future__ import annotations
 
 import copy
+import json
 
 import pytest
 import torch
 from monai.networks.nets import VQVAE
 from torch import nn
 
+from common.bundle import bundle_names
 from common.errors import OutOfMemoryBackoffError
 from common.networks.wrappers import (
     BackoffSlidingWindowInferer,
@@ -27,7 +29,7 @@ from common.networks.wrappers import (
     to_memory_format,
     unwrap,
 )
-from tests.helpers import tiny_autoencoder
+from tests.helpers import BUNDLES, tiny_autoencoder
 
 
 def tiny_vqvae(seed: int = 0) -> VQVAE:
@@ -395,10 +397,17 @@ def test_the_sliding_window_inferer_runs_each_batch_of_windows_in_its_precision_
         BackoffSlidingWindowInferer(**settings, memory_format="nhwc")
 
 
-@pytest.mark.parametrize("bundle", ["autoencoder_3d", "vqgan_3d"])
+WINDOWED = [
+    b
+    for b in bundle_names()
+    if "BackoffSlidingWindowInferer" in json.dumps(json.loads((BUNDLES / b / "configs" / "inference.json").read_text()))
+]
+
+
+@pytest.mark.parametrize("bundle", WINDOWED)
 def test_the_windowed_bundles_hand_their_precision_and_layout_to_the_inferer_alone(bundle):
-    """``amp`` and ``memory_format`` of ``inference.json`` reach the sliding-window inferer, the one place that
-    applies them (MONAI's evaluator would autocast on CUDA only)."""
+    """``amp`` and ``memory_format`` of every ``inference.json`` that infers by sliding windows reach the inferer,
+    the one place that applies them (MONAI's evaluator would autocast on CUDA only)."""
     from tests.helpers import bundle_parser
 
     parser = bundle_parser(bundle, ["inference.json"], amp="bf16", memory_format="channels_last_3d")
