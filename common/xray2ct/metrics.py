@@ -511,11 +511,17 @@ def fit_uncertainty_scale(
     return quantile / float(width)
 
 
+def _conformal_rank(n: int, coverage: float) -> int:
+    """``ceil((n + 1) * coverage)``, the rank of the split-conformal bound of ``n`` cases (rounded first, so that
+    0.95 * 20 is 19, not 19.000000000000004)."""
+    return math.ceil(round((n + 1) * float(coverage), 9))
+
+
 def conformal_cases(coverage: float) -> int:
-    """The fewest calibration cases whose split-conformal bound holds ``coverage``: ``n`` with
-    ``ceil((n + 1) * coverage) <= n`` (19 for 0.95)."""
+    """The fewest calibration cases whose split-conformal bound holds ``coverage``: ``n`` with a rank of at most
+    ``n`` (19 for 0.95)."""
     n = 1
-    while math.ceil(round((n + 1) * float(coverage), 9)) > n:
+    while _conformal_rank(n, coverage) > n:
         n += 1
     return n
 
@@ -526,7 +532,7 @@ def conformal_bound(values: torch.Tensor, coverage: float) -> list[float]:
     probability at most ``1 - coverage``. With fewer than :func:`conformal_cases` cases the largest is taken, and a
     warning gives the probability (up to ``1 / (n + 1)``) and the cases needed."""
     n = values.shape[0]
-    k = math.ceil(round((n + 1) * float(coverage), 9))
+    k = _conformal_rank(n, coverage)
     if k > n:
         logger.warning(
             "calibration on %d case(s): no %.0f%% bound can be had from so few, so the largest is taken, which a "
